@@ -1,0 +1,168 @@
+//! The body types the layer hands to the inner service and returns.
+
+use std::{
+    fmt,
+    pin::Pin,
+    task::{Context, Poll},
+};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use pin_project_lite::pin_project;
+
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The request body the inner service receives.
+///
+/// For an idempotent request it is the buffered body the fingerprint was
+/// computed from (the handler sees exactly those bytes); requests the layer
+/// passes through (safe methods, or no key when keys are optional) stream.
+pub struct RequestBody {
+    kind: RequestKind,
+}
+
+enum RequestKind {
+    Buffered(Option<Bytes>),
+    Streaming(http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>),
+}
+
+impl RequestBody {
+    pub(crate) fn buffered(bytes: Bytes) -> Self {
+        RequestBody {
+            kind: RequestKind::Buffered(Some(bytes)),
+        }
+    }
+
+    pub(crate) fn streaming<B>(body: B) -> Self
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        RequestBody {
+            kind: RequestKind::Streaming(body.map_err(Into::into).boxed_unsync()),
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match &mut self.get_mut().kind {
+            RequestKind::Buffered(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            RequestKind::Streaming(body) => Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            RequestKind::Buffered(bytes) => bytes.is_none(),
+            RequestKind::Streaming(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            RequestKind::Buffered(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            RequestKind::Streaming(body) => body.size_hint(),
+        }
+    }
+}
+
+impl fmt::Debug for RequestBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            RequestKind::Buffered(_) => "buffered",
+            RequestKind::Streaming(_) => "streaming",
+        };
+        f.debug_struct("RequestBody").field("kind", &kind).finish()
+    }
+}
+
+pin_project! {
+    /// The response body the layer returns: the buffered bytes that were
+    /// remembered (or replayed, or a problem), or the inner service's body for
+    /// responses that were not remembered.
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: ResponseKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = ResponseKindProj]
+    enum ResponseKind<B> {
+        Buffered { bytes: Option<Bytes> },
+        Inner { #[pin] body: B },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn buffered(bytes: Bytes) -> Self {
+        ResponseBody {
+            kind: ResponseKind::Buffered {
+                bytes: (!bytes.is_empty()).then_some(bytes),
+            },
+        }
+    }
+
+    pub(crate) fn inner(body: B) -> Self {
+        ResponseBody {
+            kind: ResponseKind::Inner { body },
+        }
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            ResponseKindProj::Buffered { bytes } => {
+                Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b))))
+            }
+            ResponseKindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            ResponseKind::Buffered { bytes } => bytes.is_none(),
+            ResponseKind::Inner { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            ResponseKind::Buffered { bytes } => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            ResponseKind::Inner { body } => body.size_hint(),
+        }
+    }
+}
+
+impl<B> fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            ResponseKind::Buffered { .. } => "buffered",
+            ResponseKind::Inner { .. } => "inner",
+        };
+        f.debug_struct("ResponseBody").field("kind", &kind).finish()
+    }
+}

@@ -1,0 +1,55 @@
+//! axum extractors (feature `axum`) for what the layer leaves in the request.
+
+use axum_core::{
+    extract::FromRequestParts,
+    response::{IntoResponse, Response},
+};
+use http::{request::Parts, StatusCode};
+
+use crate::{fingerprint::Validated, problem::Problem, store::postgres::PgTx};
+
+/// The rejection when a handler asks for something the layer did not provide:
+/// the route is not behind [`IdempotencyLayer`](crate::IdempotencyLayer) (or
+/// not with the matching fingerprinter). A server configuration error: 500.
+#[derive(Debug, Clone, Copy)]
+pub struct MissingFromLayer(&'static str);
+
+impl IntoResponse for MissingFromLayer {
+    fn into_response(self) -> Response {
+        tracing::error!(
+            missing = self.0,
+            "the route is not behind the idempotency layer it expects"
+        );
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "idempotency_layer_missing",
+            "The server is misconfigured",
+        )
+        .to_response()
+        .map(axum_core::body::Body::from)
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for PgTx {
+    type Rejection = MissingFromLayer;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<PgTx>()
+            .cloned()
+            .ok_or(MissingFromLayer("PgTx"))
+    }
+}
+
+impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for Validated<T> {
+    type Rejection = MissingFromLayer;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Validated<T>>()
+            .cloned()
+            .ok_or(MissingFromLayer("Validated<T>"))
+    }
+}

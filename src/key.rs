@@ -1,0 +1,193 @@
+//! Idempotency keys: parsing and validation.
+
+use std::fmt;
+
+/// The longest key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated idempotency key: 1–255 visible ASCII characters (0x21–0x7E).
+///
+/// The header may carry the key bare (`Idempotency-Key: abc`) or as an
+/// RFC 8941 string (`Idempotency-Key: "abc"`, the form the IETF draft uses);
+/// both mean the key `abc`.
+///
+/// `Debug` and `Display` never print the raw key: keys are client secrets in
+/// the same sense as request bodies, so logs only see [`IdempotencyKey::short_hash`].
+///
+/// ```
+/// use tower_idempotency::IdempotencyKey;
+///
+/// let key = IdempotencyKey::parse(b"\"order-42\"").unwrap();
+/// assert_eq!(key.as_str(), "order-42");
+/// assert!(IdempotencyKey::parse(b"has space").is_err());
+/// assert!(IdempotencyKey::parse(b"").is_err());
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey(Box<str>);
+
+/// Why a key was refused; answered as `400 idempotency_key_invalid`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is empty.
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`] bytes.
+    TooLong,
+    /// The key contains a byte outside visible ASCII (0x21–0x7E).
+    InvalidCharacter,
+    /// A quoted key is not a well-formed RFC 8941 string.
+    MalformedQuotedString,
+    /// The header appeared more than once.
+    Repeated,
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KeyError::Empty => "the key is empty",
+            KeyError::TooLong => "the key is longer than 255 characters",
+            KeyError::InvalidCharacter => {
+                "the key may only contain visible ASCII characters (0x21-0x7E)"
+            }
+            KeyError::MalformedQuotedString => "the quoted key is not a valid RFC 8941 string",
+            KeyError::Repeated => "the key header appears more than once",
+        })
+    }
+}
+
+impl std::error::Error for KeyError {}
+
+impl IdempotencyKey {
+    /// Parses a header value: a bare key or an RFC 8941 quoted string.
+    pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
+        let key = match raw {
+            [b'"', inner @ .., b'"'] => unquote(inner)?,
+            [b'"', ..] => return Err(KeyError::MalformedQuotedString),
+            bare => bare.to_vec(),
+        };
+        Self::from_bytes(key)
+    }
+
+    fn from_bytes(key: Vec<u8>) -> Result<Self, KeyError> {
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if key.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong);
+        }
+        if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+            return Err(KeyError::InvalidCharacter);
+        }
+        // Visible ASCII is valid UTF-8.
+        String::from_utf8(key)
+            .map(|s| IdempotencyKey(s.into_boxed_str()))
+            .map_err(|_| KeyError::InvalidCharacter)
+    }
+
+    /// The key as the client sent it (unquoted).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The first 12 hex digits of the key's SHA-256: safe to log, enough to
+    /// correlate log lines of one operation.
+    pub fn short_hash(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(self.0.as_bytes());
+        digest[..6].iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// RFC 8941 sf-string body: printable ASCII with `\"` and `\\` as the only escapes.
+fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
+                _ => return Err(KeyError::MalformedQuotedString),
+            },
+            b'"' => return Err(KeyError::MalformedQuotedString),
+            0x20..=0x7e => out.push(b),
+            _ => return Err(KeyError::InvalidCharacter),
+        }
+    }
+    Ok(out)
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey(#{})", self.short_hash())
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.short_hash())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn accepts_bare_and_quoted_forms() {
+        assert_eq!(IdempotencyKey::parse(b"abc").unwrap().as_str(), "abc");
+        assert_eq!(IdempotencyKey::parse(b"\"abc\"").unwrap().as_str(), "abc");
+        assert_eq!(
+            IdempotencyKey::parse(br#""a\"b\\c""#).unwrap().as_str(),
+            r#"a"b\c"#
+        );
+    }
+
+    #[test]
+    fn refuses_bad_keys_with_a_reason() {
+        assert_eq!(IdempotencyKey::parse(b""), Err(KeyError::Empty));
+        assert_eq!(IdempotencyKey::parse(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(IdempotencyKey::parse(&[b'a'; 256]), Err(KeyError::TooLong));
+        assert!(IdempotencyKey::parse(&[b'a'; 255]).is_ok());
+        assert_eq!(
+            IdempotencyKey::parse(b"a b"),
+            Err(KeyError::InvalidCharacter)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a b\""),
+            Err(KeyError::InvalidCharacter)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"abc"),
+            Err(KeyError::MalformedQuotedString)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a\\x\""),
+            Err(KeyError::MalformedQuotedString)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("ключ".as_bytes()),
+            Err(KeyError::InvalidCharacter)
+        );
+    }
+
+    #[test]
+    fn debug_and_display_hide_the_raw_key() {
+        let key = IdempotencyKey::parse(b"secret-key-123").unwrap();
+        assert!(!format!("{key:?}").contains("secret"));
+        assert!(!key.to_string().contains("secret"));
+        assert_eq!(key.short_hash().len(), 12);
+    }
+
+    proptest! {
+        #[test]
+        fn parse_never_panics(raw in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = IdempotencyKey::parse(&raw);
+        }
+
+        #[test]
+        fn visible_ascii_keys_round_trip(key in "[!-~]{1,255}") {
+            prop_assert_eq!(IdempotencyKey::parse(key.as_bytes()).unwrap().as_str(), key.as_str());
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! [`IdempotencyLayer`]: configuration and builder methods.
+
+use std::{sync::Arc, time::Duration};
+
+use http::{header, HeaderName, StatusCode};
+use tower_layer::Layer;
+
+use crate::{
+    fingerprint::Fingerprinter,
+    scope::{ResolveTenant, TenantFromExtension},
+    service::Idempotency,
+    store::Store,
+};
+
+/// The status answered when a key is reused with a different request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KeyReuseStatus {
+    /// `409 Conflict` (the default, and what the example server's contract says).
+    #[default]
+    Conflict,
+    /// `422 Unprocessable Content`, as the IETF `Idempotency-Key` draft suggests.
+    UnprocessableContent,
+}
+
+impl KeyReuseStatus {
+    pub(crate) fn status(self) -> StatusCode {
+        match self {
+            KeyReuseStatus::Conflict => StatusCode::CONFLICT,
+            KeyReuseStatus::UnprocessableContent => StatusCode::UNPROCESSABLE_ENTITY,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) endpoint: Arc<str>,
+    pub(crate) header: HeaderName,
+    pub(crate) key_required: bool,
+    pub(crate) request_body_limit: usize,
+    pub(crate) response_body_limit: usize,
+    pub(crate) wait: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) key_reuse: KeyReuseStatus,
+}
+
+/// Gives the wrapped service Idempotency-Key semantics.
+///
+/// One layer serves one endpoint: keys are scoped by the authenticated tenant
+/// and the endpoint name it is built with. The request flow, the guarantees
+/// and a complete example are in the [crate docs](crate).
+///
+/// Defaults: header `Idempotency-Key`, key required, request body limit 1 MiB,
+/// stored response limit 1 MiB, concurrent-duplicate wait 5 s, retention 24 h,
+/// replayed headers `Content-Type`, `Content-Language`, `Location`, `ETag`,
+/// `Last-Modified`, `Link`, key reuse answered with `409`.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{IdempotencyLayer, JsonFingerprinter, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new(), "POST /orders v1", JsonFingerprinter::new("orders.v1"))
+///     .wait(Duration::from_secs(2))
+///     .retention(Duration::from_secs(7 * 24 * 3600))
+///     .replay_header(http::header::CACHE_CONTROL);
+/// ```
+#[derive(Debug)]
+pub struct IdempotencyLayer<St, F, R = TenantFromExtension> {
+    pub(crate) store: St,
+    pub(crate) fingerprinter: Arc<F>,
+    pub(crate) resolver: Arc<R>,
+    pub(crate) config: Arc<Config>,
+}
+
+impl<St: Clone, F, R> Clone for IdempotencyLayer<St, F, R> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            store: self.store.clone(),
+            fingerprinter: self.fingerprinter.clone(),
+            resolver: self.resolver.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<St, F> IdempotencyLayer<St, F, TenantFromExtension>
+where
+    St: Store,
+    F: Fingerprinter,
+{
+    /// A layer for one endpoint (e.g. `"POST /orders v1"`), with its store and
+    /// fingerprinter. The tenant comes from a [`TenantId`](crate::TenantId) in
+    /// the request extensions until [`tenant_resolver`](Self::tenant_resolver)
+    /// says otherwise.
+    pub fn new(store: St, endpoint: impl Into<Arc<str>>, fingerprinter: F) -> Self {
+        IdempotencyLayer {
+            store,
+            fingerprinter: Arc::new(fingerprinter),
+            resolver: Arc::new(TenantFromExtension),
+            config: Arc::new(Config {
+                endpoint: endpoint.into(),
+                header: HeaderName::from_static("idempotency-key"),
+                key_required: true,
+                request_body_limit: 1024 * 1024,
+                response_body_limit: 1024 * 1024,
+                wait: Duration::from_secs(5),
+                retention: Duration::from_secs(24 * 3600),
+                replay_headers: vec![
+                    header::CONTENT_TYPE,
+                    header::CONTENT_LANGUAGE,
+                    header::LOCATION,
+                    header::ETAG,
+                    header::LAST_MODIFIED,
+                    header::LINK,
+                ],
+                key_reuse: KeyReuseStatus::Conflict,
+            }),
+        }
+    }
+}
+
+impl<St, F, R> IdempotencyLayer<St, F, R> {
+    fn config_mut(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// Resolves tenants with `resolver` instead (a [`ResolveTenant`] or a
+    /// closure over the request parts).
+    pub fn tenant_resolver<R2: ResolveTenant>(self, resolver: R2) -> IdempotencyLayer<St, F, R2> {
+        IdempotencyLayer {
+            store: self.store,
+            fingerprinter: self.fingerprinter,
+            resolver: Arc::new(resolver),
+            config: self.config,
+        }
+    }
+
+    /// The header carrying the key (default `Idempotency-Key`).
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config_mut().header = name;
+        self
+    }
+
+    /// Whether a request without a key is refused with `400
+    /// idempotency_key_missing` (default `true`). When `false`, such requests
+    /// pass through without any idempotency.
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config_mut().key_required = required;
+        self
+    }
+
+    /// The largest request body buffered (default 1 MiB); larger ones are
+    /// answered `413 payload_too_large`.
+    pub fn request_body_limit(mut self, bytes: usize) -> Self {
+        self.config_mut().request_body_limit = bytes;
+        self
+    }
+
+    /// The largest response body remembered (default 1 MiB). A larger one is
+    /// rolled back and answered `500 response_not_storable`.
+    pub fn response_body_limit(mut self, bytes: usize) -> Self {
+        self.config_mut().response_body_limit = bytes;
+        self
+    }
+
+    /// How long a concurrent duplicate waits for the first request to finish
+    /// before it is answered `409 idempotency_in_progress` (default 5 s).
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.config_mut().wait = wait;
+        self
+    }
+
+    /// How long a completed key is remembered (default 24 h). After that the
+    /// same key is a new operation.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config_mut().retention = retention;
+        self
+    }
+
+    /// Also remember and replay this response header. `Set-Cookie` is never
+    /// replayed, whatever the list says.
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        let config = self.config_mut();
+        if !config.replay_headers.contains(&name) {
+            config.replay_headers.push(name);
+        }
+        self
+    }
+
+    /// Replaces the list of replayed response headers.
+    pub fn replay_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config_mut().replay_headers = names.into_iter().collect();
+        self
+    }
+
+    /// The status for a key reused with a different request (default `409`).
+    pub fn key_reuse_status(mut self, status: KeyReuseStatus) -> Self {
+        self.config_mut().key_reuse = status;
+        self
+    }
+}
+
+impl<S, St: Clone, F, R> Layer<S> for IdempotencyLayer<St, F, R> {
+    type Service = Idempotency<S, St, F, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::from_layer(inner, self.clone())
+    }
+}

@@ -1,0 +1,127 @@
+//! Idempotency-Key middleware for [`tower`](https://docs.rs/tower): a retried
+//! `POST` creates one resource and every retry gets the first answer back.
+//!
+//! Correctness rests on PostgreSQL, not on timing: a primary key on
+//! `(tenant, endpoint, key)` arbitrates concurrent duplicates
+//! (`INSERT … ON CONFLICT`), and the handler's own rows commit in the same
+//! transaction as the remembered response, before the response is sent.
+//!
+//! # The guarantees
+//!
+//! 1. One `(tenant, endpoint, key)` = one operation: however often and however
+//!    concurrently it arrives, at most one execution commits.
+//! 2. The handler's writes (through [`PgTx`]) and the remembered response commit
+//!    together, before the response leaves; on rollback none exist and the key
+//!    is free for a retry.
+//! 3. A retry with the same request gets the first status, allow-listed headers
+//!    and body byte for byte, marked `Idempotent-Replayed: true`. The same key
+//!    with a different request is refused (`409 idempotency_key_reused`) and
+//!    changes nothing.
+//! 4. Keys are scoped by the authenticated tenant and the endpoint.
+//! 5. A concurrent duplicate waits a bounded time for the first request, then
+//!    replays it or is answered `409 idempotency_in_progress` with `Retry-After`.
+//!
+//! # The request flow
+//!
+//! 1. Safe methods (`GET`, `HEAD`, `OPTIONS`, `TRACE`) pass through untouched.
+//! 2. The key is parsed ([`IdempotencyKey`]), the tenant resolved
+//!    ([`ResolveTenant`]; none fails closed), the body buffered under a limit
+//!    and fingerprinted ([`Fingerprinter`]). A failure here answers at once
+//!    and is never remembered.
+//! 3. The [`Store`] claims the key: owned, completed (replay or refuse), or in
+//!    progress.
+//! 4. The owner's handler runs with the transaction handle in its request
+//!    extensions. 2xx responses and responses marked [`FinalResponse`] are
+//!    remembered and committed; 5xx and errors roll back.
+//! 5. From the claim on, the work runs on its own task: a client that goes
+//!    away does not cancel it, so its retry finds the finished result.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum::{routing::post, Router, http::StatusCode};
+//! use serde::{Deserialize, Serialize};
+//! use tower_idempotency::{IdempotencyLayer, PgStore, PgTx, TypedFingerprinter, Validated};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct NewOrder { checkout_id: String, total: i64 }
+//!
+//! async fn create(tx: PgTx, order: Validated<NewOrder>) -> Result<StatusCode, StatusCode> {
+//!     tx.execute(
+//!         "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3)",
+//!         &[&tx.tenant(), &order.checkout_id, &order.total],
+//!     )
+//!     .await
+//!     .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     Ok(StatusCode::CREATED)
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = PgStore::connect("postgres://app@localhost/app")?;
+//! store.migrate().await?;
+//! let app: Router = Router::new().route(
+//!     "/orders",
+//!     post(create).layer(IdempotencyLayer::new(
+//!         store,
+//!         "POST /orders v1",
+//!         TypedFingerprinter::<NewOrder>::new("orders.v1"),
+//!     )),
+//! );
+//! // An auth layer outside this one must insert a `TenantId` into the request
+//! // extensions (or configure `tenant_resolver`).
+//! # Ok(()) }
+//! ```
+//!
+//! # Feature flags
+//!
+//! - `axum`: [`PgTx`] and [`Validated`] are axum extractors.
+//! - `test-util`: [`testing`]: a throwaway PostgreSQL cluster and the store
+//!   conformance suite.
+
+#![forbid(unsafe_code)]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod body;
+mod fingerprint;
+mod future;
+mod key;
+mod layer;
+pub mod metrics;
+pub mod problem;
+mod record;
+mod scope;
+mod service;
+pub mod store;
+
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+mod extract;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod testing;
+
+pub use body::{RequestBody, ResponseBody};
+#[cfg(feature = "axum")]
+pub use extract::MissingFromLayer;
+pub use fingerprint::{
+    canonical_json, validation_problem, FieldError, Fingerprint, Fingerprinter, JsonFingerprinter,
+    TypedFingerprinter, Validated,
+};
+pub use future::ResponseFuture;
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use layer::{IdempotencyLayer, KeyReuseStatus};
+pub use problem::Problem;
+pub use record::{FinalResponse, Record, StoredResponse, IDEMPOTENT_REPLAYED};
+pub use scope::{ResolveTenant, Scope, SingleTenant, TenantFromExtension, TenantId};
+pub use service::Idempotency;
+pub use store::{
+    memory::{MemoryStore, MemoryTx},
+    postgres::{PgStore, PgStoreBuilder, PgTx, PooledClient, TxError, TxErrorKind},
+    Claim, ClaimRequest, Store, StoreError, StoreErrorKind,
+};

@@ -1,0 +1,65 @@
+//! Metric names, in one place. Emitted through the `metrics` facade; install
+//! any recorder (e.g. a Prometheus exporter) to collect them.
+//!
+//! Labels carry the endpoint and the outcome, never the key or the tenant.
+
+/// Counter: idempotent requests by `endpoint` and `outcome` (see [`Outcome`]).
+pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+/// Histogram (seconds): time from the arrival of a request to the store's
+/// answer to its claim, by `endpoint` and `outcome`. A concurrent duplicate's
+/// wait for the first request shows here.
+pub const CLAIM_DURATION_SECONDS: &str = "idempotency_claim_duration_seconds";
+/// Histogram (seconds): how long an owner held its key (claim to commit or
+/// rollback), by `endpoint`.
+pub const KEY_HELD_SECONDS: &str = "idempotency_key_held_seconds";
+
+/// How an idempotent request ended, as the `outcome` label says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The request owned its key, ran, and its response was committed.
+    New,
+    /// A completed record was replayed.
+    Replayed,
+    /// The key was reused with a different request and refused.
+    KeyReused,
+    /// Another request still held the key after the wait.
+    InProgress,
+    /// Refused before owning a key (missing/invalid key, no tenant, too
+    /// large, validation failure).
+    Rejected,
+    /// The owner's work was rolled back (5xx, service error, panic,
+    /// unstorable response).
+    RolledBack,
+    /// The store failed.
+    StoreUnavailable,
+}
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::New => "new",
+            Outcome::Replayed => "replayed",
+            Outcome::KeyReused => "key_reused",
+            Outcome::InProgress => "in_progress",
+            Outcome::Rejected => "rejected",
+            Outcome::RolledBack => "rolled_back",
+            Outcome::StoreUnavailable => "store_unavailable",
+        }
+    }
+}
+
+pub(crate) fn request(endpoint: &str, outcome: Outcome) {
+    metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
+        .increment(1);
+}
+
+pub(crate) fn claim_duration(endpoint: &str, outcome: Outcome, seconds: f64) {
+    metrics::histogram!(CLAIM_DURATION_SECONDS, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
+        .record(seconds);
+}
+
+pub(crate) fn key_held(endpoint: &str, seconds: f64) {
+    metrics::histogram!(KEY_HELD_SECONDS, "endpoint" => endpoint.to_owned()).record(seconds);
+}

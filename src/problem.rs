@@ -1,0 +1,187 @@
+//! RFC 9457 problem details: every answer the layer produces itself.
+//!
+//! Each problem carries a stable machine-readable `code` that clients can
+//! branch on; titles and details are for humans and may change.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::{Map, Value};
+
+/// The `Content-Type` of every problem answer.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// A problem-details answer (`application/problem+json`) with a stable `code`.
+///
+/// Fingerprinters return a `Problem` to reject a request before it owns its
+/// key; such answers are never remembered.
+///
+/// ```
+/// use http::StatusCode;
+/// use tower_idempotency::Problem;
+///
+/// let problem = Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "coupon_invalid", "The coupon is not valid")
+///     .with_detail("coupon codes are upper-case")
+///     .with_member("field", "coupon");
+/// assert_eq!(problem.code(), "coupon_invalid");
+/// let response = problem.to_response();
+/// assert_eq!(response.status(), 422);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    status: StatusCode,
+    code: &'static str,
+    title: String,
+    detail: Option<String>,
+    members: Map<String, Value>,
+    retry_after: Option<u64>,
+}
+
+impl Problem {
+    /// A problem with an HTTP status, a stable machine `code` and a short title.
+    pub fn new(status: StatusCode, code: &'static str, title: impl Into<String>) -> Self {
+        Problem {
+            status,
+            code,
+            title: title.into(),
+            detail: None,
+            members: Map::new(),
+            retry_after: None,
+        }
+    }
+
+    /// Adds a human-readable explanation specific to this occurrence.
+    pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
+    }
+
+    /// Adds an extension member to the JSON body (e.g. `errors`, `order_id`).
+    ///
+    /// The members `type`, `title`, `status`, `code` and `detail` are reserved
+    /// and cannot be overwritten this way.
+    pub fn with_member(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
+        let name = name.into();
+        if !matches!(
+            name.as_str(),
+            "type" | "title" | "status" | "code" | "detail"
+        ) {
+            self.members.insert(name, value.into());
+        }
+        self
+    }
+
+    /// Adds a `Retry-After` header (seconds).
+    pub fn with_retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable machine-readable code, e.g. `idempotency_key_reused`.
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// The problem's `type` URI: `urn:tower-idempotency:problem:<code>`.
+    pub fn type_uri(&self) -> String {
+        format!("urn:tower-idempotency:problem:{}", self.code)
+    }
+
+    /// The JSON body.
+    pub fn to_json(&self) -> Value {
+        let mut body = Map::new();
+        body.insert("type".into(), Value::String(self.type_uri()));
+        body.insert("title".into(), Value::String(self.title.clone()));
+        body.insert("status".into(), Value::from(self.status.as_u16()));
+        body.insert("code".into(), Value::String(self.code.into()));
+        if let Some(detail) = &self.detail {
+            body.insert("detail".into(), Value::String(detail.clone()));
+        }
+        for (name, value) in &self.members {
+            body.insert(name.clone(), value.clone());
+        }
+        Value::Object(body)
+    }
+
+    /// Renders the problem as an HTTP response with a `Bytes` body.
+    pub fn to_response(&self) -> Response<Bytes> {
+        let body = Bytes::from(self.to_json().to_string());
+        let mut response = Response::new(body);
+        *response.status_mut() = self.status;
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({}): {}",
+            self.status.as_u16(),
+            self.code,
+            self.title
+        )
+    }
+}
+
+/// The stable codes of the problems the layer itself answers with.
+pub mod codes {
+    /// No idempotency key header on a request that requires one (400).
+    pub const KEY_MISSING: &str = "idempotency_key_missing";
+    /// The key is not 1–255 visible ASCII characters (400).
+    pub const KEY_INVALID: &str = "idempotency_key_invalid";
+    /// The same key arrived with a different request (409, or 422 in the IETF profile).
+    pub const KEY_REUSED: &str = "idempotency_key_reused";
+    /// The first request with this key is still running (409 with `Retry-After`).
+    pub const IN_PROGRESS: &str = "idempotency_in_progress";
+    /// The request body is over the configured limit (413).
+    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    /// The request body could not be read (400).
+    pub const BODY_UNREADABLE: &str = "request_body_unreadable";
+    /// No authenticated tenant could be resolved for the request (401).
+    pub const UNAUTHORIZED: &str = "unauthorized";
+    /// The store could not be reached or the transaction was rolled back (503 with `Retry-After`).
+    pub const STORE_UNAVAILABLE: &str = "store_unavailable";
+    /// The handler's response could not be remembered (e.g. over the stored-response limit); its work was rolled back (500).
+    pub const RESPONSE_NOT_STORABLE: &str = "response_not_storable";
+    /// The request body failed the endpoint's validation (422).
+    pub const VALIDATION_FAILED: &str = "validation_failed";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserved_members_cannot_be_overwritten() {
+        let problem = Problem::new(StatusCode::CONFLICT, "x", "t")
+            .with_member("code", "y")
+            .with_member("order_id", "o1");
+        let json = problem.to_json();
+        assert_eq!(json["code"], "x");
+        assert_eq!(json["order_id"], "o1");
+        assert_eq!(json["status"], 409);
+        assert_eq!(json["type"], "urn:tower-idempotency:problem:x");
+    }
+
+    #[test]
+    fn response_has_problem_content_type_and_retry_after() {
+        let response = Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", "down")
+            .with_retry_after(2)
+            .to_response();
+        assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "2");
+    }
+}

@@ -1,0 +1,477 @@
+//! [`Idempotency`]: the request flow.
+
+use std::{
+    fmt,
+    future::poll_fn,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use bytes::Bytes;
+use http::{header, request::Parts, Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower_service::Service;
+use tracing::{field, Instrument, Span};
+
+use crate::{
+    body::{BoxError, RequestBody, ResponseBody},
+    fingerprint::Fingerprinter,
+    future::ResponseFuture,
+    key::{IdempotencyKey, KeyError},
+    layer::{Config, IdempotencyLayer},
+    metrics::{self, Outcome},
+    problem::{codes, Problem},
+    record::{FinalResponse, StoredResponse},
+    scope::{ResolveTenant, Scope, TenantFromExtension},
+    store::{Claim, ClaimRequest, Store},
+};
+
+/// The middleware [`IdempotencyLayer`] produces.
+///
+/// The inner service receives `Request<`[`RequestBody`]`>` and must run on a
+/// tokio runtime: once a request owns its key, its work is spawned so that it
+/// finishes even if the client goes away.
+pub struct Idempotency<S, St, F, R = TenantFromExtension> {
+    inner: S,
+    layer: IdempotencyLayer<St, F, R>,
+}
+
+impl<S, St, F> Idempotency<S, St, F, TenantFromExtension>
+where
+    St: Store,
+    F: Fingerprinter,
+{
+    /// An [`IdempotencyLayer`] (same arguments as [`IdempotencyLayer::new`]).
+    pub fn layer(
+        store: St,
+        endpoint: impl Into<Arc<str>>,
+        fingerprinter: F,
+    ) -> IdempotencyLayer<St, F, TenantFromExtension> {
+        IdempotencyLayer::new(store, endpoint, fingerprinter)
+    }
+}
+
+impl<S, St, F, R> Idempotency<S, St, F, R> {
+    pub(crate) fn from_layer(inner: S, layer: IdempotencyLayer<St, F, R>) -> Self {
+        Idempotency { inner, layer }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes the middleware, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, St: Clone, F, R> Clone for Idempotency<S, St, F, R> {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: self.inner.clone(),
+            layer: self.layer.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug> fmt::Debug
+    for Idempotency<S, St, F, R>
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("layer", &self.layer)
+            .finish()
+    }
+}
+
+impl<S, St, F, R, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St, F, R>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    F: Fingerprinter,
+    R: ResolveTenant,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        // Keep the service that was driven to readiness; leave a fresh clone behind.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let layer = self.layer.clone();
+        ResponseFuture::new(Box::pin(handle(layer, inner, request)))
+    }
+}
+
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+fn problem_response<B>(problem: &Problem) -> Response<ResponseBody<B>> {
+    problem.to_response().map(ResponseBody::buffered)
+}
+
+async fn call_inner<S, ResB>(
+    mut inner: S,
+    request: Request<RequestBody>,
+) -> Result<Response<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>>,
+{
+    poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(request).await
+}
+
+/// Everything before ownership: cheap checks, buffering, fingerprinting.
+async fn handle<S, St, F, R, ReqB, ResB>(
+    layer: IdempotencyLayer<St, F, R>,
+    inner: S,
+    request: Request<ReqB>,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    F: Fingerprinter,
+    R: ResolveTenant,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let config = &layer.config;
+    let passthrough = |request: Request<ReqB>, inner: S| async move {
+        let response = call_inner(inner, request.map(RequestBody::streaming)).await?;
+        Ok(response.map(ResponseBody::inner))
+    };
+    if is_safe(request.method()) {
+        return passthrough(request, inner).await;
+    }
+    let span = tracing::info_span!(
+        "idempotency",
+        endpoint = &*config.endpoint,
+        key_hash = field::Empty,
+        outcome = field::Empty,
+    );
+    let reject = |problem: Problem| {
+        tracing::debug!(parent: &span, code = problem.code(), "request refused before claiming a key");
+        span.record("outcome", Outcome::Rejected.as_str());
+        metrics::request(&config.endpoint, Outcome::Rejected);
+        Ok(problem_response(&problem))
+    };
+
+    let key = match parse_key(config, &request) {
+        Ok(Some(key)) => key,
+        Ok(None) => return passthrough(request, inner).await,
+        Err(problem) => return reject(problem),
+    };
+    span.record("key_hash", key.short_hash());
+    let (mut parts, body) = request.into_parts();
+    let Some(tenant) = layer.resolver.resolve(&parts) else {
+        tracing::warn!(parent: &span, "no authenticated tenant for an idempotent request; refusing (fail closed)");
+        return reject(Problem::new(
+            StatusCode::UNAUTHORIZED,
+            codes::UNAUTHORIZED,
+            "No authenticated tenant",
+        ));
+    };
+    let bytes = match read_body(config, &parts, body).await {
+        Ok(bytes) => bytes,
+        Err(problem) => return reject(problem),
+    };
+    let fingerprint = match layer.fingerprinter.fingerprint(&mut parts, &bytes) {
+        Ok(fingerprint) => fingerprint,
+        Err(problem) => return reject(problem),
+    };
+    let claim = ClaimRequest::new(
+        Scope::new(tenant, config.endpoint.clone()),
+        key,
+        fingerprint,
+        config.retention,
+        config.wait,
+    );
+
+    // From the claim on, a connection may be inside a transaction: run to the
+    // end on our own task, whether or not the client is still waiting.
+    let owned = tokio::spawn(
+        own(layer.clone(), inner, parts, bytes, claim, span.clone()).instrument(span.clone()),
+    );
+    match owned.await {
+        Ok(answer) => answer,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => {
+            let problem = store_unavailable("the request was cancelled by a runtime shutdown");
+            Ok(problem_response(&problem))
+        }
+    }
+}
+
+async fn own<S, St, F, R, ResB>(
+    layer: IdempotencyLayer<St, F, R>,
+    inner: S,
+    mut parts: Parts,
+    bytes: Bytes,
+    claim: ClaimRequest,
+    span: Span,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    St: Store,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let config = &layer.config;
+    let endpoint = &*config.endpoint;
+    let arrived = Instant::now();
+    let finish = |outcome: Outcome| {
+        span.record("outcome", outcome.as_str());
+        metrics::request(endpoint, outcome);
+    };
+    let claimed = layer.store.claim(&claim).await;
+    let claim_outcome = match &claimed {
+        Ok(Claim::Owned(_)) => Outcome::New,
+        Ok(Claim::Completed(record)) if record.fingerprint == claim.fingerprint => {
+            Outcome::Replayed
+        }
+        Ok(Claim::Completed(_)) => Outcome::KeyReused,
+        Ok(_) => Outcome::InProgress,
+        Err(_) => Outcome::StoreUnavailable,
+    };
+    metrics::claim_duration(endpoint, claim_outcome, arrived.elapsed().as_secs_f64());
+    let tx = match claimed {
+        Ok(Claim::Owned(tx)) => tx,
+        Ok(Claim::Completed(record)) if record.fingerprint == claim.fingerprint => {
+            tracing::info!("replaying the completed response");
+            finish(Outcome::Replayed);
+            return Ok(record.response.to_replay().map(ResponseBody::buffered));
+        }
+        Ok(Claim::Completed(_)) => {
+            tracing::info!("key reused with a different request; refused");
+            finish(Outcome::KeyReused);
+            return Ok(problem_response(&key_reused(config)));
+        }
+        Ok(_) => {
+            tracing::info!(
+                waited_ms = arrived.elapsed().as_millis() as u64,
+                "key still in progress after the wait"
+            );
+            finish(Outcome::InProgress);
+            return Ok(problem_response(&in_progress()));
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "claim failed");
+            finish(Outcome::StoreUnavailable);
+            return Ok(problem_response(&store_unavailable(
+                "the idempotency store is unavailable",
+            )));
+        }
+    };
+    tracing::debug!("claimed the key");
+    let held_since = Instant::now();
+    parts.extensions.insert(tx.clone());
+    let result = call_inner(
+        inner,
+        Request::from_parts(parts, RequestBody::buffered(bytes)),
+    )
+    .await;
+
+    let rollback = |reason: &'static str| {
+        let store = layer.store.clone();
+        let tx = tx.clone();
+        async move {
+            if let Err(e) = store.abort(tx).await {
+                tracing::warn!(error = %e, "rollback failed; the connection was discarded");
+            }
+            tracing::info!(reason, "rolled back; the key is free again");
+            finish(Outcome::RolledBack);
+            metrics::key_held(endpoint, held_since.elapsed().as_secs_f64());
+        }
+    };
+    let response = match result {
+        Ok(response) => response,
+        Err(e) => {
+            rollback("the service failed").await;
+            return Err(e);
+        }
+    };
+    if !is_remembered(&response) {
+        rollback("the response is not remembered").await;
+        return Ok(response.map(ResponseBody::inner));
+    }
+    let (response_parts, body) = response.into_parts();
+    let body = match Limited::new(body, config.response_body_limit)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) => {
+            let reason = if e.is::<LengthLimitError>() {
+                "the response body is over the stored-response limit"
+            } else {
+                "the response body failed"
+            };
+            rollback(reason).await;
+            let problem = Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                codes::RESPONSE_NOT_STORABLE,
+                "The response could not be remembered; nothing was changed",
+            );
+            return Ok(problem_response(&problem));
+        }
+    };
+    let stored = StoredResponse::new(
+        response_parts.status,
+        &response_parts.headers,
+        &config.replay_headers,
+        body,
+    );
+    match layer.store.complete(tx, &stored).await {
+        Ok(()) => {
+            tracing::info!(
+                status = stored.status.as_u16(),
+                "committed the response with the handler's writes"
+            );
+            finish(Outcome::New);
+            metrics::key_held(endpoint, held_since.elapsed().as_secs_f64());
+            Ok(Response::from_parts(
+                response_parts,
+                ResponseBody::buffered(stored.body),
+            ))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "commit failed; the handler's writes were rolled back");
+            finish(Outcome::StoreUnavailable);
+            metrics::key_held(endpoint, held_since.elapsed().as_secs_f64());
+            Ok(problem_response(&store_unavailable(
+                "the transaction could not be committed",
+            )))
+        }
+    }
+}
+
+fn is_safe(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
+/// 2xx, and any non-5xx the handler marked as a final answer.
+fn is_remembered<B>(response: &Response<B>) -> bool {
+    let status = response.status();
+    status.is_success()
+        || (!status.is_server_error() && response.extensions().get::<FinalResponse>().is_some())
+}
+
+fn parse_key<B>(config: &Config, request: &Request<B>) -> Result<Option<IdempotencyKey>, Problem> {
+    let mut values = request.headers().get_all(&config.header).iter();
+    let invalid = |e: KeyError| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::KEY_INVALID,
+            "The idempotency key is not valid",
+        )
+        .with_detail(e.to_string())
+    };
+    match (values.next(), values.next()) {
+        (None, _) if config.key_required => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::KEY_MISSING,
+            "An idempotency key is required",
+        )
+        .with_detail(format!(
+            "send a unique `{}` header with this request",
+            config.header
+        ))),
+        (None, _) => Ok(None),
+        (Some(_), Some(_)) => Err(invalid(KeyError::Repeated)),
+        (Some(value), None) => IdempotencyKey::parse(value.as_bytes())
+            .map(Some)
+            .map_err(invalid),
+    }
+}
+
+async fn read_body<B>(config: &Config, parts: &Parts, body: B) -> Result<Bytes, Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            codes::PAYLOAD_TOO_LARGE,
+            "The request body is too large",
+        )
+        .with_detail(format!("the limit is {} bytes", config.request_body_limit))
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > config.request_body_limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, config.request_body_limit)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
+        Err(_) => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::BODY_UNREADABLE,
+            "The request body could not be read",
+        )),
+    }
+}
+
+fn key_reused(config: &Config) -> Problem {
+    Problem::new(
+        config.key_reuse.status(),
+        codes::KEY_REUSED,
+        "This idempotency key was already used for a different request",
+    )
+    .with_detail("use a new key for a new request; the first request's result is unchanged")
+}
+
+fn in_progress() -> Problem {
+    Problem::new(
+        StatusCode::CONFLICT,
+        codes::IN_PROGRESS,
+        "A request with this idempotency key is still in progress",
+    )
+    .with_detail("retry after a moment to get its result")
+    .with_retry_after(1)
+}
+
+fn store_unavailable(detail: &str) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        codes::STORE_UNAVAILABLE,
+        "The idempotency store is unavailable; retry with the same key",
+    )
+    .with_detail(detail)
+    .with_retry_after(1)
+}

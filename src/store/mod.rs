@@ -1,0 +1,210 @@
+//! Stores: where keys are arbitrated and responses remembered.
+//!
+//! [`PgStore`](crate::PgStore) is the production store; [`MemoryStore`] keeps
+//! the same contract in memory for unit tests and as the reference for custom
+//! stores. A custom store must provide these guarantees:
+//!
+//! 1. **One owner.** For one `(scope, key)` at most one [`Claim::Owned`] is
+//!    outstanding at a time, and at most one owner ever completes while the
+//!    record lives.
+//! 2. **Atomic completion.** [`Store::complete`] makes the remembered response
+//!    and every write the handler made through the transaction handle durable
+//!    together, or none of them.
+//! 3. **Abort frees the key.** After [`Store::abort`] (or a failed
+//!    `complete`) nothing the owner wrote exists and the next claim owns the key.
+//! 4. **Bounded waiting.** A claim that meets an unfinished owner waits at most
+//!    [`ClaimRequest::wait`], then answers [`Claim::InProgress`].
+//! 5. **Expiry.** A record whose retention has passed is taken over by the next
+//!    claim as a new operation.
+//!
+//! With the `test-util` feature, `tower_idempotency::testing::conformance`
+//! checks these against any store.
+
+use std::{fmt, future::Future, time::Duration};
+
+use crate::{
+    fingerprint::Fingerprint,
+    key::IdempotencyKey,
+    record::{Record, StoredResponse},
+    scope::Scope,
+};
+
+pub mod memory;
+pub mod postgres;
+
+/// What the layer asks a store for when a request arrives.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClaimRequest {
+    /// Tenant and endpoint.
+    pub scope: Scope,
+    /// The client's key.
+    pub key: IdempotencyKey,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the completed record is remembered.
+    pub retention: Duration,
+    /// How long to wait for an unfinished owner of the same key.
+    pub wait: Duration,
+}
+
+impl ClaimRequest {
+    /// A claim for `key` in `scope`.
+    pub fn new(
+        scope: Scope,
+        key: IdempotencyKey,
+        fingerprint: Fingerprint,
+        retention: Duration,
+        wait: Duration,
+    ) -> Self {
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint,
+            retention,
+            wait,
+        }
+    }
+}
+
+/// The answer to a claim.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Claim<T> {
+    /// This request owns the key; `T` is the transaction handle the handler
+    /// writes through. Finish it with [`Store::complete`] or [`Store::abort`].
+    Owned(T),
+    /// The key has a completed, unexpired record.
+    Completed(Record),
+    /// Another request still owns the key and did not finish within the wait.
+    InProgress,
+}
+
+/// A storage backend for idempotency records.
+///
+/// Methods return `impl Future + Send`; implementations may write `async fn`.
+/// See the [module docs](self) for the guarantees an implementation owes.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The transaction handle an owner's handler writes through; it is put in
+    /// the request extensions.
+    type Tx: Clone + Send + Sync + 'static;
+
+    /// Arbitrates the key: owns it, finds its completed record, or reports it in progress.
+    fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> impl Future<Output = Result<Claim<Self::Tx>, StoreError>> + Send;
+
+    /// Remembers `response` and commits it together with the handler's writes.
+    ///
+    /// On error nothing was committed (or, for [`StoreErrorKind::Unavailable`]
+    /// during the commit itself, the outcome is unknown; a retry finds out).
+    fn complete(
+        &self,
+        tx: Self::Tx,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls the owner's work back and frees the key.
+    fn abort(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// The stable category of a [`StoreError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The backend could not be reached in time (pool exhausted, connection
+    /// refused or lost, timeout). Retrying later may succeed.
+    Unavailable,
+    /// The transaction can no longer commit (an earlier statement failed,
+    /// a constraint failed at commit, or the handle was already finished).
+    TransactionAborted,
+    /// A stored record could not be decoded.
+    Corrupt,
+    /// The schema is missing or from an unknown version.
+    Schema,
+    /// Any other backend error.
+    Backend,
+}
+
+impl StoreErrorKind {
+    /// A stable machine-readable name, e.g. `store_unavailable`.
+    pub fn code(self) -> &'static str {
+        match self {
+            StoreErrorKind::Unavailable => "store_unavailable",
+            StoreErrorKind::TransactionAborted => "transaction_aborted",
+            StoreErrorKind::Corrupt => "record_corrupt",
+            StoreErrorKind::Schema => "schema_mismatch",
+            StoreErrorKind::Backend => "store_error",
+        }
+    }
+}
+
+/// An error from a [`Store`].
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: String,
+    sql_state: Option<String>,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl StoreError {
+    /// An error of `kind` with a message (no request data in it, please).
+    pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        StoreError {
+            kind,
+            message: message.into(),
+            sql_state: None,
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error.
+    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Box::new(source));
+        self
+    }
+
+    /// Records the SQLSTATE a SQL backend answered with.
+    pub fn with_sql_state(mut self, code: Option<String>) -> Self {
+        self.sql_state = code;
+        self
+    }
+
+    /// The category.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+
+    /// The SQLSTATE behind this error, for SQL backends (e.g. `55P03`).
+    pub fn sql_state(&self) -> Option<&str> {
+        self.sql_state.as_deref()
+    }
+}
+
+impl fmt::Debug for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreError")
+            .field("kind", &self.kind)
+            .field("message", &self.message)
+            .field("sql_state", &self.sql_state)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.code(), self.message)?;
+        if let Some(source) = &self.source {
+            write!(f, ": {source}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as _)
+    }
+}

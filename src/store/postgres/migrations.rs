@@ -1,0 +1,88 @@
+//! Versioned, idempotent schema migrations, safe to run from many processes.
+
+use deadpool_postgres::Object;
+
+use crate::store::{StoreError, StoreErrorKind};
+
+/// Serialises concurrent migrators (any constant unique to this crate).
+const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
+
+/// `(version, name, sql)`: append only; never edit an applied migration.
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "idempotency_requests",
+    r#"
+CREATE TABLE idempotency_requests (
+    tenant_id            text        NOT NULL,
+    endpoint             text        NOT NULL,
+    idempotency_key      text        NOT NULL,
+    request_fingerprint  bytea       NOT NULL,
+    state                text        NOT NULL DEFAULT 'in_progress'
+                                     CHECK (state IN ('in_progress', 'completed')),
+    attempt_token        bigint      NOT NULL DEFAULT 1,
+    response_status      smallint,
+    response_headers     bytea,
+    response_body        bytea,
+    created_at           timestamptz NOT NULL DEFAULT now(),
+    completed_at         timestamptz,
+    expires_at           timestamptz NOT NULL,
+    CONSTRAINT idempotency_requests_pkey
+        PRIMARY KEY (tenant_id, endpoint, idempotency_key)
+) WITH (fillfactor = 80);
+-- The completion UPDATE changes no indexed column, so with free space on the
+-- page (fillfactor) it is a HOT update.
+CREATE INDEX idempotency_requests_expires_at_idx ON idempotency_requests (expires_at);
+"#,
+)];
+
+/// The newest schema version this build knows.
+pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
+
+pub(crate) async fn run(conn: &Object) -> Result<(), StoreError> {
+    let result = apply(conn).await;
+    if result.is_err() {
+        let _ = conn.batch_execute("ROLLBACK").await;
+    }
+    result
+}
+
+async fn apply(conn: &Object) -> Result<(), StoreError> {
+    conn.batch_execute(&format!(
+        "BEGIN;
+         SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
+         CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
+             version    integer PRIMARY KEY,
+             name       text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         );"
+    ))
+    .await
+    .map_err(super::map_error)?;
+    let applied: Vec<i32> = conn
+        .query("SELECT version FROM tower_idempotency_migrations", &[])
+        .await
+        .map_err(super::map_error)?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if let Some(newer) = applied.iter().find(|v| **v > LATEST) {
+        return Err(StoreError::new(
+            StoreErrorKind::Schema,
+            format!("the database has schema version {newer}, newer than this build's {LATEST}"),
+        ));
+    }
+    for (version, name, sql) in MIGRATIONS {
+        if applied.contains(version) {
+            continue;
+        }
+        conn.batch_execute(sql).await.map_err(super::map_error)?;
+        conn.execute(
+            "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
+            &[version, name],
+        )
+        .await
+        .map_err(super::map_error)?;
+        tracing::info!(version, name, "applied idempotency migration");
+    }
+    conn.batch_execute("COMMIT").await.map_err(super::map_error)
+}

@@ -1,0 +1,639 @@
+//! Throwaway PostgreSQL clusters for tests, benchmarks and the example server.
+
+use std::error::Error as _;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::{fmt, io};
+
+const DIR_PREFIX: &str = "tower-idempotency-pg-";
+const DB_PREFIX: &str = "tidem_";
+// Only names the socket file: the server listens on a private socket directory, never on TCP.
+const PORT: &str = "5432";
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+const INSTALL: &str =
+    "install PostgreSQL's server package (Debian/Ubuntu: apt-get install -y postgresql)";
+
+static DIR_COUNTER: AtomicU64 = AtomicU64::new(0);
+static DB_COUNTER: AtomicU64 = AtomicU64::new(0);
+static CLUSTER: OnceLock<Result<TempPostgres, String>> = OnceLock::new();
+static STALE_DATABASES_SWEPT: AtomicBool = AtomicBool::new(false);
+
+/// Why a temporary cluster or test database could not be provided.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum HarnessError {
+    /// No usable `initdb`/`postgres` pair was found.
+    BinariesNotFound {
+        /// The places that were looked at.
+        searched: String,
+    },
+    /// Running as root, which `initdb` refuses, with no `postgres` user to switch to.
+    PostgresUserMissing,
+    /// A filesystem or process operation failed.
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// `initdb` exited unsuccessfully.
+    Initdb {
+        /// Its output.
+        stderr: String,
+    },
+    /// The server process exited before accepting connections.
+    ServerExited {
+        /// The exit status.
+        status: String,
+        /// The end of the server log.
+        log_tail: String,
+    },
+    /// The server did not accept connections within 30 seconds.
+    StartTimeout {
+        /// The end of the server log.
+        log_tail: String,
+    },
+    /// `DATABASE_URL` could not be parsed.
+    InvalidDatabaseUrl(tokio_postgres::Error),
+    /// The cluster shared by the test process failed to start; holds the original message.
+    SharedCluster(String),
+    /// Talking to the server failed.
+    Database(tokio_postgres::Error),
+}
+
+impl fmt::Display for HarnessError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // tokio_postgres::Error's Display omits its cause, which holds the useful part.
+        let pg = |f: &mut fmt::Formatter<'_>, e: &tokio_postgres::Error| match e.source() {
+            Some(cause) => write!(f, "{e}: {cause}"),
+            None => write!(f, "{e}"),
+        };
+        match self {
+            Self::BinariesNotFound { searched } => write!(
+                f,
+                "PostgreSQL server binaries (initdb, postgres) not found; {INSTALL} or set \
+                 PG_BIN_DIR, or set DATABASE_URL to use an existing server (searched: {searched})"
+            ),
+            Self::PostgresUserMissing => write!(
+                f,
+                "running as root, which initdb refuses, and /etc/passwd has no `postgres` user \
+                 to run it as; {INSTALL}, which creates that user, or run as a non-root user"
+            ),
+            Self::Io { context, source } => write!(f, "{context}: {source}"),
+            Self::Initdb { stderr } => write!(f, "initdb failed:\n{stderr}"),
+            Self::ServerExited { status, log_tail } => {
+                write!(
+                    f,
+                    "postgres exited during startup ({status}); log tail:\n{log_tail}"
+                )
+            }
+            Self::StartTimeout { log_tail } => {
+                write!(
+                    f,
+                    "postgres did not become ready in time; log tail:\n{log_tail}"
+                )
+            }
+            Self::InvalidDatabaseUrl(e) => {
+                f.write_str("DATABASE_URL is not a valid connection string: ")?;
+                pg(f, e)
+            }
+            Self::SharedCluster(msg) => write!(f, "the shared test cluster failed to start: {msg}"),
+            Self::Database(e) => pg(f, e),
+        }
+    }
+}
+
+impl std::error::Error for HarnessError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            Self::InvalidDatabaseUrl(e) | Self::Database(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> HarnessError {
+    let context = context.into();
+    move |source| HarnessError::Io { context, source }
+}
+
+/// Options for a [`TempPostgres`]; obtained from [`TempPostgres::builder`].
+#[derive(Debug, Clone, Default)]
+pub struct TempPostgresBuilder {
+    durable: bool,
+    settings: Vec<(String, String)>,
+}
+
+impl TempPostgresBuilder {
+    /// Keep `fsync`, `synchronous_commit` and `full_page_writes` at their safe defaults, for
+    /// benchmarks that must pay real commit costs. Off by default.
+    pub fn durable(mut self, durable: bool) -> Self {
+        self.durable = durable;
+        self
+    }
+
+    /// Pass `-c name=value` to the server; later settings override earlier ones.
+    pub fn setting(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.push((name.into(), value.into()));
+        self
+    }
+
+    /// Create, start and wait for the cluster; blocks for about a second.
+    pub fn start(self) -> Result<TempPostgres, HarnessError> {
+        let bin = find_bin_dir()?;
+        sweep_stale_dirs();
+        let owner = match effective_uid() {
+            Some(0) => Some(passwd_ids("postgres").ok_or(HarnessError::PostgresUserMissing)?),
+            _ => None,
+        };
+        let n = DIR_COUNTER.fetch_add(1, Relaxed);
+        let name = format!("{DIR_PREFIX}{}-{n}", std::process::id());
+        let dir = std::env::temp_dir().join(name);
+        // A leftover from an earlier process with our pid is never swept as stale.
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        // From here on, Drop cleans up whatever fails.
+        let data_dir = dir.join("data");
+        let mut pg = TempPostgres {
+            dir,
+            data_dir,
+            child: None,
+            watchdog: None,
+        };
+        pg.init(&bin, owner, &self)?;
+        Ok(pg)
+    }
+}
+
+/// A private, temporary PostgreSQL cluster; stopped and removed on drop.
+#[derive(Debug)]
+pub struct TempPostgres {
+    dir: PathBuf,
+    data_dir: PathBuf,
+    child: Option<Child>,
+    watchdog: Option<Child>,
+}
+
+impl TempPostgres {
+    /// Start a cluster with the default (fast, non-durable) settings; blocking.
+    pub fn start() -> Result<TempPostgres, HarnessError> {
+        Self::builder().start()
+    }
+
+    /// Configure a cluster before starting it.
+    pub fn builder() -> TempPostgresBuilder {
+        TempPostgresBuilder::default()
+    }
+
+    /// Connection settings for the `postgres` database as the `postgres` superuser.
+    pub fn config(&self) -> tokio_postgres::Config {
+        let mut config = tokio_postgres::Config::new();
+        config
+            .host_path(&self.dir)
+            .port(PORT.parse().expect("valid port"));
+        config.user("postgres").dbname("postgres");
+        config
+    }
+
+    /// The same settings as [`config`](Self::config), in libpq key=value form.
+    pub fn connection_string(&self) -> String {
+        let host = conninfo_quote(&self.dir.to_string_lossy());
+        format!("host={host} port={PORT} user=postgres dbname=postgres")
+    }
+
+    /// The cluster's data directory.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    fn init(
+        &mut self,
+        bin: &Path,
+        owner: Option<(u32, u32)>,
+        opts: &TempPostgresBuilder,
+    ) -> Result<(), HarnessError> {
+        let (dir, data_dir) = (&self.dir, &self.data_dir);
+        let as_owner = |cmd: &mut Command| {
+            // initdb refuses root, and the server must own the socket directory it writes to.
+            if let Some((uid, gid)) = owner {
+                cmd.uid(uid).gid(gid);
+            }
+            cmd.current_dir(dir);
+        };
+        fs::create_dir(data_dir).map_err(io_err("creating the data directory"))?;
+        for (path, mode) in [(dir, 0o755), (data_dir, 0o700)] {
+            let context = format!("setting up {}", path.display());
+            fs::set_permissions(path, fs::Permissions::from_mode(mode))
+                .and_then(|()| match owner {
+                    Some((uid, gid)) => std::os::unix::fs::chown(path, Some(uid), Some(gid)),
+                    None => Ok(()),
+                })
+                .map_err(io_err(context))?;
+        }
+
+        let mut initdb = Command::new(bin.join("initdb"));
+        initdb.arg("-D").arg(data_dir).stdin(Stdio::null());
+        initdb.args("--locale=C -E UTF8 -U postgres --auth=trust -N".split(' '));
+        as_owner(&mut initdb);
+        let out = initdb.output().map_err(io_err("running initdb"))?;
+        if !out.status.success() {
+            let mut stderr = String::from_utf8_lossy(&out.stdout).into_owned();
+            stderr.push_str(&String::from_utf8_lossy(&out.stderr));
+            return Err(HarnessError::Initdb { stderr });
+        }
+
+        let mut fixed = "listen_addresses= max_connections=300 shared_buffers=128MB".to_owned();
+        if !opts.durable {
+            fixed.push_str(" fsync=off synchronous_commit=off full_page_writes=off");
+        }
+        let custom = opts.settings.iter().map(|(k, v)| format!("{k}={v}"));
+        let log_path = dir.join("server.log");
+        let log = fs::File::create(&log_path).map_err(io_err("creating server.log"))?;
+        let log_copy = log
+            .try_clone()
+            .map_err(io_err("duplicating a file handle"))?;
+        let mut server = Command::new(bin.join("postgres"));
+        server
+            .arg("-D")
+            .arg(data_dir)
+            .arg("-k")
+            .arg(dir)
+            .args(["-p", PORT]);
+        for setting in fixed.split(' ').map(String::from).chain(custom) {
+            server.arg("-c").arg(setting);
+        }
+        as_owner(&mut server);
+        server.stdin(Stdio::null()).stdout(log_copy).stderr(log);
+        let child = server.spawn().map_err(io_err("starting postgres"))?;
+        let pg_pid = child.id();
+        self.child = Some(child);
+        self.watchdog = spawn_watchdog(pg_pid, &self.dir);
+
+        let isready = Some(bin.join("pg_isready")).filter(|p| p.is_file());
+        let mut isready = Command::new(isready.unwrap_or_else(|| "pg_isready".into()));
+        isready.arg("-h").arg(&self.dir);
+        quiet(isready.args(["-p", PORT, "-U", "postgres"]));
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok()?) {
+                self.child = None;
+                let (status, log_tail) = (status.to_string(), log_tail(&log_path));
+                return Err(HarnessError::ServerExited { status, log_tail });
+            }
+            let ready = isready.status().map_err(io_err("running pg_isready"))?;
+            if ready.success() {
+                tracing::debug!(dir = %self.dir.display(), pid = pg_pid, "temporary postgres ready");
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let log_tail = log_tail(&log_path);
+                return Err(HarnessError::StartTimeout { log_tail });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for TempPostgres {
+    fn drop(&mut self) {
+        // Stop the watchdog first: once the server is gone its pid may be reused by an
+        // unrelated process, which the watchdog would otherwise signal when we exit.
+        if let Some(mut watchdog) = self.watchdog.take() {
+            let _ = watchdog.kill();
+            let _ = watchdog.wait();
+        }
+        if let Some(mut child) = self.child.take() {
+            // SIGINT is a fast but clean shutdown; Child::kill would be SIGKILL.
+            signal_int(child.id());
+            let deadline = Instant::now() + STOP_TIMEOUT;
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !matches!(child.try_wait(), Ok(Some(_))) {
+                tracing::warn!(
+                    pid = child.id(),
+                    "temporary postgres did not stop; killing it"
+                );
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One fresh database per test, on `DATABASE_URL` when set, otherwise on a cluster shared by
+/// the whole test process.
+#[derive(Debug)]
+pub struct TestDatabase {
+    name: String,
+    config: tokio_postgres::Config,
+}
+
+impl TestDatabase {
+    /// Create a uniquely named, empty database.
+    ///
+    /// # Panics
+    ///
+    /// When no server can be used; the message says what to install or configure.
+    pub async fn create() -> TestDatabase {
+        Self::try_create().await.unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Connection settings pointing at the new database.
+    pub fn config(&self) -> tokio_postgres::Config {
+        self.config.clone()
+    }
+
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Connect without TLS, driving the connection on a spawned task.
+    ///
+    /// # Panics
+    ///
+    /// When the connection fails.
+    pub async fn client(&self) -> tokio_postgres::Client {
+        let client = connect(&self.config).await;
+        client.unwrap_or_else(|e| panic!("connecting to test database {}: {e}", self.name))
+    }
+
+    async fn try_create() -> Result<TestDatabase, HarnessError> {
+        let url = std::env::var("DATABASE_URL")
+            .ok()
+            .filter(|u| !u.trim().is_empty());
+        let mut config = match &url {
+            Some(url) => {
+                tokio_postgres::Config::from_str(url).map_err(HarnessError::InvalidDatabaseUrl)?
+            }
+            // OnceLock makes concurrent tests wait for one start; spawn_blocking keeps that wait
+            // off the async workers (block_in_place panics on current_thread runtimes).
+            None => tokio::task::spawn_blocking(shared_cluster_config)
+                .await
+                .map_err(|e| HarnessError::SharedCluster(e.to_string()))??,
+        };
+        let admin = connect(&config).await?;
+        if url.is_some() && !STALE_DATABASES_SWEPT.swap(true, Relaxed) {
+            drop_stale_databases(&admin).await;
+        }
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let n = DB_COUNTER.fetch_add(1, Relaxed);
+        let name = format!("{DB_PREFIX}{}_{n}_{nanos}", std::process::id());
+        let create = format!("CREATE DATABASE \"{name}\"");
+        admin
+            .batch_execute(&create)
+            .await
+            .map_err(HarnessError::Database)?;
+        config.dbname(&name);
+        Ok(TestDatabase { name, config })
+    }
+}
+
+fn shared_cluster_config() -> Result<tokio_postgres::Config, HarnessError> {
+    match CLUSTER.get_or_init(|| TempPostgres::start().map_err(|e| e.to_string())) {
+        Ok(cluster) => Ok(cluster.config()),
+        Err(message) => Err(HarnessError::SharedCluster(message.clone())),
+    }
+}
+
+async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Client, HarnessError> {
+    let connected = config.connect(tokio_postgres::NoTls).await;
+    let (client, connection) = connected.map_err(HarnessError::Database)?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "test database connection ended with an error");
+        }
+    });
+    Ok(client)
+}
+
+// Databases left on a long-lived DATABASE_URL server by test processes that were killed.
+async fn drop_stale_databases(client: &tokio_postgres::Client) {
+    if !Path::new("/proc/self").exists() {
+        return; // without /proc every pid would look dead
+    }
+    let Ok(rows) = client.query("SELECT datname FROM pg_database", &[]).await else {
+        return;
+    };
+    for name in rows.iter().map(|row| row.get::<_, String>(0)) {
+        if left_by_dead_process(&name, DB_PREFIX, '_') {
+            let drop = format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)");
+            let _ = client.batch_execute(&drop).await;
+        }
+    }
+}
+
+fn find_bin_dir() -> Result<PathBuf, HarnessError> {
+    let usable = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
+    let mut searched = Vec::new();
+    if let Some(dir) = std::env::var_os("PG_BIN_DIR").map(PathBuf::from) {
+        if usable(&dir) {
+            return Ok(dir);
+        }
+        searched.push(format!("PG_BIN_DIR={}", dir.display()));
+    }
+    // Debian ships pg_config in libpq-dev, so it may name a bindir without the server.
+    if let Ok(out) = quiet(Command::new("pg_config").arg("--bindir")).output() {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && usable(&dir) {
+            return Ok(dir);
+        }
+        searched.push(format!("pg_config --bindir ({})", dir.display()));
+    }
+    let version = |name: &str| {
+        name.split('.')
+            .map(str::parse)
+            .collect::<Result<Vec<u32>, _>>()
+    };
+    let mut versions: Vec<(Vec<u32>, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((version(e.file_name().to_str()?).ok()?, e.path().join("bin"))))
+        .collect();
+    versions.sort();
+    if let Some((_, dir)) = versions.into_iter().rev().find(|(_, dir)| usable(dir)) {
+        return Ok(dir);
+    }
+    searched.push("/usr/lib/postgresql/*/bin".into());
+    // Resolve symlinks so postgres and pg_isready are looked up next to the real initdb.
+    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        let real = fs::canonicalize(dir.join("initdb")).ok();
+        if let Some(dir) = real.as_deref().and_then(Path::parent).filter(|d| usable(d)) {
+            return Ok(dir.to_path_buf());
+        }
+    }
+    searched.push("initdb on PATH".into());
+    Err(HarnessError::BinariesNotFound {
+        searched: searched.join(", "),
+    })
+}
+
+// Statics are never dropped, so the shared cluster relies on this to stop once we exit.
+// Its own process group keeps a terminal Ctrl-C from killing it before it cleans up.
+fn spawn_watchdog(pg_pid: u32, dir: &Path) -> Option<Child> {
+    let me = std::process::id();
+    let dir = dir.to_string_lossy().replace('\'', r"'\''");
+    let script = format!(
+        "while kill -0 {me} 2>/dev/null; do sleep 1; done; kill -INT {pg_pid} 2>/dev/null; \
+         i=0; while kill -0 {pg_pid} 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; \
+         i=$((i+1)); done; rm -rf '{dir}'"
+    );
+    let mut cmd = Command::new("sh");
+    let spawned = quiet(cmd.arg("-c").arg(script).process_group(0)).spawn();
+    spawned
+        .map_err(|e| tracing::warn!(error = %e, "could not start the watchdog"))
+        .ok()
+}
+
+// Clusters of test processes that died without running Drop (killed, or whose watchdog was).
+fn sweep_stale_dirs() {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for path in entries.flatten().map(|entry| entry.path()) {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if !left_by_dead_process(&name, DIR_PREFIX, '-') {
+            continue;
+        }
+        let postmaster = fs::read_to_string(path.join("data/postmaster.pid")).unwrap_or_default();
+        if let Some(Ok(pg_pid)) = postmaster.lines().next().map(|l| l.trim().parse()) {
+            signal_int(pg_pid);
+        }
+        let _ = fs::remove_dir_all(&path);
+    }
+}
+
+// Names are `<prefix><pid><sep>...`; true when that pid is neither ours nor running.
+fn left_by_dead_process(name: &str, prefix: &str, sep: char) -> bool {
+    let pid = name
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.split(sep).next());
+    let pid = pid.and_then(|pid| pid.parse::<u32>().ok());
+    pid.is_some_and(|pid| pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists())
+}
+
+// Through the `kill` command because std can only send SIGKILL.
+fn signal_int(pid: u32) {
+    let _ = quiet(Command::new("kill").arg("-INT").arg(pid.to_string())).status();
+}
+
+fn quiet(cmd: &mut Command) -> &mut Command {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+}
+
+fn effective_uid() -> Option<u32> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(2)?.parse().ok() // "Uid: real effective saved fs"
+}
+
+fn passwd_ids(user: &str) -> Option<(u32, u32)> {
+    let passwd = fs::read_to_string("/etc/passwd").ok()?;
+    passwd
+        .lines()
+        .find_map(|line| match line.split(':').collect::<Vec<_>>()[..] {
+            [name, _, uid, gid, ..] if name == user => Some((uid.parse().ok()?, gid.parse().ok()?)),
+            _ => None,
+        })
+}
+
+fn log_tail(path: &Path) -> String {
+    let bytes = fs::read(path).unwrap_or_default();
+    String::from_utf8_lossy(&bytes[bytes.len().saturating_sub(4000)..]).into_owned()
+}
+
+fn conninfo_quote(s: &str) -> String {
+    if !s.is_empty() && !s.contains(|c: char| c.is_whitespace() || c == '\'' || c == '\\') {
+        return s.to_owned();
+    }
+    format!("'{}'", s.replace('\\', r"\\").replace('\'', r"\'"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn query_one<T>(client: &tokio_postgres::Client, sql: &str) -> T
+    where
+        T: for<'a> tokio_postgres::types::FromSql<'a>,
+    {
+        client.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
+        rt.unwrap().block_on(future)
+    }
+
+    #[test]
+    fn temp_postgres_serves_queries_and_cleans_up() {
+        let pg = TempPostgres::start().unwrap_or_else(|e| panic!("{e}"));
+        let dir = pg.data_dir().parent().unwrap().to_path_buf();
+        assert!(pg.data_dir().join("PG_VERSION").is_file());
+        let parsed = tokio_postgres::Config::from_str(&pg.connection_string()).unwrap();
+        block_on(async {
+            for config in [pg.config(), parsed] {
+                let client = connect(&config).await.unwrap();
+                assert_eq!(query_one::<i32>(&client, "SELECT 1").await, 1);
+                assert_eq!(query_one::<String>(&client, "SHOW fsync").await, "off");
+            }
+        });
+        drop(pg);
+        assert!(!dir.exists(), "{} should be removed on drop", dir.display());
+    }
+
+    #[test]
+    fn durable_builder_keeps_fsync_and_applies_settings() {
+        let pg = TempPostgres::builder()
+            .durable(true)
+            .setting("work_mem", "8MB")
+            .start();
+        let pg = pg.unwrap_or_else(|e| panic!("{e}"));
+        block_on(async {
+            let client = connect(&pg.config()).await.unwrap();
+            assert_eq!(query_one::<String>(&client, "SHOW fsync").await, "on");
+            assert_eq!(query_one::<String>(&client, "SHOW work_mem").await, "8MB");
+        });
+    }
+
+    #[tokio::test]
+    async fn test_databases_are_distinct() {
+        let (a, b) = (TestDatabase::create().await, TestDatabase::create().await);
+        assert_ne!(a.name(), b.name());
+        for db in [&a, &b] {
+            let current: String = query_one(&db.client().await, "SELECT current_database()").await;
+            assert_eq!(current, db.name());
+        }
+    }
+
+    #[test]
+    fn missing_binaries_message_says_what_to_install() {
+        let msg = HarnessError::BinariesNotFound {
+            searched: String::new(),
+        }
+        .to_string();
+        assert!(msg.contains("apt-get install -y postgresql") && msg.contains("PG_BIN_DIR"));
+    }
+}
