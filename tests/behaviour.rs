@@ -1,0 +1,453 @@
+//! The layer's behaviour, once against `MemoryStore` and once against a real
+//! PostgreSQL: every scenario asserts on the committed rows and the remembered
+//! records, not only on statuses.
+
+mod common;
+
+use std::sync::{
+    atomic::{AtomicU64, Ordering},
+    Arc,
+};
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tokio::sync::{Barrier, Notify};
+use tower::Layer;
+use tower_idempotency::{FinalResponse, RequestBody, Store, TenantId};
+
+const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
+
+async fn fifty_concurrent_duplicates_commit_once<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    let barrier = Arc::new(Barrier::new(50));
+    let starts: Vec<_> = (0..50)
+        .map(|i| {
+            let service = service.clone();
+            let barrier = barrier.clone();
+            // Same request, different spellings: the fingerprint is canonical.
+            let body = if i % 2 == 0 {
+                BODY.to_owned()
+            } else {
+                r#"{ "amount": 1200.0, "checkout_id": "chk_1", "trace_id": "t" }"#.to_owned()
+            };
+            async move {
+                barrier.wait().await;
+                spawn_send(service, post(Some("tenant-a"), Some("key-50"), &body))
+            }
+        })
+        .collect();
+    // Line all 50 up, then let them go together.
+    let tasks: Vec<_> = starts.into_iter().map(tokio::spawn).collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        let task = task.await.unwrap();
+        answers.push(task.await.unwrap());
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(backend.orders().await.len(), 1, "one business row");
+    assert_eq!(backend.remembered().await, 1, "one remembered result");
+    let first = &answers
+        .iter()
+        .find(|a| !a.replayed())
+        .expect("one original answer")
+        .body;
+    for answer in &answers {
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert_eq!(&answer.body, first, "every answer carries the first body");
+    }
+    assert_eq!(answers.iter().filter(|a| a.replayed()).count(), 49);
+}
+
+async fn replays_first_response_with_allow_listed_headers<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    assert!(
+        first.headers.get("set-cookie").is_some(),
+        "the first answer is untouched"
+    );
+    let replay = send(
+        service.clone(),
+        post(Some("tenant-a"), Some("\"k1\""), BODY),
+    )
+    .await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.headers["location"], first.headers["location"]);
+    let links: Vec<_> = replay.headers.get_all("link").iter().collect();
+    assert_eq!(links, ["</a>; rel=a", "</b>; rel=b"]);
+    assert!(
+        replay.headers.get("set-cookie").is_none(),
+        "Set-Cookie is never replayed"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(backend.orders().await.len(), 1);
+}
+
+async fn refuses_reused_key_and_changes_nothing<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let other = send(
+        service.clone(),
+        post(
+            Some("tenant-a"),
+            Some("k1"),
+            r#"{"checkout_id":"chk_1","amount":1300}"#,
+        ),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::CONFLICT);
+    assert_eq!(other.json()["code"], "idempotency_key_reused");
+    assert_eq!(other.headers["content-type"], "application/problem+json");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(backend.orders().await.len(), 1);
+    assert_eq!(backend.remembered().await, 1);
+    let replay = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body, "the original still replays");
+}
+
+/// A handler that writes its order and then fails with `status`.
+fn failing_after_write<B: Backend>(
+    status: StatusCode,
+    calls: Arc<AtomicU64>,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let calls = calls.clone();
+        async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let tx = request
+                .extensions()
+                .get::<<B::Store as Store>::Tx>()
+                .cloned()
+                .unwrap();
+            B::insert_order(&tx, &new_order_id(), "tenant-a").await?;
+            if status == StatusCode::IM_A_TEAPOT {
+                return Err::<Response<Full<Bytes>>, BoxError>("service error".into());
+            }
+            let mut response = Response::new(Full::new(Bytes::from_static(b"{\"error\":true}")));
+            *response.status_mut() = status;
+            Ok(response)
+        }
+    }))
+}
+
+async fn rolls_back_on_5xx_and_frees_the_key<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let failing = layer(backend.store()).layer(failing_after_write::<B>(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        calls.clone(),
+    ));
+    let answer = send(failing.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(
+        backend.orders().await.is_empty(),
+        "the write was rolled back"
+    );
+    assert_eq!(backend.remembered().await, 0);
+    let working = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    let retry = send(working.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed(), "the retry ran afresh");
+    assert_eq!(backend.orders().await.len(), 1);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+async fn rolls_back_on_service_error<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let failing = layer(backend.store()).layer(failing_after_write::<B>(
+        StatusCode::IM_A_TEAPOT,
+        calls.clone(),
+    ));
+    let error = tower::ServiceExt::oneshot(failing, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert!(error.is_err(), "the service error is passed on");
+    assert!(backend.orders().await.is_empty());
+    assert_eq!(backend.remembered().await, 0);
+}
+
+async fn unmarked_4xx_is_rolled_back_but_final_4xx_is_remembered<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let unmarked = layer(backend.store()).layer(failing_after_write::<B>(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        calls.clone(),
+    ));
+    let answer = send(unmarked.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(backend.orders().await.is_empty());
+    assert_eq!(backend.remembered().await, 0);
+
+    let final_calls = calls.clone();
+    let marked =
+        layer(backend.store()).layer(tower::service_fn(move |request: Request<RequestBody>| {
+            let calls = final_calls.clone();
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let tx = request
+                    .extensions()
+                    .get::<<B::Store as Store>::Tx>()
+                    .cloned()
+                    .unwrap();
+                B::insert_order(&tx, &new_order_id(), "tenant-a").await?;
+                let mut response = Response::new(Full::new(Bytes::from_static(
+                    b"{\"code\":\"coupon_expired\"}",
+                )));
+                *response.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
+                response.extensions_mut().insert(FinalResponse);
+                Ok::<_, BoxError>(response)
+            }
+        }));
+    let first = send(marked.clone(), post(Some("tenant-a"), Some("k2"), BODY)).await;
+    let replay = send(marked.clone(), post(Some("tenant-a"), Some("k2"), BODY)).await;
+    assert_eq!(first.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(replay.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        backend.orders().await.len(),
+        1,
+        "a final answer commits its writes"
+    );
+    assert_eq!(backend.remembered().await, 1);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+async fn tenants_with_the_same_raw_key_stay_apart<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    let a = send(
+        service.clone(),
+        post(Some("tenant-a"), Some("shared"), BODY),
+    )
+    .await;
+    let b = send(
+        service.clone(),
+        post(Some("tenant-b"), Some("shared"), BODY),
+    )
+    .await;
+    assert!(!a.replayed() && !b.replayed());
+    assert_ne!(a.body, b.body);
+    assert_eq!(a.json()["tenant"], "tenant-a");
+    assert_eq!(b.json()["tenant"], "tenant-b");
+    let mut tenants: Vec<_> = backend.orders().await.into_iter().map(|(_, t)| t).collect();
+    tenants.sort();
+    assert_eq!(tenants, ["tenant-a", "tenant-b"]);
+    let replay_b = send(
+        service.clone(),
+        post(Some("tenant-b"), Some("shared"), BODY),
+    )
+    .await;
+    assert_eq!(replay_b.body, b.body);
+}
+
+async fn expired_key_is_a_new_operation<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store())
+        .retention(std::time::Duration::ZERO)
+        .layer(order_handler::<B>(calls.clone()));
+    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let second = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert!(!second.replayed(), "past retention the key is new again");
+    assert_ne!(first.body, second.body);
+    assert_eq!(backend.orders().await.len(), 2);
+    assert_eq!(
+        backend.remembered().await,
+        1,
+        "the expired record was taken over"
+    );
+}
+
+/// A handler that writes, tells the test it started, and waits for `release`.
+fn gated<B: Backend>(
+    started: Arc<Notify>,
+    release: Arc<Notify>,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let (started, release) = (started.clone(), release.clone());
+        async move {
+            let tx = request
+                .extensions()
+                .get::<<B::Store as Store>::Tx>()
+                .cloned()
+                .unwrap();
+            let id = new_order_id();
+            B::insert_order(&tx, &id, "tenant-a").await?;
+            started.notify_one();
+            release.notified().await;
+            let mut response =
+                Response::new(Full::new(Bytes::from(format!("{{\"id\":\"{id}\"}}"))));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, BoxError>(response)
+        }
+    }))
+}
+
+async fn duplicate_waits_then_answers_in_progress<B: Backend>(backend: B) {
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let service = layer(backend.store())
+        .wait(WAIT_SHORT)
+        .layer(gated::<B>(started.clone(), release.clone()));
+    let first = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    started.notified().await;
+    let duplicate = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    assert_eq!(duplicate.json()["code"], "idempotency_in_progress");
+    assert_eq!(duplicate.headers["retry-after"], "1");
+    assert!(
+        backend.orders().await.is_empty(),
+        "nothing is visible before the first commits"
+    );
+    release.notify_one();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let later = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert!(later.replayed());
+    assert_eq!(later.body, first.body);
+    assert_eq!(backend.orders().await.len(), 1);
+}
+
+async fn client_gone_after_claim_still_commits_and_retry_replays<B: Backend>(backend: B) {
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let service = layer(backend.store()).layer(gated::<B>(started.clone(), release.clone()));
+    let client = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    started.notified().await;
+    // The client disconnects: its response future is dropped mid-request.
+    client.abort();
+    assert!(client.await.unwrap_err().is_cancelled());
+    // The retry arrives while the orphaned work still holds the key; it waits
+    // for the commit (the wait is the synchronisation) and replays it.
+    let retry = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    release.notify_one();
+    let retry = retry.await.unwrap();
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed(), "the retry gets the committed result");
+    let orders = backend.orders().await;
+    assert_eq!(orders.len(), 1);
+    assert_eq!(retry.json()["id"], orders[0].0);
+}
+
+async fn bad_input_is_refused_and_writes_nothing<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store())
+        .request_body_limit(64)
+        .layer(order_handler::<B>(calls.clone()));
+    let too_long = "k".repeat(256);
+    let cases: Vec<(Request<Full<Bytes>>, StatusCode, &str)> = vec![
+        (
+            post(Some("tenant-a"), None, BODY),
+            StatusCode::BAD_REQUEST,
+            "idempotency_key_missing",
+        ),
+        (
+            post(Some("tenant-a"), Some("has space"), BODY),
+            StatusCode::BAD_REQUEST,
+            "idempotency_key_invalid",
+        ),
+        (
+            post(Some("tenant-a"), Some(&too_long), BODY),
+            StatusCode::BAD_REQUEST,
+            "idempotency_key_invalid",
+        ),
+        (
+            post(Some("tenant-a"), Some("\"unterminated"), BODY),
+            StatusCode::BAD_REQUEST,
+            "idempotency_key_invalid",
+        ),
+        (
+            post(None, Some("k1"), BODY),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            post(Some("tenant-a"), Some("k1"), &"x".repeat(65)),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+        ),
+        (
+            post(Some("tenant-a"), Some("k1"), "{not json"),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+        ),
+    ];
+    let mut repeated = post(Some("tenant-a"), Some("k1"), BODY);
+    repeated
+        .headers_mut()
+        .append("idempotency-key", "k2".parse().unwrap());
+    for (request, status, code) in
+        cases
+            .into_iter()
+            .chain([(repeated, StatusCode::BAD_REQUEST, "idempotency_key_invalid")])
+    {
+        let answer = send(service.clone(), request).await;
+        assert_eq!(answer.status, status, "{code}");
+        assert_eq!(answer.json()["code"], code);
+        assert_eq!(answer.json()["status"], status.as_u16());
+        assert_eq!(answer.headers["content-type"], "application/problem+json");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never ran");
+    assert!(backend.orders().await.is_empty());
+    assert_eq!(backend.remembered().await, 0);
+    // A corrected body may reuse the key the invalid one was sent with.
+    let corrected = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(corrected.status, StatusCode::CREATED);
+}
+
+async fn safe_methods_pass_through<B: Backend>(backend: B) {
+    let service = layer(backend.store()).layer(tower::service_fn(
+        |request: Request<RequestBody>| async move {
+            assert!(request.extensions().get::<TenantId>().is_none());
+            Ok::<_, BoxError>(Response::new(Full::new(Bytes::from_static(b"listing"))))
+        },
+    ));
+    let request = Request::get("/orders")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let answer = send(service.clone(), request).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(&answer.body[..], b"listing");
+    assert_eq!(backend.remembered().await, 0);
+}
+
+macro_rules! for_both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(Memory::new().await).await;
+                }
+            )*
+        }
+        mod postgres {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(Postgres::new().await).await;
+                }
+            )*
+        }
+    };
+}
+
+for_both_stores!(
+    fifty_concurrent_duplicates_commit_once,
+    replays_first_response_with_allow_listed_headers,
+    refuses_reused_key_and_changes_nothing,
+    rolls_back_on_5xx_and_frees_the_key,
+    rolls_back_on_service_error,
+    unmarked_4xx_is_rolled_back_but_final_4xx_is_remembered,
+    tenants_with_the_same_raw_key_stay_apart,
+    expired_key_is_a_new_operation,
+    duplicate_waits_then_answers_in_progress,
+    client_gone_after_claim_still_commits_and_retry_replays,
+    bad_input_is_refused_and_writes_nothing,
+    safe_methods_pass_through,
+);
