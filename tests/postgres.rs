@@ -1,0 +1,345 @@
+//! PostgreSQL-specific guarantees: the stored row, the transaction handle's
+//! safety under panics, leaks and misuse, and failures of the database itself.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tokio::sync::{oneshot, Notify};
+use tower::Layer;
+use tower_idempotency::{testing::conformance, PgStore, PgTx, RequestBody, TxErrorKind};
+
+const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
+
+fn handler<F, Fut>(
+    f: F,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError>
+where
+    F: Fn(PgTx) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<Full<Bytes>>, BoxError>> + Send + 'static,
+{
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let tx = request
+            .extensions()
+            .get::<PgTx>()
+            .cloned()
+            .expect("the layer passes a PgTx");
+        f(tx)
+    }))
+}
+
+fn created(body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = StatusCode::CREATED;
+    response
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_store_passes_the_conformance_suite() {
+    let pg = Postgres::new().await;
+    conformance::run_all(pg.store.clone()).await;
+}
+
+#[tokio::test]
+async fn memory_store_passes_the_conformance_suite() {
+    conformance::run_all(tower_idempotency::MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_are_idempotent_under_concurrency() {
+    let db = tower_idempotency::testing::TestDatabase::create().await;
+    let store = PgStore::builder(db.config()).build().unwrap();
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().expect("concurrent migrations succeed");
+    }
+    store.migrate().await.expect("a rerun is a no-op");
+    let client = db.client().await;
+    let versions: Vec<i32> = client
+        .query("SELECT version FROM tower_idempotency_migrations", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(versions, [1]);
+    let fillfactor: String = client
+        .query_one("SELECT array_to_string(reloptions, ',') FROM pg_class WHERE relname = 'idempotency_requests'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(fillfactor, "fillfactor=80");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_the_response_and_its_metadata() {
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let row = pg
+        .client
+        .query_one(
+            "SELECT tenant_id, endpoint, idempotency_key, request_fingerprint, state, attempt_token, response_status, \
+                    response_headers, response_body, extract(epoch from expires_at - created_at)::float8, completed_at IS NOT NULL \
+             FROM idempotency_requests",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, &str>(0), "tenant-a");
+    assert_eq!(row.get::<_, &str>(1), "POST /orders v1");
+    assert_eq!(row.get::<_, &str>(2), "k1");
+    assert_eq!(row.get::<_, &[u8]>(3).len(), 32);
+    assert_eq!(row.get::<_, &str>(4), "completed");
+    assert_eq!(row.get::<_, i64>(5), 1);
+    assert_eq!(row.get::<_, i16>(6), 201);
+    let headers = String::from_utf8(row.get::<_, Vec<u8>>(7)).unwrap();
+    assert!(headers.contains("location: /orders/"), "{headers}");
+    assert!(!headers.contains("set-cookie"), "{headers}");
+    assert_eq!(row.get::<_, &[u8]>(8), &answer.body[..]);
+    assert_eq!(row.get::<_, f64>(9), 86_400.0);
+    assert!(row.get::<_, bool>(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backdated_record_is_taken_over_with_a_new_attempt_token() {
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let replay = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert!(replay.replayed(), "before expiry the key replays");
+    // Time passes: the retention ends.
+    pg.client
+        .execute(
+            "UPDATE idempotency_requests SET expires_at = now() - interval '1 second'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let other_body = r#"{"checkout_id":"chk_2","amount":1}"#;
+    let again = send(service, post(Some("tenant-a"), Some("k1"), other_body)).await;
+    assert!(!again.replayed());
+    assert_ne!(again.body, first.body);
+    assert_eq!(pg.orders().await.len(), 2);
+    let token: i64 = pg
+        .client
+        .query_one("SELECT attempt_token FROM idempotency_requests", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(token, 2);
+}
+
+/// With a pool of one connection, a transaction leaked back to the pool would
+/// be reused by the next request and commit the panicked handler's write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panicking_handler_rolls_back_and_never_leaks_its_transaction() {
+    let pg = Postgres::with_pool(1).await;
+    let panicking = layer(pg.store.clone()).layer(handler(|tx: PgTx| async move {
+        tx.execute(
+            "INSERT INTO orders (id, tenant_id) VALUES ('from-panic', 'tenant-a')",
+            &[],
+        )
+        .await?;
+        panic!("handler bug");
+    }));
+    let outcome = spawn_send(panicking, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert!(
+        outcome.unwrap_err().is_panic(),
+        "the panic propagates like without the layer"
+    );
+    let working = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    let retry = send(working, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    let orders = pg.orders().await;
+    assert_eq!(orders.len(), 1);
+    assert_ne!(orders[0].0, "from-panic");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handle_kept_by_a_spawned_task_is_finished_after_the_response() {
+    let pg = Postgres::new().await;
+    let release = Arc::new(Notify::new());
+    let (late_tx, late_rx) = oneshot::channel();
+    let late_tx = Arc::new(std::sync::Mutex::new(Some(late_tx)));
+    let service = layer(pg.store.clone()).layer(handler({
+        let release = release.clone();
+        move |tx: PgTx| {
+            let (release, late_tx) = (release.clone(), late_tx.clone());
+            async move {
+                tx.execute(
+                    "INSERT INTO orders (id, tenant_id) VALUES ('in-handler', 'tenant-a')",
+                    &[],
+                )
+                .await?;
+                let leaked = tx.clone();
+                tokio::spawn(async move {
+                    release.notified().await;
+                    let late = leaked
+                        .execute(
+                            "INSERT INTO orders (id, tenant_id) VALUES ('too-late', 'tenant-a')",
+                            &[],
+                        )
+                        .await;
+                    let _ = late_tx
+                        .lock()
+                        .unwrap()
+                        .take()
+                        .unwrap()
+                        .send(late.map_err(|e| e.kind()));
+                });
+                Ok(created("{}".into()))
+            }
+        }
+    }));
+    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    release.notify_one();
+    assert_eq!(late_rx.await.unwrap(), Err(TxErrorKind::Finished));
+    assert_eq!(
+        pg.orders().await,
+        [("in-handler".to_owned(), "tenant-a".to_owned())]
+    );
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swallowed_database_error_cannot_commit() {
+    let pg = Postgres::new().await;
+    let careless = layer(pg.store.clone()).layer(handler(|tx: PgTx| async move {
+        tx.execute(
+            "INSERT INTO orders (id, tenant_id) VALUES ('dup', 'tenant-a')",
+            &[],
+        )
+        .await?;
+        // A unique violation aborts the transaction; the handler ignores it.
+        let _ = tx
+            .execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ('dup', 'tenant-a')",
+                &[],
+            )
+            .await;
+        Ok(created("{}".into()))
+    }));
+    let answer = send(careless, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert!(pg.orders().await.is_empty());
+    assert!(pg.records().await.is_empty(), "the key stays free");
+    let working = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    assert_eq!(
+        send(working, post(Some("tenant-a"), Some("k1"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_control_through_the_handle_is_refused() {
+    let pg = Postgres::new().await;
+    let (seen_tx, seen_rx) = oneshot::channel();
+    let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
+    let service = layer(pg.store.clone()).layer(handler(move |tx: PgTx| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ('o1', 'tenant-a')",
+                &[],
+            )
+            .await?;
+            let commit = tx.batch_execute("COMMIT").await.map_err(|e| e.kind());
+            let savepoint = tx
+                .batch_execute("SAVEPOINT s1; RELEASE SAVEPOINT s1")
+                .await
+                .map_err(|e| e.kind());
+            let _ = seen_tx
+                .lock()
+                .unwrap()
+                .take()
+                .unwrap()
+                .send((commit, savepoint));
+            Ok(created("{}".into()))
+        }
+    }));
+    assert_eq!(
+        send(service, post(Some("tenant-a"), Some("k1"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    let (commit, savepoint) = seen_rx.await.unwrap();
+    assert_eq!(commit, Err(TxErrorKind::TransactionControl));
+    assert_eq!(savepoint, Ok(()));
+    assert_eq!(pg.orders().await.len(), 1);
+    assert_eq!(pg.records().await[0].2, "completed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_database_answers_503_and_writes_nothing() {
+    let mut config = tokio_postgres::Config::new();
+    config
+        .host_path("/nonexistent-socket-dir")
+        .port(1)
+        .user("nobody")
+        .dbname("none");
+    let store = PgStore::builder(config)
+        .connect_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let service = layer(store).layer(order_handler::<Postgres>(calls.clone()));
+    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert_eq!(answer.headers["retry-after"], "1");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausted_pool_answers_503_without_touching_other_keys() {
+    let db = tower_idempotency::testing::TestDatabase::create().await;
+    let store = PgStore::builder(db.config())
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let service = layer(store).layer(handler({
+        let (started, release) = (started.clone(), release.clone());
+        move |_tx: PgTx| {
+            let (started, release) = (started.clone(), release.clone());
+            async move {
+                started.notify_one();
+                release.notified().await;
+                Ok(created("{\"first\":true}".into()))
+            }
+        }
+    }));
+    let holder = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    started.notified().await;
+    let starved = send(service.clone(), post(Some("tenant-a"), Some("k2"), BODY)).await;
+    assert_eq!(starved.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(starved.json()["code"], "store_unavailable");
+    release.notify_one();
+    assert_eq!(holder.await.unwrap().status, StatusCode::CREATED);
+    let client = db.client().await;
+    let keys: Vec<String> = client
+        .query("SELECT idempotency_key FROM idempotency_requests", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys, ["k1"], "the starved request left no row");
+}
