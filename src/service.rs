@@ -412,40 +412,63 @@ fn parse_key<B>(config: &Config, request: &Request<B>) -> Result<Option<Idempote
     }
 }
 
+/// Buffers the body under the limit. An over-long body is still read (and
+/// discarded) up to [`DRAIN_LIMIT`] so that an HTTP/1 client, which sends its
+/// whole body before it reads, sees the 413 instead of a broken pipe.
 async fn read_body<B>(config: &Config, parts: &Parts, body: B) -> Result<Bytes, Problem>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    let limit = config.request_body_limit;
     let too_large = || {
         Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             codes::PAYLOAD_TOO_LARGE,
             "The request body is too large",
         )
-        .with_detail(format!("the limit is {} bytes", config.request_body_limit))
+        .with_detail(format!("the limit is {limit} bytes"))
     };
+    let unreadable = || {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::BODY_UNREADABLE,
+            "The request body could not be read",
+        )
+    };
+    let drain_limit = limit.saturating_add(DRAIN_LIMIT) as u64;
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > config.request_body_limit as u64) {
+    if declared.is_some_and(|len| len > drain_limit) {
         return Err(too_large());
     }
-    match Limited::new(body, config.request_body_limit)
-        .collect()
-        .await
-    {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
-        Err(_) => Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            codes::BODY_UNREADABLE,
-            "The request body could not be read",
-        )),
+    let mut body = std::pin::pin!(body);
+    let mut buffered = bytes::BytesMut::new();
+    let mut seen: u64 = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| unreadable())?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        seen += data.len() as u64;
+        if seen > drain_limit {
+            break;
+        }
+        if seen <= limit as u64 {
+            buffered.extend_from_slice(&data);
+        }
     }
+    if seen > limit as u64 {
+        return Err(too_large());
+    }
+    Ok(buffered.freeze())
 }
+
+/// How far past the request body limit an over-long body is read and discarded.
+const DRAIN_LIMIT: usize = 1024 * 1024;
 
 fn key_reused(config: &Config) -> Problem {
     Problem::new(

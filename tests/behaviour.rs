@@ -19,6 +19,8 @@ use tower_idempotency::{FinalResponse, RequestBody, Store, TenantId};
 
 const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
 
+// Each start waits at the barrier, then hands back the spawned request.
+#[allow(clippy::async_yields_async)]
 async fn fifty_concurrent_duplicates_commit_once<B: Backend>(backend: B) {
     let calls = Arc::new(AtomicU64::new(0));
     let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));

@@ -1,6 +1,6 @@
 //! Stores: where keys are arbitrated and responses remembered.
 //!
-//! [`PgStore`](crate::PgStore) is the production store; [`MemoryStore`] keeps
+//! [`PgStore`](crate::PgStore) is the production store; [`MemoryStore`](crate::MemoryStore) keeps
 //! the same contract in memory for unit tests and as the reference for custom
 //! stores. A custom store must provide these guarantees:
 //!

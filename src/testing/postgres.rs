@@ -359,6 +359,33 @@ impl TestDatabase {
         &self.name
     }
 
+    /// Connection settings in key=value form, for a child process's `DATABASE_URL`.
+    pub fn connection_string(&self) -> String {
+        let quote = |v: &str| format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"));
+        let mut parts = Vec::new();
+        if let Some(host) = self.config.get_hosts().first() {
+            let host = match host {
+                tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+            };
+            parts.push(format!("host={}", quote(&host)));
+        }
+        if let Some(port) = self.config.get_ports().first() {
+            parts.push(format!("port={port}"));
+        }
+        if let Some(user) = self.config.get_user() {
+            parts.push(format!("user={}", quote(user)));
+        }
+        if let Some(password) = self.config.get_password() {
+            parts.push(format!(
+                "password={}",
+                quote(&String::from_utf8_lossy(password))
+            ));
+        }
+        parts.push(format!("dbname={}", quote(&self.name)));
+        parts.join(" ")
+    }
+
     /// Connect without TLS, driving the connection on a spawned task.
     ///
     /// # Panics

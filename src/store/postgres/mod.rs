@@ -7,7 +7,8 @@
 //!    (no transaction, no write, no lock).
 //! 2. Otherwise, in one round trip: `BEGIN`, `lock_timeout` for the wait,
 //!    `INSERT … ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE
-//!    … WHERE expired RETURNING attempt_token`. A returned row means this
+//!    … WHERE expired RETURNING attempt_token`, and `lock_timeout` back to the
+//!    session's default for the handler. A returned row means this
 //!    request owns the key (new, or an expired record taken over). If another
 //!    transaction holds the key, the insert waits on it; `55P03` after the wait
 //!    means in progress. No row means a record committed meanwhile: read it in
@@ -226,12 +227,15 @@ impl PgStore {
             &fingerprint,
             &retention,
         ];
-        // One round trip: the three requests are pipelined.
+        // One round trip: the requests are pipelined. The wait limit is for
+        // the claim alone; the handler's statements run under the session's
+        // own lock_timeout again.
         let wait_param: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&wait];
-        let (_, _, claimed) = tokio::try_join!(
+        let (_, _, claimed, _) = tokio::try_join!(
             conn.batch_execute("BEGIN"),
             conn.query_one(&set_wait, &wait_param),
             conn.query_opt(&claim, &params),
+            conn.batch_execute("SET LOCAL lock_timeout TO DEFAULT"),
         )
         .map_err(map_error)?;
         Ok(claimed.map(|row| row.get(0)))
@@ -433,7 +437,14 @@ fn map_error(e: tokio_postgres::Error) -> StoreError {
         Some(_) => StoreErrorKind::Backend,
     };
     let code = e.code().map(|c| c.code().to_owned());
-    StoreError::new(kind, "database error")
+    // The server's message names the failure without row values (those are
+    // in the detail, which stays out of logs).
+    let message = match e.as_db_error() {
+        Some(db) => format!("database error {}: {}", db.code().code(), db.message()),
+        None if e.is_closed() => "the database connection is closed".to_owned(),
+        None => "cannot talk to the database".to_owned(),
+    };
+    StoreError::new(kind, message)
         .with_sql_state(code)
         .with_source(e)
 }

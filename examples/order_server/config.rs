@@ -1,0 +1,74 @@
+//! Settings from the environment (see CONTRACT in the README).
+
+use std::{collections::HashMap, net::SocketAddr, time::Duration};
+
+use tower_idempotency::TenantId;
+
+pub struct Settings {
+    pub database_url: Option<String>,
+    pub addr: SocketAddr,
+    pub tokens: HashMap<String, TenantId>,
+    pub retention: Duration,
+    pub wait: Duration,
+}
+
+impl Settings {
+    pub fn from_env() -> Result<Self, String> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let addr = var("ORDER_SERVER_ADDR").unwrap_or_else(|| "127.0.0.1:3000".into());
+        Ok(Settings {
+            database_url: var("DATABASE_URL"),
+            addr: addr
+                .parse()
+                .map_err(|e| format!("ORDER_SERVER_ADDR={addr:?} is not an address: {e}"))?,
+            tokens: parse_tokens(
+                &var("ORDER_SERVER_TOKENS")
+                    .unwrap_or_else(|| "demo-token-a=tenant-a,demo-token-b=tenant-b".into()),
+            )?,
+            retention: parse_duration(
+                "IDEMPOTENCY_RETENTION",
+                &var("IDEMPOTENCY_RETENTION").unwrap_or_else(|| "24h".into()),
+            )?,
+            wait: parse_duration(
+                "IDEMPOTENCY_WAIT",
+                &var("IDEMPOTENCY_WAIT").unwrap_or_else(|| "5s".into()),
+            )?,
+        })
+    }
+}
+
+/// `token=tenant,token=tenant`.
+fn parse_tokens(spec: &str) -> Result<HashMap<String, TenantId>, String> {
+    spec.split(',')
+        .map(str::trim)
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| match pair.split_once('=') {
+            Some((token, tenant)) if !token.trim().is_empty() && !tenant.trim().is_empty() => {
+                Ok((token.trim().to_owned(), TenantId::new(tenant.trim())))
+            }
+            _ => Err(format!("ORDER_SERVER_TOKENS: {pair:?} is not token=tenant")),
+        })
+        .collect()
+}
+
+/// `500ms`, `90s`, `15m`, `24h`, `7d`.
+pub fn parse_duration(name: &str, text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let bad = || format!("{name}={text:?} is not a duration like 90s, 15m, 24h or 7d");
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let seconds = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(seconds)
+        .map(Duration::from_secs)
+        .ok_or_else(bad)
+}

@@ -1,0 +1,155 @@
+//! The example order server: `POST /orders` with every guarantee of
+//! tower-idempotency, run as a real server. Its HTTP contract is in the
+//! README ("The example order server").
+//!
+//!     cargo run --release --example order_server
+//!
+//! With `DATABASE_URL` unset it starts a private, temporary PostgreSQL from
+//! the local installation and removes it on exit.
+
+mod auth;
+mod config;
+mod orders;
+mod schema;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    extract::State,
+    middleware,
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Router,
+};
+use http::StatusCode;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tower_idempotency::{testing::TempPostgres, IdempotencyLayer, PgStore, Problem};
+use tracing_subscriber::EnvFilter;
+
+/// A problem answer as an axum response.
+pub fn problem(problem: Problem) -> Response {
+    problem
+        .to_response()
+        .map(axum::body::Body::from)
+        .into_response()
+}
+
+pub fn unavailable() -> Response {
+    problem(
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            "The database is unavailable; nothing was changed",
+        )
+        .with_retry_after(1),
+    )
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run().await {
+        tracing::error!("{e}");
+        eprintln!("order_server: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> Result<(), String> {
+    let settings = config::Settings::from_env()?;
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+
+    // Kept alive until the server stops; dropping it stops and removes the cluster.
+    let mut _private_cluster = None;
+    let store = match &settings.database_url {
+        Some(url) => PgStore::builder(url.parse().map_err(|e| format!("DATABASE_URL is not valid: {e}"))?),
+        None => {
+            tracing::info!("DATABASE_URL is unset: starting a private temporary PostgreSQL cluster");
+            let cluster = tokio::task::spawn_blocking(TempPostgres::start)
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            tracing::info!(data_dir = %cluster.data_dir().display(), "private PostgreSQL is ready; it is removed on exit");
+            let config = cluster.config();
+            _private_cluster = Some(cluster);
+            PgStore::builder(config)
+        }
+    }
+    .max_connections(32)
+    .build()
+    .map_err(|e| e.to_string())?;
+    schema::migrate(&store).await?;
+
+    let tokens: auth::Tokens = Arc::new(settings.tokens.clone());
+    let idempotency =
+        IdempotencyLayer::new(store.clone(), "POST /orders v1", orders::fingerprinter())
+            .retention(settings.retention)
+            .wait(settings.wait);
+    let app = Router::new()
+        .route("/orders", post(orders::create).layer(idempotency))
+        .route("/orders/{id}", get(orders::get))
+        .route_layer(middleware::from_fn_with_state(tokens, auth::authenticate))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(render_metrics).with_state(metrics))
+        .fallback(|| async {
+            problem(Problem::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "No such route",
+            ))
+        })
+        .with_state(store);
+
+    let listener = tokio::net::TcpListener::bind(settings.addr)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", settings.addr))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    println!("listening on http://{addr}");
+    tracing::info!(%addr, retention = ?settings.retention, wait = ?settings.wait, "order server started");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .map_err(|e| format!("server error: {e}"))?;
+    tracing::info!("shut down; in-flight requests finished");
+    Ok(())
+}
+
+async fn healthz(State(store): State<PgStore>) -> StatusCode {
+    let check = async {
+        let client = store.client().await.ok()?;
+        client.simple_query("SELECT 1").await.ok()
+    };
+    match tokio::time::timeout(Duration::from_secs(2), check).await {
+        Ok(Some(_)) => StatusCode::OK,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+async fn render_metrics(State(handle): State<PrometheusHandle>) -> impl IntoResponse {
+    (
+        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        handle.render(),
+    )
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut interrupt, mut terminate) = match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(i), Ok(t)) => (i, t),
+        _ => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = interrupt.recv() => tracing::info!("SIGINT: shutting down gracefully"),
+        _ = terminate.recv() => tracing::info!("SIGTERM: shutting down gracefully"),
+    }
+}

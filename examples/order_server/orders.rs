@@ -1,0 +1,270 @@
+//! POST /orders and GET /orders/{id}.
+
+use axum::{
+    extract::{Path, State},
+    response::{IntoResponse, Response},
+    Extension,
+};
+use http::{header, StatusCode};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tower_idempotency::{
+    FieldError, FinalResponse, PgStore, PgTx, Problem, TenantId, TypedFingerprinter, Validated,
+};
+
+/// The business fields of POST /orders. Unknown fields (`trace_id`,
+/// `client_sent_at`, …) are not business fields: serde ignores them, so they
+/// never reach the fingerprint.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct NewOrder {
+    checkout_id: String,
+    currency: String,
+    items: Vec<Item>,
+    shipping_address_id: String,
+    #[serde(default)]
+    coupon: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Item {
+    sku: String,
+    #[serde(default = "one")]
+    quantity: i64,
+    unit_price: i64,
+}
+
+fn one() -> i64 {
+    1
+}
+
+impl NewOrder {
+    fn total(&self) -> Option<i64> {
+        self.items.iter().try_fold(0_i64, |sum, item| {
+            sum.checked_add(item.quantity.checked_mul(item.unit_price)?)
+        })
+    }
+}
+
+fn validate(order: &NewOrder) -> Result<(), Vec<FieldError>> {
+    let mut errors = Vec::new();
+    if order.checkout_id.trim().is_empty() {
+        errors.push(FieldError::new("checkout_id", "must be a non-empty string"));
+    }
+    if order.currency.len() != 3 || !order.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        errors.push(FieldError::new("currency", "must be 3 upper-case letters"));
+    }
+    if order.shipping_address_id.trim().is_empty() {
+        errors.push(FieldError::new(
+            "shipping_address_id",
+            "must be a non-empty string",
+        ));
+    }
+    if order.items.is_empty() || order.items.len() > 100 {
+        errors.push(FieldError::new("items", "must hold 1 to 100 items"));
+    }
+    for (i, item) in order.items.iter().enumerate() {
+        if item.sku.trim().is_empty() {
+            errors.push(FieldError::new(
+                format!("items[{i}].sku"),
+                "must be a non-empty string",
+            ));
+        }
+        if item.quantity < 1 {
+            errors.push(FieldError::new(
+                format!("items[{i}].quantity"),
+                "must be at least 1",
+            ));
+        }
+        if item.unit_price < 0 {
+            errors.push(FieldError::new(
+                format!("items[{i}].unit_price"),
+                "must be at least 0",
+            ));
+        }
+    }
+    if errors.is_empty() && order.total().is_none() {
+        errors.push(FieldError::new("items", "the order total is too large"));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
+pub fn fingerprinter() -> TypedFingerprinter<NewOrder> {
+    TypedFingerprinter::new("orders.v1").with_validator(validate)
+}
+
+const ORDER_COLUMNS: &str = "id::text, checkout_id, status, currency, items, total, \
+     to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')";
+
+/// The order as the API shows it (field order as documented).
+#[derive(Debug, Serialize)]
+struct OrderBody {
+    id: String,
+    checkout_id: String,
+    status: String,
+    currency: String,
+    items: Vec<Item>,
+    total: i64,
+    created_at: String,
+}
+
+fn order_body(row: &tokio_postgres::Row) -> Result<OrderBody, String> {
+    let items: Value = row.try_get(4).map_err(|e| e.to_string())?;
+    Ok(OrderBody {
+        id: row.try_get(0).map_err(|e| e.to_string())?,
+        checkout_id: row.try_get(1).map_err(|e| e.to_string())?,
+        status: row.try_get(2).map_err(|e| e.to_string())?,
+        currency: row.try_get(3).map_err(|e| e.to_string())?,
+        items: serde_json::from_value(items).map_err(|e| e.to_string())?,
+        total: row.try_get(5).map_err(|e| e.to_string())?,
+        created_at: row.try_get(6).map_err(|e| e.to_string())?,
+    })
+}
+
+fn final_problem(problem: Problem) -> Response {
+    let mut response = crate::problem(problem);
+    // A deterministic business answer: remember it and replay it.
+    response.extensions_mut().insert(FinalResponse);
+    response
+}
+
+fn db_failure(e: tower_idempotency::TxError) -> Response {
+    tracing::error!(error = %e, "order transaction failed");
+    crate::unavailable()
+}
+
+/// Writes only through the layer's transaction: the order, its outbox event
+/// and the remembered response commit together.
+pub async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
+    if order
+        .coupon
+        .as_deref()
+        .is_some_and(|c| c.starts_with("EXPIRED"))
+    {
+        return final_problem(
+            Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "coupon_expired",
+                "The coupon has expired",
+            )
+            .with_member("coupon", order.coupon.clone().unwrap_or_default()),
+        );
+    }
+    let items: Value = order
+        .items
+        .iter()
+        .map(|i| json!({"sku": i.sku, "quantity": i.quantity, "unit_price": i.unit_price}))
+        .collect();
+    let total = order.total().unwrap_or_default();
+    let inserted = tx
+        .query_opt(
+            &format!(
+                "INSERT INTO orders (tenant_id, checkout_id, currency, items, total, coupon, shipping_address_id) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) \
+                 ON CONFLICT ON CONSTRAINT orders_tenant_checkout_key DO NOTHING \
+                 RETURNING {ORDER_COLUMNS}"
+            ),
+            &[&tx.tenant(), &order.checkout_id, &order.currency, &items, &total, &order.coupon, &order.shipping_address_id],
+        )
+        .await;
+    let row = match inserted {
+        Ok(Some(row)) => row,
+        Ok(None) => {
+            let existing = tx
+                .query_one(
+                    "SELECT id::text FROM orders WHERE tenant_id = $1 AND checkout_id = $2",
+                    &[&tx.tenant(), &order.checkout_id],
+                )
+                .await;
+            return match existing {
+                Ok(row) => final_problem(
+                    Problem::new(
+                        StatusCode::CONFLICT,
+                        "checkout_already_ordered",
+                        "This checkout already has an order",
+                    )
+                    .with_member("order_id", row.get::<_, String>(0)),
+                ),
+                Err(e) => db_failure(e),
+            };
+        }
+        Err(e) => return db_failure(e),
+    };
+    let body = match order_body(&row) {
+        Ok(body) => body,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot read back the new order");
+            return crate::unavailable();
+        }
+    };
+    let order_id = body.id.clone();
+    let payload = serde_json::to_value(&body).unwrap_or(Value::Null);
+    if let Err(e) = tx
+        .execute(
+            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
+             VALUES ($1, $2::text::uuid, 'OrderCreated', $3)",
+            &[&tx.tenant(), &order_id, &payload],
+        )
+        .await
+    {
+        return db_failure(e);
+    }
+    tracing::info!(order_id, tenant = tx.tenant(), total, "order created");
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/orders/{order_id}"))],
+        axum::Json(body),
+    )
+        .into_response()
+}
+
+pub async fn get(
+    State(store): State<PgStore>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+) -> Response {
+    let not_found = || {
+        crate::problem(Problem::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "No such order",
+        ))
+    };
+    if !is_uuid(&id) {
+        return not_found();
+    }
+    let client = match store.client().await {
+        Ok(client) => client,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot reach the database");
+            return crate::unavailable();
+        }
+    };
+    let sql =
+        format!("SELECT {ORDER_COLUMNS} FROM orders WHERE id = $1::text::uuid AND tenant_id = $2");
+    match client.query_opt(&sql, &[&id, &tenant.as_str()]).await {
+        Ok(Some(row)) => match order_body(&row) {
+            Ok(body) => axum::Json(body).into_response(),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the order");
+                crate::unavailable()
+            }
+        },
+        Ok(None) => not_found(),
+        Err(e) => {
+            tracing::error!(error = %e, "order lookup failed");
+            crate::unavailable()
+        }
+    }
+}
+
+fn is_uuid(id: &str) -> bool {
+    id.len() == 36
+        && id.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}

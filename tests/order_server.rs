@@ -1,0 +1,601 @@
+//! The example order server, run as a process against a throwaway PostgreSQL,
+//! checked row by row against its HTTP contract (README, "The example order
+//! server"), asserting on the database as well as on the answers.
+
+use std::{process::Stdio, time::Duration};
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use serde_json::{json, Value};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
+    process::{Child, Command},
+};
+use tower_idempotency::testing::TestDatabase;
+
+const TOKEN_A: &str = "demo-token-a";
+const TOKEN_B: &str = "demo-token-b";
+
+struct Server {
+    child: Child,
+    base: String,
+    db: TestDatabase,
+    sql: tokio_postgres::Client,
+    http: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+}
+
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    headers: http::HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+/// `cargo test` builds the examples next to the test binaries.
+fn example_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    let binary = dir.join("examples").join("order_server");
+    assert!(
+        binary.exists(),
+        "{} is missing: run the whole suite with `cargo test --all-features`, which builds the examples",
+        binary.display()
+    );
+    binary
+}
+
+impl Server {
+    async fn start(env: &[(&str, &str)]) -> Server {
+        let db = TestDatabase::create().await;
+        let mut child = Command::new(example_binary())
+            .env("DATABASE_URL", db.connection_string())
+            .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+            .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the example server starts");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .await
+            .expect("reads stdout");
+        let base = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+            .to_owned();
+        let sql = db.client().await;
+        Server {
+            child,
+            base,
+            db,
+            sql,
+            http: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Answer {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+            .unwrap();
+        let response = self.http.request(request).await.expect("server answers");
+        let (parts, body) = response.into_parts();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.expect("body").to_bytes(),
+        }
+    }
+
+    async fn post_order(&self, token: &str, key: Option<&str>, body: &str) -> Answer {
+        let auth = format!("Bearer {token}");
+        let mut headers = vec![
+            ("authorization", auth.as_str()),
+            ("content-type", "application/json"),
+        ];
+        if let Some(key) = key {
+            headers.push(("idempotency-key", key));
+        }
+        self.call(Method::POST, "/orders", &headers, body).await
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.sql.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    async fn stop(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().expect("running").to_string();
+        let killed = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .await
+            .unwrap();
+        assert!(killed.success());
+        tokio::time::timeout(Duration::from_secs(20), self.child.wait())
+            .await
+            .expect("the server exits after SIGTERM")
+            .unwrap()
+    }
+}
+
+fn order(checkout: &str) -> String {
+    json!({
+        "checkout_id": checkout,
+        "currency": "JPY",
+        "items": [{"sku": "SKU-1", "quantity": 2, "unit_price": 1200}],
+        "shipping_address_id": "addr_1"
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_the_contract_table() {
+    let server = Server::start(&[]).await;
+
+    // New order: 201, Location, the order body; order + outbox event + memory in the database.
+    let created = server
+        .post_order(TOKEN_A, Some("key-1"), &order("chk_123"))
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let body = created.json();
+    let id = body["id"].as_str().unwrap().to_owned();
+    assert_eq!(created.headers["location"], format!("/orders/{id}"));
+    assert_eq!(created.headers["content-type"], "application/json");
+    assert_eq!(body["checkout_id"], "chk_123");
+    assert_eq!(body["status"], "created");
+    assert_eq!(body["total"], 2400);
+    assert_eq!(
+        body["items"],
+        json!([{"sku": "SKU-1", "quantity": 2, "unit_price": 1200}])
+    );
+    assert!(body["created_at"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
+    let event = server
+        .sql
+        .query_one("SELECT tenant_id, aggregate_id::text, event_type, published_at IS NULL FROM outbox_events", &[])
+        .await
+        .unwrap();
+    assert_eq!(event.get::<_, &str>(0), "tenant-a");
+    assert_eq!(event.get::<_, &str>(1), id);
+    assert_eq!(event.get::<_, &str>(2), "OrderCreated");
+    assert!(event.get::<_, bool>(3));
+    let record = server
+        .sql
+        .query_one("SELECT tenant_id, endpoint, idempotency_key, response_status, expires_at > created_at + interval '23 hours' FROM idempotency_requests", &[])
+        .await
+        .unwrap();
+    assert_eq!(record.get::<_, &str>(0), "tenant-a");
+    assert_eq!(record.get::<_, &str>(2), "key-1");
+    assert_eq!(record.get::<_, i16>(3), 201);
+    assert!(record.get::<_, bool>(4), "retention defaults to 24h");
+
+    // Same key, same request (other spelling): the first answer byte for byte.
+    let same = r#"{ "trace_id": "t-9", "client_sent_at": "2026-11-30T12:00:00Z", "shipping_address_id": "addr_1",
+        "items": [{"unit_price": 1200, "quantity": 2, "sku": "SKU-1"}], "currency": "JPY", "checkout_id": "chk_123", "coupon": null }"#;
+    let replay = server.post_order(TOKEN_A, Some("\"key-1\""), same).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, created.body);
+    assert_eq!(replay.headers["location"], created.headers["location"]);
+
+    // Same key, different request: 409, nothing changes.
+    let reused = server
+        .post_order(TOKEN_A, Some("key-1"), &order("chk_other"))
+        .await;
+    assert_eq!(reused.status, StatusCode::CONFLICT);
+    assert_eq!(reused.json()["code"], "idempotency_key_reused");
+    assert_eq!(reused.headers["content-type"], "application/problem+json");
+
+    // Bad input: clear answers, nothing remembered.
+    let missing = server.post_order(TOKEN_A, None, &order("chk_2")).await;
+    assert_eq!(
+        (missing.status, missing.json()["code"].clone()),
+        (StatusCode::BAD_REQUEST, json!("idempotency_key_missing"))
+    );
+    let malformed = server
+        .post_order(TOKEN_A, Some("bad key"), &order("chk_2"))
+        .await;
+    assert_eq!(
+        (malformed.status, malformed.json()["code"].clone()),
+        (StatusCode::BAD_REQUEST, json!("idempotency_key_invalid"))
+    );
+    let huge = format!("{{\"checkout_id\":\"{}\"}}", "x".repeat(1024 * 1024 + 1));
+    let too_large = server.post_order(TOKEN_A, Some("key-huge"), &huge).await;
+    assert_eq!(
+        (too_large.status, too_large.json()["code"].clone()),
+        (StatusCode::PAYLOAD_TOO_LARGE, json!("payload_too_large"))
+    );
+    let invalid = r#"{"checkout_id":"","currency":"yen","items":[],"shipping_address_id":"a"}"#;
+    let rejected = server.post_order(TOKEN_A, Some("key-2"), invalid).await;
+    assert_eq!(rejected.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let problem = rejected.json();
+    assert_eq!(problem["code"], "validation_failed");
+    let fields: Vec<&str> = problem["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(fields, ["checkout_id", "currency", "items"]);
+    let unauthorized = server
+        .post_order("wrong-token", Some("key-3"), &order("chk_3"))
+        .await;
+    assert_eq!(
+        (unauthorized.status, unauthorized.json()["code"].clone()),
+        (StatusCode::UNAUTHORIZED, json!("unauthorized"))
+    );
+    assert_eq!(
+        server
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        1,
+        "none of these is remembered"
+    );
+    // A corrected body may reuse the key of the invalid one.
+    let corrected = server
+        .post_order(TOKEN_A, Some("key-2"), &order("chk_2"))
+        .await;
+    assert_eq!(corrected.status, StatusCode::CREATED);
+
+    // Deterministic business rejections are remembered and replayed.
+    let expired =
+        json!({"checkout_id": "chk_c", "currency": "JPY", "items": [{"sku": "S", "unit_price": 1}],
+                         "shipping_address_id": "a", "coupon": "EXPIRED-2025"})
+        .to_string();
+    let coupon = server
+        .post_order(TOKEN_A, Some("key-coupon"), &expired)
+        .await;
+    assert_eq!(
+        (coupon.status, coupon.json()["code"].clone()),
+        (StatusCode::UNPROCESSABLE_ENTITY, json!("coupon_expired"))
+    );
+    let coupon_again = server
+        .post_order(TOKEN_A, Some("key-coupon"), &expired)
+        .await;
+    assert!(coupon_again.replayed());
+    assert_eq!(coupon_again.body, coupon.body);
+    let again = server
+        .post_order(TOKEN_A, Some("key-again"), &order("chk_123"))
+        .await;
+    assert_eq!(again.status, StatusCode::CONFLICT);
+    assert_eq!(again.json()["code"], "checkout_already_ordered");
+    assert_eq!(again.json()["order_id"], id.as_str());
+    let again_replay = server
+        .post_order(TOKEN_A, Some("key-again"), &order("chk_123"))
+        .await;
+    assert!(again_replay.replayed());
+    let statuses: Vec<i16> = server
+        .sql
+        .query("SELECT response_status FROM idempotency_requests WHERE idempotency_key IN ('key-coupon', 'key-again') ORDER BY idempotency_key", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(statuses, [409, 422]);
+    assert_eq!(
+        server.count("SELECT count(*) FROM orders").await,
+        2,
+        "chk_123 and chk_2 only"
+    );
+    assert_eq!(server.count("SELECT count(*) FROM outbox_events").await, 2);
+
+    // Another tenant with the same raw key: its own operation.
+    let other = server
+        .post_order(TOKEN_B, Some("key-1"), &order("chk_123"))
+        .await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert!(!other.replayed());
+    assert_ne!(other.json()["id"], body["id"]);
+
+    // Reads are scoped by tenant.
+    let auth_a = [("authorization", "Bearer demo-token-a")];
+    let auth_b = [("authorization", "Bearer demo-token-b")];
+    let own = server
+        .call(Method::GET, &format!("/orders/{id}"), &auth_a, "")
+        .await;
+    assert_eq!(own.status, StatusCode::OK);
+    assert_eq!(own.json(), body);
+    let foreign = server
+        .call(Method::GET, &format!("/orders/{id}"), &auth_b, "")
+        .await;
+    assert_eq!(
+        (foreign.status, foreign.json()["code"].clone()),
+        (StatusCode::NOT_FOUND, json!("not_found"))
+    );
+    let unknown = server
+        .call(Method::GET, "/orders/not-a-uuid", &auth_a, "")
+        .await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+
+    // Health and metrics need no token.
+    assert_eq!(
+        server.call(Method::GET, "/healthz", &[], "").await.status,
+        StatusCode::OK
+    );
+    let metrics = String::from_utf8(
+        server
+            .call(Method::GET, "/metrics", &[], "")
+            .await
+            .body
+            .to_vec(),
+    )
+    .unwrap();
+    for outcome in ["new", "replayed", "key_reused", "rejected"] {
+        assert!(
+            metrics.contains(&format!(
+                "idempotency_requests_total{{endpoint=\"POST /orders v1\",outcome=\"{outcome}\"}}"
+            )),
+            "{outcome} missing from:\n{metrics}"
+        );
+    }
+    assert!(server.stop().await.success(), "graceful shutdown exits 0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_identical_requests_make_one_order() {
+    let server = std::sync::Arc::new(Server::start(&[]).await);
+    let body = order("chk_hot");
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (server, body) = (server.clone(), body.clone());
+            tokio::spawn(async move { server.post_order(TOKEN_A, Some("hot-key"), &body).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap());
+    }
+    assert!(
+        answers.iter().all(|a| a.status == StatusCode::CREATED),
+        "{:?}",
+        answers.iter().map(|a| a.status).collect::<Vec<_>>()
+    );
+    assert!(answers.iter().all(|a| a.body == answers[0].body));
+    assert_eq!(answers.iter().filter(|a| !a.replayed()).count(), 1);
+    assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
+    assert_eq!(server.count("SELECT count(*) FROM outbox_events").await, 1);
+    assert_eq!(
+        server
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_that_disconnects_after_sending_gets_its_order_on_retry() {
+    let server = Server::start(&[]).await;
+    let body = order("chk_gone");
+    let address = server.base.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let raw = format!(
+        "POST /orders HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer {TOKEN_A}\r\ncontent-type: application/json\r\n\
+         idempotency-key: gone-key\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(raw.as_bytes()).await.unwrap();
+    drop(stream);
+    // Whether the server got to claim the key before it noticed the client
+    // had gone or not, there is one order and the retry is answered with it.
+    let retry = server.post_order(TOKEN_A, Some("gone-key"), &body).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(
+        server.count("SELECT count(*) FROM orders").await,
+        1,
+        "exactly one order"
+    );
+    let order_id: String = server
+        .sql
+        .query_one("SELECT id::text FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        retry.json()["id"],
+        order_id.as_str(),
+        "the retry is answered with that order"
+    );
+}
+
+/// Waits (bounded) until a request is blocked on the test's lock on `orders`.
+async fn wait_for_blocked_insert(server: &Server) {
+    let waiting = "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+                   WHERE c.relname = 'orders' AND NOT l.granted";
+    for _ in 0..500 {
+        if server.count(waiting).await > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        server.count(waiting).await,
+        1,
+        "the first request holds its key and waits on the table"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_abandoned_mid_flight_commits_and_its_retry_replays() {
+    let server = Server::start(&[]).await;
+    let mut blocker = server.db.client().await;
+    let lock = blocker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let body = order("chk_abandoned");
+    let address = server.base.trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let raw = format!(
+        "POST /orders HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer {TOKEN_A}\r\ncontent-type: application/json\r\n\
+         idempotency-key: abandoned\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(raw.as_bytes()).await.unwrap();
+    wait_for_blocked_insert(&server).await;
+    // The client goes away while its request owns the key.
+    drop(stream);
+    let retry = tokio::spawn({
+        let (base, body) = (server.base.clone(), body.clone());
+        let http = server.http.clone();
+        async move {
+            let request = Request::post(format!("{base}/orders"))
+                .header("authorization", format!("Bearer {TOKEN_A}"))
+                .header("idempotency-key", "abandoned")
+                .body(Full::new(Bytes::from(body)))
+                .unwrap();
+            let response = http.request(request).await.unwrap();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            (
+                response.status(),
+                replayed,
+                response.into_body().collect().await.unwrap().to_bytes(),
+            )
+        }
+    });
+    lock.rollback().await.unwrap();
+    let (status, replayed, retry_body) = retry.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(
+        replayed,
+        "the abandoned request committed; the retry waited for it and replays it"
+    );
+    assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
+    let order_id: String = server
+        .sql
+        .query_one("SELECT id::text FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let retry_json: Value = serde_json::from_slice(&retry_body).unwrap();
+    assert_eq!(retry_json["id"], order_id.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_of_a_running_request_is_told_in_progress() {
+    let server = std::sync::Arc::new(Server::start(&[("IDEMPOTENCY_WAIT", "300ms")]).await);
+    // Hold the orders table so the first request stops inside its transaction.
+    let mut blocker = server.db.client().await;
+    let lock = blocker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let first = tokio::spawn({
+        let server = server.clone();
+        async move {
+            server
+                .post_order(TOKEN_A, Some("slow-key"), &order("chk_slow"))
+                .await
+        }
+    });
+    // Synchronise on the database: the first request is waiting for our lock.
+    wait_for_blocked_insert(&server).await;
+    let duplicate = server
+        .post_order(TOKEN_A, Some("slow-key"), &order("chk_slow"))
+        .await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    assert_eq!(duplicate.json()["code"], "idempotency_in_progress");
+    assert!(duplicate.headers.contains_key("retry-after"));
+    lock.rollback().await.unwrap();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let later = server
+        .post_order(TOKEN_A, Some("slow-key"), &order("chk_slow"))
+        .await;
+    assert!(later.replayed());
+    assert_eq!(later.body, first.body);
+    assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_outage_answers_503_and_the_retry_starts_afresh() {
+    let server = Server::start(&[]).await;
+    assert_eq!(
+        server
+            .post_order(TOKEN_A, Some("warm"), &order("chk_warm"))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    let name = server.db.name().to_owned();
+    let admin = {
+        let mut config = server.db.config();
+        config.dbname("postgres");
+        let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        client
+    };
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS false"
+        ))
+        .await
+        .unwrap();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&name],
+        )
+        .await
+        .unwrap();
+    let down = server
+        .post_order(TOKEN_A, Some("during-outage"), &order("chk_down"))
+        .await;
+    assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(down.json()["code"], "store_unavailable");
+    assert!(down.headers.contains_key("retry-after"));
+    assert_eq!(
+        server.call(Method::GET, "/healthz", &[], "").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    admin
+        .batch_execute(&format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS true"))
+        .await
+        .unwrap();
+    let retry = server
+        .post_order(TOKEN_A, Some("during-outage"), &order("chk_down"))
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    let sql = server.db.client().await;
+    let orders: i64 = sql
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(orders, 2);
+}
