@@ -125,3 +125,8 @@ pub use store::{
     postgres::{PgStore, PgStoreBuilder, PgTx, PooledClient, TxError, TxErrorKind},
     Claim, ClaimRequest, Store, StoreError, StoreErrorKind,
 };
+
+// The README's examples compile as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
