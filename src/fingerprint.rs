@@ -40,6 +40,19 @@ impl Fingerprint {
         Fingerprint(hasher.finalize().into())
     }
 
+    /// Binds a body fingerprint to the request target: the same body sent to
+    /// `POST /orders/1/cancel` and to `POST /orders/2/cancel` under one key
+    /// is a reused key, not a retry.
+    pub(crate) fn for_target(self, method: &http::Method, path_and_query: &str) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/target/1\0");
+        hasher.update(self.0);
+        hasher.update(method.as_str().as_bytes());
+        hasher.update(b" ");
+        hasher.update(path_and_query.as_bytes());
+        Fingerprint(hasher.finalize().into())
+    }
+
     /// The 32 digest bytes.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
@@ -352,8 +365,11 @@ fn encode_str(s: &str, out: &mut Vec<u8>) {
     out.extend_from_slice(s.as_bytes());
 }
 
-/// Integers print as integers; a float with no fractional part that is
-/// exactly representable prints as that integer, so `2`, `2.0` and `2e0` agree.
+/// Numbers compare by value: integers print as integers, and a float with
+/// no fractional part prints as the integer it exactly is, so `2`, `2.0` and
+/// `2e0` (or `100000000000000000` and `1e17`) agree. Other floats compare as
+/// IEEE-754 doubles: values that differ only beyond double precision collide,
+/// so send amounts in integer minor units or as strings.
 fn canonical_number(n: &serde_json::Number) -> String {
     if let Some(i) = n.as_i64() {
         return i.to_string();
@@ -362,9 +378,10 @@ fn canonical_number(n: &serde_json::Number) -> String {
         return u.to_string();
     }
     let f = n.as_f64().unwrap_or(f64::NAN);
-    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
-    if f.fract() == 0.0 && f.abs() <= EXACT {
-        return (f as i64).to_string();
+    // Every integral double below 2^127 converts to i128 exactly.
+    const I128_SAFE: f64 = 1.7014118346046923e38;
+    if f.fract() == 0.0 && f.abs() < I128_SAFE {
+        return (f as i128).to_string();
     }
     format!("{f:e}")
 }
@@ -385,6 +402,11 @@ mod tests {
         let a = fp(&json, r#"{"n": 2, "x": 0.5}"#).unwrap();
         assert_eq!(a, fp(&json, r#"{"n": 2.0, "x": 5e-1}"#).unwrap());
         assert_eq!(a, fp(&json, r#"{"x":0.50,"n":2E0}"#).unwrap());
+        assert_eq!(
+            fp(&json, "100000000000000000").unwrap(),
+            fp(&json, "1e17").unwrap()
+        );
+        assert_eq!(fp(&json, "-0.0").unwrap(), fp(&json, "0").unwrap());
         assert_ne!(a, fp(&json, r#"{"n": 3, "x": 0.5}"#).unwrap());
     }
 

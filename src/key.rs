@@ -35,8 +35,6 @@ pub enum KeyError {
     TooLong,
     /// The key contains a byte outside visible ASCII (0x21–0x7E).
     InvalidCharacter,
-    /// A quoted key is not a well-formed RFC 8941 string.
-    MalformedQuotedString,
     /// The header appeared more than once.
     Repeated,
 }
@@ -49,7 +47,6 @@ impl fmt::Display for KeyError {
             KeyError::InvalidCharacter => {
                 "the key may only contain visible ASCII characters (0x21-0x7E)"
             }
-            KeyError::MalformedQuotedString => "the quoted key is not a valid RFC 8941 string",
             KeyError::Repeated => "the key header appears more than once",
         })
     }
@@ -59,13 +56,17 @@ impl std::error::Error for KeyError {}
 
 impl IdempotencyKey {
     /// Parses a header value: a bare key or an RFC 8941 quoted string.
+    ///
+    /// A value that is a well-formed quoted string is unquoted (`"abc"` and
+    /// `abc` name the same key); anything else is taken as it is, so a bare
+    /// key may itself contain `"`.
     pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
-        let key = match raw {
-            [b'"', inner @ .., b'"'] => unquote(inner)?,
-            [b'"', ..] => return Err(KeyError::MalformedQuotedString),
-            bare => bare.to_vec(),
-        };
-        Self::from_bytes(key)
+        match raw {
+            [b'"', inner @ .., b'"'] => {
+                Self::from_bytes(unquote(inner).unwrap_or_else(|| raw.to_vec()))
+            }
+            bare => Self::from_bytes(bare.to_vec()),
+        }
     }
 
     fn from_bytes(key: Vec<u8>) -> Result<Self, KeyError> {
@@ -98,22 +99,23 @@ impl IdempotencyKey {
     }
 }
 
-/// RFC 8941 sf-string body: printable ASCII with `\"` and `\\` as the only escapes.
-fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
+/// RFC 8941 sf-string body: printable ASCII with `\"` and `\\` as the only
+/// escapes; `None` if it is not one.
+fn unquote(inner: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(inner.len());
     let mut bytes = inner.iter();
     while let Some(&b) = bytes.next() {
         match b {
             b'\\' => match bytes.next() {
                 Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
-                _ => return Err(KeyError::MalformedQuotedString),
+                _ => return None,
             },
-            b'"' => return Err(KeyError::MalformedQuotedString),
+            b'"' => return None,
             0x20..=0x7e => out.push(b),
-            _ => return Err(KeyError::InvalidCharacter),
+            _ => return None,
         }
     }
-    Ok(out)
+    Some(out)
 }
 
 impl fmt::Debug for IdempotencyKey {
@@ -157,13 +159,12 @@ mod tests {
             IdempotencyKey::parse(b"\"a b\""),
             Err(KeyError::InvalidCharacter)
         );
+        // Not a well-formed quoted string: a bare key that happens to hold quotes.
+        assert_eq!(IdempotencyKey::parse(b"\"abc").unwrap().as_str(), "\"abc");
+        assert_eq!(IdempotencyKey::parse(b"\"").unwrap().as_str(), "\"");
         assert_eq!(
-            IdempotencyKey::parse(b"\"abc"),
-            Err(KeyError::MalformedQuotedString)
-        );
-        assert_eq!(
-            IdempotencyKey::parse(b"\"a\\x\""),
-            Err(KeyError::MalformedQuotedString)
+            IdempotencyKey::parse(b"\"a\\x\"").unwrap().as_str(),
+            "\"a\\x\""
         );
         assert_eq!(
             IdempotencyKey::parse("ключ".as_bytes()),

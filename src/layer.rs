@@ -6,6 +6,7 @@ use http::{header, HeaderName, StatusCode};
 use tower_layer::Layer;
 
 use crate::{
+    coalesce::InFlight,
     fingerprint::Fingerprinter,
     scope::{ResolveTenant, TenantFromExtension},
     service::Idempotency,
@@ -71,6 +72,7 @@ pub struct IdempotencyLayer<St, F, R = TenantFromExtension> {
     pub(crate) fingerprinter: Arc<F>,
     pub(crate) resolver: Arc<R>,
     pub(crate) config: Arc<Config>,
+    pub(crate) in_flight: Arc<InFlight>,
 }
 
 impl<St: Clone, F, R> Clone for IdempotencyLayer<St, F, R> {
@@ -80,6 +82,7 @@ impl<St: Clone, F, R> Clone for IdempotencyLayer<St, F, R> {
             fingerprinter: self.fingerprinter.clone(),
             resolver: self.resolver.clone(),
             config: self.config.clone(),
+            in_flight: self.in_flight.clone(),
         }
     }
 }
@@ -116,6 +119,7 @@ where
                 ],
                 key_reuse: KeyReuseStatus::Conflict,
             }),
+            in_flight: Arc::default(),
         }
     }
 }
@@ -133,6 +137,7 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
             fingerprinter: self.fingerprinter,
             resolver: Arc::new(resolver),
             config: self.config,
+            in_flight: self.in_flight,
         }
     }
 

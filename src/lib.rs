@@ -88,6 +88,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+mod coalesce;
 mod fingerprint;
 mod future;
 mod key;

@@ -17,6 +17,7 @@ use tracing::{field, Instrument, Span};
 
 use crate::{
     body::{BoxError, RequestBody, ResponseBody},
+    coalesce::Turn,
     fingerprint::Fingerprinter,
     future::ResponseFuture,
     key::{IdempotencyKey, KeyError},
@@ -200,7 +201,10 @@ where
         Err(problem) => return reject(problem),
     };
     let fingerprint = match layer.fingerprinter.fingerprint(&mut parts, &bytes) {
-        Ok(fingerprint) => fingerprint,
+        Ok(fingerprint) => {
+            let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
+            fingerprint.for_target(&parts.method, target)
+        }
         Err(problem) => return reject(problem),
     };
     let claim = ClaimRequest::new(
@@ -248,6 +252,34 @@ where
         span.record("outcome", outcome.as_str());
         metrics::request(endpoint, outcome);
     };
+    // Duplicates of a key this process is already working on wait here,
+    // holding no connection, then ask the store with what is left of the wait.
+    let deadline = tokio::time::Instant::now() + config.wait;
+    let _lead = match layer.in_flight.enter(&claim.scope, &claim.key) {
+        Turn::Lead(guard) => Some(guard),
+        Turn::Follow(mut done) => {
+            if tokio::time::timeout_at(deadline, done.changed())
+                .await
+                .is_ok()
+            {
+                None
+            } else {
+                tracing::info!(
+                    waited_ms = arrived.elapsed().as_millis() as u64,
+                    "key still in progress after the wait"
+                );
+                metrics::claim_duration(
+                    endpoint,
+                    Outcome::InProgress,
+                    arrived.elapsed().as_secs_f64(),
+                );
+                finish(Outcome::InProgress);
+                return Ok(problem_response(&in_progress()));
+            }
+        }
+    };
+    let mut claim = claim;
+    claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     let claimed = layer.store.claim(&claim).await;
     let claim_outcome = match &claimed {
         Ok(Claim::Owned(_)) => Outcome::New,

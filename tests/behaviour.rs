@@ -220,6 +220,24 @@ async fn unmarked_4xx_is_rolled_back_but_final_4xx_is_remembered<B: Backend>(bac
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
+async fn same_key_on_another_target_is_a_reused_key<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    let mut first = post(Some("tenant-a"), Some("k1"), BODY);
+    *first.uri_mut() = "/orders/1/cancel".parse().unwrap();
+    let mut second = post(Some("tenant-a"), Some("k1"), BODY);
+    *second.uri_mut() = "/orders/2/cancel".parse().unwrap();
+    assert_eq!(
+        send(service.clone(), first).await.status,
+        StatusCode::CREATED
+    );
+    let other = send(service.clone(), second).await;
+    assert_eq!(other.status, StatusCode::CONFLICT);
+    assert_eq!(other.json()["code"], "idempotency_key_reused");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(backend.orders().await.len(), 1);
+}
+
 async fn tenants_with_the_same_raw_key_stay_apart<B: Backend>(backend: B) {
     let calls = Arc::new(AtomicU64::new(0));
     let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
@@ -357,7 +375,7 @@ async fn bad_input_is_refused_and_writes_nothing<B: Backend>(backend: B) {
             "idempotency_key_invalid",
         ),
         (
-            post(Some("tenant-a"), Some("\"unterminated"), BODY),
+            post(Some("tenant-a"), Some("\"quoted space\""), BODY),
             StatusCode::BAD_REQUEST,
             "idempotency_key_invalid",
         ),
@@ -447,6 +465,7 @@ for_both_stores!(
     rolls_back_on_service_error,
     unmarked_4xx_is_rolled_back_but_final_4xx_is_remembered,
     tenants_with_the_same_raw_key_stay_apart,
+    same_key_on_another_target_is_a_reused_key,
     expired_key_is_a_new_operation,
     duplicate_waits_then_answers_in_progress,
     client_gone_after_claim_still_commits_and_retry_replays,

@@ -89,7 +89,7 @@ async fn stores_the_response_and_its_metadata() {
         .client
         .query_one(
             "SELECT tenant_id, endpoint, idempotency_key, request_fingerprint, state, attempt_token, response_status, \
-                    response_headers, response_body, extract(epoch from expires_at - created_at)::float8, completed_at IS NOT NULL \
+                    response_headers, response_body, extract(epoch from expires_at - completed_at)::float8, completed_at IS NOT NULL \
              FROM idempotency_requests",
             &[],
         )
@@ -258,16 +258,29 @@ async fn transaction_control_through_the_handle_is_refused() {
             )
             .await?;
             let commit = tx.batch_execute("COMMIT").await.map_err(|e| e.kind());
+            let hidden_commit = tx
+                .execute("/* done */ COMMIT;", &[])
+                .await
+                .map(|_| ())
+                .map_err(|e| e.kind());
+            let session_set = tx
+                .batch_execute("SET default_transaction_read_only = on")
+                .await
+                .map_err(|e| e.kind());
             let savepoint = tx
                 .batch_execute("SAVEPOINT s1; RELEASE SAVEPOINT s1")
                 .await
                 .map_err(|e| e.kind());
-            let _ = seen_tx
-                .lock()
-                .unwrap()
-                .take()
-                .unwrap()
-                .send((commit, savepoint));
+            let quoted = tx
+                .execute(
+                    "INSERT INTO orders (id, tenant_id) VALUES ('done; commit', 'tenant-a')",
+                    &[],
+                )
+                .await
+                .map(|_| ())
+                .map_err(|e| e.kind());
+            let seen = (commit, hidden_commit, session_set, savepoint, quoted);
+            let _ = seen_tx.lock().unwrap().take().unwrap().send(seen);
             Ok(created("{}".into()))
         }
     }));
@@ -277,10 +290,17 @@ async fn transaction_control_through_the_handle_is_refused() {
             .status,
         StatusCode::CREATED
     );
-    let (commit, savepoint) = seen_rx.await.unwrap();
+    let (commit, hidden_commit, session_set, savepoint, quoted) = seen_rx.await.unwrap();
     assert_eq!(commit, Err(TxErrorKind::TransactionControl));
+    assert_eq!(hidden_commit, Err(TxErrorKind::TransactionControl));
+    assert_eq!(session_set, Err(TxErrorKind::SessionState));
     assert_eq!(savepoint, Ok(()));
-    assert_eq!(pg.orders().await.len(), 1);
+    assert_eq!(
+        quoted,
+        Ok(()),
+        "a semicolon inside a string is not a statement boundary"
+    );
+    assert_eq!(pg.orders().await.len(), 2);
     assert_eq!(pg.records().await[0].2, "completed");
 }
 
@@ -342,4 +362,168 @@ async fn exhausted_pool_answers_503_without_touching_other_keys() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(keys, ["k1"], "the starved request left no row");
+}
+
+/// A claim future dropped mid-flight (here: while it waits on the owner's
+/// row lock) must not hand its open transaction to the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_claim_never_leaks_its_transaction() {
+    use tower_idempotency::{
+        Claim, ClaimRequest, Fingerprint, IdempotencyKey, Scope, Store, StoredResponse, TenantId,
+    };
+    let pg = Postgres::with_pool(2).await;
+    let store = pg.store.clone();
+    let request = |key: &str| {
+        ClaimRequest::new(
+            Scope::new(TenantId::new("t"), "POST /x"),
+            IdempotencyKey::parse(key.as_bytes()).unwrap(),
+            Fingerprint::from_bytes([1; 32]),
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+        )
+    };
+    let Ok(Claim::Owned(owner)) = store.claim(&request("k")).await else {
+        panic!("owner")
+    };
+    let cancelled =
+        tokio::time::timeout(Duration::from_millis(200), store.claim(&request("k"))).await;
+    assert!(
+        cancelled.is_err(),
+        "the second claim was still waiting when it was dropped"
+    );
+    store.abort(owner).await.unwrap();
+    let response = StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from_static(b"x"),
+    };
+    for key in ["x1", "x2", "x3"] {
+        let Ok(Claim::Owned(tx)) = store.claim(&request(key)).await else {
+            panic!("{key}")
+        };
+        store.complete(tx, &response).await.unwrap();
+    }
+    let keys: Vec<(String, String, String, Option<i16>)> = pg.records().await;
+    let keys: Vec<(&str, &str)> = keys
+        .iter()
+        .map(|(_, k, state, _)| (k.as_str(), state.as_str()))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            ("x1", "completed"),
+            ("x2", "completed"),
+            ("x3", "completed")
+        ],
+        "no orphan claim committed"
+    );
+}
+
+/// Duplicates of a hot key wait in the process, not on pooled connections:
+/// other keys keep being served by a small pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_duplicates_do_not_starve_other_keys() {
+    let pg = Postgres::with_pool(2).await;
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let hot_service = layer(pg.store.clone()).layer(handler({
+        let (started, release) = (started.clone(), release.clone());
+        move |tx: PgTx| {
+            let (started, release) = (started.clone(), release.clone());
+            async move {
+                tx.execute(
+                    "INSERT INTO orders (id, tenant_id) VALUES ('hot', 'tenant-a')",
+                    &[],
+                )
+                .await?;
+                started.notify_one();
+                release.notified().await;
+                Ok(created("{\"id\":\"hot\"}".into()))
+            }
+        }
+    }));
+    let first = spawn_send(
+        hot_service.clone(),
+        post(Some("tenant-a"), Some("hot"), BODY),
+    );
+    started.notified().await;
+    let duplicates: Vec<_> = (0..10)
+        .map(|_| {
+            spawn_send(
+                hot_service.clone(),
+                post(Some("tenant-a"), Some("hot"), BODY),
+            )
+        })
+        .collect();
+    let cold_service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    let cold = send(cold_service, post(Some("tenant-a"), Some("cold"), BODY)).await;
+    assert_eq!(
+        cold.status,
+        StatusCode::CREATED,
+        "a cold key is served while the hot one is held"
+    );
+    release.notify_one();
+    let first = first.await.unwrap();
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.unwrap();
+        assert!(duplicate.replayed());
+        assert_eq!(duplicate.body, first.body);
+    }
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// Two layers are two processes: the duplicate waits on the row lock in
+/// PostgreSQL, then replays; even when the database defaults to REPEATABLE READ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_from_another_process_waits_on_the_row_lock() {
+    let pg = Postgres::new().await;
+    pg.client
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET default_transaction_isolation = 'repeatable read'",
+            pg.db.name()
+        ))
+        .await
+        .unwrap();
+    let store = PgStore::builder(pg.db.config()).build().unwrap();
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let process_a = layer(store.clone()).layer(handler({
+        let (started, release) = (started.clone(), release.clone());
+        move |tx: PgTx| {
+            let (started, release) = (started.clone(), release.clone());
+            async move {
+                tx.execute(
+                    "INSERT INTO orders (id, tenant_id) VALUES ('a', 'tenant-a')",
+                    &[],
+                )
+                .await?;
+                started.notify_one();
+                release.notified().await;
+                Ok(created("{\"id\":\"a\"}".into()))
+            }
+        }
+    }));
+    let process_b = layer(store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    let first = spawn_send(process_a, post(Some("tenant-a"), Some("k1"), BODY));
+    started.notified().await;
+    let short = layer(store.clone())
+        .wait(WAIT_SHORT)
+        .layer(order_handler::<Postgres>(Default::default()));
+    let timed_out = send(short, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(timed_out.json()["code"], "idempotency_in_progress");
+    let duplicate = spawn_send(process_b, post(Some("tenant-a"), Some("k1"), BODY));
+    // Synchronise on the database: the duplicate is waiting for the key's lock.
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    for _ in 0..500 {
+        let n: i64 = pg.client.query_one(waiting, &[]).await.unwrap().get(0);
+        if n > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    release.notify_one();
+    let first = first.await.unwrap();
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(duplicate.replayed());
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(pg.orders().await.len(), 1);
 }

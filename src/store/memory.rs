@@ -171,8 +171,10 @@ impl Store for MemoryStore {
     }
 
     async fn abort(&self, tx: MemoryTx) -> Result<(), StoreError> {
-        tx.take_staged()?;
-        tx.inner.release();
+        // Aborting a finished transaction is a no-op, as with PostgreSQL.
+        if tx.take_staged().is_ok() {
+            tx.inner.release();
+        }
         Ok(())
     }
 }

@@ -1,7 +1,5 @@
 //! Versioned, idempotent schema migrations, safe to run from many processes.
 
-use deadpool_postgres::Object;
-
 use crate::store::{StoreError, StoreErrorKind};
 
 /// Serialises concurrent migrators (any constant unique to this crate).
@@ -38,15 +36,13 @@ CREATE INDEX idempotency_requests_expires_at_idx ON idempotency_requests (expire
 /// The newest schema version this build knows.
 pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
 
-pub(crate) async fn run(conn: &Object) -> Result<(), StoreError> {
-    let result = apply(conn).await;
-    if result.is_err() {
-        let _ = conn.batch_execute("ROLLBACK").await;
-    }
-    result
+pub(crate) async fn run(conn: &super::Conn) -> Result<(), StoreError> {
+    // On error the caller's `Conn` stays marked in a transaction and is
+    // closed, which rolls back.
+    apply(conn).await
 }
 
-async fn apply(conn: &Object) -> Result<(), StoreError> {
+async fn apply(conn: &super::Conn) -> Result<(), StoreError> {
     conn.batch_execute(&format!(
         "BEGIN;
          SELECT pg_advisory_xact_lock({MIGRATION_LOCK});

@@ -5,7 +5,8 @@
 //!
 //! 1. A plain indexed read finds a completed, unexpired record: replay it
 //!    (no transaction, no write, no lock).
-//! 2. Otherwise, in one round trip: `BEGIN`, `lock_timeout` for the wait,
+//! 2. Otherwise, in one round trip: `BEGIN ISOLATION LEVEL READ COMMITTED`
+//!    (the "not owned" read below needs a fresh snapshot), `lock_timeout` for the wait,
 //!    `INSERT … ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE
 //!    … WHERE expired RETURNING attempt_token`, and `lock_timeout` back to the
 //!    session's default for the handler. A returned row means this
@@ -14,7 +15,15 @@
 //!    means in progress. No row means a record committed meanwhile: read it in
 //!    the same transaction and roll back.
 //! 3. The handler writes through [`PgTx`].
-//! 4. In one round trip: `UPDATE` the row with the response and `COMMIT`.
+//! 4. In one round trip: `UPDATE` the row with the response (its retention
+//!    counts from now, the completion) and `COMMIT`. The `UPDATE` matches only
+//!    the row this transaction claimed (attempt token and transaction id), and
+//!    fails otherwise, so the pipelined `COMMIT` rolls back.
+//!
+//! Every pooled connection that may be inside a transaction is held in a
+//! guard that closes it, rather than returning it to the pool, if it is
+//! dropped before `COMMIT`/`ROLLBACK` was acknowledged (a cancelled future, a
+//! panic): PostgreSQL then rolls back.
 //!
 //! No `SELECT` decides ownership: the unique index does.
 
@@ -25,7 +34,7 @@ use deadpool_postgres::{
     Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
 };
 use http::StatusCode;
-use tokio_postgres::{error::SqlState, NoTls, Row};
+use tokio_postgres::{error::SqlState, types::ToSql, NoTls, Row};
 
 use super::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind};
 use crate::{
@@ -34,35 +43,92 @@ use crate::{
 };
 
 mod migrations;
+mod sql;
 mod tx;
 
 pub use tx::{PgTx, TxError, TxErrorKind};
 
-const LOOKUP: &str =
-    "SELECT request_fingerprint, state, response_status, response_headers, response_body \
+// Parameters carry explicit casts so their types are fixed by the SQL text:
+// binding can then never fail on the client after an earlier pipelined
+// statement was already sent.
+const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body \
      FROM idempotency_requests \
-     WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3 AND expires_at > now()";
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
 
 const CLAIM: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
-     VALUES ($1, $2, $3, $4, 'in_progress', now() + make_interval(secs => $5)) \
+     VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          attempt_token = r.attempt_token + 1, response_status = NULL, response_headers = NULL, \
          response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
      WHERE r.expires_at <= now() \
-     RETURNING attempt_token";
+     RETURNING attempt_token, pg_current_xact_id()::text";
 
 // The COMMIT is pipelined behind this statement, so it must fail (aborting
 // the transaction) rather than match no row: the handler's writes must never
-// commit without the remembered response. Division by zero does that.
+// commit without the remembered response. Division by zero does that. The
+// transaction id check catches a handler that ended the claim's transaction.
+// Retention counts from the completion (one timestamp for both columns).
 const COMPLETE: &str = "WITH done AS ( \
-         UPDATE idempotency_requests SET state = 'completed', response_status = $5, \
-             response_headers = $6, response_body = $7, completed_at = now() \
-         WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3 AND attempt_token = $4 \
-             AND state = 'in_progress' \
+         UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
+             response_headers = $6::bytea, response_body = $7::bytea, completed_at = statement_timestamp(), \
+             expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
+         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+             AND attempt_token = $4::int8 AND state = 'in_progress' \
+             AND pg_current_xact_id() = $9::text::xid8 \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM done)";
+
+/// A pooled connection that may be inside a transaction.
+///
+/// Dropped while a transaction may be open (a cancelled future, a panic), it
+/// closes the connection instead of returning it to the pool; PostgreSQL then
+/// rolls the transaction back. Nothing else can put an open transaction back
+/// into the pool.
+pub(crate) struct Conn {
+    object: Option<Object>,
+    in_transaction: bool,
+}
+
+impl Conn {
+    fn new(object: Object) -> Self {
+        Conn {
+            object: Some(object),
+            in_transaction: false,
+        }
+    }
+
+    /// Call before sending `BEGIN`.
+    fn begin(&mut self) {
+        self.in_transaction = true;
+    }
+
+    /// Call once `COMMIT` or `ROLLBACK` was acknowledged.
+    fn ended(&mut self) {
+        self.in_transaction = false;
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = Object;
+    fn deref(&self) -> &Object {
+        // Only `Drop` takes the object out.
+        self.object
+            .as_ref()
+            .expect("a Conn holds its object until dropped")
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(object) = self.object.take() {
+            if self.in_transaction || object.is_closed() {
+                drop(Object::take(object));
+            }
+        }
+    }
+}
 
 /// The PostgreSQL [`Store`].
 ///
@@ -171,12 +237,11 @@ impl PgStore {
     /// Creates or upgrades the schema (`idempotency_requests`). Idempotent;
     /// concurrent callers serialise on an advisory lock.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let conn = self.conn().await?;
-        let result = migrations::run(&conn).await;
-        if result.is_err() {
-            drop(Object::take(conn));
-        }
-        result
+        let mut conn = self.conn().await?;
+        conn.begin();
+        migrations::run(&conn).await?;
+        conn.ended();
+        Ok(())
     }
 
     /// A pooled connection for the application's own queries outside the
@@ -185,8 +250,8 @@ impl PgStore {
         Ok(PooledClient(self.conn().await?))
     }
 
-    async fn conn(&self) -> Result<Object, StoreError> {
-        self.pool.get().await.map_err(|e| {
+    async fn conn(&self) -> Result<Conn, StoreError> {
+        self.pool.get().await.map(Conn::new).map_err(|e| {
             let message = match &e {
                 PoolError::Timeout(_) => "timed out waiting for a pooled connection",
                 PoolError::Closed => "the connection pool is closed",
@@ -196,23 +261,22 @@ impl PgStore {
         })
     }
 
-    async fn lookup(conn: &Object, request: &ClaimRequest) -> Result<Option<Row>, StoreError> {
+    /// Reads the record of `request`'s key, if any (READ COMMITTED: a fresh snapshot).
+    async fn lookup(conn: &Conn, request: &ClaimRequest) -> Result<Option<Row>, StoreError> {
         let statement = conn.prepare_cached(LOOKUP).await.map_err(map_error)?;
-        conn.query_opt(
-            &statement,
-            &[
-                &request.scope.tenant().as_str(),
-                &request.scope.endpoint(),
-                &request.key.as_str(),
-            ],
-        )
-        .await
-        .map_err(map_error)
+        let (tenant, endpoint, key) = key_columns(request);
+        conn.query_opt(&statement, &[&tenant, &endpoint, &key])
+            .await
+            .map_err(map_error)
     }
 
-    async fn try_claim(conn: &Object, request: &ClaimRequest) -> Result<Option<i64>, StoreError> {
+    /// Begins and claims in one round trip: `Some((token, xid))` if we own the key.
+    async fn try_claim(
+        conn: &mut Conn,
+        request: &ClaimRequest,
+    ) -> Result<Option<(i64, String)>, StoreError> {
         let (set_wait, claim) = tokio::try_join!(
-            conn.prepare_cached("SELECT set_config('lock_timeout', $1, true)"),
+            conn.prepare_cached("SELECT set_config('lock_timeout', $1::text, true)"),
             conn.prepare_cached(CLAIM),
         )
         .map_err(map_error)?;
@@ -220,80 +284,68 @@ impl PgStore {
         let wait = format!("{}ms", request.wait.as_millis().max(1));
         let retention = request.retention.as_secs_f64();
         let fingerprint = request.fingerprint.as_bytes().as_slice();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [
-            &request.scope.tenant().as_str(),
-            &request.scope.endpoint(),
-            &request.key.as_str(),
-            &fingerprint,
-            &retention,
-        ];
-        // One round trip: the requests are pipelined. The wait limit is for
-        // the claim alone; the handler's statements run under the session's
-        // own lock_timeout again.
-        let wait_param: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&wait];
+        let (tenant, endpoint, key) = key_columns(request);
+        let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &fingerprint, &retention];
+        let wait_param: [&(dyn ToSql + Sync); 1] = [&wait];
+        conn.begin();
+        // One round trip: the requests are pipelined, sent in this order. The
+        // wait limit is for the claim alone; the handler's statements run
+        // under the session's own lock_timeout again.
         let (_, _, claimed, _) = tokio::try_join!(
-            conn.batch_execute("BEGIN"),
+            biased;
+            conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
             conn.query_one(&set_wait, &wait_param),
             conn.query_opt(&claim, &params),
             conn.batch_execute("SET LOCAL lock_timeout TO DEFAULT"),
         )
         .map_err(map_error)?;
-        Ok(claimed.map(|row| row.get(0)))
+        Ok(claimed.map(|row| (row.get(0), row.get(1))))
     }
+
+    /// Rolls back; the connection goes back to the pool only if that worked.
+    async fn rollback(mut conn: Conn) -> Result<(), StoreError> {
+        conn.batch_execute("ROLLBACK").await.map_err(map_error)?;
+        conn.ended();
+        Ok(())
+    }
+}
+
+fn key_columns(request: &ClaimRequest) -> (&str, &str, &str) {
+    (
+        request.scope.tenant().as_str(),
+        request.scope.endpoint(),
+        request.key.as_str(),
+    )
 }
 
 impl Store for PgStore {
     type Tx = PgTx;
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
-        let conn = self.conn().await?;
+        let mut conn = self.conn().await?;
         if let Some(row) = Self::lookup(&conn, request).await? {
             if let Some(record) = decode_record(&row)? {
                 return Ok(Claim::Completed(record));
             }
         }
-        match Self::try_claim(&conn, request).await {
-            Ok(Some(token)) => Ok(Claim::Owned(PgTx::new(
-                conn,
-                request.scope.clone(),
-                request.key.clone(),
-                token,
-            ))),
+        match Self::try_claim(&mut conn, request).await {
+            Ok(Some((token, xid))) => Ok(Claim::Owned(PgTx::new(conn, request, token, xid))),
             Ok(None) => {
                 // Committed by another owner while we waited: read it with a
-                // fresh snapshot (READ COMMITTED), then let go.
-                let statement = conn.prepare_cached(LOOKUP).await;
-                let read = match &statement {
-                    Ok(statement) => {
-                        let (tenant, endpoint, key) = (
-                            request.scope.tenant().as_str(),
-                            request.scope.endpoint(),
-                            request.key.as_str(),
-                        );
-                        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-                            [&tenant, &endpoint, &key];
-                        let (row, rollback) = tokio::join!(
-                            conn.query_opt(statement, &params),
-                            conn.batch_execute("ROLLBACK"),
-                        );
-                        rollback.map_err(map_error).and(row.map_err(map_error))
-                    }
-                    Err(_) => Err(rollback_and_discard(conn).await),
-                };
-                let record = match read? {
+                // fresh snapshot, then let go.
+                let row = Self::lookup(&conn, request).await;
+                Self::rollback(conn).await?;
+                let record = match row? {
                     Some(row) => decode_record(&row)?,
                     None => None,
                 };
                 Ok(record.map_or(Claim::InProgress, Claim::Completed))
             }
-            Err(e) if e.kind() == StoreErrorKind::Unavailable => {
-                drop(Object::take(conn));
-                Err(e)
-            }
             Err(e) => {
                 let lock_timeout = e.sql_state() == Some(SqlState::LOCK_NOT_AVAILABLE.code());
-                if conn.batch_execute("ROLLBACK").await.is_err() {
-                    drop(Object::take(conn));
+                if e.kind() != StoreErrorKind::Unavailable {
+                    // A failed rollback leaves `conn` marked in a transaction: it is closed.
+                    let _ = Self::rollback(conn).await;
                 }
                 if lock_timeout {
                     Ok(Claim::InProgress)
@@ -305,7 +357,7 @@ impl Store for PgStore {
     }
 
     async fn complete(&self, tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
-        let Some(conn) = tx.take().await else {
+        let Some(mut conn) = tx.take().await else {
             return Err(StoreError::new(
                 StoreErrorKind::TransactionAborted,
                 "the transaction has already finished",
@@ -314,29 +366,34 @@ impl Store for PgStore {
         let statement = match conn.prepare_cached(COMPLETE).await {
             Ok(statement) => statement,
             Err(e) => {
-                let _ = conn.batch_execute("ROLLBACK").await;
+                let _ = Self::rollback(conn).await;
                 return Err(map_error(e));
             }
         };
         let status = response.status.as_u16() as i16;
         let headers = response.encode_headers();
         let body: &[u8] = &response.body;
-        let scope = tx.scope();
-        let token = tx.attempt_token();
-        let (tenant, endpoint, key) =
-            (scope.tenant().as_str(), scope.endpoint(), tx.key().as_str());
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
-            [&tenant, &endpoint, &key, &token, &status, &headers, &body];
+        let retention = tx.retention().as_secs_f64();
+        let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
+        let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid,
+        ];
+        // One round trip; `biased` sends the UPDATE before the COMMIT.
         let (updated, committed) = tokio::join!(
+            biased;
             conn.query_one(&statement, &params),
             conn.batch_execute("COMMIT"),
         );
+        if committed.is_ok() {
+            // Committed, or (after a failed UPDATE) rolled back: either way over.
+            conn.ended();
+        }
         match (updated, committed) {
             (Ok(_), Ok(())) => Ok(()),
-            // The update failed, so the pipelined COMMIT rolled back.
             (Err(e), _) => {
                 let error = map_error(e);
-                let error = if error.kind() == StoreErrorKind::Unavailable {
+                Err(if error.kind() == StoreErrorKind::Unavailable {
                     error
                 } else {
                     StoreError::new(
@@ -344,41 +401,19 @@ impl Store for PgStore {
                         "the transaction was rolled back",
                     )
                     .with_source(error)
-                };
-                if conn.is_closed() {
-                    drop(Object::take(conn));
-                }
-                Err(error)
+                })
             }
-            (Ok(_), Err(e)) => {
-                drop(Object::take(conn));
-                Err(map_error(e))
-            }
+            (Ok(_), Err(e)) => Err(map_error(e)),
         }
     }
 
     async fn abort(&self, tx: PgTx) -> Result<(), StoreError> {
-        let Some(conn) = tx.take().await else {
-            return Ok(());
-        };
-        match conn.batch_execute("ROLLBACK").await {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // The server rolls back when the connection closes.
-                drop(Object::take(conn));
-                Err(map_error(e))
-            }
+        match tx.take().await {
+            // The server rolls back when a connection whose ROLLBACK failed is closed.
+            Some(conn) => Self::rollback(conn).await,
+            None => Ok(()),
         }
     }
-}
-
-async fn rollback_and_discard(conn: Object) -> StoreError {
-    let _ = conn.batch_execute("ROLLBACK").await;
-    drop(Object::take(conn));
-    StoreError::new(
-        StoreErrorKind::Unavailable,
-        "cannot prepare the lookup statement",
-    )
 }
 
 /// `None` for a row that is not completed (a committed in-progress row).
@@ -451,7 +486,7 @@ fn map_error(e: tokio_postgres::Error) -> StoreError {
 
 /// A pooled connection from [`PgStore::client`]; dereferences to a
 /// `tokio_postgres::Client` and returns to the pool on drop.
-pub struct PooledClient(Object);
+pub struct PooledClient(Conn);
 
 impl PooledClient {
     /// Prepares a statement, reusing this connection's cached one.

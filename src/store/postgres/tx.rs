@@ -2,10 +2,15 @@
 
 use std::{fmt, sync::Arc};
 
-use deadpool_postgres::Object;
+use std::time::Duration;
+
 use tokio::sync::Mutex;
 use tokio_postgres::{error::SqlState, types::ToSql, Row};
 
+use super::{
+    sql::{self, Refusal},
+    Conn,
+};
 use crate::scope::Scope;
 
 /// The open PostgreSQL transaction of the request that owns its key.
@@ -24,7 +29,14 @@ use crate::scope::Scope;
 ///
 /// Never issue `BEGIN`, `COMMIT` or `ROLLBACK` yourself: the layer owns the
 /// transaction's end, and such statements are refused with
-/// [`TxErrorKind::TransactionControl`]. Savepoints are fine.
+/// [`TxErrorKind::TransactionControl`]. Savepoints are fine. Session-level
+/// `SET`/`RESET` would outlive the request on the pooled connection and are
+/// refused with [`TxErrorKind::SessionState`]; use `SET LOCAL`. (As a
+/// backstop, should a `COMMIT` slip through anyway, the completion detects
+/// that it runs in another transaction and refuses to remember the response.)
+///
+/// Statements are prepared once per connection and cached: pass values as
+/// `$n` parameters and keep the SQL text static.
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::PgTx) -> Result<(), tower_idempotency::TxError> {
@@ -43,20 +55,24 @@ pub struct PgTx {
 }
 
 struct Shared {
-    conn: Mutex<Option<Object>>,
+    conn: Mutex<Option<Conn>>,
     scope: Scope,
     key: crate::IdempotencyKey,
     token: i64,
+    xid: String,
+    retention: Duration,
 }
 
 impl PgTx {
-    pub(super) fn new(conn: Object, scope: Scope, key: crate::IdempotencyKey, token: i64) -> Self {
+    pub(super) fn new(conn: Conn, claim: &crate::ClaimRequest, token: i64, xid: String) -> Self {
         PgTx {
             inner: Arc::new(Shared {
                 conn: Mutex::new(Some(conn)),
-                scope,
-                key,
+                scope: claim.scope.clone(),
+                key: claim.key.clone(),
                 token,
+                xid,
+                retention: claim.retention,
             }),
         }
     }
@@ -79,6 +95,15 @@ impl PgTx {
 
     pub(super) fn key(&self) -> &crate::IdempotencyKey {
         &self.inner.key
+    }
+
+    /// The transaction id the claim ran in (text form of `xid8`).
+    pub(super) fn xid(&self) -> &str {
+        &self.inner.xid
+    }
+
+    pub(super) fn retention(&self) -> Duration {
+        self.inner.retention
     }
 
     /// Runs one statement and returns the number of rows it affected.
@@ -131,31 +156,29 @@ impl PgTx {
 
     /// Runs statements without parameters (e.g. `SAVEPOINT s1`).
     pub async fn batch_execute(&self, sql: &str) -> Result<(), TxError> {
-        for statement in sql.split(';') {
-            refuse_transaction_control(statement)?;
-        }
+        refuse_transaction_control(sql)?;
         let conn = self.inner.conn.lock().await;
         let conn = conn.as_ref().ok_or_else(TxError::finished)?;
         Ok(conn.batch_execute(sql).await?)
     }
 
     /// Takes the connection out to end the transaction; `None` if it already ended.
-    pub(super) async fn take(&self) -> Option<Object> {
+    pub(super) async fn take(&self) -> Option<Conn> {
         self.inner.conn.lock().await.take()
     }
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        if let Some(conn) = self.conn.get_mut().take() {
-            // The transaction never reached commit or rollback. Detach the
-            // connection from the pool and close it: PostgreSQL rolls back.
+        if self.conn.get_mut().is_some() {
+            // The transaction never reached commit or rollback; the `Conn`
+            // closes its connection instead of returning it, and PostgreSQL
+            // rolls back.
             tracing::warn!(
                 endpoint = self.scope.endpoint(),
                 key_hash = %self.key.short_hash(),
                 "idempotency transaction dropped unfinished; closing its connection (rolled back)"
             );
-            drop(Object::take(conn));
         }
     }
 }
@@ -170,27 +193,17 @@ impl fmt::Debug for PgTx {
     }
 }
 
-/// Statements that would end or restart the layer's transaction.
+/// Statements that would end the layer's transaction or change the session.
 fn refuse_transaction_control(sql: &str) -> Result<(), TxError> {
-    let mut words = sql
-        .split(|c: char| c.is_whitespace() || c == '(')
-        .filter(|w| !w.is_empty())
-        .map(str::to_ascii_uppercase);
-    let first = words.next().unwrap_or_default();
-    let refused = match first.as_str() {
-        "BEGIN" | "START" | "COMMIT" | "END" | "ABORT" => true,
-        // ROLLBACK TO SAVEPOINT is allowed; a plain ROLLBACK is not.
-        "ROLLBACK" => !matches!(words.next().as_deref(), Some("TO")),
-        "PREPARE" => matches!(words.next().as_deref(), Some("TRANSACTION")),
-        _ => false,
-    };
-    if refused {
-        Err(TxError {
-            kind: TxErrorKind::TransactionControl,
+    match sql::refusal(sql) {
+        None => Ok(()),
+        Some(refusal) => Err(TxError {
+            kind: match refusal {
+                Refusal::TransactionControl => TxErrorKind::TransactionControl,
+                Refusal::SessionState => TxErrorKind::SessionState,
+            },
             source: None,
-        })
-    } else {
-        Ok(())
+        }),
     }
 }
 
@@ -204,6 +217,9 @@ pub enum TxErrorKind {
     /// The statement would begin, commit or roll back the transaction, which
     /// only the layer may do.
     TransactionControl,
+    /// The statement would change the session (a `SET` without `LOCAL`, a
+    /// `RESET`) beyond this request, on a connection other requests reuse.
+    SessionState,
     /// PostgreSQL answered with an error; see [`TxError::code`].
     Database,
 }
@@ -256,6 +272,9 @@ impl fmt::Display for TxError {
             (TxErrorKind::TransactionControl, _) => f.write_str(
                 "transaction control statements are reserved for the idempotency layer (savepoints are allowed)",
             ),
+            (TxErrorKind::SessionState, _) => {
+                f.write_str("session-level SET/RESET would leak into other requests; use SET LOCAL")
+            }
             (_, Some(e)) => write!(f, "database error: {e}"),
             (_, None) => f.write_str("database error"),
         }
@@ -265,38 +284,5 @@ impl fmt::Display for TxError {
 impl std::error::Error for TxError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source.as_ref().map(|e| e as _)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn refuses_only_statements_that_end_the_transaction() {
-        for sql in [
-            "COMMIT",
-            "  commit;",
-            "BEGIN",
-            "start transaction",
-            "rollback",
-            "END",
-            "abort",
-            "PREPARE TRANSACTION 'x'",
-        ] {
-            assert!(refuse_transaction_control(sql).is_err(), "{sql}");
-        }
-        for sql in [
-            "SAVEPOINT a",
-            "ROLLBACK TO SAVEPOINT a",
-            "rollback to a",
-            "RELEASE a",
-            "INSERT INTO t VALUES (1)",
-            "PREPARE q AS SELECT 1",
-            "",
-            "select 'COMMIT'",
-        ] {
-            assert!(refuse_transaction_control(sql).is_ok(), "{sql}");
-        }
     }
 }
