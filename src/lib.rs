@@ -94,6 +94,7 @@ mod future;
 mod key;
 mod layer;
 pub mod metrics;
+pub mod outbox;
 pub mod problem;
 mod record;
 mod scope;

@@ -13,6 +13,17 @@ pub const CLAIM_DURATION_SECONDS: &str = "idempotency_claim_duration_seconds";
 /// rollback), by `endpoint`.
 pub const KEY_HELD_SECONDS: &str = "idempotency_key_held_seconds";
 
+/// Gauge: undelivered, unparked outbox events (refreshed by the relay).
+pub const OUTBOX_BACKLOG: &str = "outbox_backlog_events";
+/// Gauge (seconds): age of the oldest undelivered outbox event; 0 when none.
+pub const OUTBOX_LAG_SECONDS: &str = "outbox_lag_seconds";
+/// Counter: outbox deliveries that succeeded, by `event_type`.
+pub const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
+/// Counter: outbox deliveries that failed (retried or parked), by `event_type`.
+pub const OUTBOX_FAILED_TOTAL: &str = "outbox_failed_total";
+/// Counter: outbox events parked after their last allowed attempt, by `event_type`.
+pub const OUTBOX_PARKED_TOTAL: &str = "outbox_parked_total";
+
 /// How an idempotent request ended, as the `outcome` label says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -62,4 +73,21 @@ pub(crate) fn claim_duration(endpoint: &str, outcome: Outcome, seconds: f64) {
 
 pub(crate) fn key_held(endpoint: &str, seconds: f64) {
     metrics::histogram!(KEY_HELD_SECONDS, "endpoint" => endpoint.to_owned()).record(seconds);
+}
+
+pub(crate) fn outbox_delivered(event_type: &str) {
+    metrics::counter!(OUTBOX_DELIVERED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
+}
+
+pub(crate) fn outbox_failed(event_type: &str) {
+    metrics::counter!(OUTBOX_FAILED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
+}
+
+pub(crate) fn outbox_parked(event_type: &str) {
+    metrics::counter!(OUTBOX_PARKED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
+}
+
+pub(crate) fn outbox_backlog(events: f64, lag_seconds: f64) {
+    metrics::gauge!(OUTBOX_BACKLOG).set(events);
+    metrics::gauge!(OUTBOX_LAG_SECONDS).set(lag_seconds);
 }

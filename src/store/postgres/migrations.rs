@@ -6,32 +6,18 @@ use crate::store::{StoreError, StoreErrorKind};
 const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 
 /// `(version, name, sql)`: append only; never edit an applied migration.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "idempotency_requests",
-    r#"
-CREATE TABLE idempotency_requests (
-    tenant_id            text        NOT NULL,
-    endpoint             text        NOT NULL,
-    idempotency_key      text        NOT NULL,
-    request_fingerprint  bytea       NOT NULL,
-    state                text        NOT NULL DEFAULT 'in_progress'
-                                     CHECK (state IN ('in_progress', 'completed')),
-    attempt_token        bigint      NOT NULL DEFAULT 1,
-    response_status      smallint,
-    response_headers     bytea,
-    response_body        bytea,
-    created_at           timestamptz NOT NULL DEFAULT now(),
-    completed_at         timestamptz,
-    expires_at           timestamptz NOT NULL,
-    CONSTRAINT idempotency_requests_pkey
-        PRIMARY KEY (tenant_id, endpoint, idempotency_key)
-) WITH (fillfactor = 80);
--- The completion UPDATE changes no indexed column, so with free space on the
--- page (fillfactor) it is a HOT update.
-CREATE INDEX idempotency_requests_expires_at_idx ON idempotency_requests (expires_at);
-"#,
-)];
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "idempotency_requests",
+        include_str!("schema/0001_idempotency_requests.sql"),
+    ),
+    (
+        2,
+        "outbox_and_inbox",
+        include_str!("schema/0002_outbox_and_inbox.sql"),
+    ),
+];
 
 /// The newest schema version this build knows.
 pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;

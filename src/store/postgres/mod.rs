@@ -100,12 +100,12 @@ impl Conn {
     }
 
     /// Call before sending `BEGIN`.
-    fn begin(&mut self) {
+    pub(crate) fn begin(&mut self) {
         self.in_transaction = true;
     }
 
     /// Call once `COMMIT` or `ROLLBACK` was acknowledged.
-    fn ended(&mut self) {
+    pub(crate) fn ended(&mut self) {
         self.in_transaction = false;
     }
 }
@@ -147,6 +147,7 @@ impl Drop for Conn {
 #[derive(Clone)]
 pub struct PgStore {
     pool: Pool,
+    config: std::sync::Arc<tokio_postgres::Config>,
 }
 
 impl fmt::Debug for PgStore {
@@ -192,6 +193,7 @@ impl PgStoreBuilder {
     /// Creates the store; connections are opened lazily.
     pub fn build(mut self) -> Result<PgStore, StoreError> {
         self.config.connect_timeout(self.connect_timeout);
+        let config = std::sync::Arc::new(self.config.clone());
         let manager = Manager::from_config(
             self.config,
             NoTls,
@@ -210,7 +212,7 @@ impl PgStoreBuilder {
                 StoreError::new(StoreErrorKind::Backend, "cannot build the connection pool")
                     .with_source(e)
             })?;
-        Ok(PgStore { pool })
+        Ok(PgStore { pool, config })
     }
 }
 
@@ -250,7 +252,20 @@ impl PgStore {
         Ok(PooledClient(self.conn().await?))
     }
 
-    async fn conn(&self) -> Result<Conn, StoreError> {
+    /// Opens a dedicated connection outside the pool (e.g. for `LISTEN`).
+    pub(crate) async fn dedicated(
+        &self,
+    ) -> Result<
+        (
+            tokio_postgres::Client,
+            tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+        ),
+        StoreError,
+    > {
+        self.config.connect(NoTls).await.map_err(map_error)
+    }
+
+    pub(crate) async fn conn(&self) -> Result<Conn, StoreError> {
         self.pool.get().await.map(Conn::new).map_err(|e| {
             let message = match &e {
                 PoolError::Timeout(_) => "timed out waiting for a pooled connection",
@@ -447,7 +462,7 @@ fn decode_record(row: &Row) -> Result<Option<Record>, StoreError> {
 }
 
 /// Sorts driver errors into the store's stable kinds.
-fn map_error(e: tokio_postgres::Error) -> StoreError {
+pub(crate) fn map_error(e: tokio_postgres::Error) -> StoreError {
     let kind = match e.code() {
         None => StoreErrorKind::Unavailable,
         Some(code) if *code == SqlState::UNDEFINED_TABLE || *code == SqlState::UNDEFINED_COLUMN => {

@@ -1,0 +1,41 @@
+//! Consumer-side deduplication: process each event once.
+
+use tokio_postgres::GenericClient;
+
+use crate::{PgTx, TxError};
+
+/// Records that `consumer` processes `event_id`, inside the caller's own
+/// transaction; `true` the first time, `false` for every redelivery.
+///
+/// Call it first in the transaction that applies the event's effect and skip
+/// the effect on `false`: the record and the effect commit together, so a
+/// crash between them cannot make the event count as processed without its
+/// effect (or the reverse).
+///
+/// ```no_run
+/// # async fn consume(client: &mut tokio_postgres::Client, event_id: &str) -> Result<(), tokio_postgres::Error> {
+/// use tower_idempotency::outbox::inbox;
+///
+/// let tx = client.transaction().await?;
+/// if inbox::first_delivery(&tx, "inventory", event_id).await? {
+///     tx.execute("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'SKU-1'", &[]).await?;
+/// }
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+pub async fn first_delivery<C: GenericClient + Sync>(
+    client: &C,
+    consumer: &str,
+    event_id: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    let inserted = client.execute(INSERT, &[&consumer, &event_id]).await?;
+    Ok(inserted == 1)
+}
+
+/// [`first_delivery`] inside the transaction of a request that owns its key.
+pub async fn first_delivery_in(tx: &PgTx, consumer: &str, event_id: &str) -> Result<bool, TxError> {
+    Ok(tx.execute(INSERT, &[&consumer, &event_id]).await? == 1)
+}
+
+const INSERT: &str = "INSERT INTO inbox_events (consumer, event_id) VALUES ($1::text, $2::text) \
+     ON CONFLICT (consumer, event_id) DO NOTHING";

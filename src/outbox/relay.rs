@@ -1,0 +1,416 @@
+//! The relay: delivers committed outbox events at least once.
+
+use std::{
+    fmt,
+    future::Future,
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use tokio::sync::Notify;
+use tokio_postgres::{types::ToSql, AsyncMessage};
+
+use super::event::OutboxEvent;
+use crate::{metrics, store::postgres::map_error, PgStore, StoreError};
+
+/// Where the relay delivers events (a payment API, a message broker, …).
+///
+/// Delivery is at least once: the same event may arrive again after a crash,
+/// a timeout or a re-drive, so the sink must make repeats harmless, typically
+/// by sending [`OutboxEvent::derived_key`] as the downstream idempotency key.
+pub trait Sink: Send + Sync + 'static {
+    /// Delivers one event. `Err` schedules a retry (or parks the event).
+    fn deliver(
+        &self,
+        event: &OutboxEvent,
+    ) -> impl Future<Output = Result<(), DeliveryError>> + Send;
+}
+
+/// Why a delivery failed. Only the message is stored (`last_error`): keep
+/// payloads and secrets out of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryError {
+    message: String,
+    permanent: bool,
+}
+
+impl DeliveryError {
+    /// A failure worth retrying (timeouts, 5xx, `idempotency_in_progress`).
+    pub fn retryable(message: impl Into<String>) -> Self {
+        DeliveryError {
+            message: message.into(),
+            permanent: false,
+        }
+    }
+
+    /// A failure no retry will fix: the event is parked at once.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        DeliveryError {
+            message: message.into(),
+            permanent: true,
+        }
+    }
+
+    /// The message stored as `last_error`.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for DeliveryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DeliveryError {}
+
+/// What one batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchReport {
+    /// Events claimed in this batch.
+    pub claimed: usize,
+    /// Delivered and marked published.
+    pub delivered: usize,
+    /// Failed and scheduled for a retry.
+    pub retried: usize,
+    /// Failed for the last time (or permanently) and parked.
+    pub parked: usize,
+}
+
+/// Delivers undelivered `outbox_events` rows to a [`Sink`], at least once.
+///
+/// Each batch, in one transaction, claims due events with `FOR UPDATE SKIP
+/// LOCKED` (so any number of relays, in one process or many, never deliver
+/// the same event at the same moment), delivers them, and marks each
+/// published, or schedules its retry with capped exponential backoff and
+/// jitter, or parks it after the last allowed attempt. A relay that dies
+/// mid-batch rolls back: its events are delivered again later, which the
+/// sink's derived keys make harmless.
+///
+/// It wakes on `LISTEN tower_idempotency_outbox` (a trigger notifies at the
+/// commit of every transaction that adds or re-drives events), so new events
+/// leave within milliseconds without polling the table in a tight loop; a
+/// fallback poll (default 1 s) picks up retries that come due and anything a
+/// lost listener connection missed.
+///
+/// ```no_run
+/// # use tower_idempotency::{PgStore, outbox::{Relay, Sink, OutboxEvent, DeliveryError}};
+/// struct Printer;
+/// impl Sink for Printer {
+///     async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
+///         println!("{} {}", event.event_type, event.derived_key("print"));
+///         Ok(())
+///     }
+/// }
+/// # async fn run(store: PgStore) -> Result<(), tower_idempotency::StoreError> {
+/// let relay = Relay::new(store, Printer).batch_size(64);
+/// relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await
+/// # }
+/// ```
+pub struct Relay<K> {
+    store: PgStore,
+    sink: Arc<K>,
+    batch_size: i64,
+    max_attempts: i32,
+    backoff_base: Duration,
+    backoff_cap: Duration,
+    poll_interval: Duration,
+    delivery_timeout: Duration,
+}
+
+impl<K> fmt::Debug for Relay<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay")
+            .field("batch_size", &self.batch_size)
+            .field("max_attempts", &self.max_attempts)
+            .field("backoff_base", &self.backoff_base)
+            .field("backoff_cap", &self.backoff_cap)
+            .field("poll_interval", &self.poll_interval)
+            .field("delivery_timeout", &self.delivery_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+const CLAIM: &str = "SELECT id::text, tenant_id, aggregate_id, event_type, payload, attempts \
+     FROM outbox_events \
+     WHERE published_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now() \
+     ORDER BY next_attempt_at, created_at \
+     LIMIT $1::int8 \
+     FOR UPDATE SKIP LOCKED";
+
+const MARK_DELIVERED: &str = "UPDATE outbox_events \
+     SET published_at = now(), attempts = attempts + 1, last_error = NULL \
+     WHERE id = ANY($1::text[]::uuid[])";
+
+const MARK_FAILED: &str = "UPDATE outbox_events AS o \
+     SET attempts = o.attempts + 1, last_error = f.error, \
+         next_attempt_at = now() + f.delay_ms * interval '1 millisecond' \
+     FROM unnest($1::text[], $2::text[], $3::float8[]) AS f(id, error, delay_ms) \
+     WHERE o.id = f.id::uuid";
+
+const MARK_PARKED: &str = "UPDATE outbox_events AS o \
+     SET attempts = o.attempts + 1, last_error = f.error, parked_at = now() \
+     FROM unnest($1::text[], $2::text[]) AS f(id, error) \
+     WHERE o.id = f.id::uuid";
+
+const BACKLOG: &str =
+    "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) \
+     FROM outbox_events WHERE published_at IS NULL AND parked_at IS NULL";
+
+impl<K: Sink> Relay<K> {
+    /// A relay over `store`'s database delivering to `sink`.
+    ///
+    /// Defaults: batches of 32, 10 attempts before parking, backoff from
+    /// 500 ms doubling to at most 5 min (with jitter), fallback poll 1 s,
+    /// 10 s per delivery.
+    pub fn new(store: PgStore, sink: K) -> Self {
+        Relay {
+            store,
+            sink: Arc::new(sink),
+            batch_size: 32,
+            max_attempts: 10,
+            backoff_base: Duration::from_millis(500),
+            backoff_cap: Duration::from_secs(300),
+            poll_interval: Duration::from_secs(1),
+            delivery_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Events claimed per batch (and held locked while they are delivered).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.clamp(1, 10_000) as i64;
+        self
+    }
+
+    /// Attempts before an event is parked (kept, visible, never deleted).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n.clamp(1, i32::MAX as u32) as i32;
+        self
+    }
+
+    /// The first retry delay and the cap of the doubling.
+    pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_cap = cap.max(base);
+        self
+    }
+
+    /// How often the relay looks without being woken.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// How long one delivery may take before it counts as failed.
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.delivery_timeout = timeout;
+        self
+    }
+
+    /// The delay before retry number `attempts` (1-based): capped doubling,
+    /// then "equal jitter" (half fixed, half random) so that many failed
+    /// events do not retry in lockstep.
+    fn retry_delay(&self, attempts: i32, event_id: &str) -> Duration {
+        let doubling = 2_f64.powi(attempts.saturating_sub(1).min(30));
+        let delay =
+            (self.backoff_base.as_secs_f64() * doubling).min(self.backoff_cap.as_secs_f64());
+        Duration::from_secs_f64(delay * (0.5 + 0.5 * jitter(event_id, attempts)))
+    }
+
+    /// Claims, delivers and records one batch. For tests, cron-style use and
+    /// [`run`](Self::run).
+    pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
+        let mut conn = self.store.conn().await?;
+        let claim = conn.prepare_cached(CLAIM).await.map_err(map_error)?;
+        let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
+        conn.begin();
+        let (_, rows) = tokio::try_join!(
+            biased;
+            conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
+            conn.query(&claim, &limit),
+        )
+        .map_err(map_error)?;
+        let mut report = BatchReport {
+            claimed: rows.len(),
+            ..BatchReport::default()
+        };
+        let mut delivered = Vec::new();
+        let (mut retry_ids, mut retry_errors, mut retry_delays) =
+            (Vec::new(), Vec::new(), Vec::new());
+        let (mut park_ids, mut park_errors) = (Vec::new(), Vec::new());
+        for row in &rows {
+            let event = OutboxEvent {
+                id: row.get(0),
+                tenant_id: row.get(1),
+                aggregate_id: row.get(2),
+                event_type: row.get(3),
+                payload: row.get(4),
+                attempts: row.get(5),
+            };
+            let outcome = match tokio::time::timeout(
+                self.delivery_timeout,
+                self.sink.deliver(&event),
+            )
+            .await
+            {
+                Ok(outcome) => outcome,
+                Err(_) => Err(DeliveryError::retryable("delivery timed out")),
+            };
+            let event_type = event.event_type.clone();
+            match outcome {
+                Ok(()) => {
+                    metrics::outbox_delivered(&event_type);
+                    delivered.push(event.id);
+                }
+                Err(error) => {
+                    let attempts = event.attempts + 1;
+                    metrics::outbox_failed(&event_type);
+                    if error.permanent || attempts >= self.max_attempts {
+                        tracing::warn!(event_id = %event.id, event_type, attempts, error = %error, "outbox event parked");
+                        metrics::outbox_parked(&event_type);
+                        park_ids.push(event.id);
+                        park_errors.push(error.message);
+                    } else {
+                        let delay = self.retry_delay(attempts, &event.id);
+                        tracing::info!(event_id = %event.id, event_type, attempts, retry_in_ms = delay.as_millis() as u64, error = %error, "outbox delivery failed; will retry");
+                        retry_delays.push(delay.as_secs_f64() * 1000.0);
+                        retry_ids.push(event.id);
+                        retry_errors.push(error.message);
+                    }
+                }
+            }
+        }
+        report.delivered = delivered.len();
+        report.retried = retry_ids.len();
+        report.parked = park_ids.len();
+        let (mark_delivered, mark_failed, mark_parked) = tokio::try_join!(
+            conn.prepare_cached(MARK_DELIVERED),
+            conn.prepare_cached(MARK_FAILED),
+            conn.prepare_cached(MARK_PARKED),
+        )
+        .map_err(map_error)?;
+        let delivered_params: [&(dyn ToSql + Sync); 1] = [&delivered];
+        let failed_params: [&(dyn ToSql + Sync); 3] = [&retry_ids, &retry_errors, &retry_delays];
+        let parked_params: [&(dyn ToSql + Sync); 2] = [&park_ids, &park_errors];
+        tokio::try_join!(
+            biased;
+            conn.execute(&mark_delivered, &delivered_params),
+            conn.execute(&mark_failed, &failed_params),
+            conn.execute(&mark_parked, &parked_params),
+            conn.batch_execute("COMMIT"),
+        )
+        .map_err(map_error)?;
+        conn.ended();
+        Ok(report)
+    }
+
+    /// Counts undelivered events and the age of the oldest, and publishes
+    /// them as the backlog and lag gauges.
+    pub async fn refresh_backlog(&self) -> Result<(u64, Duration), StoreError> {
+        let conn = self.store.conn().await?;
+        let row = conn.query_one(BACKLOG, &[]).await.map_err(map_error)?;
+        let (count, lag): (i64, f64) = (row.get(0), row.get(1));
+        metrics::outbox_backlog(count as f64, lag);
+        Ok((count.max(0) as u64, Duration::from_secs_f64(lag.max(0.0))))
+    }
+
+    /// Runs until `shutdown` completes; the batch in flight then finishes
+    /// (delivered events are recorded) before this returns.
+    pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StoreError> {
+        let wake = Arc::new(Notify::new());
+        let listener = tokio::spawn(listen(self.store.clone(), wake.clone()));
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let report = match self.run_once().await {
+                Ok(report) => report,
+                Err(e) => {
+                    tracing::error!(error = %e, "outbox batch failed; retrying after the poll interval");
+                    BatchReport::default()
+                }
+            };
+            if let Err(e) = self.refresh_backlog().await {
+                tracing::debug!(error = %e, "cannot refresh the outbox backlog gauges");
+            }
+            if report.claimed as i64 == self.batch_size {
+                // A full batch: there is probably more right now.
+                tokio::select! {
+                    biased;
+                    _ = &mut shutdown => break,
+                    _ = std::future::ready(()) => continue,
+                }
+            }
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(self.poll_interval) => {}
+            }
+        }
+        listener.abort();
+        Ok(())
+    }
+}
+
+/// Forwards `NOTIFY tower_idempotency_outbox` to `wake`, reconnecting after
+/// failures (the relay's poll covers the gaps).
+async fn listen(store: PgStore, wake: Arc<Notify>) {
+    loop {
+        match store.dedicated().await {
+            Ok((client, mut connection)) => {
+                let listening = async {
+                    client
+                        .batch_execute("LISTEN tower_idempotency_outbox")
+                        .await?;
+                    Ok::<_, tokio_postgres::Error>(())
+                };
+                let mut messages = std::pin::pin!(async {
+                    while let Some(message) =
+                        std::future::poll_fn(|cx| connection.poll_message(cx)).await
+                    {
+                        match message {
+                            Ok(AsyncMessage::Notification(_)) => wake.notify_one(),
+                            Ok(_) => {}
+                            Err(e) => return e,
+                        }
+                    }
+                    tracing::debug!("outbox listener connection closed");
+                    std::future::pending().await
+                });
+                tokio::select! {
+                    result = listening => {
+                        if let Err(e) = result {
+                            tracing::warn!(error = %e, "cannot LISTEN for outbox events");
+                        } else {
+                            // Keep the client alive while the connection is driven.
+                            let e = messages.as_mut().await;
+                            tracing::warn!(error = %e, "outbox listener lost its connection");
+                        }
+                    }
+                    e = messages.as_mut() => tracing::warn!(error = %e, "outbox listener lost its connection"),
+                }
+                drop(client);
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot connect the outbox listener"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// A number in [0, 1) from the event id, the attempt and the clock: enough
+/// to spread retries, no randomness crate needed.
+fn jitter(event_id: &str, attempts: i32) -> f64 {
+    use sha2::{Digest, Sha256};
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let digest = Sha256::new()
+        .chain_update(event_id.as_bytes())
+        .chain_update(attempts.to_be_bytes())
+        .chain_update(nanos.to_be_bytes())
+        .finalize();
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&digest[..8]);
+    (u64::from_be_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64
+}

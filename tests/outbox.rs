@@ -1,0 +1,464 @@
+//! The outbox against a real PostgreSQL: events commit with the order or not
+//! at all, relays deliver each at least once and never concurrently, and a
+//! downstream keyed by the derived key charges once whatever the deliveries.
+
+mod common;
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use serde_json::json;
+use tokio::sync::Notify;
+use tower::Layer;
+use tower_idempotency::{
+    outbox::{self, inbox, DeliveryError, OutboxEvent, Relay, Sink},
+    PgTx, RequestBody,
+};
+
+const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
+
+/// A downstream payment API that is idempotent on the derived key: one
+/// `charges` row per key, however often it is called.
+#[derive(Clone)]
+struct Payments {
+    store: tower_idempotency::PgStore,
+    calls: Arc<Mutex<Vec<(String, String)>>>,
+    in_flight: Arc<Mutex<HashSet<String>>>,
+    overlaps: Arc<Mutex<usize>>,
+    /// Per event id: how many calls fail before one succeeds (u32::MAX: all).
+    failures: Arc<Mutex<HashMap<String, u32>>>,
+    fail_first: u32,
+    /// Signalled after a charge; with `hang`, the delivery then never returns.
+    charged: Arc<Notify>,
+    hang: bool,
+}
+
+impl Payments {
+    fn new(store: tower_idempotency::PgStore) -> Self {
+        Payments {
+            store,
+            calls: Default::default(),
+            in_flight: Default::default(),
+            overlaps: Default::default(),
+            failures: Default::default(),
+            fail_first: 0,
+            charged: Default::default(),
+            hang: false,
+        }
+    }
+}
+
+impl Sink for Payments {
+    async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
+        if !self.in_flight.lock().unwrap().insert(event.id.clone()) {
+            *self.overlaps.lock().unwrap() += 1;
+        }
+        let key = event.derived_key("payment.charge");
+        self.calls
+            .lock()
+            .unwrap()
+            .push((event.id.clone(), key.clone()));
+        let result = async {
+            {
+                let mut failures = self.failures.lock().unwrap();
+                let failed = failures.entry(event.id.clone()).or_insert(0);
+                if *failed < self.fail_first {
+                    *failed += 1;
+                    return Err(DeliveryError::retryable(format!("provider said 503 (failure {failed})")));
+                }
+            }
+            let client = self.store.client().await.map_err(|e| DeliveryError::retryable(e.to_string()))?;
+            client
+                .execute(
+                    "INSERT INTO charges (idempotency_key, order_id) VALUES ($1, $2) ON CONFLICT (idempotency_key) DO NOTHING",
+                    &[&key, &event.aggregate_id],
+                )
+                .await
+                .map_err(|e| DeliveryError::retryable(e.to_string()))?;
+            Ok(())
+        }
+        .await;
+        self.in_flight.lock().unwrap().remove(&event.id);
+        if result.is_ok() {
+            self.charged.notify_one();
+            if self.hang {
+                std::future::pending::<()>().await;
+            }
+        }
+        result
+    }
+}
+
+async fn setup() -> Postgres {
+    let pg = Postgres::new().await;
+    pg.client
+        .batch_execute(
+            "CREATE TABLE charges (idempotency_key text PRIMARY KEY, order_id text NOT NULL)",
+        )
+        .await
+        .unwrap();
+    pg
+}
+
+/// The order handler of these tests: an order row and its event, through the layer.
+fn ordering(
+    status: StatusCode,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(
+        move |request: Request<RequestBody>| async move {
+            let tx = request.extensions().get::<PgTx>().cloned().unwrap();
+            let id = new_order_id();
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ($1, $2)",
+                &[&id, &tx.tenant()],
+            )
+            .await?;
+            outbox::enqueue(&tx, &id, "OrderCreated", &json!({"order_id": id})).await?;
+            let mut response = Response::new(Full::new(Bytes::from(id)));
+            *response.status_mut() = status;
+            Ok::<_, BoxError>(response)
+        },
+    ))
+}
+
+async fn place_orders(pg: &Postgres, n: usize) {
+    let service = layer(pg.store.clone()).layer(ordering(StatusCode::CREATED));
+    for i in 0..n {
+        let answer = send(
+            service.clone(),
+            post(Some("tenant-a"), Some(&format!("k{i}")), BODY),
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+    }
+}
+
+async fn count(pg: &Postgres, sql: &str) -> i64 {
+    pg.client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_committed_event_is_delivered_once_and_charges_once() {
+    let pg = setup().await;
+    place_orders(&pg, 3).await;
+    let payments = Payments::new(pg.store.clone());
+    let relay = Relay::new(pg.store.clone(), payments.clone());
+    let report = relay.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.delivered), (3, 3));
+    assert_eq!(
+        relay.run_once().await.unwrap().claimed,
+        0,
+        "nothing left to deliver"
+    );
+    assert_eq!(
+        count(
+            &pg,
+            "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL AND attempts = 1"
+        )
+        .await,
+        3
+    );
+    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 3);
+    let charged: i64 = count(
+        &pg,
+        "SELECT count(*) FROM charges c JOIN orders o ON o.id = c.order_id",
+    )
+    .await;
+    assert_eq!(charged, 3, "one charge per order");
+    let (backlog, lag) = relay.refresh_backlog().await.unwrap();
+    assert_eq!((backlog, lag), (0, Duration::ZERO));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolled_back_order_leaves_no_event() {
+    let pg = setup().await;
+    let service = layer(pg.store.clone()).layer(ordering(StatusCode::INTERNAL_SERVER_ERROR));
+    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(count(&pg, "SELECT count(*) FROM outbox_events").await, 0);
+    assert_eq!(count(&pg, "SELECT count(*) FROM orders").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_redelivery_carries_the_same_key_and_charges_once() {
+    let pg = setup().await;
+    place_orders(&pg, 2).await;
+    let payments = Payments::new(pg.store.clone());
+    let relay = Relay::new(pg.store.clone(), payments.clone());
+    relay.run_once().await.unwrap();
+    pg.client
+        .execute("UPDATE outbox_events SET published_at = NULL", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        relay.run_once().await.unwrap().delivered,
+        2,
+        "delivered again"
+    );
+    let calls = payments.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 4);
+    for (event, key) in &calls {
+        let same: Vec<_> = calls
+            .iter()
+            .filter(|(e, _)| e == event)
+            .map(|(_, k)| k)
+            .collect();
+        assert_eq!(
+            same,
+            [key, key],
+            "every delivery of one event carries one key"
+        );
+    }
+    assert_eq!(
+        count(&pg, "SELECT count(*) FROM charges").await,
+        2,
+        "still one charge per order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_that_dies_after_delivering_redelivers_without_double_charging() {
+    let pg = setup().await;
+    place_orders(&pg, 1).await;
+    let mut hanging = Payments::new(pg.store.clone());
+    hanging.hang = true;
+    let crashed = Relay::new(pg.store.clone(), hanging.clone());
+    let batch = tokio::spawn(async move { crashed.run_once().await });
+    hanging.charged.notified().await;
+    // The relay process dies between the delivery and marking it published.
+    batch.abort();
+    assert!(batch.await.unwrap_err().is_cancelled());
+    let relay = Relay::new(pg.store.clone(), Payments::new(pg.store.clone()));
+    // Its transaction rolls back when its connection closes: the event is due again.
+    let mut redelivered = 0;
+    for _ in 0..100 {
+        redelivered = relay.run_once().await.unwrap().delivered;
+        if redelivered > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(redelivered, 1);
+    assert_eq!(
+        count(
+            &pg,
+            "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL"
+        )
+        .await,
+        1
+    );
+    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_relays_never_deliver_one_event_at_the_same_moment() {
+    let pg = setup().await;
+    place_orders(&pg, 40).await;
+    let payments = Payments::new(pg.store.clone());
+    let relays: Vec<_> = (0..3)
+        .map(|_| {
+            let relay = Relay::new(pg.store.clone(), payments.clone()).batch_size(5);
+            tokio::spawn(async move {
+                let mut delivered = 0;
+                loop {
+                    let report = relay.run_once().await.unwrap();
+                    delivered += report.delivered;
+                    if report.claimed == 0 {
+                        return delivered;
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for relay in relays {
+        total += relay.await.unwrap();
+    }
+    assert_eq!(total, 40);
+    assert_eq!(
+        *payments.overlaps.lock().unwrap(),
+        0,
+        "no event was delivered by two relays at once"
+    );
+    let calls = payments.calls.lock().unwrap();
+    let distinct: HashSet<_> = calls.iter().map(|(e, _)| e).collect();
+    assert_eq!(
+        (calls.len(), distinct.len()),
+        (40, 40),
+        "each event delivered once"
+    );
+    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_sink_is_retried_with_backoff_and_attempts_are_recorded() {
+    let pg = setup().await;
+    place_orders(&pg, 1).await;
+    let mut flaky = Payments::new(pg.store.clone());
+    flaky.fail_first = 2;
+    let relay = Relay::new(pg.store.clone(), flaky.clone());
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.claimed, first.retried), (1, 1));
+    let row = pg
+        .client
+        .query_one("SELECT attempts, last_error, next_attempt_at > now(), published_at IS NULL FROM outbox_events", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert_eq!(row.get::<_, &str>(1), "provider said 503 (failure 1)");
+    assert!(row.get::<_, bool>(2), "the retry waits for its backoff");
+    assert!(row.get::<_, bool>(3));
+    assert_eq!(relay.run_once().await.unwrap().claimed, 0, "not due yet");
+    // Without waiting for the backoff: a relay with no delay retries at once.
+    let eager = Relay::new(pg.store.clone(), flaky.clone()).backoff(Duration::ZERO, Duration::ZERO);
+    pg.client
+        .execute("UPDATE outbox_events SET next_attempt_at = now()", &[])
+        .await
+        .unwrap();
+    assert_eq!(eager.run_once().await.unwrap().retried, 1);
+    assert_eq!(eager.run_once().await.unwrap().delivered, 1);
+    let row = pg
+        .client
+        .query_one(
+            "SELECT attempts, last_error IS NULL, published_at IS NOT NULL FROM outbox_events",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, i32>(0),
+            row.get::<_, bool>(1),
+            row.get::<_, bool>(2)
+        ),
+        (3, true, true)
+    );
+    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_failing_sink_parks_the_event_and_leaves_the_order() {
+    let pg = setup().await;
+    place_orders(&pg, 1).await;
+    let mut broken = Payments::new(pg.store.clone());
+    broken.fail_first = u32::MAX;
+    let relay = Relay::new(pg.store.clone(), broken)
+        .max_attempts(3)
+        .backoff(Duration::ZERO, Duration::ZERO);
+    let reports = [
+        relay.run_once().await.unwrap(),
+        relay.run_once().await.unwrap(),
+        relay.run_once().await.unwrap(),
+    ];
+    assert_eq!(
+        reports.map(|r| (r.retried, r.parked)),
+        [(1, 0), (1, 0), (0, 1)]
+    );
+    assert_eq!(
+        relay.run_once().await.unwrap().claimed,
+        0,
+        "a parked event is not retried"
+    );
+    let row = pg
+        .client
+        .query_one("SELECT attempts, parked_at IS NOT NULL, published_at IS NULL, last_error FROM outbox_events", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, i32>(0),
+            row.get::<_, bool>(1),
+            row.get::<_, bool>(2)
+        ),
+        (3, true, true)
+    );
+    assert_eq!(row.get::<_, &str>(3), "provider said 503 (failure 3)");
+    assert_eq!(
+        count(&pg, "SELECT count(*) FROM orders").await,
+        1,
+        "the order is untouched"
+    );
+    // An operator re-drives it once the provider is fixed.
+    pg.client
+        .execute("UPDATE outbox_events SET parked_at = NULL", &[])
+        .await
+        .unwrap();
+    let fixed = Relay::new(pg.store.clone(), Payments::new(pg.store.clone()));
+    assert_eq!(fixed.run_once().await.unwrap().delivered, 1);
+    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_wakes_on_notify_without_polling() {
+    let pg = setup().await;
+    let payments = Payments::new(pg.store.clone());
+    // A poll interval of an hour: only the NOTIFY at commit can wake it.
+    let relay =
+        Relay::new(pg.store.clone(), payments.clone()).poll_interval(Duration::from_secs(3600));
+    let stop = Arc::new(Notify::new());
+    let running = tokio::spawn({
+        let stop = stop.clone();
+        async move { relay.run(async move { stop.notified().await }).await }
+    });
+    // Wait until the listener is subscribed, so the first NOTIFY is not missed.
+    for _ in 0..500 {
+        if count(
+            &pg,
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN tower_idempotency_outbox'",
+        )
+        .await
+            > 0
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    place_orders(&pg, 1).await;
+    tokio::time::timeout(Duration::from_secs(10), payments.charged.notified())
+        .await
+        .expect("the relay delivered after the commit's NOTIFY");
+    stop.notify_one();
+    running.await.unwrap().unwrap();
+    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_processes_each_event_once_and_only_with_its_effect() {
+    let pg = setup().await;
+    let mut client = pg.db.client().await;
+    let tx = client.transaction().await.unwrap();
+    assert!(inbox::first_delivery(&tx, "inventory", "event-1")
+        .await
+        .unwrap());
+    tx.rollback().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    assert!(
+        inbox::first_delivery(&tx, "inventory", "event-1")
+            .await
+            .unwrap(),
+        "a rolled-back record does not count"
+    );
+    assert!(!inbox::first_delivery(&tx, "inventory", "event-1")
+        .await
+        .unwrap());
+    assert!(
+        inbox::first_delivery(&tx, "billing", "event-1")
+            .await
+            .unwrap(),
+        "consumers are independent"
+    );
+    tx.commit().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    assert!(!inbox::first_delivery(&tx, "inventory", "event-1")
+        .await
+        .unwrap());
+    tx.commit().await.unwrap();
+    assert_eq!(count(&pg, "SELECT count(*) FROM inbox_events").await, 2);
+}
