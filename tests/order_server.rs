@@ -13,7 +13,7 @@ use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
     process::{Child, Command},
 };
-use tower_idempotency::testing::TestDatabase;
+use tower_idempotency::{outbox::derive_key, testing::TestDatabase};
 
 const TOKEN_A: &str = "demo-token-a";
 const TOKEN_B: &str = "demo-token-b";
@@ -186,16 +186,18 @@ async fn serves_the_contract_table() {
     assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
     let event = server
         .sql
-        .query_one("SELECT tenant_id, aggregate_id::text, event_type, published_at IS NULL FROM outbox_events", &[])
+        .query_one(
+            "SELECT tenant_id, aggregate_id::text, event_type FROM outbox_events",
+            &[],
+        )
         .await
         .unwrap();
     assert_eq!(event.get::<_, &str>(0), "tenant-a");
     assert_eq!(event.get::<_, &str>(1), id);
     assert_eq!(event.get::<_, &str>(2), "OrderCreated");
-    assert!(event.get::<_, bool>(3));
     let record = server
         .sql
-        .query_one("SELECT tenant_id, endpoint, idempotency_key, response_status, expires_at > created_at + interval '23 hours' FROM idempotency_requests", &[])
+        .query_one("SELECT tenant_id, endpoint, idempotency_key, response_status, expires_at > created_at + interval '23 hours' FROM idempotency_requests WHERE endpoint = 'POST /orders v1'", &[])
         .await
         .unwrap();
     assert_eq!(record.get::<_, &str>(0), "tenant-a");
@@ -260,7 +262,7 @@ async fn serves_the_contract_table() {
     );
     assert_eq!(
         server
-            .count("SELECT count(*) FROM idempotency_requests")
+            .count("SELECT count(*) FROM idempotency_requests WHERE endpoint = 'POST /orders v1'")
             .await,
         1,
         "none of these is remembered"
@@ -391,7 +393,7 @@ async fn fifty_concurrent_identical_requests_make_one_order() {
     assert_eq!(server.count("SELECT count(*) FROM outbox_events").await, 1);
     assert_eq!(
         server
-            .count("SELECT count(*) FROM idempotency_requests")
+            .count("SELECT count(*) FROM idempotency_requests WHERE endpoint = 'POST /orders v1'")
             .await,
         1
     );
@@ -598,4 +600,106 @@ async fn database_outage_answers_503_and_the_retry_starts_afresh() {
         .unwrap()
         .get(0);
     assert_eq!(orders, 2);
+}
+
+impl Server {
+    /// Waits (bounded) until the relay has published `n` events.
+    async fn wait_published(&self, n: i64) {
+        let published = "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL";
+        for _ in 0..1000 {
+            if self.count(published).await == n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "the relay published {} of {n} events",
+            self.count(published).await
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_order_is_charged_once_whatever_the_deliveries() {
+    let server = Server::start(&[]).await;
+    let mut orders = Vec::new();
+    for i in 0..3 {
+        let created = server
+            .post_order(
+                TOKEN_A,
+                Some(&format!("pay-{i}")),
+                &order(&format!("chk_pay_{i}")),
+            )
+            .await;
+        assert_eq!(created.status, StatusCode::CREATED);
+        orders.push(created.json()["id"].as_str().unwrap().to_owned());
+    }
+    server.wait_published(3).await;
+    let check = |expected_attempts: i32| {
+        let (server, orders) = (&server, &orders);
+        async move {
+            for order_id in orders {
+                let charges = server
+                    .sql
+                    .query("SELECT idempotency_key, amount, currency, tenant_id FROM payment_charges WHERE order_id = $1", &[order_id])
+                    .await
+                    .unwrap();
+                assert_eq!(charges.len(), 1, "one charge for order {order_id}");
+                assert_eq!(
+                    charges[0].get::<_, &str>(0),
+                    derive_key(order_id, "payment.charge")
+                );
+                assert_eq!(charges[0].get::<_, i64>(1), 2400);
+                assert_eq!(charges[0].get::<_, &str>(2), "JPY");
+                assert_eq!(
+                    charges[0].get::<_, &str>(3),
+                    "order-service",
+                    "the provider's tenant is the caller"
+                );
+                let reservation: String = server
+                    .sql
+                    .query_one(
+                        "SELECT idempotency_key FROM inventory_reservations WHERE order_id = $1",
+                        &[order_id],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                assert_eq!(reservation, derive_key(order_id, "inventory.reserve"));
+                assert_ne!(
+                    reservation,
+                    derive_key(order_id, "payment.charge"),
+                    "two operations, two keys"
+                );
+                let attempts: i32 = server
+                    .sql
+                    .query_one(
+                        "SELECT attempts FROM outbox_events WHERE aggregate_id = $1",
+                        &[order_id],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                assert_eq!(attempts, expected_attempts);
+            }
+        }
+    };
+    check(1).await;
+    // An operator forces redelivery of everything.
+    server
+        .sql
+        .execute("UPDATE outbox_events SET published_at = NULL", &[])
+        .await
+        .unwrap();
+    server.wait_published(3).await;
+    check(2).await;
+    assert_eq!(
+        server.count("SELECT count(*) FROM payment_charges").await,
+        3
+    );
+    assert_eq!(
+        server.count("SELECT count(*) FROM idempotency_requests WHERE endpoint = 'POST /charges v1' AND tenant_id = 'order-service'").await,
+        3,
+        "the provider remembered one operation per derived key and replayed the redeliveries"
+    );
 }

@@ -9,6 +9,7 @@
 
 mod auth;
 mod config;
+mod downstream;
 mod orders;
 mod schema;
 
@@ -23,7 +24,7 @@ use axum::{
 };
 use http::StatusCode;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tower_idempotency::{testing::TempPostgres, IdempotencyLayer, PgStore, Problem};
+use tower_idempotency::{outbox::Relay, testing::TempPostgres, IdempotencyLayer, PgStore, Problem};
 use tracing_subscriber::EnvFilter;
 
 /// A problem answer as an axum response.
@@ -105,19 +106,40 @@ async fn run() -> Result<(), String> {
                 "No such route",
             ))
         })
-        .with_state(store);
+        .with_state(store.clone());
 
     let listener = tokio::net::TcpListener::bind(settings.addr)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", settings.addr))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
+
+    // One signal stops both the HTTP server and the outbox relay.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    };
+    let relay = Relay::new(store.clone(), downstream::Providers::new(store.clone()));
+    let relay = tokio::spawn({
+        let stopped = stopped.clone();
+        async move { relay.run(until_stopped(stopped)).await }
+    });
+
     println!("listening on http://{addr}");
-    tracing::info!(%addr, retention = ?settings.retention, wait = ?settings.wait, "order server started");
+    tracing::info!(%addr, retention = ?settings.retention, wait = ?settings.wait, "order server started; outbox relay running");
     axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(until_stopped(stopped))
         .await
         .map_err(|e| format!("server error: {e}"))?;
-    tracing::info!("shut down; in-flight requests finished");
+    match relay.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "outbox relay stopped with an error"),
+        Err(e) => tracing::error!(error = %e, "outbox relay task failed"),
+    }
+    tracing::info!("shut down; in-flight requests and the relay's batch finished");
     Ok(())
 }
 

@@ -9,7 +9,8 @@ use http::{header, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tower_idempotency::{
-    FieldError, FinalResponse, PgStore, PgTx, Problem, TenantId, TypedFingerprinter, Validated,
+    outbox, FieldError, FinalResponse, PgStore, PgTx, Problem, TenantId, TypedFingerprinter,
+    Validated,
 };
 
 /// The business fields of POST /orders. Unknown fields (`trace_id`,
@@ -202,14 +203,7 @@ pub async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
     };
     let order_id = body.id.clone();
     let payload = serde_json::to_value(&body).unwrap_or(Value::Null);
-    if let Err(e) = tx
-        .execute(
-            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
-             VALUES ($1, $2::text::uuid, 'OrderCreated', $3)",
-            &[&tx.tenant(), &order_id, &payload],
-        )
-        .await
-    {
+    if let Err(e) = outbox::enqueue(&tx, &order_id, "OrderCreated", &payload).await {
         return db_failure(e);
     }
     tracing::info!(order_id, tenant = tx.tenant(), total, "order created");

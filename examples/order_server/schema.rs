@@ -1,5 +1,6 @@
 //! The example's own tables, applied at start-up under an advisory lock so
-//! several processes may start at once.
+//! several processes may start at once. `outbox_events` comes with the
+//! library's migrations (`PgStore::migrate`).
 
 use tower_idempotency::{PgStore, StoreError};
 
@@ -19,19 +20,25 @@ CREATE TABLE IF NOT EXISTS orders (
     -- The permanent duplicate rule: it outlives the idempotency retention.
     CONSTRAINT orders_tenant_checkout_key UNIQUE (tenant_id, checkout_id)
 );
-CREATE TABLE IF NOT EXISTS outbox_events (
-    id            uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
-    tenant_id     text        NOT NULL,
-    aggregate_id  uuid        NOT NULL,
-    event_type    text        NOT NULL,
-    payload       jsonb       NOT NULL,
-    created_at    timestamptz NOT NULL DEFAULT now(),
-    published_at  timestamptz,
-    attempts      integer     NOT NULL DEFAULT 0,
-    last_error    text
+-- What the fake payment provider charged: one row per idempotency key.
+CREATE TABLE IF NOT EXISTS payment_charges (
+    id               uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    tenant_id        text        NOT NULL,
+    idempotency_key  text        NOT NULL UNIQUE,
+    order_id         text        NOT NULL,
+    amount           bigint      NOT NULL,
+    currency         text        NOT NULL,
+    created_at       timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX IF NOT EXISTS outbox_events_unpublished_idx
-    ON outbox_events (created_at) WHERE published_at IS NULL;
+-- What the fake inventory service reserved: one row per idempotency key.
+CREATE TABLE IF NOT EXISTS inventory_reservations (
+    id               uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    tenant_id        text        NOT NULL,
+    idempotency_key  text        NOT NULL UNIQUE,
+    order_id         text        NOT NULL,
+    items            jsonb       NOT NULL,
+    created_at       timestamptz NOT NULL DEFAULT now()
+);
 "#;
 
 pub async fn migrate(store: &PgStore) -> Result<(), String> {
@@ -43,8 +50,12 @@ pub async fn migrate(store: &PgStore) -> Result<(), String> {
         .client()
         .await
         .map_err(|e| format!("cannot reach the database: {e}"))?;
-    client
+    if let Err(e) = client
         .batch_execute(&format!("BEGIN; {SCHEMA} COMMIT;"))
         .await
-        .map_err(|e| format!("schema migration failed: {e}"))
+    {
+        let _ = client.batch_execute("ROLLBACK").await;
+        return Err(format!("schema migration failed: {e}"));
+    }
+    Ok(())
 }

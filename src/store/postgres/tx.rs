@@ -93,6 +93,13 @@ impl PgTx {
         self.inner.token
     }
 
+    /// The idempotency key this transaction owns, as the client sent it.
+    /// Handlers may store it (a provider recording which key charged);
+    /// keep it out of logs.
+    pub fn idempotency_key(&self) -> &str {
+        self.inner.key.as_str()
+    }
+
     pub(super) fn key(&self) -> &crate::IdempotencyKey {
         &self.inner.key
     }

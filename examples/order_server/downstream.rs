@@ -1,0 +1,202 @@
+//! The downstream side: a fake payment provider and a fake inventory service,
+//! each protected by its own `IdempotencyLayer`, and the outbox sink that
+//! calls them after the order committed.
+//!
+//! The relay reaches them as a tower service (in-process), exactly as it
+//! would reach a remote API over HTTP: a request with a bearer token (the
+//! provider's tenant is the calling service) and an `Idempotency-Key` derived
+//! from the order id and the operation. However often an `OrderCreated` event
+//! is delivered, the provider charges once.
+
+use std::{collections::HashMap, sync::Arc};
+
+use axum::{
+    body::Body,
+    middleware,
+    response::{IntoResponse, Response},
+    routing::post,
+    Json, Router,
+};
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+use tower_idempotency::{
+    outbox::{DeliveryError, OutboxEvent, Sink},
+    IdempotencyLayer, PgStore, PgTx, TenantId, TypedFingerprinter, Validated,
+};
+
+/// The token the relay presents; the providers know it as `order-service`.
+const RELAY_TOKEN: &str = "internal-relay-token";
+pub const PAYMENT_CHARGE: &str = "payment.charge";
+pub const INVENTORY_RESERVE: &str = "inventory.reserve";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Charge {
+    order_id: String,
+    amount: i64,
+    currency: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Reservation {
+    order_id: String,
+    items: Value,
+}
+
+async fn charge(tx: PgTx, charge: Validated<Charge>) -> Response {
+    let inserted = tx
+        .query_one(
+            "INSERT INTO payment_charges (tenant_id, idempotency_key, order_id, amount, currency) \
+             VALUES ($1, $2, $3, $4, $5) RETURNING id::text",
+            &[
+                &tx.tenant(),
+                &tx_key(&tx),
+                &charge.order_id,
+                &charge.amount,
+                &charge.currency,
+            ],
+        )
+        .await;
+    match inserted {
+        Ok(row) => {
+            tracing::info!(order_id = %charge.order_id, amount = charge.amount, "payment provider: charged");
+            (
+                StatusCode::CREATED,
+                Json(json!({"charge_id": row.get::<_, String>(0), "order_id": charge.order_id})),
+            )
+                .into_response()
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "payment provider: charge failed");
+            crate::unavailable()
+        }
+    }
+}
+
+async fn reserve(tx: PgTx, reservation: Validated<Reservation>) -> Response {
+    let inserted = tx
+        .execute(
+            "INSERT INTO inventory_reservations (tenant_id, idempotency_key, order_id, items) VALUES ($1, $2, $3, $4)",
+            &[&tx.tenant(), &tx_key(&tx), &reservation.order_id, &reservation.items],
+        )
+        .await;
+    match inserted {
+        Ok(_) => (
+            StatusCode::CREATED,
+            Json(json!({"order_id": reservation.order_id})),
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "inventory: reservation failed");
+            crate::unavailable()
+        }
+    }
+}
+
+/// The key the provider was called with, for its records: its layer scopes
+/// keys per caller, and the derived key is what the relay sent.
+fn tx_key(tx: &PgTx) -> String {
+    tx.idempotency_key().to_owned()
+}
+
+/// The providers' router (not exposed on the public listener).
+pub fn providers(store: PgStore) -> Router {
+    let tokens: crate::auth::Tokens = Arc::new(HashMap::from([(
+        RELAY_TOKEN.to_owned(),
+        TenantId::new("order-service"),
+    )]));
+    Router::new()
+        .route(
+            "/charges",
+            post(charge).layer(IdempotencyLayer::new(
+                store.clone(),
+                "POST /charges v1",
+                TypedFingerprinter::<Charge>::new("charges.v1"),
+            )),
+        )
+        .route(
+            "/reservations",
+            post(reserve).layer(IdempotencyLayer::new(
+                store,
+                "POST /reservations v1",
+                TypedFingerprinter::<Reservation>::new("reservations.v1"),
+            )),
+        )
+        .route_layer(middleware::from_fn_with_state(
+            tokens,
+            crate::auth::authenticate,
+        ))
+}
+
+/// Delivers `OrderCreated` to both providers, each call with its own derived key.
+pub struct Providers {
+    router: Router,
+}
+
+impl Providers {
+    pub fn new(store: PgStore) -> Self {
+        Providers {
+            router: providers(store),
+        }
+    }
+
+    async fn call(&self, path: &str, key: &str, body: Value) -> Result<(), DeliveryError> {
+        let request = Request::post(path)
+            .header("authorization", format!("Bearer {RELAY_TOKEN}"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(Body::from(body.to_string()))
+            .map_err(|e| DeliveryError::permanent(e.to_string()))?;
+        let response = self
+            .router
+            .clone()
+            .oneshot(request)
+            .await
+            .map_err(|e| DeliveryError::retryable(e.to_string()))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let code = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v["code"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let message = format!("{path} answered {} {code}", status.as_u16());
+        // In progress, unavailable, 5xx: try again later. Anything else will not change.
+        if status.is_server_error()
+            || code == "idempotency_in_progress"
+            || status == StatusCode::TOO_MANY_REQUESTS
+        {
+            Err(DeliveryError::retryable(message))
+        } else {
+            Err(DeliveryError::permanent(message))
+        }
+    }
+}
+
+impl Sink for Providers {
+    async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
+        if event.event_type != "OrderCreated" {
+            return Ok(());
+        }
+        let order = &event.payload;
+        let charge = json!({"order_id": event.aggregate_id, "amount": order["total"], "currency": order["currency"]});
+        self.call("/charges", &event.derived_key(PAYMENT_CHARGE), charge)
+            .await?;
+        let reservation = json!({"order_id": event.aggregate_id, "items": order["items"]});
+        self.call(
+            "/reservations",
+            &event.derived_key(INVENTORY_RESERVE),
+            reservation,
+        )
+        .await
+    }
+}
