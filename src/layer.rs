@@ -44,6 +44,7 @@ pub(crate) struct Config {
     pub(crate) retention: Duration,
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) key_reuse: KeyReuseStatus,
+    pub(crate) tenant_label: bool,
 }
 
 /// Gives the wrapped service Idempotency-Key semantics.
@@ -118,6 +119,7 @@ where
                     header::LINK,
                 ],
                 key_reuse: KeyReuseStatus::Conflict,
+                tenant_label: false,
             }),
             in_flight: Arc::default(),
         }
@@ -196,6 +198,13 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
     /// Replaces the list of replayed response headers.
     pub fn replay_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config_mut().replay_headers = names.into_iter().collect();
+        self
+    }
+
+    /// Adds a `tenant` label to `idempotency_requests_total` (default off:
+    /// tenant ids can be personal data and make label sets unbounded).
+    pub fn metrics_tenant_label(mut self, enabled: bool) -> Self {
+        self.config_mut().tenant_label = enabled;
         self
     }
 

@@ -97,6 +97,7 @@ pub mod metrics;
 pub mod outbox;
 pub mod problem;
 mod record;
+pub mod retention;
 mod scope;
 mod service;
 pub mod store;
@@ -124,7 +125,9 @@ pub use scope::{ResolveTenant, Scope, SingleTenant, TenantFromExtension, TenantI
 pub use service::Idempotency;
 pub use store::{
     memory::{MemoryStore, MemoryTx},
-    postgres::{PgStore, PgStoreBuilder, PgTx, PooledClient, TxError, TxErrorKind},
+    postgres::{
+        KeyRecord, KeyState, PgStore, PgStoreBuilder, PgTx, PooledClient, TxError, TxErrorKind,
+    },
     Claim, ClaimRequest, Store, StoreError, StoreErrorKind,
 };
 

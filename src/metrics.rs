@@ -3,7 +3,9 @@
 //!
 //! Labels carry the endpoint and the outcome, never the key or the tenant.
 
-/// Counter: idempotent requests by `endpoint` and `outcome` (see [`Outcome`]).
+/// Counter: idempotent requests by `endpoint` and `outcome` (see [`Outcome`]),
+/// and by `tenant` only if the layer opted in
+/// ([`IdempotencyLayer::metrics_tenant_label`](crate::IdempotencyLayer::metrics_tenant_label)).
 pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
 /// Histogram (seconds): time from the arrival of a request to the store's
 /// answer to its claim, by `endpoint` and `outcome`. A concurrent duplicate's
@@ -12,6 +14,17 @@ pub const CLAIM_DURATION_SECONDS: &str = "idempotency_claim_duration_seconds";
 /// Histogram (seconds): how long an owner held its key (claim to commit or
 /// rollback), by `endpoint`.
 pub const KEY_HELD_SECONDS: &str = "idempotency_key_held_seconds";
+
+/// Counter: expired idempotency records removed by cleanup.
+pub const EXPIRED_REMOVED_TOTAL: &str = "idempotency_expired_removed_total";
+/// Gauge: expired idempotency records not yet removed (cleanup backlog).
+pub const CLEANUP_BACKLOG: &str = "idempotency_cleanup_backlog";
+/// Gauge (seconds): age of the oldest operation still holding its key,
+/// across every process sharing the database; 0 when none.
+pub const OLDEST_IN_PROGRESS_SECONDS: &str = "idempotency_oldest_in_progress_seconds";
+/// Histogram (seconds): how long a concurrent duplicate waited for the
+/// request that held its key, by `endpoint`.
+pub const DUPLICATE_WAIT_SECONDS: &str = "idempotency_duplicate_wait_seconds";
 
 /// Gauge: undelivered, unparked outbox events (refreshed by the relay).
 pub const OUTBOX_BACKLOG: &str = "outbox_backlog_events";
@@ -61,9 +74,19 @@ impl Outcome {
     }
 }
 
-pub(crate) fn request(endpoint: &str, outcome: Outcome) {
-    metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
-        .increment(1);
+/// `tenant` is only passed when the user opted in to the tenant label.
+pub(crate) fn request(endpoint: &str, outcome: Outcome, tenant: Option<&str>) {
+    match tenant {
+        None => metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
+            .increment(1),
+        Some(tenant) => metrics::counter!(
+            REQUESTS_TOTAL,
+            "endpoint" => endpoint.to_owned(),
+            "outcome" => outcome.as_str(),
+            "tenant" => tenant.to_owned()
+        )
+        .increment(1),
+    }
 }
 
 pub(crate) fn claim_duration(endpoint: &str, outcome: Outcome, seconds: f64) {
@@ -90,4 +113,17 @@ pub(crate) fn outbox_parked(event_type: &str) {
 pub(crate) fn outbox_backlog(events: f64, lag_seconds: f64) {
     metrics::gauge!(OUTBOX_BACKLOG).set(events);
     metrics::gauge!(OUTBOX_LAG_SECONDS).set(lag_seconds);
+}
+
+pub(crate) fn expired_removed(rows: u64) {
+    metrics::counter!(EXPIRED_REMOVED_TOTAL).increment(rows);
+}
+
+pub(crate) fn retention_gauges(backlog: f64, oldest_in_progress_seconds: f64) {
+    metrics::gauge!(CLEANUP_BACKLOG).set(backlog);
+    metrics::gauge!(OLDEST_IN_PROGRESS_SECONDS).set(oldest_in_progress_seconds);
+}
+
+pub(crate) fn duplicate_wait(endpoint: &str, seconds: f64) {
+    metrics::histogram!(DUPLICATE_WAIT_SECONDS, "endpoint" => endpoint.to_owned()).record(seconds);
 }

@@ -177,7 +177,7 @@ where
     let reject = |problem: Problem| {
         tracing::debug!(parent: &span, code = problem.code(), "request refused before claiming a key");
         span.record("outcome", Outcome::Rejected.as_str());
-        metrics::request(&config.endpoint, Outcome::Rejected);
+        metrics::request(&config.endpoint, Outcome::Rejected, None);
         Ok(problem_response(&problem))
     };
 
@@ -248,9 +248,12 @@ where
     let config = &layer.config;
     let endpoint = &*config.endpoint;
     let arrived = Instant::now();
+    let tenant_label = config
+        .tenant_label
+        .then(|| claim.scope.tenant().as_str().to_owned());
     let finish = |outcome: Outcome| {
         span.record("outcome", outcome.as_str());
-        metrics::request(endpoint, outcome);
+        metrics::request(endpoint, outcome, tenant_label.as_deref());
     };
     // Duplicates of a key this process is already working on wait here,
     // holding no connection, then ask the store with what is left of the wait.
@@ -258,10 +261,17 @@ where
     let _lead = match layer.in_flight.enter(&claim.scope, &claim.key) {
         Turn::Lead(guard) => Some(guard),
         Turn::Follow(mut done) => {
-            if tokio::time::timeout_at(deadline, done.changed())
+            let finished = tokio::time::timeout_at(deadline, done.changed())
                 .await
-                .is_ok()
-            {
+                .is_ok();
+            let waited = arrived.elapsed();
+            metrics::duplicate_wait(endpoint, waited.as_secs_f64());
+            tracing::info!(
+                waited_ms = waited.as_millis() as u64,
+                finished,
+                "waited for a concurrent duplicate in this process"
+            );
+            if finished {
                 None
             } else {
                 tracing::info!(
@@ -308,6 +318,7 @@ where
                 waited_ms = arrived.elapsed().as_millis() as u64,
                 "key still in progress after the wait"
             );
+            metrics::duplicate_wait(endpoint, arrived.elapsed().as_secs_f64());
             finish(Outcome::InProgress);
             return Ok(problem_response(&in_progress()));
         }

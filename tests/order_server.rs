@@ -357,6 +357,17 @@ async fn serves_the_contract_table() {
             .to_vec(),
     )
     .unwrap();
+    for name in [
+        "idempotency_claim_duration_seconds",
+        "idempotency_key_held_seconds",
+        "idempotency_cleanup_backlog",
+        "idempotency_oldest_in_progress_seconds",
+        "outbox_backlog_events",
+        "outbox_lag_seconds",
+        "outbox_delivered_total",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
+    }
     for outcome in ["new", "replayed", "key_reused", "rejected"] {
         assert!(
             metrics.contains(&format!(
@@ -702,4 +713,51 @@ async fn each_order_is_charged_once_whatever_the_deliveries() {
         3,
         "the provider remembered one operation per derived key and replayed the redeliveries"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands() {
+    let server = Server::start(&[("IDEMPOTENCY_RETENTION", "1h")]).await;
+    let first = server
+        .post_order(TOKEN_A, Some("retained"), &order("chk_retained"))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let window: f64 = server
+        .sql
+        .query_one("SELECT extract(epoch from expires_at - completed_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(window, 3600.0, "IDEMPOTENCY_RETENTION sets expires_at");
+    assert!(
+        server
+            .post_order(TOKEN_A, Some("retained"), &order("chk_retained"))
+            .await
+            .replayed(),
+        "not yet expired: replay"
+    );
+    // The retention passes.
+    server
+        .sql
+        .execute("UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE idempotency_key = 'retained'", &[])
+        .await
+        .unwrap();
+    let after = server
+        .post_order(TOKEN_A, Some("retained"), &order("chk_retained"))
+        .await;
+    assert!(!after.replayed(), "an expired key is a new operation");
+    assert_eq!(after.status, StatusCode::CONFLICT);
+    assert_eq!(
+        after.json()["code"],
+        "checkout_already_ordered",
+        "the domain rule outlives the retention"
+    );
+    assert_eq!(after.json()["order_id"], first.json()["id"]);
+    assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
+    let row = server
+        .sql
+        .query_one("SELECT attempt_token, response_status FROM idempotency_requests WHERE idempotency_key = 'retained'", &[])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i16>(1)), (2, 409));
 }

@@ -65,13 +65,16 @@ async fn migrations_are_idempotent_under_concurrency() {
     store.migrate().await.expect("a rerun is a no-op");
     let client = db.client().await;
     let versions: Vec<i32> = client
-        .query("SELECT version FROM tower_idempotency_migrations", &[])
+        .query(
+            "SELECT version FROM tower_idempotency_migrations ORDER BY version",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, [1]);
+    assert_eq!(versions, [1, 2, 3]);
     let fillfactor: String = client
         .query_one("SELECT array_to_string(reloptions, ',') FROM pg_class WHERE relname = 'idempotency_requests'", &[])
         .await

@@ -24,7 +24,9 @@ use axum::{
 };
 use http::StatusCode;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tower_idempotency::{outbox::Relay, testing::TempPostgres, IdempotencyLayer, PgStore, Problem};
+use tower_idempotency::{
+    outbox::Relay, retention::Cleanup, testing::TempPostgres, IdempotencyLayer, PgStore, Problem,
+};
 use tracing_subscriber::EnvFilter;
 
 /// A problem answer as an axum response.
@@ -128,12 +130,23 @@ async fn run() -> Result<(), String> {
         async move { relay.run(until_stopped(stopped)).await }
     });
 
+    // Expired keys go in small batches; the gauges an operator watches
+    // (cleanup backlog, oldest in-progress age) refresh on the same beat.
+    let cleanup = Cleanup::new(store.clone()).interval(Duration::from_secs(15));
+    let cleanup = tokio::spawn({
+        let stopped = stopped.clone();
+        async move { cleanup.run(until_stopped(stopped)).await }
+    });
+
     println!("listening on http://{addr}");
     tracing::info!(%addr, retention = ?settings.retention, wait = ?settings.wait, "order server started; outbox relay running");
     axum::serve(listener, app)
         .with_graceful_shutdown(until_stopped(stopped))
         .await
         .map_err(|e| format!("server error: {e}"))?;
+    if let Err(e) = cleanup.await {
+        tracing::error!(error = %e, "cleanup task failed");
+    }
     match relay.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(error = %e, "outbox relay stopped with an error"),

@@ -42,10 +42,12 @@ use crate::{
     record::{Record, StoredResponse},
 };
 
+mod admin;
 mod migrations;
 mod sql;
 mod tx;
 
+pub use admin::{KeyRecord, KeyState};
 pub use tx::{PgTx, TxError, TxErrorKind};
 
 // Parameters carry explicit casts so their types are fixed by the SQL text:
@@ -291,7 +293,12 @@ impl PgStore {
         request: &ClaimRequest,
     ) -> Result<Option<(i64, String)>, StoreError> {
         let (set_wait, claim) = tokio::try_join!(
-            conn.prepare_cached("SELECT set_config('lock_timeout', $1::text, true)"),
+            // The application_name tags the open claim transaction in
+            // pg_stat_activity, where `Cleanup` finds the oldest one.
+            conn.prepare_cached(
+                "SELECT set_config('lock_timeout', $1::text, true), \
+                        set_config('application_name', 'tower-idempotency', true)"
+            ),
             conn.prepare_cached(CLAIM),
         )
         .map_err(map_error)?;

@@ -1,0 +1,177 @@
+//! Retention: expired keys are removed in small batches, and the gauges an
+//! operator watches are refreshed.
+//!
+//! A completed record replays until its `expires_at` (completion + the
+//! layer's retention); after that the same key is a new operation, whether or
+//! not the row was removed yet. [`Cleanup`] removes expired rows so the table
+//! stays the size of the retention window:
+//!
+//! - in batches (`LIMIT`-ed `DELETE`s, each its own short transaction), found
+//!   through the index on `expires_at`, never by scanning the table;
+//! - with `FOR UPDATE SKIP LOCKED`, so any number of cleaners (one per app
+//!   instance is fine) never wait on each other or on a claim taking an
+//!   expired key over;
+//! - never touching a row that is still in progress.
+//!
+//! Cron users call [`Cleanup::run_once`] (or run the SQL it documents).
+
+use std::{fmt, future::Future, time::Duration};
+
+use tokio_postgres::types::ToSql;
+
+use crate::{metrics, store::postgres::map_error, PgStore, StoreError};
+
+// Expired completed rows only; rows locked by a claim (an expired key being
+// taken over) or by another cleaner are skipped, not waited for.
+const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
+     USING (SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
+            WHERE expires_at <= now() AND state = 'completed' \
+            ORDER BY expires_at LIMIT $1::int8 FOR UPDATE SKIP LOCKED) AS d \
+     WHERE r.tenant_id = d.tenant_id AND r.endpoint = d.endpoint AND r.idempotency_key = d.idempotency_key";
+
+const BACKLOG: &str =
+    "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now() AND state = 'completed'";
+
+// The oldest operation that holds a key: open claim transactions (tagged by
+// their application_name) and committed in-progress rows.
+const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
+     (SELECT COALESCE(max(EXTRACT(EPOCH FROM now() - xact_start)), 0)::float8 FROM pg_stat_activity \
+      WHERE application_name = 'tower-idempotency' AND datname = current_database() AND xact_start IS NOT NULL), \
+     (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 FROM idempotency_requests \
+      WHERE state = 'in_progress'))";
+
+/// Removes expired idempotency records in batches and refreshes the
+/// retention and in-progress gauges.
+///
+/// ```no_run
+/// # async fn run(store: tower_idempotency::PgStore) -> Result<(), tower_idempotency::StoreError> {
+/// use std::time::Duration;
+/// use tower_idempotency::retention::Cleanup;
+///
+/// // In the service: every minute, until shutdown.
+/// let cleanup = Cleanup::new(store.clone()).interval(Duration::from_secs(60));
+/// tokio::spawn(async move { cleanup.run(std::future::pending()).await });
+///
+/// // From cron: one pass, then exit.
+/// let removed = Cleanup::new(store).run_once().await?;
+/// println!("removed {removed} expired keys");
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Cleanup {
+    store: PgStore,
+    batch_size: i64,
+    interval: Duration,
+}
+
+impl fmt::Debug for Cleanup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cleanup")
+            .field("batch_size", &self.batch_size)
+            .field("interval", &self.interval)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the gauges say, as [`Cleanup::refresh_gauges`] read them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct RetentionStatus {
+    /// Expired rows not yet removed.
+    pub cleanup_backlog: u64,
+    /// Age of the oldest operation still holding its key (zero when none).
+    pub oldest_in_progress: Duration,
+}
+
+impl Cleanup {
+    /// A cleaner for `store`'s database: batches of 1,000, every 60 s.
+    pub fn new(store: PgStore) -> Self {
+        Cleanup {
+            store,
+            batch_size: 1000,
+            interval: Duration::from_secs(60),
+        }
+    }
+
+    /// Rows removed per `DELETE` (each its own transaction).
+    pub fn batch_size(mut self, rows: usize) -> Self {
+        self.batch_size = rows.clamp(1, 100_000) as i64;
+        self
+    }
+
+    /// The pause between passes of [`run`](Self::run).
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// Removes one batch; returns how many rows went.
+    pub async fn delete_batch(&self) -> Result<u64, StoreError> {
+        let conn = self.store.conn().await?;
+        let statement = conn.prepare_cached(DELETE_BATCH).await.map_err(map_error)?;
+        let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
+        let removed = conn.execute(&statement, &limit).await.map_err(map_error)?;
+        metrics::expired_removed(removed);
+        Ok(removed)
+    }
+
+    /// Removes batches until a batch comes back short: one pass over what
+    /// was expired when it started (plus what expired meanwhile). The
+    /// equivalent SQL, for a scheduler of your own, is to repeat until it
+    /// deletes fewer than 1000 rows:
+    ///
+    /// ```sql
+    /// DELETE FROM idempotency_requests AS r
+    /// USING (SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests
+    ///        WHERE expires_at <= now() AND state = 'completed'
+    ///        ORDER BY expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED) AS d
+    /// WHERE (r.tenant_id, r.endpoint, r.idempotency_key) = (d.tenant_id, d.endpoint, d.idempotency_key);
+    /// ```
+    pub async fn run_once(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let removed = self.delete_batch().await?;
+            total += removed;
+            if (removed as i64) < self.batch_size {
+                tracing::debug!(removed = total, "idempotency cleanup pass done");
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Reads the cleanup backlog and the oldest in-progress age, and sets
+    /// their gauges.
+    pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
+        let conn = self.store.conn().await?;
+        let (backlog, oldest) = tokio::try_join!(
+            conn.query_one(BACKLOG, &[]),
+            conn.query_one(OLDEST_IN_PROGRESS, &[])
+        )
+        .map_err(map_error)?;
+        let backlog: i64 = backlog.get(0);
+        let oldest: f64 = oldest.get(0);
+        metrics::retention_gauges(backlog as f64, oldest);
+        Ok(RetentionStatus {
+            cleanup_backlog: backlog.max(0) as u64,
+            oldest_in_progress: Duration::from_secs_f64(oldest.max(0.0)),
+        })
+    }
+
+    /// Cleans up and refreshes the gauges every interval until `shutdown`
+    /// completes (a pass in progress finishes first).
+    pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StoreError> {
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            if let Err(e) = self.run_once().await {
+                tracing::warn!(error = %e, "idempotency cleanup failed; retrying next interval");
+            }
+            if let Err(e) = self.refresh_gauges().await {
+                tracing::debug!(error = %e, "cannot refresh the retention gauges");
+            }
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                _ = tokio::time::sleep(self.interval) => {}
+            }
+        }
+    }
+}

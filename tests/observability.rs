@@ -1,0 +1,302 @@
+//! Metrics and logs, read through a test recorder and a capturing
+//! subscriber installed for this test binary.
+
+mod common;
+
+use std::{
+    collections::HashMap,
+    io::Write,
+    sync::{Arc, Mutex, OnceLock},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tokio::sync::Notify;
+use tower::Layer;
+use tower_idempotency::{
+    outbox::{DeliveryError, OutboxEvent, Relay, Sink},
+    retention::Cleanup,
+    IdempotencyKey, IdempotencyLayer, JsonFingerprinter, MemoryStore, MemoryTx, PgStore,
+    RequestBody,
+};
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+struct Installed {
+    snapshotter: Snapshotter,
+    logs: Captured,
+}
+
+fn installed() -> &'static Installed {
+    static INSTALLED: OnceLock<Installed> = OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("the only recorder of this binary");
+        let logs = Captured::default();
+        let writer = logs.clone();
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .init();
+        Installed { snapshotter, logs }
+    })
+}
+
+/// Counters by (name, sorted labels); histograms by sample count.
+fn snapshot(snapshotter: &Snapshotter) -> HashMap<(String, Vec<(String, String)>), DebugValue> {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| {
+            let key = key.key();
+            let mut labels: Vec<_> = key
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            labels.sort();
+            ((key.name().to_owned(), labels), value)
+        })
+        .collect()
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut labels: Vec<_> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    labels.sort();
+    labels
+}
+
+fn status_handler(
+    status: StatusCode,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(
+        move |_: Request<RequestBody>| async move {
+            let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
+            *response.status_mut() = status;
+            Ok::<_, BoxError>(response)
+        },
+    ))
+}
+
+struct Recording;
+impl Sink for Recording {
+    async fn deliver(&self, _: &OutboxEvent) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_every_outcome() {
+    let installed = installed();
+    const ENDPOINT: &str = "POST /metrics-test v1";
+    let store = MemoryStore::new();
+    let make = |status| {
+        IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"))
+            .layer(status_handler(status))
+    };
+    let ok = make(StatusCode::CREATED);
+    send(ok.clone(), post(Some("t"), Some("k-new"), "{}")).await;
+    send(ok.clone(), post(Some("t"), Some("k-new"), "{}")).await;
+    send(ok.clone(), post(Some("t"), Some("k-new"), "{\"other\":1}")).await;
+    send(ok.clone(), post(Some("t"), None, "{}")).await;
+    send(
+        make(StatusCode::BAD_GATEWAY),
+        post(Some("t"), Some("k-fail"), "{}"),
+    )
+    .await;
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let gated = IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"))
+        .wait(Duration::from_millis(100))
+        .layer(tower::service_fn({
+            let (started, release) = (started.clone(), release.clone());
+            move |request: Request<RequestBody>| {
+                let (started, release) = (started.clone(), release.clone());
+                async move {
+                    let _tx = request.extensions().get::<MemoryTx>().cloned();
+                    started.notify_one();
+                    release.notified().await;
+                    Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
+                }
+            }
+        }));
+    let first = spawn_send(gated.clone(), post(Some("t"), Some("k-slow"), "{}"));
+    started.notified().await;
+    let waited = send(gated, post(Some("t"), Some("k-slow"), "{}")).await;
+    assert_eq!(waited.status, StatusCode::CONFLICT);
+    release.notify_one();
+    first.await.unwrap();
+    let mut unreachable = tokio_postgres::Config::new();
+    unreachable
+        .host_path("/nonexistent")
+        .port(1)
+        .user("x")
+        .dbname("x");
+    let down = PgStore::builder(unreachable)
+        .connect_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let down = IdempotencyLayer::new(down, ENDPOINT, JsonFingerprinter::new("v1"))
+        .layer(status_handler(StatusCode::CREATED));
+    send(down, post(Some("t"), Some("k-down"), "{}")).await;
+
+    // Retention and outbox gauges, from a real database.
+    let pg = Postgres::new().await;
+    pg.client
+        .batch_execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+             SELECT 't', 'e', 'expired-' || i, '\\x00', 'completed', now() - interval '1 hour' FROM generate_series(1, 7) i;
+             INSERT INTO outbox_events (tenant_id, aggregate_id, event_type) VALUES ('t', 'a1', 'MetricsTest');",
+        )
+        .await
+        .unwrap();
+    let cleanup = Cleanup::new(pg.store.clone()).batch_size(3);
+    assert_eq!(cleanup.refresh_gauges().await.unwrap().cleanup_backlog, 7);
+    assert_eq!(cleanup.run_once().await.unwrap(), 7);
+    assert_eq!(
+        Relay::new(pg.store.clone(), Recording)
+            .run_once()
+            .await
+            .unwrap()
+            .delivered,
+        1
+    );
+
+    let values = snapshot(&installed.snapshotter);
+    let counter =
+        |name: &str, pairs: &[(&str, &str)]| match values.get(&(name.to_owned(), labels(pairs))) {
+            Some(DebugValue::Counter(n)) => *n,
+            other => panic!("{name} {pairs:?}: {other:?}"),
+        };
+    let samples = |name: &str, pairs: &[(&str, &str)]| match values
+        .get(&(name.to_owned(), labels(pairs)))
+    {
+        Some(DebugValue::Histogram(samples)) => samples.iter().map(|s| s.0).collect::<Vec<f64>>(),
+        other => panic!("{name} {pairs:?}: {other:?}"),
+    };
+    for (outcome, expected) in [
+        ("new", 2),
+        ("replayed", 1),
+        ("key_reused", 1),
+        ("rejected", 1),
+        ("rolled_back", 1),
+        ("in_progress", 1),
+        ("store_unavailable", 1),
+    ] {
+        let got = counter(
+            "idempotency_requests_total",
+            &[("endpoint", ENDPOINT), ("outcome", outcome)],
+        );
+        assert_eq!(got, expected, "outcome {outcome}");
+    }
+    let waits = samples(
+        "idempotency_duplicate_wait_seconds",
+        &[("endpoint", ENDPOINT)],
+    );
+    assert_eq!(waits.len(), 1);
+    assert!(
+        waits[0] >= 0.1,
+        "the duplicate waited its 100 ms: {waits:?}"
+    );
+    assert_eq!(
+        samples("idempotency_key_held_seconds", &[("endpoint", ENDPOINT)]).len(),
+        3
+    );
+    assert!(!samples(
+        "idempotency_claim_duration_seconds",
+        &[("endpoint", ENDPOINT), ("outcome", "replayed")]
+    )
+    .is_empty());
+    assert_eq!(counter("idempotency_expired_removed_total", &[]), 7);
+    assert_eq!(
+        values.get(&("idempotency_cleanup_backlog".into(), vec![])),
+        Some(&DebugValue::Gauge(7.0.into())),
+        "the backlog gauge as refreshed before the cleanup"
+    );
+    assert_eq!(
+        counter("outbox_delivered_total", &[("event_type", "MetricsTest")]),
+        1
+    );
+    assert!(
+        values
+            .keys()
+            .all(|(_, labels)| labels.iter().all(|(k, _)| k != "tenant" && k != "key")),
+        "no tenant or key label unless opted in"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_carry_no_body_and_no_raw_key() {
+    let installed = installed();
+    const KEY: &str = "raw-key-SECRET-9f8e";
+    const BODY: &str = r#"{"card_number":"4242-SECRET-BODY","amount":1}"#;
+    let store = MemoryStore::new();
+    let layer = IdempotencyLayer::new(store, "POST /logs-test v1", JsonFingerprinter::new("v1"));
+    let ok = layer.clone().layer(status_handler(StatusCode::CREATED));
+    send(ok.clone(), post(Some("t"), Some(KEY), BODY)).await;
+    send(ok.clone(), post(Some("t"), Some(KEY), BODY)).await;
+    send(
+        ok.clone(),
+        post(
+            Some("t"),
+            Some(KEY),
+            r#"{"card_number":"4242-SECRET-BODY","amount":2}"#,
+        ),
+    )
+    .await;
+    send(
+        ok.clone(),
+        post(
+            Some("t"),
+            Some("other-SECRET-key"),
+            r#"{"card_number":"4242-SECRET-BODY""#,
+        ),
+    )
+    .await;
+    send(
+        layer.layer(status_handler(StatusCode::INTERNAL_SERVER_ERROR)),
+        post(Some("t"), Some("k2-SECRET"), BODY),
+    )
+    .await;
+    let logs = String::from_utf8(installed.logs.0.lock().unwrap().clone()).unwrap();
+    let hash = IdempotencyKey::parse(KEY.as_bytes()).unwrap().short_hash();
+    assert!(
+        logs.contains("POST /logs-test v1"),
+        "the flow was logged:\n{logs}"
+    );
+    assert!(logs.contains(&hash), "keys appear hashed");
+    for decision in [
+        "committed",
+        "replaying",
+        "reused",
+        "refused before claiming",
+        "rolled back",
+    ] {
+        assert!(logs.contains(decision), "no '{decision}' event in:\n{logs}");
+    }
+    assert!(
+        !logs.contains("SECRET"),
+        "a raw key or a body leaked into the logs:\n{logs}"
+    );
+}
