@@ -17,6 +17,7 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_and_inbox",
         include_str!("schema/0002_outbox_and_inbox.sql"),
     ),
+    (3, "retention", include_str!("schema/0003_retention.sql")),
 ];
 
 /// The newest schema version this build knows.
