@@ -45,6 +45,13 @@ impl RequestBody {
     }
 }
 
+/// A buffered body, e.g. to call a handler service directly in a test.
+impl From<Bytes> for RequestBody {
+    fn from(bytes: Bytes) -> Self {
+        RequestBody::buffered(bytes)
+    }
+}
+
 impl Body for RequestBody {
     type Data = Bytes;
     type Error = BoxError;

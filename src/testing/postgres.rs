@@ -166,6 +166,7 @@ impl TempPostgresBuilder {
         let mut pg = TempPostgres {
             dir,
             data_dir,
+            bin_dir: bin.clone(),
             child: None,
             watchdog: None,
         };
@@ -179,6 +180,7 @@ impl TempPostgresBuilder {
 pub struct TempPostgres {
     dir: PathBuf,
     data_dir: PathBuf,
+    bin_dir: PathBuf,
     child: Option<Child>,
     watchdog: Option<Child>,
 }
@@ -208,6 +210,12 @@ impl TempPostgres {
     pub fn connection_string(&self) -> String {
         let host = conninfo_quote(&self.dir.to_string_lossy());
         format!("host={host} port={PORT} user=postgres dbname=postgres")
+    }
+
+    /// The directory of the server binaries it was started from (`pgbench`,
+    /// `psql` and friends are there too).
+    pub fn bin_dir(&self) -> &Path {
+        &self.bin_dir
     }
 
     /// The cluster's data directory.

@@ -1,0 +1,546 @@
+//! End-to-end cost of the layer: the same order + outbox inserts served over
+//! loopback HTTP, bare and behind `IdempotencyLayer`, against a throwaway
+//! PostgreSQL with production durability (fsync on), load from a client in
+//! the same run. Scenarios alternate and repeat; medians are reported.
+//!
+//!     cargo bench --bench e2e
+//!
+//! Environment: `E2E_SECONDS` (per scenario run, default 5), `E2E_ROUNDS`
+//! (default 3). The last line is
+//! `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx> p99_create_vs_bare=<x.xx>`.
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicIsize, AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{body::Bytes, extract::State, response::IntoResponse, routing::post, Json, Router};
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tower::ServiceExt;
+use tower_idempotency::{
+    outbox, testing::TempPostgres, IdempotencyLayer, MemoryStore, PgStore, PgTx, RequestBody, SingleTenant,
+    TypedFingerprinter, Validated,
+};
+
+const POOL: usize = 16;
+const CONCURRENCY: usize = 32;
+const HOT_DUPLICATES: usize = 50;
+
+// ---------------------------------------------------------------- memory
+
+/// Counts live heap bytes, to measure the layer's memory per in-flight request.
+struct Counting;
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+// ---------------------------------------------------------------- servers
+
+#[derive(Debug, Serialize, Deserialize)]
+struct NewOrder {
+    checkout_id: String,
+    total: i64,
+}
+
+const INSERT_ORDER: &str =
+    "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3) RETURNING id::text";
+
+fn created(id: String, order: &NewOrder) -> axum::response::Response {
+    (StatusCode::CREATED, Json(serde_json::json!({"id": id, "checkout_id": order.checkout_id, "total": order.total})))
+        .into_response()
+}
+
+/// The same writes in the handler's own transaction, no layer.
+async fn bare(State(store): State<PgStore>, body: Bytes) -> axum::response::Response {
+    let Ok(order) = serde_json::from_slice::<NewOrder>(&body) else { return StatusCode::UNPROCESSABLE_ENTITY.into_response() };
+    let Ok(client) = store.client().await else { return StatusCode::SERVICE_UNAVAILABLE.into_response() };
+    let result = async {
+        let insert = client.prepare_cached(INSERT_ORDER).await?;
+        let enqueue = client
+            .prepare_cached(
+                "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ($1, $2, 'OrderCreated', $3)",
+            )
+            .await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&"bench", &order.checkout_id, &order.total];
+        let (_, row) = tokio::try_join!(biased; client.batch_execute("BEGIN"), client.query_one(&insert, &params))?;
+        let id: String = row.get(0);
+        let payload = serde_json::json!({"id": id, "total": order.total});
+        client.execute(&enqueue, &[&"bench", &id, &payload]).await?;
+        client.batch_execute("COMMIT").await?;
+        Ok::<_, tokio_postgres::Error>(id)
+    }
+    .await;
+    match result {
+        Ok(id) => created(id, &order),
+        Err(_) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            StatusCode::SERVICE_UNAVAILABLE.into_response()
+        }
+    }
+}
+
+/// The same writes through the layer's transaction.
+async fn layered(tx: PgTx, order: Validated<NewOrder>) -> axum::response::Response {
+    let result = async {
+        let row = tx.query_one(INSERT_ORDER, &[&tx.tenant(), &order.checkout_id, &order.total]).await?;
+        let id: String = row.get(0);
+        outbox::enqueue(&tx, &id, "OrderCreated", &serde_json::json!({"id": id, "total": order.total})).await?;
+        Ok::<_, tower_idempotency::TxError>(id)
+    }
+    .await;
+    match result {
+        Ok(id) => created(id, &order),
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
+async fn serve(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+// ---------------------------------------------------------------- load
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scenario {
+    Bare,
+    Create,
+    Replay,
+    Mixed,
+    HotKey,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 5] = [Scenario::Bare, Scenario::Create, Scenario::Replay, Scenario::Mixed, Scenario::HotKey];
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Bare => "1 bare (no layer)",
+            Scenario::Create => "2 layered create",
+            Scenario::Replay => "3 replay",
+            Scenario::Mixed => "4 mixed 10% retry, 1% reuse",
+            Scenario::HotKey => "5 hot key (50 duplicates)",
+        }
+    }
+}
+
+#[derive(Clone, Default, Debug)]
+struct Run {
+    requests: usize,
+    unexpected: usize,
+    seconds: f64,
+    latencies_us: Vec<u64>,
+    /// Hot key only: each duplicate's latency minus its owner's.
+    duplicate_extra_us: Vec<i64>,
+}
+
+impl Run {
+    fn throughput(&self) -> f64 {
+        self.requests as f64 / self.seconds
+    }
+    fn percentile(&self, p: f64) -> f64 {
+        percentile(&self.latencies_us, p) as f64 / 1000.0
+    }
+}
+
+fn percentile<T: Copy + Ord + Default>(values: &[T], p: f64) -> T {
+    if values.is_empty() {
+        return T::default();
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_unstable();
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+struct Load {
+    http: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    bare: SocketAddr,
+    layered: SocketAddr,
+    /// Completed (key, body) pairs, for replays and retries.
+    completed: Mutex<Vec<(String, String)>>,
+    next: AtomicUsize,
+}
+
+struct Answer {
+    status: StatusCode,
+    replayed: bool,
+    micros: u64,
+}
+
+impl Load {
+    fn fresh(&self) -> (String, String) {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let body = format!(r#"{{"checkout_id":"chk-{n}","total":2400}}"#);
+        (format!("key-{n}"), body)
+    }
+
+    async fn post(&self, addr: SocketAddr, key: Option<&str>, body: String) -> Answer {
+        let mut request = Request::post(format!("http://{addr}/orders")).header("content-type", "application/json");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let request = request.body(Full::new(Bytes::from(body))).expect("request");
+        let started = Instant::now();
+        let (status, replayed) = match self.http.request(request).await {
+            Ok(response) => {
+                let status = response.status();
+                let replayed = response.headers().contains_key("idempotent-replayed");
+                let _ = response.into_body().collect().await;
+                (status, replayed)
+            }
+            Err(_) => (StatusCode::BAD_GATEWAY, false),
+        };
+        Answer { status, replayed, micros: started.elapsed().as_micros() as u64 }
+    }
+
+    async fn one(&self, scenario: Scenario, rng: &mut u64) -> (bool, u64) {
+        let roll = xorshift(rng) % 100;
+        let pick = |rng: &mut u64| {
+            let completed = self.completed.lock().unwrap();
+            completed[(xorshift(rng) as usize) % completed.len()].clone()
+        };
+        match scenario {
+            Scenario::Bare => {
+                let (_, body) = self.fresh();
+                let a = self.post(self.bare, None, body).await;
+                (a.status == StatusCode::CREATED, a.micros)
+            }
+            Scenario::Replay => {
+                let (key, body) = pick(rng);
+                let a = self.post(self.layered, Some(&key), body).await;
+                (a.status == StatusCode::CREATED && a.replayed, a.micros)
+            }
+            Scenario::Mixed if roll == 0 => {
+                let (key, _) = pick(rng);
+                let a = self.post(self.layered, Some(&key), r#"{"checkout_id":"other","total":1}"#.into()).await;
+                (a.status == StatusCode::CONFLICT, a.micros)
+            }
+            Scenario::Mixed if roll <= 10 => {
+                let (key, body) = pick(rng);
+                let a = self.post(self.layered, Some(&key), body).await;
+                (a.status == StatusCode::CREATED && a.replayed, a.micros)
+            }
+            _ => {
+                let (key, body) = self.fresh();
+                let a = self.post(self.layered, Some(&key), body.clone()).await;
+                let ok = a.status == StatusCode::CREATED && !a.replayed;
+                if ok {
+                    self.completed.lock().unwrap().push((key, body));
+                }
+                (ok, a.micros)
+            }
+        }
+    }
+
+    async fn run(self: &Arc<Self>, scenario: Scenario, duration: Duration) -> Run {
+        if scenario == Scenario::HotKey {
+            return self.hot_key(duration).await;
+        }
+        let started = Instant::now();
+        let deadline = started + duration;
+        let workers: Vec<_> = (0..CONCURRENCY)
+            .map(|w| {
+                let load = self.clone();
+                tokio::spawn(async move {
+                    let mut rng = 0x9E37_79B9_7F4A_7C15 ^ (w as u64 + 1) * 0x2545_F491_4F6C_DD1D;
+                    let mut run = Run::default();
+                    while Instant::now() < deadline {
+                        let (ok, micros) = load.one(scenario, &mut rng).await;
+                        run.requests += 1;
+                        run.unexpected += usize::from(!ok);
+                        run.latencies_us.push(micros);
+                    }
+                    run
+                })
+            })
+            .collect();
+        let mut total = Run::default();
+        for worker in workers {
+            let run = worker.await.expect("worker");
+            total.requests += run.requests;
+            total.unexpected += run.unexpected;
+            total.latencies_us.extend(run.latencies_us);
+        }
+        total.seconds = started.elapsed().as_secs_f64();
+        total
+    }
+
+    /// Rounds of 50 simultaneous requests with one fresh key.
+    async fn hot_key(self: &Arc<Self>, duration: Duration) -> Run {
+        let started = Instant::now();
+        let mut total = Run::default();
+        while started.elapsed() < duration {
+            let (key, body) = self.fresh();
+            let answers: Vec<_> = (0..HOT_DUPLICATES)
+                .map(|_| {
+                    let (load, key, body) = (self.clone(), key.clone(), body.clone());
+                    tokio::spawn(async move { load.post(load.layered, Some(&key), body).await })
+                })
+                .collect();
+            let mut round = Vec::new();
+            for answer in answers {
+                round.push(answer.await.expect("request"));
+            }
+            let owners: Vec<_> = round.iter().filter(|a| a.status == StatusCode::CREATED && !a.replayed).collect();
+            let owner_micros = owners.first().map_or(0, |a| a.micros) as i64;
+            for a in &round {
+                total.requests += 1;
+                total.latencies_us.push(a.micros);
+                if a.status != StatusCode::CREATED {
+                    total.unexpected += 1;
+                }
+                if a.replayed {
+                    total.duplicate_extra_us.push(a.micros as i64 - owner_micros);
+                }
+            }
+            total.unexpected += owners.len().abs_diff(1);
+        }
+        total.seconds = started.elapsed().as_secs_f64();
+        total
+    }
+}
+
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+// ---------------------------------------------------------------- pgbench
+
+const PGBENCH_BARE: &str = r#"\set c random(1, 9000000000000000)
+BEGIN;
+INSERT INTO orders (tenant_id, checkout_id, total) VALUES ('pgb', 'pgb-' || (:c)::text, 2400) RETURNING id;
+INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ('pgb', 'x', 'OrderCreated', '{}');
+COMMIT;
+"#;
+
+const PGBENCH_LAYERED: &str = r#"\set k random(1, 9000000000000000)
+SELECT state FROM idempotency_requests WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = 'k' || (:k)::text AND expires_at > now();
+BEGIN;
+INSERT INTO idempotency_requests AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) VALUES ('pgb', 'e', 'k' || (:k)::text, '\x00', 'in_progress', now() + interval '1 day') ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET state = 'in_progress' WHERE r.expires_at <= now() RETURNING attempt_token;
+INSERT INTO orders (tenant_id, checkout_id, total) VALUES ('pgb', 'pgbl-' || (:k)::text, 2400) RETURNING id;
+INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ('pgb', 'x', 'OrderCreated', '{}');
+UPDATE idempotency_requests SET state = 'completed', response_status = 201, response_body = '\x00', completed_at = now(), expires_at = now() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = 'k' || (:k)::text;
+COMMIT;
+"#;
+
+/// `pgbench` with the same SQL, same connection count: what the database
+/// itself reaches on this machine.
+fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<f64> {
+    let file = std::env::temp_dir().join(format!("tower-idempotency-{name}-{}.sql", std::process::id()));
+    std::fs::write(&file, script).ok()?;
+    let config = pg.config();
+    let host = match config.get_hosts().first()? {
+        tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+        tokio_postgres::config::Host::Tcp(host) => host.clone(),
+    };
+    let output = std::process::Command::new(pg.bin_dir().join("pgbench"))
+        .args(["-n", "-M", "prepared", "-c", &POOL.to_string(), "-j", "2", "-T", &seconds.to_string()])
+        .args(["-h", &host, "-p", &config.get_ports().first()?.to_string(), "-U", "postgres", "-f"])
+        .arg(&file)
+        .arg("postgres")
+        .output()
+        .ok()?;
+    let _ = std::fs::remove_file(&file);
+    let text = String::from_utf8_lossy(&output.stdout);
+    let tps = text.lines().find(|l| l.starts_with("tps = "))?;
+    tps.trim_start_matches("tps = ").split_whitespace().next()?.parse().ok()
+}
+
+// ---------------------------------------------------------------- memory per in-flight request
+
+/// Live heap bytes per request held inside a handler, with and without the
+/// layer (MemoryStore, no HTTP), minus the buffered request body.
+async fn memory_per_in_flight_request() -> (f64, usize) {
+    const N: usize = 1000;
+    let body = Bytes::from_static(br#"{"checkout_id":"chk-mem","total":2400}"#);
+    let measure = |layered: bool| {
+        let body = body.clone();
+        async move {
+            let (reached, release) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+            let all_in = Arc::new(Notify::new());
+            let handler = tower::service_fn({
+                let (reached, release, all_in) = (reached.clone(), release.clone(), all_in.clone());
+                move |_request: Request<RequestBody>| {
+                    let (reached, release, all_in) = (reached.clone(), release.clone(), all_in.clone());
+                    async move {
+                        let notified = release.notified();
+                        if reached.fetch_add(1, Ordering::SeqCst) + 1 == N {
+                            all_in.notify_one();
+                        }
+                        notified.await;
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from_static(b"{}"))))
+                    }
+                }
+            });
+            let store = MemoryStore::new();
+            let layer = IdempotencyLayer::new(store, "POST /orders v1", TypedFingerprinter::<NewOrder>::new("orders.v1"))
+                .tenant_resolver(SingleTenant::new("mem"));
+            let before = LIVE.load(Ordering::SeqCst);
+            let tasks: Vec<_> = (0..N)
+                .map(|i| {
+                    let request = Request::post("/orders")
+                        .header("idempotency-key", format!("mem-{i:06}"))
+                        .body(Full::new(body.clone()))
+                        .expect("request");
+                    if layered {
+                        let service = tower::Layer::layer(&layer, handler.clone());
+                        tokio::spawn(async move { service.oneshot(request).await.map(|_| ()).ok() })
+                    } else {
+                        let service = handler.clone();
+                        let request = request.map(|_| RequestBody::from(body.clone()));
+                        tokio::spawn(async move { service.oneshot(request).await.map(|_| ()).ok() })
+                    }
+                })
+                .collect();
+            all_in.notified().await;
+            let live = LIVE.load(Ordering::SeqCst) - before;
+            release.notify_waiters();
+            for task in tasks {
+                let _ = task.await;
+            }
+            live as f64 / N as f64
+        }
+    };
+    let bare = measure(false).await;
+    let layered = measure(true).await;
+    (layered - bare - body.len() as f64, body.len())
+}
+
+// ---------------------------------------------------------------- main
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+fn main() {
+    let seconds: u64 = std::env::var("E2E_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rounds: usize = std::env::var("E2E_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    runtime.block_on(run(Duration::from_secs(seconds), rounds));
+}
+
+async fn run(duration: Duration, rounds: usize) {
+    let pg = tokio::task::spawn_blocking(|| TempPostgres::builder().durable(true).setting("max_connections", "200").start())
+        .await
+        .expect("start")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let config = pg.config();
+    let setup = PgStore::builder(config.clone()).build().expect("store");
+    setup.migrate().await.expect("migrate");
+    setup
+        .client()
+        .await
+        .expect("client")
+        .batch_execute(
+            "CREATE TABLE orders (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), tenant_id text NOT NULL,
+                                  checkout_id text NOT NULL, total bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                                  UNIQUE (tenant_id, checkout_id));
+             -- No relay runs here: measure the layer, not NOTIFY.
+             DROP TRIGGER outbox_events_notify_insert ON outbox_events;",
+        )
+        .await
+        .expect("schema");
+    let bare_store = PgStore::builder(config.clone()).max_connections(POOL).build().expect("store");
+    let layered_store = PgStore::builder(config.clone()).max_connections(POOL).build().expect("store");
+    let bare_addr = serve(Router::new().route("/orders", post(bare)).with_state(bare_store)).await;
+    let layer = IdempotencyLayer::new(layered_store, "POST /orders v1", TypedFingerprinter::<NewOrder>::new("orders.v1"))
+        .tenant_resolver(SingleTenant::new("bench"));
+    let layered_addr = serve(Router::new().route("/orders", post(layered).layer(layer))).await;
+    let load = Arc::new(Load {
+        http: Client::builder(TokioExecutor::new()).pool_max_idle_per_host(HOT_DUPLICATES * 2).build_http(),
+        bare: bare_addr,
+        layered: layered_addr,
+        completed: Mutex::new(Vec::new()),
+        next: AtomicUsize::new(0),
+    });
+
+    println!("warming up (and creating keys to replay)…");
+    load.run(Scenario::Bare, Duration::from_secs(1)).await;
+    load.run(Scenario::Create, Duration::from_secs(2)).await;
+
+    let mut results: Vec<Vec<Run>> = vec![Vec::new(); Scenario::ALL.len()];
+    for round in 1..=rounds {
+        for (i, scenario) in Scenario::ALL.iter().enumerate() {
+            let run = load.run(*scenario, duration).await;
+            println!(
+                "round {round} {:<30} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
+                scenario.name(),
+                run.throughput(),
+                run.percentile(0.5),
+                run.percentile(0.99),
+                run.unexpected
+            );
+            results[i].push(run);
+        }
+    }
+
+    let pgbench_seconds = duration.as_secs().max(5);
+    let pgbench_bare = pgbench(&pg, "bare", PGBENCH_BARE, pgbench_seconds);
+    let pgbench_layered = pgbench(&pg, "layered", PGBENCH_LAYERED, pgbench_seconds);
+    let (memory, body) = memory_per_in_flight_request().await;
+
+    println!();
+    println!("| scenario | req/s | p50 ms | p99 ms | unexpected answers |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    let mut medians = Vec::new();
+    for (i, scenario) in Scenario::ALL.iter().enumerate() {
+        let runs = &results[i];
+        let tput = median(&mut runs.iter().map(Run::throughput).collect::<Vec<_>>());
+        let p50 = median(&mut runs.iter().map(|r| r.percentile(0.5)).collect::<Vec<_>>());
+        let p99 = median(&mut runs.iter().map(|r| r.percentile(0.99)).collect::<Vec<_>>());
+        let unexpected: usize = runs.iter().map(|r| r.unexpected).sum();
+        println!("| {} | {tput:.0} | {p50:.2} | {p99:.2} | {unexpected} |", scenario.name());
+        medians.push((tput, p99));
+    }
+    let hot: Vec<i64> = results[4].iter().flat_map(|r| r.duplicate_extra_us.iter().copied()).collect();
+    println!();
+    println!(
+        "hot key: duplicates answered at p99 {:.2} ms after their first request's own answer (target <= 50 ms)",
+        percentile(&hot, 0.99) as f64 / 1000.0
+    );
+    println!("layer memory per in-flight request (excluding the {body}-byte buffered body): {memory:.0} bytes");
+    match (pgbench_bare, pgbench_layered) {
+        (Some(bare), Some(layered)) => println!(
+            "pgbench, same SQL, {POOL} connections: bare {bare:.0} tx/s, with claim + completion {layered:.0} tx/s (ratio {:.2})",
+            layered / bare
+        ),
+        _ => println!("pgbench: not available"),
+    }
+    let (bare, create, replay) = (medians[0], medians[1], medians[2]);
+    println!(
+        "RATIOS create_vs_bare={:.2} replay_vs_create={:.2} p99_create_vs_bare={:.2}",
+        create.0 / bare.0,
+        replay.0 / create.0,
+        create.1 / bare.1
+    );
+}
