@@ -27,8 +27,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_idempotency::{
-    outbox, testing::TempPostgres, IdempotencyLayer, MemoryStore, PgStore, PgTx, RequestBody, SingleTenant,
-    TypedFingerprinter, Validated,
+    outbox, testing::TempPostgres, IdempotencyLayer, MemoryStore, PgStore, PgTx, RequestBody,
+    SingleTenant, TypedFingerprinter, Validated,
 };
 
 const POOL: usize = 16;
@@ -51,7 +51,10 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -71,14 +74,21 @@ const INSERT_ORDER: &str =
     "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3) RETURNING id::text";
 
 fn created(id: String, order: &NewOrder) -> axum::response::Response {
-    (StatusCode::CREATED, Json(serde_json::json!({"id": id, "checkout_id": order.checkout_id, "total": order.total})))
+    (
+        StatusCode::CREATED,
+        Json(serde_json::json!({"id": id, "checkout_id": order.checkout_id, "total": order.total})),
+    )
         .into_response()
 }
 
 /// The same writes in the handler's own transaction, no layer.
 async fn bare(State(store): State<PgStore>, body: Bytes) -> axum::response::Response {
-    let Ok(order) = serde_json::from_slice::<NewOrder>(&body) else { return StatusCode::UNPROCESSABLE_ENTITY.into_response() };
-    let Ok(client) = store.client().await else { return StatusCode::SERVICE_UNAVAILABLE.into_response() };
+    let Ok(order) = serde_json::from_slice::<NewOrder>(&body) else {
+        return StatusCode::UNPROCESSABLE_ENTITY.into_response();
+    };
+    let Ok(client) = store.client().await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
     let result = async {
         let insert = client.prepare_cached(INSERT_ORDER).await?;
         let enqueue = client
@@ -107,9 +117,20 @@ async fn bare(State(store): State<PgStore>, body: Bytes) -> axum::response::Resp
 /// The same writes through the layer's transaction.
 async fn layered(tx: PgTx, order: Validated<NewOrder>) -> axum::response::Response {
     let result = async {
-        let row = tx.query_one(INSERT_ORDER, &[&tx.tenant(), &order.checkout_id, &order.total]).await?;
+        let row = tx
+            .query_one(
+                INSERT_ORDER,
+                &[&tx.tenant(), &order.checkout_id, &order.total],
+            )
+            .await?;
         let id: String = row.get(0);
-        outbox::enqueue(&tx, &id, "OrderCreated", &serde_json::json!({"id": id, "total": order.total})).await?;
+        outbox::enqueue(
+            &tx,
+            &id,
+            "OrderCreated",
+            &serde_json::json!({"id": id, "total": order.total}),
+        )
+        .await?;
         Ok::<_, tower_idempotency::TxError>(id)
     }
     .await;
@@ -120,7 +141,9 @@ async fn layered(tx: PgTx, order: Validated<NewOrder>) -> axum::response::Respon
 }
 
 async fn serve(app: Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move { axum::serve(listener, app).await });
     addr
@@ -138,7 +161,13 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 5] = [Scenario::Bare, Scenario::Create, Scenario::Replay, Scenario::Mixed, Scenario::HotKey];
+    const ALL: [Scenario; 5] = [
+        Scenario::Bare,
+        Scenario::Create,
+        Scenario::Replay,
+        Scenario::Mixed,
+        Scenario::HotKey,
+    ];
     fn name(self) -> &'static str {
         match self {
             Scenario::Bare => "1 bare (no layer)",
@@ -201,7 +230,8 @@ impl Load {
     }
 
     async fn post(&self, addr: SocketAddr, key: Option<&str>, body: String) -> Answer {
-        let mut request = Request::post(format!("http://{addr}/orders")).header("content-type", "application/json");
+        let mut request = Request::post(format!("http://{addr}/orders"))
+            .header("content-type", "application/json");
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
         }
@@ -216,7 +246,11 @@ impl Load {
             }
             Err(_) => (StatusCode::BAD_GATEWAY, false),
         };
-        Answer { status, replayed, micros: started.elapsed().as_micros() as u64 }
+        Answer {
+            status,
+            replayed,
+            micros: started.elapsed().as_micros() as u64,
+        }
     }
 
     async fn one(&self, scenario: Scenario, rng: &mut u64) -> (bool, u64) {
@@ -238,7 +272,13 @@ impl Load {
             }
             Scenario::Mixed if roll == 0 => {
                 let (key, _) = pick(rng);
-                let a = self.post(self.layered, Some(&key), r#"{"checkout_id":"other","total":1}"#.into()).await;
+                let a = self
+                    .post(
+                        self.layered,
+                        Some(&key),
+                        r#"{"checkout_id":"other","total":1}"#.into(),
+                    )
+                    .await;
                 (a.status == StatusCode::CONFLICT, a.micros)
             }
             Scenario::Mixed if roll <= 10 => {
@@ -307,7 +347,10 @@ impl Load {
             for answer in answers {
                 round.push(answer.await.expect("request"));
             }
-            let owners: Vec<_> = round.iter().filter(|a| a.status == StatusCode::CREATED && !a.replayed).collect();
+            let owners: Vec<_> = round
+                .iter()
+                .filter(|a| a.status == StatusCode::CREATED && !a.replayed)
+                .collect();
             let owner_micros = owners.first().map_or(0, |a| a.micros) as i64;
             for a in &round {
                 total.requests += 1;
@@ -316,7 +359,9 @@ impl Load {
                     total.unexpected += 1;
                 }
                 if a.replayed {
-                    total.duplicate_extra_us.push(a.micros as i64 - owner_micros);
+                    total
+                        .duplicate_extra_us
+                        .push(a.micros as i64 - owner_micros);
                 }
             }
             total.unexpected += owners.len().abs_diff(1);
@@ -355,7 +400,10 @@ COMMIT;
 /// `pgbench` with the same SQL, same connection count: what the database
 /// itself reaches on this machine.
 fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<f64> {
-    let file = std::env::temp_dir().join(format!("tower-idempotency-{name}-{}.sql", std::process::id()));
+    let file = std::env::temp_dir().join(format!(
+        "tower-idempotency-{name}-{}.sql",
+        std::process::id()
+    ));
     std::fs::write(&file, script).ok()?;
     let config = pg.config();
     let host = match config.get_hosts().first()? {
@@ -363,8 +411,26 @@ fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<
         tokio_postgres::config::Host::Tcp(host) => host.clone(),
     };
     let output = std::process::Command::new(pg.bin_dir().join("pgbench"))
-        .args(["-n", "-M", "prepared", "-c", &POOL.to_string(), "-j", "2", "-T", &seconds.to_string()])
-        .args(["-h", &host, "-p", &config.get_ports().first()?.to_string(), "-U", "postgres", "-f"])
+        .args([
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            &POOL.to_string(),
+            "-j",
+            "2",
+            "-T",
+            &seconds.to_string(),
+        ])
+        .args([
+            "-h",
+            &host,
+            "-p",
+            &config.get_ports().first()?.to_string(),
+            "-U",
+            "postgres",
+            "-f",
+        ])
         .arg(&file)
         .arg("postgres")
         .output()
@@ -372,7 +438,11 @@ fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<
     let _ = std::fs::remove_file(&file);
     let text = String::from_utf8_lossy(&output.stdout);
     let tps = text.lines().find(|l| l.starts_with("tps = "))?;
-    tps.trim_start_matches("tps = ").split_whitespace().next()?.parse().ok()
+    tps.trim_start_matches("tps = ")
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 // ---------------------------------------------------------------- memory per in-flight request
@@ -390,20 +460,27 @@ async fn memory_per_in_flight_request() -> (f64, usize) {
             let handler = tower::service_fn({
                 let (reached, release, all_in) = (reached.clone(), release.clone(), all_in.clone());
                 move |_request: Request<RequestBody>| {
-                    let (reached, release, all_in) = (reached.clone(), release.clone(), all_in.clone());
+                    let (reached, release, all_in) =
+                        (reached.clone(), release.clone(), all_in.clone());
                     async move {
                         let notified = release.notified();
                         if reached.fetch_add(1, Ordering::SeqCst) + 1 == N {
                             all_in.notify_one();
                         }
                         notified.await;
-                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from_static(b"{}"))))
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            Bytes::from_static(b"{}"),
+                        )))
                     }
                 }
             });
             let store = MemoryStore::new();
-            let layer = IdempotencyLayer::new(store, "POST /orders v1", TypedFingerprinter::<NewOrder>::new("orders.v1"))
-                .tenant_resolver(SingleTenant::new("mem"));
+            let layer = IdempotencyLayer::new(
+                store,
+                "POST /orders v1",
+                TypedFingerprinter::<NewOrder>::new("orders.v1"),
+            )
+            .tenant_resolver(SingleTenant::new("mem"));
             let before = LIVE.load(Ordering::SeqCst);
             let tasks: Vec<_> = (0..N)
                 .map(|i| {
@@ -443,17 +520,32 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 fn main() {
-    let seconds: u64 = std::env::var("E2E_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
-    let rounds: usize = std::env::var("E2E_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let seconds: u64 = std::env::var("E2E_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let rounds: usize = std::env::var("E2E_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
     runtime.block_on(run(Duration::from_secs(seconds), rounds));
 }
 
 async fn run(duration: Duration, rounds: usize) {
-    let pg = tokio::task::spawn_blocking(|| TempPostgres::builder().durable(true).setting("max_connections", "200").start())
-        .await
-        .expect("start")
-        .unwrap_or_else(|e| panic!("{e}"));
+    let pg = tokio::task::spawn_blocking(|| {
+        TempPostgres::builder()
+            .durable(true)
+            .setting("max_connections", "200")
+            .start()
+    })
+    .await
+    .expect("start")
+    .unwrap_or_else(|e| panic!("{e}"));
     let config = pg.config();
     let setup = PgStore::builder(config.clone()).build().expect("store");
     setup.migrate().await.expect("migrate");
@@ -470,14 +562,31 @@ async fn run(duration: Duration, rounds: usize) {
         )
         .await
         .expect("schema");
-    let bare_store = PgStore::builder(config.clone()).max_connections(POOL).build().expect("store");
-    let layered_store = PgStore::builder(config.clone()).max_connections(POOL).build().expect("store");
-    let bare_addr = serve(Router::new().route("/orders", post(bare)).with_state(bare_store)).await;
-    let layer = IdempotencyLayer::new(layered_store, "POST /orders v1", TypedFingerprinter::<NewOrder>::new("orders.v1"))
-        .tenant_resolver(SingleTenant::new("bench"));
+    let bare_store = PgStore::builder(config.clone())
+        .max_connections(POOL)
+        .build()
+        .expect("store");
+    let layered_store = PgStore::builder(config.clone())
+        .max_connections(POOL)
+        .build()
+        .expect("store");
+    let bare_addr = serve(
+        Router::new()
+            .route("/orders", post(bare))
+            .with_state(bare_store),
+    )
+    .await;
+    let layer = IdempotencyLayer::new(
+        layered_store,
+        "POST /orders v1",
+        TypedFingerprinter::<NewOrder>::new("orders.v1"),
+    )
+    .tenant_resolver(SingleTenant::new("bench"));
     let layered_addr = serve(Router::new().route("/orders", post(layered).layer(layer))).await;
     let load = Arc::new(Load {
-        http: Client::builder(TokioExecutor::new()).pool_max_idle_per_host(HOT_DUPLICATES * 2).build_http(),
+        http: Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(HOT_DUPLICATES * 2)
+            .build_http(),
         bare: bare_addr,
         layered: layered_addr,
         completed: Mutex::new(Vec::new()),
@@ -519,10 +628,16 @@ async fn run(duration: Duration, rounds: usize) {
         let p50 = median(&mut runs.iter().map(|r| r.percentile(0.5)).collect::<Vec<_>>());
         let p99 = median(&mut runs.iter().map(|r| r.percentile(0.99)).collect::<Vec<_>>());
         let unexpected: usize = runs.iter().map(|r| r.unexpected).sum();
-        println!("| {} | {tput:.0} | {p50:.2} | {p99:.2} | {unexpected} |", scenario.name());
+        println!(
+            "| {} | {tput:.0} | {p50:.2} | {p99:.2} | {unexpected} |",
+            scenario.name()
+        );
         medians.push((tput, p99));
     }
-    let hot: Vec<i64> = results[4].iter().flat_map(|r| r.duplicate_extra_us.iter().copied()).collect();
+    let hot: Vec<i64> = results[4]
+        .iter()
+        .flat_map(|r| r.duplicate_extra_us.iter().copied())
+        .collect();
     println!();
     println!(
         "hot key: duplicates answered at p99 {:.2} ms after their first request's own answer (target <= 50 ms)",

@@ -7,7 +7,9 @@ use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use http::{header, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
-use tower_idempotency::{Fingerprinter, IdempotencyKey, JsonFingerprinter, StoredResponse, TypedFingerprinter};
+use tower_idempotency::{
+    Fingerprinter, IdempotencyKey, JsonFingerprinter, StoredResponse, TypedFingerprinter,
+};
 
 #[derive(Serialize, Deserialize)]
 struct Order {
@@ -48,8 +50,12 @@ fn order_body(bytes: usize) -> Bytes {
 
 fn keys(c: &mut Criterion) {
     let mut group = c.benchmark_group("key_parse");
-    group.bench_function("bare", |b| b.iter(|| IdempotencyKey::parse(b"8e03978e-40d5-43e8-bc93-6894a57f9324")));
-    group.bench_function("quoted", |b| b.iter(|| IdempotencyKey::parse(b"\"8e03978e-40d5-43e8-bc93-6894a57f9324\"")));
+    group.bench_function("bare", |b| {
+        b.iter(|| IdempotencyKey::parse(b"8e03978e-40d5-43e8-bc93-6894a57f9324"))
+    });
+    group.bench_function("quoted", |b| {
+        b.iter(|| IdempotencyKey::parse(b"\"8e03978e-40d5-43e8-bc93-6894a57f9324\""))
+    });
     group.finish();
 }
 
@@ -80,8 +86,14 @@ fn replay(c: &mut Criterion) {
     let stored = StoredResponse {
         status: StatusCode::CREATED,
         headers: vec![
-            (header::CONTENT_TYPE, HeaderValue::from_static("application/json")),
-            (header::LOCATION, HeaderValue::from_static("/orders/8e03978e-40d5-43e8-bc93-6894a57f9324")),
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            ),
+            (
+                header::LOCATION,
+                HeaderValue::from_static("/orders/8e03978e-40d5-43e8-bc93-6894a57f9324"),
+            ),
         ],
         body: order_body(1024),
     };
@@ -91,7 +103,12 @@ fn replay(c: &mut Criterion) {
     group.bench_function("decode_headers_and_build", |b| {
         b.iter(|| {
             let headers = StoredResponse::decode_headers(&block).unwrap();
-            StoredResponse { status: stored.status, headers, body: stored.body.clone() }.to_replay()
+            StoredResponse {
+                status: stored.status,
+                headers,
+                body: stored.body.clone(),
+            }
+            .to_replay()
         })
     });
     group.finish();

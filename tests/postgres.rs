@@ -530,3 +530,40 @@ async fn duplicate_from_another_process_waits_on_the_row_lock() {
     assert_eq!(duplicate.body, first.body);
     assert_eq!(pg.orders().await.len(), 1);
 }
+
+/// The wait limit bounds the claim only: the handler runs under the
+/// session's own lock_timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
+    let pg = Postgres::new().await;
+    let (seen_tx, seen_rx) = oneshot::channel();
+    let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
+    let service = layer(pg.store.clone())
+        .wait(WAIT_SHORT)
+        .layer(handler(move |tx: PgTx| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                let row = tx
+                    .query_one("SELECT current_setting('lock_timeout')", &[])
+                    .await?;
+                let _ = seen_tx
+                    .lock()
+                    .unwrap()
+                    .take()
+                    .unwrap()
+                    .send(row.get::<_, String>(0));
+                Ok(created("{}".into()))
+            }
+        }));
+    assert_eq!(
+        send(service, post(Some("tenant-a"), Some("k1"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        seen_rx.await.unwrap(),
+        "0",
+        "the session default, not the 200ms wait"
+    );
+}

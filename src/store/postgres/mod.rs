@@ -6,10 +6,10 @@
 //! 1. A plain indexed read finds a completed, unexpired record: replay it
 //!    (no transaction, no write, no lock).
 //! 2. Otherwise, in one round trip: `BEGIN ISOLATION LEVEL READ COMMITTED`
-//!    (the "not owned" read below needs a fresh snapshot), `lock_timeout` for the wait,
-//!    `INSERT … ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE
-//!    … WHERE expired RETURNING attempt_token`, and `lock_timeout` back to the
-//!    session's default for the handler. A returned row means this
+//!    (the "not owned" read below needs a fresh snapshot) and one statement,
+//!    `INSERT … SELECT … FROM (set lock_timeout to the wait) ON CONFLICT ON
+//!    CONSTRAINT idempotency_requests_pkey DO UPDATE … WHERE expired
+//!    RETURNING attempt_token, (lock_timeout restored for the handler)`. A returned row means this
 //!    request owns the key (new, or an expired record taken over). If another
 //!    transaction holds the key, the insert waits on it; `55P03` after the wait
 //!    means in progress. No row means a record committed meanwhile: read it in
@@ -57,15 +57,26 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
 
+// One statement does the whole claim. The FROM subquery runs before the
+// insert (and before any wait on a concurrent owner): it saves the session's
+// lock_timeout, sets the wait limit and tags the transaction's
+// application_name (which `Cleanup` looks for in pg_stat_activity).
+// RETURNING runs once we own the key and restores the session's lock_timeout
+// for the handler. `lock_timeout = 0` would mean "wait forever", so the
+// caller never passes it.
 const CLAIM: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
-     VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
+     SELECT $1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8) \
+     FROM (SELECT set_config('tower_idempotency.session_lock_timeout', current_setting('lock_timeout'), true), \
+                  set_config('lock_timeout', $6::text, true), \
+                  set_config('application_name', 'tower-idempotency', true)) AS settings \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          attempt_token = r.attempt_token + 1, response_status = NULL, response_headers = NULL, \
          response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
      WHERE r.expires_at <= now() \
-     RETURNING attempt_token, pg_current_xact_id()::text";
+     RETURNING attempt_token, pg_current_xact_id()::text, \
+         set_config('lock_timeout', current_setting('tower_idempotency.session_lock_timeout'), true)";
 
 // The COMMIT is pipelined behind this statement, so it must fail (aborting
 // the transaction) rather than match no row: the handler's writes must never
@@ -292,33 +303,19 @@ impl PgStore {
         conn: &mut Conn,
         request: &ClaimRequest,
     ) -> Result<Option<(i64, String)>, StoreError> {
-        let (set_wait, claim) = tokio::try_join!(
-            // The application_name tags the open claim transaction in
-            // pg_stat_activity, where `Cleanup` finds the oldest one.
-            conn.prepare_cached(
-                "SELECT set_config('lock_timeout', $1::text, true), \
-                        set_config('application_name', 'tower-idempotency', true)"
-            ),
-            conn.prepare_cached(CLAIM),
-        )
-        .map_err(map_error)?;
-        // lock_timeout = 0 would mean "wait forever".
+        let claim = conn.prepare_cached(CLAIM).await.map_err(map_error)?;
         let wait = format!("{}ms", request.wait.as_millis().max(1));
         let retention = request.retention.as_secs_f64();
         let fingerprint = request.fingerprint.as_bytes().as_slice();
         let (tenant, endpoint, key) = key_columns(request);
-        let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &fingerprint, &retention];
-        let wait_param: [&(dyn ToSql + Sync); 1] = [&wait];
+        let params: [&(dyn ToSql + Sync); 6] =
+            [&tenant, &endpoint, &key, &fingerprint, &retention, &wait];
         conn.begin();
-        // One round trip: the requests are pipelined, sent in this order. The
-        // wait limit is for the claim alone; the handler's statements run
-        // under the session's own lock_timeout again.
-        let (_, _, claimed, _) = tokio::try_join!(
+        // One round trip: BEGIN and the claim are pipelined, in this order.
+        let (_, claimed) = tokio::try_join!(
             biased;
             conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
-            conn.query_one(&set_wait, &wait_param),
             conn.query_opt(&claim, &params),
-            conn.batch_execute("SET LOCAL lock_timeout TO DEFAULT"),
         )
         .map_err(map_error)?;
         Ok(claimed.map(|row| (row.get(0), row.get(1))))
