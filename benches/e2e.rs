@@ -308,7 +308,7 @@ impl Load {
             .map(|w| {
                 let load = self.clone();
                 tokio::spawn(async move {
-                    let mut rng = 0x9E37_79B9_7F4A_7C15 ^ (w as u64 + 1) * 0x2545_F491_4F6C_DD1D;
+                    let mut rng = 0x9E37_79B9_7F4A_7C15 ^ ((w as u64 + 1) * 0x2545_F491_4F6C_DD1D);
                     let mut run = Run::default();
                     while Instant::now() < deadline {
                         let (ok, micros) = load.one(scenario, &mut rng).await;
