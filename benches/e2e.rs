@@ -331,6 +331,38 @@ impl Load {
         total
     }
 
+    /// Open loop: requests sent at a fixed rate whatever the answers, each
+    /// latency counted from its scheduled send time (no coordinated omission).
+    async fn fixed_rate(self: &Arc<Self>, scenario: Scenario, rate: f64, duration: Duration) -> Run {
+        let started = tokio::time::Instant::now();
+        let interval = Duration::from_secs_f64(1.0 / rate);
+        let mut requests = Vec::new();
+        let mut i = 0u32;
+        loop {
+            let at = started + interval * i;
+            if at >= started + duration {
+                break;
+            }
+            tokio::time::sleep_until(at).await;
+            let load = self.clone();
+            requests.push(tokio::spawn(async move {
+                let mut rng = u64::from(i).wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+                let (ok, _) = load.one(scenario, &mut rng).await;
+                (ok, at.elapsed().as_micros() as u64)
+            }));
+            i += 1;
+        }
+        let mut run = Run::default();
+        for request in requests {
+            let (ok, micros) = request.await.expect("request");
+            run.requests += 1;
+            run.unexpected += usize::from(!ok);
+            run.latencies_us.push(micros);
+        }
+        run.seconds = started.elapsed().as_secs_f64();
+        run
+    }
+
     /// Rounds of 50 simultaneous requests with one fresh key.
     async fn hot_key(self: &Arc<Self>, duration: Duration) -> Run {
         let started = Instant::now();
@@ -613,6 +645,24 @@ async fn run(duration: Duration, rounds: usize) {
         }
     }
 
+    // Latency at equal load: both at half the layered create throughput.
+    let create_tput = median(&mut results[1].iter().map(Run::throughput).collect::<Vec<_>>());
+    let rate = (create_tput * 0.5).max(1.0);
+    let mut open: [Vec<Run>; 2] = [Vec::new(), Vec::new()];
+    for round in 1..=rounds {
+        for (i, scenario) in [Scenario::Bare, Scenario::Create].into_iter().enumerate() {
+            let run = load.fixed_rate(scenario, rate, duration).await;
+            println!(
+                "round {round} {:<30} at {rate:.0} req/s: p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
+                scenario.name(),
+                run.percentile(0.5),
+                run.percentile(0.99),
+                run.unexpected
+            );
+            open[i].push(run);
+        }
+    }
+
     let pgbench_seconds = duration.as_secs().max(5);
     let pgbench_bare = pgbench(&pg, "bare", PGBENCH_BARE, pgbench_seconds);
     let pgbench_layered = pgbench(&pg, "layered", PGBENCH_LAYERED, pgbench_seconds);
@@ -633,6 +683,16 @@ async fn run(duration: Duration, rounds: usize) {
             scenario.name()
         );
         medians.push((tput, p99));
+    }
+    println!();
+    println!("At a fixed {rate:.0} req/s (half the layered create throughput), open loop:");
+    println!();
+    println!("| scenario | p50 ms | p99 ms |");
+    println!("| --- | ---: | ---: |");
+    for (i, scenario) in [Scenario::Bare, Scenario::Create].into_iter().enumerate() {
+        let p50 = median(&mut open[i].iter().map(|r| r.percentile(0.5)).collect::<Vec<_>>());
+        let p99 = median(&mut open[i].iter().map(|r| r.percentile(0.99)).collect::<Vec<_>>());
+        println!("| {} | {p50:.2} | {p99:.2} |", scenario.name());
     }
     let hot: Vec<i64> = results[4]
         .iter()
