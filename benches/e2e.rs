@@ -333,7 +333,12 @@ impl Load {
 
     /// Open loop: requests sent at a fixed rate whatever the answers, each
     /// latency counted from its scheduled send time (no coordinated omission).
-    async fn fixed_rate(self: &Arc<Self>, scenario: Scenario, rate: f64, duration: Duration) -> Run {
+    async fn fixed_rate(
+        self: &Arc<Self>,
+        scenario: Scenario,
+        rate: f64,
+        duration: Duration,
+    ) -> Run {
         let started = tokio::time::Instant::now();
         let interval = Duration::from_secs_f64(1.0 / rate);
         let mut requests = Vec::new();
@@ -690,8 +695,18 @@ async fn run(duration: Duration, rounds: usize) {
     println!("| scenario | p50 ms | p99 ms |");
     println!("| --- | ---: | ---: |");
     for (i, scenario) in [Scenario::Bare, Scenario::Create].into_iter().enumerate() {
-        let p50 = median(&mut open[i].iter().map(|r| r.percentile(0.5)).collect::<Vec<_>>());
-        let p99 = median(&mut open[i].iter().map(|r| r.percentile(0.99)).collect::<Vec<_>>());
+        let p50 = median(
+            &mut open[i]
+                .iter()
+                .map(|r| r.percentile(0.5))
+                .collect::<Vec<_>>(),
+        );
+        let p99 = median(
+            &mut open[i]
+                .iter()
+                .map(|r| r.percentile(0.99))
+                .collect::<Vec<_>>(),
+        );
         println!("| {} | {p50:.2} | {p99:.2} |", scenario.name());
     }
     let hot: Vec<i64> = results[4]

@@ -283,31 +283,6 @@ async fn expired_key_is_a_new_operation<B: Backend>(backend: B) {
     );
 }
 
-/// A handler that writes, tells the test it started, and waits for `release`.
-fn gated<B: Backend>(
-    started: Arc<Notify>,
-    release: Arc<Notify>,
-) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
-    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
-        let (started, release) = (started.clone(), release.clone());
-        async move {
-            let tx = request
-                .extensions()
-                .get::<<B::Store as Store>::Tx>()
-                .cloned()
-                .unwrap();
-            let id = new_order_id();
-            B::insert_order(&tx, &id, "tenant-a").await?;
-            started.notify_one();
-            release.notified().await;
-            let mut response =
-                Response::new(Full::new(Bytes::from(format!("{{\"id\":\"{id}\"}}"))));
-            *response.status_mut() = StatusCode::CREATED;
-            Ok::<_, BoxError>(response)
-        }
-    }))
-}
-
 async fn duplicate_waits_then_answers_in_progress<B: Backend>(backend: B) {
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let service = layer(backend.store())

@@ -428,22 +428,8 @@ async fn cancelled_claim_never_leaks_its_transaction() {
 async fn hot_key_duplicates_do_not_starve_other_keys() {
     let pg = Postgres::with_pool(2).await;
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let hot_service = layer(pg.store.clone()).layer(handler({
-        let (started, release) = (started.clone(), release.clone());
-        move |tx: PgTx| {
-            let (started, release) = (started.clone(), release.clone());
-            async move {
-                tx.execute(
-                    "INSERT INTO orders (id, tenant_id) VALUES ('hot', 'tenant-a')",
-                    &[],
-                )
-                .await?;
-                started.notify_one();
-                release.notified().await;
-                Ok(created("{\"id\":\"hot\"}".into()))
-            }
-        }
-    }));
+    let hot_service =
+        layer(pg.store.clone()).layer(gated::<Postgres>(started.clone(), release.clone()));
     let first = spawn_send(
         hot_service.clone(),
         post(Some("tenant-a"), Some("hot"), BODY),
@@ -488,22 +474,7 @@ async fn duplicate_from_another_process_waits_on_the_row_lock() {
         .unwrap();
     let store = PgStore::builder(pg.db.config()).build().unwrap();
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let process_a = layer(store.clone()).layer(handler({
-        let (started, release) = (started.clone(), release.clone());
-        move |tx: PgTx| {
-            let (started, release) = (started.clone(), release.clone());
-            async move {
-                tx.execute(
-                    "INSERT INTO orders (id, tenant_id) VALUES ('a', 'tenant-a')",
-                    &[],
-                )
-                .await?;
-                started.notify_one();
-                release.notified().await;
-                Ok(created("{\"id\":\"a\"}".into()))
-            }
-        }
-    }));
+    let process_a = layer(store.clone()).layer(gated::<Postgres>(started.clone(), release.clone()));
     let process_b = layer(store.clone()).layer(order_handler::<Postgres>(Default::default()));
     let first = spawn_send(process_a, post(Some("tenant-a"), Some("k1"), BODY));
     started.notified().await;

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
+use tokio::sync::Notify;
 use tower::{Service, ServiceExt};
 use tower_idempotency::{
     testing::TestDatabase, Idempotency, IdempotencyLayer, JsonFingerprinter, MemoryStore, MemoryTx,
@@ -292,4 +293,29 @@ where
     B::Error: Into<BoxError>,
 {
     tokio::spawn(send(service, request))
+}
+
+/// A handler that writes, tells the test it started, and waits for `release`.
+pub fn gated<B: Backend>(
+    started: Arc<Notify>,
+    release: Arc<Notify>,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let (started, release) = (started.clone(), release.clone());
+        async move {
+            let tx = request
+                .extensions()
+                .get::<<B::Store as Store>::Tx>()
+                .cloned()
+                .unwrap();
+            let id = new_order_id();
+            B::insert_order(&tx, &id, "tenant-a").await?;
+            started.notify_one();
+            release.notified().await;
+            let mut response =
+                Response::new(Full::new(Bytes::from(format!("{{\"id\":\"{id}\"}}"))));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, BoxError>(response)
+        }
+    }))
 }
