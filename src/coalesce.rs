@@ -20,21 +20,56 @@ type Key = (Scope, IdempotencyKey);
 
 #[derive(Debug, Default)]
 pub(crate) struct InFlight {
-    leaders: Mutex<HashMap<Key, watch::Receiver<()>>>,
+    leaders: Mutex<HashMap<Key, watch::Receiver<bool>>>,
 }
 
 pub(crate) enum Turn {
     /// Go to the store; the others wait until this guard is dropped.
     Lead(LeadGuard),
     /// Another request of this process has the key: wait for it to finish.
-    Follow(watch::Receiver<()>),
+    Follow(Follower),
 }
 
 pub(crate) struct LeadGuard {
     in_flight: Arc<InFlight>,
     key: Key,
-    // Dropping the sender wakes every follower.
-    _done: watch::Sender<()>,
+    // Dropping the sender wakes every follower; the value says whether the
+    // key now has a record.
+    done: watch::Sender<bool>,
+}
+
+/// Waits for a leader.
+pub(crate) struct Follower(watch::Receiver<bool>);
+
+/// How a wait for the leader ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Woken {
+    /// The key has a record now: every follower may read it at once.
+    Settled,
+    /// The leader finished without a record (rolled back): one follower
+    /// leads next, so the others do not all claim together.
+    Unsettled,
+    /// The deadline passed first.
+    TimedOut,
+}
+
+impl Follower {
+    pub(crate) async fn wait(mut self, deadline: tokio::time::Instant) -> Woken {
+        // `changed` fails once the leader's sender is dropped: it finished.
+        match tokio::time::timeout_at(deadline, self.0.changed()).await {
+            Err(_) => Woken::TimedOut,
+            Ok(_) if *self.0.borrow() => Woken::Settled,
+            Ok(_) => Woken::Unsettled,
+        }
+    }
+}
+
+impl LeadGuard {
+    /// The key has a record (this leader committed, or found one): followers
+    /// go straight to it.
+    pub(crate) fn settled(&self) {
+        self.done.send_replace(true);
+    }
 }
 
 impl InFlight {
@@ -42,14 +77,14 @@ impl InFlight {
         let key = (scope.clone(), key.clone());
         let mut leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(done) = leaders.get(&key) {
-            return Turn::Follow(done.clone());
+            return Turn::Follow(Follower(done.clone()));
         }
-        let (done, done_rx) = watch::channel(());
+        let (done, done_rx) = watch::channel(false);
         leaders.insert(key.clone(), done_rx);
         Turn::Lead(LeadGuard {
             in_flight: self.clone(),
             key,
-            _done: done,
+            done,
         })
     }
 }
@@ -71,14 +106,15 @@ mod tests {
     use crate::TenantId;
 
     #[tokio::test]
-    async fn followers_wake_when_the_leader_finishes() {
+    async fn followers_learn_whether_the_leader_settled_the_key() {
         let in_flight = Arc::new(InFlight::default());
         let scope = Scope::new(TenantId::new("t"), "e");
         let key = IdempotencyKey::parse(b"k").unwrap();
+        let far = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
         let Turn::Lead(guard) = in_flight.enter(&scope, &key) else {
             panic!("first leads")
         };
-        let Turn::Follow(mut follower) = in_flight.enter(&scope, &key) else {
+        let Turn::Follow(follower) = in_flight.enter(&scope, &key) else {
             panic!("second follows")
         };
         let other = IdempotencyKey::parse(b"other").unwrap();
@@ -87,13 +123,27 @@ mod tests {
             "other keys are independent"
         );
         drop(guard);
-        assert!(
-            follower.changed().await.is_err(),
-            "the leader's end wakes the follower"
+        assert_eq!(
+            follower.wait(far).await,
+            Woken::Unsettled,
+            "a leader that rolled back leaves it unsettled"
         );
-        assert!(
-            matches!(in_flight.enter(&scope, &key), Turn::Lead(_)),
-            "the key is free again"
-        );
+        let Turn::Lead(guard) = in_flight.enter(&scope, &key) else {
+            panic!("the key is free again")
+        };
+        let Turn::Follow(follower) = in_flight.enter(&scope, &key) else {
+            panic!("follows the new leader")
+        };
+        guard.settled();
+        drop(guard);
+        assert_eq!(follower.wait(far).await, Woken::Settled);
+        let Turn::Lead(_guard) = in_flight.enter(&scope, &key) else {
+            panic!("free")
+        };
+        let Turn::Follow(follower) = in_flight.enter(&scope, &key) else {
+            panic!("follows")
+        };
+        let soon = tokio::time::Instant::now() + std::time::Duration::from_millis(10);
+        assert_eq!(follower.wait(soon).await, Woken::TimedOut);
     }
 }

@@ -7,6 +7,7 @@ use tower_layer::Layer;
 
 use crate::{
     coalesce::InFlight,
+    drain::Operations,
     fingerprint::Fingerprinter,
     scope::{ResolveTenant, TenantFromExtension},
     service::Idempotency,
@@ -32,6 +33,9 @@ impl KeyReuseStatus {
         }
     }
 }
+
+const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
+const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
@@ -74,6 +78,7 @@ pub struct IdempotencyLayer<St, F, R = TenantFromExtension> {
     pub(crate) resolver: Arc<R>,
     pub(crate) config: Arc<Config>,
     pub(crate) in_flight: Arc<InFlight>,
+    pub(crate) operations: Arc<Operations>,
 }
 
 impl<St: Clone, F, R> Clone for IdempotencyLayer<St, F, R> {
@@ -84,6 +89,7 @@ impl<St: Clone, F, R> Clone for IdempotencyLayer<St, F, R> {
             resolver: self.resolver.clone(),
             config: self.config.clone(),
             in_flight: self.in_flight.clone(),
+            operations: self.operations.clone(),
         }
     }
 }
@@ -97,13 +103,18 @@ where
     /// fingerprinter. The tenant comes from a [`TenantId`](crate::TenantId) in
     /// the request extensions until [`tenant_resolver`](Self::tenant_resolver)
     /// says otherwise.
+    ///
+    /// Creates the endpoint's `idempotency_requests_total` series at zero in
+    /// the installed metrics recorder, so install the recorder first.
     pub fn new(store: St, endpoint: impl Into<Arc<str>>, fingerprinter: F) -> Self {
+        let endpoint = endpoint.into();
+        crate::metrics::register_endpoint(&endpoint);
         IdempotencyLayer {
             store,
             fingerprinter: Arc::new(fingerprinter),
             resolver: Arc::new(TenantFromExtension),
             config: Arc::new(Config {
-                endpoint: endpoint.into(),
+                endpoint,
                 header: HeaderName::from_static("idempotency-key"),
                 key_required: true,
                 request_body_limit: 1024 * 1024,
@@ -122,6 +133,7 @@ where
                 tenant_label: false,
             }),
             in_flight: Arc::default(),
+            operations: Arc::default(),
         }
     }
 }
@@ -129,6 +141,26 @@ where
 impl<St, F, R> IdempotencyLayer<St, F, R> {
     fn config_mut(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
+    }
+
+    /// Resolves once no request that claimed a key through this layer (its
+    /// clones and the services it made included) is still running.
+    ///
+    /// Once a request owns its key its work runs on a task of its own, so
+    /// that it finishes even if the client goes away; a server's graceful
+    /// shutdown does not wait for such tasks. Await this after the server
+    /// has stopped accepting requests and before the runtime ends, and every
+    /// owned operation commits or rolls back first.
+    ///
+    /// ```no_run
+    /// # async fn run(listener: tokio::net::TcpListener, app: axum::Router, layer: tower_idempotency::IdempotencyLayer<tower_idempotency::MemoryStore, tower_idempotency::JsonFingerprinter>) {
+    /// axum::serve(listener, app).with_graceful_shutdown(async { /* signal */ }).await.ok();
+    /// layer.drained().await;
+    /// # }
+    /// ```
+    pub fn drained(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let operations = self.operations.clone();
+        async move { operations.idle().await }
     }
 
     /// Resolves tenants with `resolver` instead (a [`ResolveTenant`] or a
@@ -140,6 +172,7 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
             resolver: Arc::new(resolver),
             config: self.config,
             in_flight: self.in_flight,
+            operations: self.operations,
         }
     }
 
@@ -173,15 +206,20 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
 
     /// How long a concurrent duplicate waits for the first request to finish
     /// before it is answered `409 idempotency_in_progress` (default 5 s).
+    ///
+    /// Values above `i32::MAX` milliseconds (about 24.8 days), PostgreSQL's
+    /// limit, are clamped to it.
     pub fn wait(mut self, wait: Duration) -> Self {
-        self.config_mut().wait = wait;
+        self.config_mut().wait = wait.min(MAX_WAIT);
         self
     }
 
     /// How long a completed key is remembered (default 24 h). After that the
     /// same key is a new operation.
+    ///
+    /// Values above 100 years are clamped to it.
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.config_mut().retention = retention;
+        self.config_mut().retention = retention.min(MAX_RETENTION);
         self
     }
 

@@ -89,6 +89,7 @@
 
 mod body;
 mod coalesce;
+mod drain;
 mod fingerprint;
 mod future;
 mod key;

@@ -127,3 +127,20 @@ pub(crate) fn retention_gauges(backlog: f64, oldest_in_progress_seconds: f64) {
 pub(crate) fn duplicate_wait(endpoint: &str, seconds: f64) {
     metrics::histogram!(DUPLICATE_WAIT_SECONDS, "endpoint" => endpoint.to_owned()).record(seconds);
 }
+
+/// Creates every outcome's series at zero, so dashboards and alerts see the
+/// metric before the first request of each kind.
+pub(crate) fn register_endpoint(endpoint: &str) {
+    for outcome in [
+        Outcome::New,
+        Outcome::Replayed,
+        Outcome::KeyReused,
+        Outcome::InProgress,
+        Outcome::Rejected,
+        Outcome::RolledBack,
+        Outcome::StoreUnavailable,
+    ] {
+        metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
+            .increment(0);
+    }
+}

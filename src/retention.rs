@@ -33,12 +33,13 @@ const BACKLOG: &str =
     "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now() AND state = 'completed'";
 
 // The oldest operation that holds a key: open claim transactions (tagged by
-// their application_name) and committed in-progress rows.
+// their application_name) and committed in-progress rows not yet expired (an
+// expired one holds nothing: the next claim takes it over).
 const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
      (SELECT COALESCE(max(EXTRACT(EPOCH FROM now() - xact_start)), 0)::float8 FROM pg_stat_activity \
       WHERE application_name = 'tower-idempotency' AND datname = current_database() AND xact_start IS NOT NULL), \
      (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 FROM idempotency_requests \
-      WHERE state = 'in_progress'))";
+      WHERE state = 'in_progress' AND expires_at > now()))";
 
 /// Removes expired idempotency records in batches and refreshes the
 /// retention and in-progress gauges.

@@ -17,7 +17,7 @@ use tracing::{field, Instrument, Span};
 
 use crate::{
     body::{BoxError, RequestBody, ResponseBody},
-    coalesce::Turn,
+    coalesce::{Turn, Woken},
     fingerprint::Fingerprinter,
     future::ResponseFuture,
     key::{IdempotencyKey, KeyError},
@@ -217,9 +217,13 @@ where
 
     // From the claim on, a connection may be inside a transaction: run to the
     // end on our own task, whether or not the client is still waiting.
-    let owned = tokio::spawn(
-        own(layer.clone(), inner, parts, bytes, claim, span.clone()).instrument(span.clone()),
-    );
+    let running = layer.operations.start();
+    let work =
+        own(layer.clone(), inner, parts, bytes, claim, span.clone()).instrument(span.clone());
+    let owned = tokio::spawn(async move {
+        let _running = running;
+        work.await
+    });
     match owned.await {
         Ok(answer) => answer,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -258,34 +262,46 @@ where
     // Duplicates of a key this process is already working on wait here,
     // holding no connection, then ask the store with what is left of the wait.
     let deadline = tokio::time::Instant::now() + config.wait;
-    let _lead = match layer.in_flight.enter(&claim.scope, &claim.key) {
-        Turn::Lead(guard) => Some(guard),
-        Turn::Follow(mut done) => {
-            let finished = tokio::time::timeout_at(deadline, done.changed())
-                .await
-                .is_ok();
-            let waited = arrived.elapsed();
-            metrics::duplicate_wait(endpoint, waited.as_secs_f64());
-            tracing::info!(
-                waited_ms = waited.as_millis() as u64,
-                finished,
-                "waited for a concurrent duplicate in this process"
-            );
-            if finished {
-                None
-            } else {
-                tracing::info!(
-                    waited_ms = arrived.elapsed().as_millis() as u64,
-                    "key still in progress after the wait"
-                );
-                metrics::claim_duration(
-                    endpoint,
-                    Outcome::InProgress,
-                    arrived.elapsed().as_secs_f64(),
-                );
-                finish(Outcome::InProgress);
-                return Ok(problem_response(&in_progress()));
+    let mut followed = false;
+    let lead = loop {
+        match layer.in_flight.enter(&claim.scope, &claim.key) {
+            Turn::Lead(guard) => break Some(guard),
+            Turn::Follow(follower) => {
+                followed = true;
+                match follower.wait(deadline).await {
+                    Woken::Settled => break None,
+                    // The leader rolled back: one of us leads next.
+                    Woken::Unsettled => continue,
+                    Woken::TimedOut => {
+                        let waited = arrived.elapsed();
+                        metrics::duplicate_wait(endpoint, waited.as_secs_f64());
+                        tracing::info!(
+                            waited_ms = waited.as_millis() as u64,
+                            "key still in progress after the wait"
+                        );
+                        metrics::claim_duration(
+                            endpoint,
+                            Outcome::InProgress,
+                            waited.as_secs_f64(),
+                        );
+                        finish(Outcome::InProgress);
+                        return Ok(problem_response(&in_progress()));
+                    }
+                }
             }
+        }
+    };
+    if followed {
+        let waited = arrived.elapsed();
+        metrics::duplicate_wait(endpoint, waited.as_secs_f64());
+        tracing::info!(
+            waited_ms = waited.as_millis() as u64,
+            "waited for a concurrent duplicate in this process"
+        );
+    }
+    let settled = || {
+        if let Some(lead) = &lead {
+            lead.settled();
         }
     };
     let mut claim = claim;
@@ -304,11 +320,13 @@ where
     let tx = match claimed {
         Ok(Claim::Owned(tx)) => tx,
         Ok(Claim::Completed(record)) if record.fingerprint == claim.fingerprint => {
+            settled();
             tracing::info!("replaying the completed response");
             finish(Outcome::Replayed);
             return Ok(record.response.to_replay().map(ResponseBody::buffered));
         }
         Ok(Claim::Completed(_)) => {
+            settled();
             tracing::info!("key reused with a different request; refused");
             finish(Outcome::KeyReused);
             return Ok(problem_response(&key_reused(config)));
@@ -391,6 +409,7 @@ where
     );
     match layer.store.complete(tx, &stored).await {
         Ok(()) => {
+            settled();
             tracing::info!(
                 status = stored.status.as_u16(),
                 "committed the response with the handler's writes"

@@ -21,7 +21,9 @@ pub async fn authenticate(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token)
         .and_then(|token| tokens.get(token.trim()))
         .cloned();
     // A client must never pick its tenant by header; drop any attempt.

@@ -45,21 +45,22 @@ struct Reservation {
     items: Value,
 }
 
+/// A provider remembers charges by key for good, longer than its layer's
+/// retention: a redelivery after the key expired finds the charge and
+/// answers with it instead of charging again.
 async fn charge(tx: PgTx, charge: Validated<Charge>) -> Response {
-    let inserted = tx
+    let key = tx.idempotency_key().to_owned();
+    let charged = tx
         .query_one(
-            "INSERT INTO payment_charges (tenant_id, idempotency_key, order_id, amount, currency) \
-             VALUES ($1, $2, $3, $4, $5) RETURNING id::text",
-            &[
-                &tx.tenant(),
-                &tx_key(&tx),
-                &charge.order_id,
-                &charge.amount,
-                &charge.currency,
-            ],
+            "WITH new AS ( \
+                 INSERT INTO payment_charges (tenant_id, idempotency_key, order_id, amount, currency) \
+                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (idempotency_key) DO NOTHING RETURNING id::text) \
+             SELECT id FROM new UNION ALL \
+             SELECT id::text FROM payment_charges WHERE idempotency_key = $2 AND NOT EXISTS (SELECT 1 FROM new)",
+            &[&tx.tenant(), &key, &charge.order_id, &charge.amount, &charge.currency],
         )
         .await;
-    match inserted {
+    match charged {
         Ok(row) => {
             tracing::info!(order_id = %charge.order_id, amount = charge.amount, "payment provider: charged");
             (
@@ -76,13 +77,15 @@ async fn charge(tx: PgTx, charge: Validated<Charge>) -> Response {
 }
 
 async fn reserve(tx: PgTx, reservation: Validated<Reservation>) -> Response {
-    let inserted = tx
+    let key = tx.idempotency_key().to_owned();
+    let reserved = tx
         .execute(
-            "INSERT INTO inventory_reservations (tenant_id, idempotency_key, order_id, items) VALUES ($1, $2, $3, $4)",
-            &[&tx.tenant(), &tx_key(&tx), &reservation.order_id, &reservation.items],
+            "INSERT INTO inventory_reservations (tenant_id, idempotency_key, order_id, items) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (idempotency_key) DO NOTHING",
+            &[&tx.tenant(), &key, &reservation.order_id, &reservation.items],
         )
         .await;
-    match inserted {
+    match reserved {
         Ok(_) => (
             StatusCode::CREATED,
             Json(json!({"order_id": reservation.order_id})),
@@ -93,12 +96,6 @@ async fn reserve(tx: PgTx, reservation: Validated<Reservation>) -> Response {
             crate::unavailable()
         }
     }
-}
-
-/// The key the provider was called with, for its records: its layer scopes
-/// keys per caller, and the derived key is what the relay sent.
-fn tx_key(tx: &PgTx) -> String {
-    tx.idempotency_key().to_owned()
 }
 
 /// The providers' router (not exposed on the public listener).

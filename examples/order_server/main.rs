@@ -95,12 +95,10 @@ async fn run() -> Result<(), String> {
         IdempotencyLayer::new(store.clone(), "POST /orders v1", orders::fingerprinter())
             .retention(settings.retention)
             .wait(settings.wait);
-    let app = Router::new()
-        .route("/orders", post(orders::create).layer(idempotency))
+    // Everything but /healthz and /metrics needs a token, unknown routes included.
+    let protected = Router::new()
+        .route("/orders", post(orders::create).layer(idempotency.clone()))
         .route("/orders/{id}", get(orders::get))
-        .route_layer(middleware::from_fn_with_state(tokens, auth::authenticate))
-        .route("/healthz", get(healthz))
-        .route("/metrics", get(render_metrics).with_state(metrics))
         .fallback(|| async {
             problem(Problem::new(
                 StatusCode::NOT_FOUND,
@@ -108,6 +106,11 @@ async fn run() -> Result<(), String> {
                 "No such route",
             ))
         })
+        .layer(middleware::from_fn_with_state(tokens, auth::authenticate));
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(render_metrics).with_state(metrics))
+        .merge(protected)
         .with_state(store.clone());
 
     let listener = tokio::net::TcpListener::bind(settings.addr)
@@ -144,6 +147,13 @@ async fn run() -> Result<(), String> {
         .with_graceful_shutdown(until_stopped(stopped))
         .await
         .map_err(|e| format!("server error: {e}"))?;
+    // Requests whose clients left run on; let them commit before the database goes.
+    if tokio::time::timeout(Duration::from_secs(30), idempotency.drained())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still running 30 s after shutdown; exiting anyway");
+    }
     if let Err(e) = cleanup.await {
         tracing::error!(error = %e, "cleanup task failed");
     }

@@ -38,7 +38,7 @@ impl DeliveryError {
     /// A failure worth retrying (timeouts, 5xx, `idempotency_in_progress`).
     pub fn retryable(message: impl Into<String>) -> Self {
         DeliveryError {
-            message: message.into(),
+            message: storable(message.into()),
             permanent: false,
         }
     }
@@ -46,7 +46,7 @@ impl DeliveryError {
     /// A failure no retry will fix: the event is parked at once.
     pub fn permanent(message: impl Into<String>) -> Self {
         DeliveryError {
-            message: message.into(),
+            message: storable(message.into()),
             permanent: true,
         }
     }
@@ -54,6 +54,17 @@ impl DeliveryError {
     /// The message stored as `last_error`.
     pub fn message(&self) -> &str {
         &self.message
+    }
+}
+
+/// `last_error` must always be writable: a text column refuses NUL, and a
+/// downstream may put anything in its error. Long messages are cut.
+fn storable(message: String) -> String {
+    const MAX_CHARS: usize = 1000;
+    let clean = message.replace('\0', "\u{fffd}");
+    match clean.char_indices().nth(MAX_CHARS) {
+        Some((cut, _)) => format!("{}…", &clean[..cut]),
+        None => clean,
     }
 }
 
@@ -136,22 +147,22 @@ impl<K> fmt::Debug for Relay<K> {
 const CLAIM: &str = "SELECT id::text, tenant_id, aggregate_id, event_type, payload, attempts \
      FROM outbox_events \
      WHERE published_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now() \
-     ORDER BY next_attempt_at, created_at \
+     ORDER BY next_attempt_at \
      LIMIT $1::int8 \
      FOR UPDATE SKIP LOCKED";
 
 const MARK_DELIVERED: &str = "UPDATE outbox_events \
-     SET published_at = now(), attempts = attempts + 1, last_error = NULL \
+     SET published_at = clock_timestamp(), attempts = attempts + 1, last_error = NULL \
      WHERE id = ANY($1::text[]::uuid[])";
 
 const MARK_FAILED: &str = "UPDATE outbox_events AS o \
      SET attempts = o.attempts + 1, last_error = f.error, \
-         next_attempt_at = now() + f.delay_ms * interval '1 millisecond' \
+         next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond' \
      FROM unnest($1::text[], $2::text[], $3::float8[]) AS f(id, error, delay_ms) \
      WHERE o.id = f.id::uuid";
 
 const MARK_PARKED: &str = "UPDATE outbox_events AS o \
-     SET attempts = o.attempts + 1, last_error = f.error, parked_at = now() \
+     SET attempts = o.attempts + 1, last_error = f.error, parked_at = clock_timestamp() \
      FROM unnest($1::text[], $2::text[]) AS f(id, error) \
      WHERE o.id = f.id::uuid";
 
@@ -320,8 +331,10 @@ impl<K: Sink> Relay<K> {
     /// (delivered events are recorded) before this returns.
     pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StoreError> {
         let wake = Arc::new(Notify::new());
-        let listener = tokio::spawn(listen(self.store.clone(), wake.clone()));
+        // Aborted however `run` ends: returned, dropped, or unwound by a panicking sink.
+        let _listener = AbortOnDrop(tokio::spawn(listen(self.store.clone(), wake.clone())));
         let mut shutdown = std::pin::pin!(shutdown);
+        let mut gauges_due = tokio::time::Instant::now();
         loop {
             let report = match self.run_once().await {
                 Ok(report) => report,
@@ -330,8 +343,12 @@ impl<K: Sink> Relay<K> {
                     BatchReport::default()
                 }
             };
-            if let Err(e) = self.refresh_backlog().await {
-                tracing::debug!(error = %e, "cannot refresh the outbox backlog gauges");
+            // Counting a large backlog costs more than a batch: once per poll interval.
+            if tokio::time::Instant::now() >= gauges_due {
+                if let Err(e) = self.refresh_backlog().await {
+                    tracing::debug!(error = %e, "cannot refresh the outbox backlog gauges");
+                }
+                gauges_due = tokio::time::Instant::now() + self.poll_interval;
             }
             if report.claimed as i64 == self.batch_size {
                 // A full batch: there is probably more right now.
@@ -347,8 +364,15 @@ impl<K: Sink> Relay<K> {
                 _ = tokio::time::sleep(self.poll_interval) => {}
             }
         }
-        listener.abort();
         Ok(())
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -6,10 +6,10 @@
 //! 1. A plain indexed read finds a completed, unexpired record: replay it
 //!    (no transaction, no write, no lock).
 //! 2. Otherwise, in one round trip: `BEGIN ISOLATION LEVEL READ COMMITTED`
-//!    (the "not owned" read below needs a fresh snapshot) and one statement,
-//!    `INSERT … SELECT … FROM (set lock_timeout to the wait) ON CONFLICT ON
-//!    CONSTRAINT idempotency_requests_pkey DO UPDATE … WHERE expired
-//!    RETURNING attempt_token, (lock_timeout restored for the handler)`. A returned row means this
+//!    (the "not owned" read below needs a fresh snapshot) with `lock_timeout`
+//!    set to the wait, and `INSERT … ON CONFLICT ON CONSTRAINT
+//!    idempotency_requests_pkey DO UPDATE … WHERE expired RETURNING
+//!    attempt_token, (the session's lock_timeout restored for the handler)`. A returned row means this
 //!    request owns the key (new, or an expired record taken over). If another
 //!    transaction holds the key, the insert waits on it; `55P03` after the wait
 //!    means in progress. No row means a record committed meanwhile: read it in
@@ -57,19 +57,12 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
 
-// One statement does the whole claim. The FROM subquery runs before the
-// insert (and before any wait on a concurrent owner): it saves the session's
-// lock_timeout, sets the wait limit and tags the transaction's
-// application_name (which `Cleanup` looks for in pg_stat_activity).
-// RETURNING runs once we own the key and restores the session's lock_timeout
-// for the handler. `lock_timeout = 0` would mean "wait forever", so the
-// caller never passes it.
+// The claim. Its transaction was begun by `claim_begin`, which set the wait
+// limit; RETURNING runs once we own the key and restores the session's
+// lock_timeout for the handler.
 const CLAIM: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
-     SELECT $1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8) \
-     FROM (SELECT set_config('tower_idempotency.session_lock_timeout', current_setting('lock_timeout'), true), \
-                  set_config('lock_timeout', $6::text, true), \
-                  set_config('application_name', 'tower-idempotency', true)) AS settings \
+     VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          attempt_token = r.attempt_token + 1, response_status = NULL, response_headers = NULL, \
@@ -304,17 +297,16 @@ impl PgStore {
         request: &ClaimRequest,
     ) -> Result<Option<(i64, String)>, StoreError> {
         let claim = conn.prepare_cached(CLAIM).await.map_err(map_error)?;
-        let wait = format!("{}ms", request.wait.as_millis().max(1));
         let retention = request.retention.as_secs_f64();
         let fingerprint = request.fingerprint.as_bytes().as_slice();
         let (tenant, endpoint, key) = key_columns(request);
-        let params: [&(dyn ToSql + Sync); 6] =
-            [&tenant, &endpoint, &key, &fingerprint, &retention, &wait];
+        let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &fingerprint, &retention];
+        let begin = claim_begin(request.wait);
         conn.begin();
-        // One round trip: BEGIN and the claim are pipelined, in this order.
+        // One round trip: the begin batch and the claim are pipelined, in this order.
         let (_, claimed) = tokio::try_join!(
             biased;
-            conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
+            conn.batch_execute(&begin),
             conn.query_opt(&claim, &params),
         )
         .map_err(map_error)?;
@@ -327,6 +319,23 @@ impl PgStore {
         conn.ended();
         Ok(())
     }
+}
+
+/// Begins the claim's transaction: READ COMMITTED (the "not owned" read needs
+/// a fresh snapshot), the wait limit for every lock the claim may wait on
+/// (including the table lock the INSERT takes first), the session's own
+/// limit saved for the handler, and an `application_name` tag that `Cleanup`
+/// finds in `pg_stat_activity`. The wait is a number we format, never client
+/// data; `lock_timeout = 0` would mean "wait forever", and PostgreSQL takes
+/// at most `i32::MAX` milliseconds.
+fn claim_begin(wait: Duration) -> String {
+    let wait_ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    format!(
+        "BEGIN ISOLATION LEVEL READ COMMITTED; \
+         SELECT set_config('tower_idempotency.session_lock_timeout', current_setting('lock_timeout'), true), \
+                set_config('lock_timeout', '{wait_ms}ms', true), \
+                set_config('application_name', 'tower-idempotency', true)"
+    )
 }
 
 fn key_columns(request: &ClaimRequest) -> (&str, &str, &str) {
