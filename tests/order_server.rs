@@ -761,3 +761,158 @@ async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands() {
         .unwrap();
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i16>(1)), (2, 409));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redelivery_after_the_providers_keys_expired_still_charges_once() {
+    let server = Server::start(&[]).await;
+    let created = server
+        .post_order(TOKEN_A, Some("late"), &order("chk_late"))
+        .await;
+    let order_id = created.json()["id"].as_str().unwrap().to_owned();
+    server.wait_published(1).await;
+    // A day later the providers' keys have expired; then an operator re-drives.
+    server
+        .sql
+        .batch_execute(
+            "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE endpoint <> 'POST /orders v1';
+             UPDATE outbox_events SET published_at = NULL;",
+        )
+        .await
+        .unwrap();
+    server.wait_published(1).await;
+    let row = server
+        .sql
+        .query_one(
+            "SELECT attempts, last_error IS NULL FROM outbox_events",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, i32>(0), row.get::<_, bool>(1)),
+        (2, true),
+        "the re-drive was delivered"
+    );
+    assert_eq!(
+        server.count("SELECT count(*) FROM payment_charges").await,
+        1
+    );
+    let charged: String = server
+        .sql
+        .query_one("SELECT order_id FROM payment_charges", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(charged, order_id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_an_abandoned_request_commit() {
+    let server = Server::start(&[]).await;
+    let mut blocker = server.db.client().await;
+    let lock = blocker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let body = order("chk_shutdown");
+    let address = server.base.trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let raw = format!(
+        "POST /orders HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer {TOKEN_A}\r\ncontent-type: application/json\r\n\
+         idempotency-key: at-shutdown\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(raw.as_bytes()).await.unwrap();
+    wait_for_blocked_insert(&server).await;
+    drop(stream);
+    let pid = server.child.id().unwrap().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .await
+        .unwrap()
+        .success());
+    lock.rollback().await.unwrap();
+    let mut server = server;
+    let status = tokio::time::timeout(Duration::from_secs(30), server.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+    let orders: i64 = server
+        .sql
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        orders, 1,
+        "the request owned its key, so it committed before the server exited"
+    );
+    let state: String = server
+        .sql
+        .query_one(
+            "SELECT state FROM idempotency_requests WHERE idempotency_key = 'at-shutdown'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "completed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_but_health_and_metrics_needs_a_token() {
+    let server = Server::start(&[]).await;
+    let unknown = server.call(Method::GET, "/nope", &[], "").await;
+    assert_eq!(
+        (unknown.status, unknown.json()["code"].clone()),
+        (StatusCode::UNAUTHORIZED, json!("unauthorized"))
+    );
+    let known = server
+        .call(
+            Method::GET,
+            "/nope",
+            &[("authorization", "Bearer demo-token-a")],
+            "",
+        )
+        .await;
+    assert_eq!(
+        (known.status, known.json()["code"].clone()),
+        (StatusCode::NOT_FOUND, json!("not_found"))
+    );
+    let lower = server
+        .post_order(TOKEN_A, Some("lower"), &order("chk_lower"))
+        .await;
+    assert_eq!(lower.status, StatusCode::CREATED);
+    let scheme = server
+        .call(
+            Method::POST,
+            "/orders",
+            &[
+                ("authorization", "bearer demo-token-a"),
+                ("idempotency-key", "lower-2"),
+            ],
+            &order("chk_lower_2"),
+        )
+        .await;
+    assert_eq!(
+        scheme.status,
+        StatusCode::CREATED,
+        "the auth scheme is case-insensitive"
+    );
+    let metrics = String::from_utf8(
+        server
+            .call(Method::GET, "/metrics", &[], "")
+            .await
+            .body
+            .to_vec(),
+    )
+    .unwrap();
+    assert!(
+        metrics.contains(
+            "idempotency_requests_total{endpoint=\"POST /orders v1\",outcome=\"in_progress\"} 0"
+        ),
+        "every outcome's series exists from the start:\n{metrics}"
+    );
+}

@@ -462,3 +462,79 @@ async fn inbox_processes_each_event_once_and_only_with_its_effect() {
     tx.commit().await.unwrap();
     assert_eq!(count(&pg, "SELECT count(*) FROM inbox_events").await, 2);
 }
+
+/// A sink whose error message holds a NUL byte (a downstream can say
+/// anything) still gets its attempt recorded, and the batch's delivered
+/// events are marked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_error_message_is_recorded_without_poisoning_the_batch() {
+    struct Picky;
+    impl Sink for Picky {
+        async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
+            if event.aggregate_id == "bad" {
+                Err(DeliveryError::retryable("upstream said \u{0} and more"))
+            } else {
+                Ok(())
+            }
+        }
+    }
+    let pg = setup().await;
+    pg.client
+        .batch_execute(
+            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type) VALUES ('t', 'good', 'E'), ('t', 'bad', 'E')",
+        )
+        .await
+        .unwrap();
+    let report = Relay::new(pg.store.clone(), Picky)
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!((report.delivered, report.retried), (1, 1));
+    let row = pg
+        .client
+        .query_one(
+            "SELECT attempts, last_error FROM outbox_events WHERE aggregate_id = 'bad'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert_eq!(row.get::<_, &str>(1), "upstream said \u{fffd} and more");
+    assert_eq!(
+        count(
+            &pg,
+            "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL"
+        )
+        .await,
+        1
+    );
+}
+
+/// However `run` ends, its listener connection goes with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_relay_closes_its_listener() {
+    let pg = setup().await;
+    let relay = Relay::new(pg.store.clone(), Payments::new(pg.store.clone()));
+    let running = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    let listening =
+        "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN tower_idempotency_outbox'";
+    let mut seen = 0;
+    for _ in 0..500 {
+        seen = count(&pg, listening).await;
+        if seen > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(seen, 1, "the relay listens");
+    running.abort();
+    let _ = running.await;
+    for _ in 0..500 {
+        seen = count(&pg, listening).await;
+        if seen == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(seen, 0, "the listener's connection closed with the relay");
+}

@@ -538,3 +538,137 @@ async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
         "the session default, not the 200ms wait"
     );
 }
+
+/// A lock on the whole key table (a migration building an index, say) is
+/// waited for no longer than the duplicate wait, like a row lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_lock_is_bounded_by_the_wait() {
+    let pg = Postgres::new().await;
+    let mut blocker = pg.db.client().await;
+    let lock = blocker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE idempotency_requests IN SHARE MODE")
+        .await
+        .unwrap();
+    let service = layer(pg.store.clone())
+        .wait(WAIT_SHORT)
+        .layer(order_handler::<Postgres>(Default::default()));
+    let answer = tokio::time::timeout(
+        Duration::from_secs(10),
+        send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)),
+    )
+    .await
+    .expect("the claim gave up after its wait");
+    assert_eq!(answer.json()["code"], "idempotency_in_progress");
+    lock.rollback().await.unwrap();
+    assert_eq!(
+        send(service, post(Some("tenant-a"), Some("k1"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_beyond_postgres_limit_is_clamped() {
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone())
+        .wait(Duration::from_secs(60 * 86_400))
+        .retention(Duration::from_secs(u64::MAX / 4))
+        .layer(order_handler::<Postgres>(Default::default()));
+    assert_eq!(
+        send(service, post(Some("tenant-a"), Some("k1"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+/// When the request that led a hot key rolls back, one of its waiting
+/// duplicates leads next; the others keep waiting without connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_of_a_rolled_back_leader_do_not_stampede() {
+    let db = tower_idempotency::testing::TestDatabase::create().await;
+    let store = PgStore::builder(db.config())
+        .max_connections(3)
+        .acquire_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL)")
+        .await
+        .unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let gates: Arc<[Notify; 4]> = Arc::new(Default::default());
+    // gates: 0 first call started, 1 let it fail, 2 second call started, 3 let it succeed
+    let service = layer(store.clone()).layer(handler({
+        let (calls, gates) = (calls.clone(), gates.clone());
+        move |tx: PgTx| {
+            let (calls, gates) = (calls.clone(), gates.clone());
+            async move {
+                match calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+                    0 => {
+                        gates[0].notify_one();
+                        gates[1].notified().await;
+                        let mut failed = Response::new(Full::new(Bytes::new()));
+                        *failed.status_mut() = StatusCode::BAD_GATEWAY;
+                        Ok(failed)
+                    }
+                    1 => {
+                        tx.execute(
+                            "INSERT INTO orders (id, tenant_id) VALUES ('second', 'tenant-a')",
+                            &[],
+                        )
+                        .await?;
+                        gates[2].notify_one();
+                        gates[3].notified().await;
+                        Ok(created("{\"id\":\"second\"}".into()))
+                    }
+                    n => Err(format!("the handler ran a {}th time", n + 1).into()),
+                }
+            }
+        }
+    }));
+    let leader = spawn_send(service.clone(), post(Some("tenant-a"), Some("hot"), BODY));
+    gates[0].notified().await;
+    let duplicates: Vec<_> = (0..7)
+        .map(|_| spawn_send(service.clone(), post(Some("tenant-a"), Some("hot"), BODY)))
+        .collect();
+    // Let the duplicates line up behind the leader before it fails.
+    tokio::task::yield_now().await;
+    gates[1].notify_one();
+    assert_eq!(leader.await.unwrap().status, StatusCode::BAD_GATEWAY);
+    gates[2].notified().await;
+    let other = layer(store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    let unrelated = send(other, post(Some("tenant-a"), Some("cold"), BODY)).await;
+    assert_eq!(
+        unrelated.status,
+        StatusCode::CREATED,
+        "a small pool still serves other keys"
+    );
+    gates[3].notify_one();
+    let mut statuses = Vec::new();
+    for duplicate in duplicates {
+        let answer = duplicate.await.unwrap();
+        statuses.push((answer.status, answer.replayed()));
+    }
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|(s, r)| *s == StatusCode::CREATED && !r)
+            .count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|(s, r)| *s == StatusCode::CREATED && *r)
+            .count(),
+        6,
+        "{statuses:?}"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+}

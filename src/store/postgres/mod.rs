@@ -110,6 +110,12 @@ impl Conn {
         self.in_transaction = true;
     }
 
+    /// The connection is in an unknown state (a statement still running on
+    /// it): close it on drop instead of returning it.
+    pub(crate) fn discard(&mut self) {
+        self.in_transaction = true;
+    }
+
     /// Call once `COMMIT` or `ROLLBACK` was acknowledged.
     pub(crate) fn ended(&mut self) {
         self.in_transaction = false;
@@ -294,9 +300,9 @@ impl PgStore {
     /// Begins and claims in one round trip: `Some((token, xid))` if we own the key.
     async fn try_claim(
         conn: &mut Conn,
+        claim: &tokio_postgres::Statement,
         request: &ClaimRequest,
     ) -> Result<Option<(i64, String)>, StoreError> {
-        let claim = conn.prepare_cached(CLAIM).await.map_err(map_error)?;
         let retention = request.retention.as_secs_f64();
         let fingerprint = request.fingerprint.as_bytes().as_slice();
         let (tenant, endpoint, key) = key_columns(request);
@@ -307,7 +313,7 @@ impl PgStore {
         let (_, claimed) = tokio::try_join!(
             biased;
             conn.batch_execute(&begin),
-            conn.query_opt(&claim, &params),
+            conn.query_opt(claim, &params),
         )
         .map_err(map_error)?;
         Ok(claimed.map(|row| (row.get(0), row.get(1))))
@@ -351,12 +357,31 @@ impl Store for PgStore {
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
         let mut conn = self.conn().await?;
-        if let Some(row) = Self::lookup(&conn, request).await? {
-            if let Some(record) = decode_record(&row)? {
-                return Ok(Claim::Completed(record));
+        // Outside the claim's transaction no lock_timeout applies, and a lock
+        // on the whole table (a migration, an ALTER) would hold the lookup or
+        // the first PREPARE of the claim: the wait bounds them too. A statement
+        // stuck behind such a lock leaves its connection busy, so the
+        // connection is closed rather than returned.
+        let deadline = tokio::time::Instant::now() + request.wait;
+        let prepared = tokio::time::timeout_at(deadline, async {
+            let record = match Self::lookup(&conn, request).await? {
+                Some(row) => decode_record(&row)?,
+                None => None,
+            };
+            let claim = conn.prepare_cached(CLAIM).await.map_err(map_error)?;
+            Ok::<_, StoreError>((record, claim))
+        })
+        .await;
+        let claim = match prepared {
+            Ok(Ok((Some(record), _))) => return Ok(Claim::Completed(record)),
+            Ok(Ok((None, claim))) => claim,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                conn.discard();
+                return Ok(Claim::InProgress);
             }
-        }
-        match Self::try_claim(&mut conn, request).await {
+        };
+        match Self::try_claim(&mut conn, &claim, request).await {
             Ok(Some((token, xid))) => Ok(Claim::Owned(PgTx::new(conn, request, token, xid))),
             Ok(None) => {
                 // Committed by another owner while we waited: read it with a
