@@ -507,6 +507,15 @@ async fn duplicate_from_another_process_waits_on_the_row_lock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
     let pg = Postgres::new().await;
+    // The database's own default for its sessions.
+    pg.client
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET lock_timeout = '7s'",
+            pg.db.name()
+        ))
+        .await
+        .unwrap();
+    let store = PgStore::builder(pg.db.config()).build().unwrap();
     let (seen_tx, seen_rx) = oneshot::channel();
     let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
     let service = layer(pg.store.clone())

@@ -58,8 +58,10 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
 
 // The claim. Its transaction was begun by `claim_begin`, which set the wait
-// limit; RETURNING runs once we own the key and restores the session's
-// lock_timeout for the handler.
+// limit; RETURNING runs once we own the key and puts lock_timeout back to the
+// session's default for the handler (`set_config` with NULL is `SET LOCAL …
+// TO DEFAULT`: the value from the server, database, role or connection
+// options).
 const CLAIM: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
      VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
@@ -68,8 +70,7 @@ const CLAIM: &str = "INSERT INTO idempotency_requests AS r \
          attempt_token = r.attempt_token + 1, response_status = NULL, response_headers = NULL, \
          response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
      WHERE r.expires_at <= now() \
-     RETURNING attempt_token, pg_current_xact_id()::text, \
-         set_config('lock_timeout', current_setting('tower_idempotency.session_lock_timeout'), true)";
+     RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";
 
 // The COMMIT is pipelined behind this statement, so it must fail (aborting
 // the transaction) rather than match no row: the handler's writes must never
@@ -329,18 +330,17 @@ impl PgStore {
 
 /// Begins the claim's transaction: READ COMMITTED (the "not owned" read needs
 /// a fresh snapshot), the wait limit for every lock the claim may wait on
-/// (including the table lock the INSERT takes first), the session's own
-/// limit saved for the handler, and an `application_name` tag that `Cleanup`
-/// finds in `pg_stat_activity`. The wait is a number we format, never client
+/// (including the table lock the INSERT takes first), and an
+/// `application_name` tag that `Cleanup` finds in `pg_stat_activity`. The wait is a number we format, never client
 /// data; `lock_timeout = 0` would mean "wait forever", and PostgreSQL takes
 /// at most `i32::MAX` milliseconds.
 fn claim_begin(wait: Duration) -> String {
     let wait_ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    // Utility statements only: no planning, one message.
     format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
-         SELECT set_config('tower_idempotency.session_lock_timeout', current_setting('lock_timeout'), true), \
-                set_config('lock_timeout', '{wait_ms}ms', true), \
-                set_config('application_name', 'tower-idempotency', true)"
+         SET LOCAL lock_timeout = '{wait_ms}ms'; \
+         SET LOCAL application_name = 'tower-idempotency'"
     )
 }
 
