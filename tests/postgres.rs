@@ -518,7 +518,7 @@ async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
     let store = PgStore::builder(pg.db.config()).build().unwrap();
     let (seen_tx, seen_rx) = oneshot::channel();
     let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
-    let service = layer(pg.store.clone())
+    let service = layer(store)
         .wait(WAIT_SHORT)
         .layer(handler(move |tx: PgTx| {
             let seen_tx = seen_tx.clone();
