@@ -543,8 +543,8 @@ async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
     );
     assert_eq!(
         seen_rx.await.unwrap(),
-        "0",
-        "the session default, not the 200ms wait"
+        "7s",
+        "the session's default, not the 200ms wait"
     );
 }
 
