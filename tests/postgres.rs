@@ -681,3 +681,45 @@ async fn duplicates_of_a_rolled_back_leader_do_not_stampede() {
     );
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
+
+/// After the server closed the pool's connections (a restart, a failover),
+/// the next request is served, not answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_the_server_closed_are_replaced_transparently() {
+    let pg = Postgres::with_pool(1).await;
+    let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    assert_eq!(
+        send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    for round in 2..5 {
+        let terminated: i64 = pg
+            .client
+            .query_one(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid()) t",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            terminated, 1,
+            "the pool's one connection was closed by the server"
+        );
+        let answer = send(
+            service.clone(),
+            post(Some("tenant-a"), Some(&format!("k{round}")), BODY),
+        )
+        .await;
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "round {round}: {:?}",
+            answer.body
+        );
+    }
+    assert_eq!(pg.orders().await.len(), 4);
+}

@@ -352,10 +352,13 @@ fn key_columns(request: &ClaimRequest) -> (&str, &str, &str) {
     )
 }
 
-impl Store for PgStore {
-    type Tx = PgTx;
-
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
+impl PgStore {
+    /// The claim; `retried` once a stale pooled connection was replaced.
+    async fn claim_once(
+        &self,
+        request: &ClaimRequest,
+        retried: bool,
+    ) -> Result<Claim<PgTx>, StoreError> {
         let mut conn = self.conn().await?;
         // Outside the claim's transaction no lock_timeout applies, and a lock
         // on the whole table (a migration, an ALTER) would hold the lookup or
@@ -375,6 +378,15 @@ impl Store for PgStore {
         let claim = match prepared {
             Ok(Ok((Some(record), _))) => return Ok(Claim::Completed(record)),
             Ok(Ok((None, claim))) => claim,
+            // A pooled connection the server closed (a restart, a terminated
+            // backend) is only found out when used. Nothing has happened on it
+            // yet: drop it and start over once on a fresh one, rather than
+            // answer 503 for a database that is back.
+            Ok(Err(e)) if e.kind() == StoreErrorKind::Unavailable && !retried => {
+                conn.discard();
+                drop(conn);
+                return Box::pin(self.claim_once(request, true)).await;
+            }
             Ok(Err(e)) => return Err(e),
             Err(_) => {
                 conn.discard();
@@ -407,6 +419,14 @@ impl Store for PgStore {
                 }
             }
         }
+    }
+}
+
+impl Store for PgStore {
+    type Tx = PgTx;
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
+        self.claim_once(request, false).await
     }
 
     async fn complete(&self, tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
