@@ -414,14 +414,7 @@ async fn fifty_concurrent_identical_requests_make_one_order() {
 async fn client_that_disconnects_after_sending_gets_its_order_on_retry() {
     let server = Server::start(&[]).await;
     let body = order("chk_gone");
-    let address = server.base.trim_start_matches("http://");
-    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-    let raw = format!(
-        "POST /orders HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer {TOKEN_A}\r\ncontent-type: application/json\r\n\
-         idempotency-key: gone-key\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(raw.as_bytes()).await.unwrap();
+    let stream = server.send_raw("gone-key", &body).await;
     drop(stream);
     // Whether the server got to claim the key before it noticed the client
     // had gone or not, there is one order and the retry is answered with it.
@@ -471,14 +464,7 @@ async fn request_abandoned_mid_flight_commits_and_its_retry_replays() {
         .await
         .unwrap();
     let body = order("chk_abandoned");
-    let address = server.base.trim_start_matches("http://").to_owned();
-    let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
-    let raw = format!(
-        "POST /orders HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer {TOKEN_A}\r\ncontent-type: application/json\r\n\
-         idempotency-key: abandoned\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(raw.as_bytes()).await.unwrap();
+    let stream = server.send_raw("abandoned", &body).await;
     wait_for_blocked_insert(&server).await;
     // The client goes away while its request owns the key.
     drop(stream);
@@ -614,6 +600,20 @@ async fn database_outage_answers_503_and_the_retry_starts_afresh() {
 }
 
 impl Server {
+    /// Writes a whole POST /orders on a raw connection and hands the
+    /// connection back, so the test can drop it: a client that goes away.
+    async fn send_raw(&self, key: &str, body: &str) -> tokio::net::TcpStream {
+        let address = self.base.trim_start_matches("http://");
+        let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let raw = format!(
+            "POST /orders HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer {TOKEN_A}\r\n\
+             content-type: application/json\r\nidempotency-key: {key}\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(raw.as_bytes()).await.unwrap();
+        stream
+    }
+
     /// Waits (bounded) until the relay has published `n` events.
     async fn wait_published(&self, n: i64) {
         let published = "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL";
@@ -815,14 +815,7 @@ async fn shutdown_lets_an_abandoned_request_commit() {
         .await
         .unwrap();
     let body = order("chk_shutdown");
-    let address = server.base.trim_start_matches("http://").to_owned();
-    let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
-    let raw = format!(
-        "POST /orders HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer {TOKEN_A}\r\ncontent-type: application/json\r\n\
-         idempotency-key: at-shutdown\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(raw.as_bytes()).await.unwrap();
+    let stream = server.send_raw("at-shutdown", &body).await;
     wait_for_blocked_insert(&server).await;
     drop(stream);
     let pid = server.child.id().unwrap().to_string();

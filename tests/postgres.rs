@@ -465,14 +465,9 @@ async fn hot_key_duplicates_do_not_starve_other_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_from_another_process_waits_on_the_row_lock() {
     let pg = Postgres::new().await;
-    pg.client
-        .batch_execute(&format!(
-            "ALTER DATABASE \"{}\" SET default_transaction_isolation = 'repeatable read'",
-            pg.db.name()
-        ))
-        .await
-        .unwrap();
-    let store = PgStore::builder(pg.db.config()).build().unwrap();
+    let store = pg
+        .store_with_database_setting("default_transaction_isolation", "repeatable read")
+        .await;
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let process_a = layer(store.clone()).layer(gated::<Postgres>(started.clone(), release.clone()));
     let process_b = layer(store.clone()).layer(order_handler::<Postgres>(Default::default()));
@@ -508,14 +503,7 @@ async fn duplicate_from_another_process_waits_on_the_row_lock() {
 async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
     let pg = Postgres::new().await;
     // The database's own default for its sessions.
-    pg.client
-        .batch_execute(&format!(
-            "ALTER DATABASE \"{}\" SET lock_timeout = '7s'",
-            pg.db.name()
-        ))
-        .await
-        .unwrap();
-    let store = PgStore::builder(pg.db.config()).build().unwrap();
+    let store = pg.store_with_database_setting("lock_timeout", "7s").await;
     let (seen_tx, seen_rx) = oneshot::channel();
     let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
     let service = layer(store)

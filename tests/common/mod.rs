@@ -114,6 +114,18 @@ impl Postgres {
             .collect()
     }
 
+    /// A new store whose sessions get `name = value` as their database default.
+    pub async fn store_with_database_setting(&self, name: &str, value: &str) -> PgStore {
+        self.client
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" SET {name} = '{value}'",
+                self.db.name()
+            ))
+            .await
+            .unwrap();
+        PgStore::builder(self.db.config()).build().unwrap()
+    }
+
     /// Sessions of this database left inside a transaction.
     pub async fn idle_in_transaction(&self) -> i64 {
         self.client
