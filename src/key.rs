@@ -31,7 +31,8 @@ pub struct IdempotencyKey(Box<str>);
 pub enum KeyError {
     /// The key is empty.
     Empty,
-    /// The key is longer than [`MAX_KEY_LEN`] bytes.
+    /// The key is longer than [`MAX_KEY_LEN`] bytes (or the layer's
+    /// `max_key_length`).
     TooLong,
     /// The key contains a byte outside visible ASCII (0x21–0x7E).
     InvalidCharacter,
@@ -43,7 +44,9 @@ impl fmt::Display for KeyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             KeyError::Empty => "the key is empty",
-            KeyError::TooLong => "the key is longer than 255 characters",
+            KeyError::TooLong => {
+                "the key is longer than allowed (255 characters, or the endpoint's own limit)"
+            }
             KeyError::InvalidCharacter => {
                 "the key may only contain visible ASCII characters (0x21-0x7E)"
             }

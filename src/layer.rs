@@ -42,6 +42,7 @@ pub(crate) struct Config {
     pub(crate) endpoint: Arc<str>,
     pub(crate) header: HeaderName,
     pub(crate) key_required: bool,
+    pub(crate) max_key_len: usize,
     pub(crate) request_body_limit: usize,
     pub(crate) response_body_limit: usize,
     pub(crate) wait: Duration,
@@ -117,6 +118,7 @@ where
                 endpoint,
                 header: HeaderName::from_static("idempotency-key"),
                 key_required: true,
+                max_key_len: crate::key::MAX_KEY_LEN,
                 request_body_limit: 1024 * 1024,
                 response_body_limit: 1024 * 1024,
                 wait: Duration::from_secs(5),
@@ -187,6 +189,14 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
     /// pass through without any idempotency.
     pub fn require_key(mut self, required: bool) -> Self {
         self.config_mut().key_required = required;
+        self
+    }
+
+    /// The longest key accepted, in characters (default and maximum 255);
+    /// longer keys are answered `400 idempotency_key_invalid`. Endpoints
+    /// whose clients send UUIDs may say 36.
+    pub fn max_key_length(mut self, chars: usize) -> Self {
+        self.config_mut().max_key_len = chars.clamp(1, crate::key::MAX_KEY_LEN);
         self
     }
 

@@ -468,9 +468,11 @@ fn parse_key<B>(config: &Config, request: &Request<B>) -> Result<Option<Idempote
         ))),
         (None, _) => Ok(None),
         (Some(_), Some(_)) => Err(invalid(KeyError::Repeated)),
-        (Some(value), None) => IdempotencyKey::parse(value.as_bytes())
-            .map(Some)
-            .map_err(invalid),
+        (Some(value), None) => match IdempotencyKey::parse(value.as_bytes()) {
+            Ok(key) if key.as_str().len() > config.max_key_len => Err(invalid(KeyError::TooLong)),
+            Ok(key) => Ok(Some(key)),
+            Err(e) => Err(invalid(e)),
+        },
     }
 }
 

@@ -331,8 +331,10 @@ async fn bad_input_is_refused_and_writes_nothing<B: Backend>(backend: B) {
     let calls = Arc::new(AtomicU64::new(0));
     let service = layer(backend.store())
         .request_body_limit(64)
+        .max_key_length(40)
         .layer(order_handler::<B>(calls.clone()));
     let too_long = "k".repeat(256);
+    let over_endpoint_limit = "k".repeat(41);
     let cases: Vec<(Request<Full<Bytes>>, StatusCode, &str)> = vec![
         (
             post(Some("tenant-a"), None, BODY),
@@ -341,6 +343,11 @@ async fn bad_input_is_refused_and_writes_nothing<B: Backend>(backend: B) {
         ),
         (
             post(Some("tenant-a"), Some("has space"), BODY),
+            StatusCode::BAD_REQUEST,
+            "idempotency_key_invalid",
+        ),
+        (
+            post(Some("tenant-a"), Some(&over_endpoint_limit), BODY),
             StatusCode::BAD_REQUEST,
             "idempotency_key_invalid",
         ),
