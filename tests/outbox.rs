@@ -538,3 +538,62 @@ async fn dropped_relay_closes_its_listener() {
     }
     assert_eq!(seen, 0, "the listener's connection closed with the relay");
 }
+
+/// A sink that hangs costs one delivery timeout, not one per event: the
+/// batch's transaction stays short and the rest wait for the next batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_sink_keeps_the_batch_short() {
+    struct Hangs;
+    impl Sink for Hangs {
+        async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
+            if event.aggregate_id == "slow" {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        }
+    }
+    let pg = setup().await;
+    pg.client
+        .batch_execute(
+            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, next_attempt_at)
+             VALUES ('t', 'slow', 'E', now() - interval '1 minute');
+             INSERT INTO outbox_events (tenant_id, aggregate_id, event_type)
+             SELECT 't', 'fast-' || i, 'E' FROM generate_series(1, 5) i;",
+        )
+        .await
+        .unwrap();
+    let relay = Relay::new(pg.store.clone(), Hangs).delivery_timeout(Duration::from_millis(200));
+    let first = relay.run_once().await.unwrap();
+    assert_eq!(
+        (
+            first.claimed,
+            first.retried,
+            first.deferred,
+            first.delivered
+        ),
+        (6, 1, 5, 0)
+    );
+    assert_eq!(
+        count(
+            &pg,
+            "SELECT count(*) FROM outbox_events WHERE aggregate_id LIKE 'fast-%' AND attempts = 0"
+        )
+        .await,
+        5,
+        "deferred events were not touched"
+    );
+    let second = relay.run_once().await.unwrap();
+    assert_eq!(second.delivered, 5, "the next batch delivers them");
+    let row = pg
+        .client
+        .query_one(
+            "SELECT attempts, last_error FROM outbox_events WHERE aggregate_id = 'slow'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, i32>(0), row.get::<_, &str>(1)),
+        (1, "delivery timed out")
+    );
+}

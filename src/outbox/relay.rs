@@ -88,6 +88,9 @@ pub struct BatchReport {
     pub retried: usize,
     /// Failed for the last time (or permanently) and parked.
     pub parked: usize,
+    /// Claimed but not attempted: the batch ran out of time. They stay due,
+    /// untouched, for the next batch.
+    pub deferred: usize,
 }
 
 /// Delivers undelivered `outbox_events` rows to a [`Sink`], at least once.
@@ -96,7 +99,9 @@ pub struct BatchReport {
 /// LOCKED` (so any number of relays, in one process or many, never deliver
 /// the same event at the same moment), delivers them, and marks each
 /// published, or schedules its retry with capped exponential backoff and
-/// jitter, or parks it after the last allowed attempt. A relay that dies
+/// jitter, or parks it after the last allowed attempt. A batch stops starting
+/// deliveries once its delivery timeout has passed, so its transaction stays
+/// short however slow the sink is; the rest wait for the next batch. A relay that dies
 /// mid-batch rolls back: its events are delivered again later, which the
 /// sink's derived keys make harmless.
 ///
@@ -251,7 +256,15 @@ impl<K: Sink> Relay<K> {
         let (mut retry_ids, mut retry_errors, mut retry_delays) =
             (Vec::new(), Vec::new(), Vec::new());
         let (mut park_ids, mut park_errors) = (Vec::new(), Vec::new());
+        // The batch's transaction (and its row locks) stays open while it
+        // delivers: whatever the sink does, it ends within about two
+        // delivery timeouts. Events not attempted by then go to the next batch.
+        let batch_deadline = tokio::time::Instant::now() + self.delivery_timeout;
         for row in &rows {
+            if tokio::time::Instant::now() >= batch_deadline {
+                report.deferred += 1;
+                continue;
+            }
             let event = OutboxEvent {
                 id: row.get(0),
                 tenant_id: row.get(1),
