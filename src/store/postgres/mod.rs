@@ -365,7 +365,9 @@ impl PgStore {
         // the first PREPARE of the claim: the wait bounds them too. A statement
         // stuck behind such a lock leaves its connection busy, so the
         // connection is closed rather than returned.
-        let deadline = tokio::time::Instant::now() + request.wait;
+        // (At least 100 ms: a request that spent its wait elsewhere, say
+        // behind a duplicate in this process, still gets to read the record.)
+        let deadline = tokio::time::Instant::now() + request.wait.max(Duration::from_millis(100));
         let prepared = tokio::time::timeout_at(deadline, async {
             let record = match Self::lookup(&conn, request).await? {
                 Some(row) => decode_record(&row)?,
