@@ -400,6 +400,60 @@ async fn bad_input_is_refused_and_writes_nothing<B: Backend>(backend: B) {
     assert_eq!(corrected.status, StatusCode::CREATED);
 }
 
+async fn builder_options_change_the_contract<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store())
+        .header_name(http::HeaderName::from_static("x-request-key"))
+        .require_key(false)
+        .key_reuse_status(tower_idempotency::KeyReuseStatus::UnprocessableContent)
+        .replay_headers([http::header::LOCATION])
+        .layer(order_handler::<B>(calls.clone()));
+    // Without a key the request passes through: no transaction, nothing remembered.
+    let passthrough = layer(backend.store())
+        .require_key(false)
+        .layer(tower::service_fn(
+            |request: Request<RequestBody>| async move {
+                let had_tx = request
+                    .extensions()
+                    .get::<<B::Store as Store>::Tx>()
+                    .is_some();
+                Ok::<_, BoxError>(Response::new(Full::new(Bytes::from(format!("{had_tx}")))))
+            },
+        ));
+    let keyless = send(passthrough, post(Some("tenant-a"), None, BODY)).await;
+    assert_eq!(
+        (keyless.status, &keyless.body[..]),
+        (StatusCode::OK, &b"false"[..])
+    );
+    assert_eq!(backend.remembered().await, 0);
+    let with_key = |key: &str, body: &str| {
+        let mut request = post(Some("tenant-a"), None, body);
+        request
+            .headers_mut()
+            .insert("x-request-key", key.parse().unwrap());
+        request
+    };
+    let first = send(service.clone(), with_key("k1", BODY)).await;
+    let replay = send(service.clone(), with_key("k1", BODY)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert!(replay.headers.get("location").is_some());
+    assert!(
+        replay.headers.get("content-type").is_none(),
+        "only the allow-listed headers replay"
+    );
+    let reused = send(service, with_key("k1", r#"{"other":true}"#)).await;
+    assert_eq!(
+        reused.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "the IETF draft's status"
+    );
+    assert_eq!(reused.json()["code"], "idempotency_key_reused");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(backend.orders().await.len(), 1);
+    assert_eq!(backend.remembered().await, 1);
+}
+
 async fn safe_methods_pass_through<B: Backend>(backend: B) {
     let service = layer(backend.store()).layer(tower::service_fn(
         |request: Request<RequestBody>| async move {
@@ -453,4 +507,5 @@ for_both_stores!(
     client_gone_after_claim_still_commits_and_retry_replays,
     bad_input_is_refused_and_writes_nothing,
     safe_methods_pass_through,
+    builder_options_change_the_contract,
 );
