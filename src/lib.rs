@@ -72,6 +72,16 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Beyond the request
+//!
+//! - [`outbox`]: side effects after commit, at least once, never twice in
+//!   effect (`enqueue` in the handler's transaction, a [`outbox::Relay`],
+//!   derived downstream keys, a consumer inbox).
+//! - [`retention`]: batched removal of expired keys and the operator gauges.
+//! - [`metrics`]: every metric name the crate emits.
+//! - [`PgStore::inspect_key`] and [`PgStore::remove_key`]: the operator API.
+//! - [`IdempotencyLayer::drained`]: wait for owned work at shutdown.
+//!
 //! # Feature flags
 //!
 //! - `axum`: [`PgTx`] and [`Validated`] are axum extractors.
