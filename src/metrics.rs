@@ -36,6 +36,10 @@ pub const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
 pub const OUTBOX_FAILED_TOTAL: &str = "outbox_failed_total";
 /// Counter: outbox events parked after their last allowed attempt, by `event_type`.
 pub const OUTBOX_PARKED_TOTAL: &str = "outbox_parked_total";
+/// Counter: restarts of a relay task that ended before shutdown (an error or
+/// a panic). The crate never restarts a relay itself: the application's
+/// supervisor increments it, as the example order server does.
+pub const OUTBOX_RELAY_RESTARTS_TOTAL: &str = "outbox_relay_restarts_total";
 
 /// How an idempotent request ended, as the `outcome` label says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

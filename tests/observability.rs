@@ -61,20 +61,44 @@ fn installed() -> &'static Installed {
     })
 }
 
-/// Counters by (name, sorted labels); histograms by sample count.
-fn snapshot(snapshotter: &Snapshotter) -> HashMap<(String, Vec<(String, String)>), DebugValue> {
-    snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .map(|(key, _, _, value)| {
-            let key = key.key();
-            let mut labels: Vec<_> = key
-                .labels()
-                .map(|l| (l.key().to_owned(), l.value().to_owned()))
-                .collect();
-            labels.sort();
-            ((key.name().to_owned(), labels), value)
+type Values = HashMap<(String, Vec<(String, String)>), DebugValue>;
+
+/// Everything recorded so far, by (name, sorted labels). Reading the
+/// recorder drains it (counters restart at 0, samples are taken), and the
+/// tests of this binary run in parallel: every reading is folded into one
+/// running total that each test then reads from.
+fn snapshot(snapshotter: &Snapshotter) -> Values {
+    static TOTAL: OnceLock<Mutex<Values>> = OnceLock::new();
+    let mut total = TOTAL.get_or_init(Default::default).lock().unwrap();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
+        let mut labels: Vec<_> = key
+            .labels()
+            .map(|l| (l.key().to_owned(), l.value().to_owned()))
+            .collect();
+        labels.sort();
+        let entry = (key.name().to_owned(), labels);
+        match (total.get_mut(&entry), value) {
+            (Some(DebugValue::Counter(n)), DebugValue::Counter(more)) => *n += more,
+            (Some(DebugValue::Histogram(samples)), DebugValue::Histogram(more)) => {
+                samples.extend(more)
+            }
+            // A gauge reads 0 once drained: keep the last value it was set to.
+            (Some(_), DebugValue::Gauge(g)) if g.into_inner() == 0.0 => {}
+            (_, value) => {
+                total.insert(entry, value);
+            }
+        }
+    }
+    total
+        .iter()
+        .map(|(key, value)| {
+            let value = match value {
+                DebugValue::Counter(n) => DebugValue::Counter(*n),
+                DebugValue::Gauge(g) => DebugValue::Gauge(*g),
+                DebugValue::Histogram(samples) => DebugValue::Histogram(samples.clone()),
+            };
+            (key.clone(), value)
         })
         .collect()
 }
@@ -298,5 +322,119 @@ async fn logs_carry_no_body_and_no_raw_key() {
     assert!(
         !logs.contains("SECRET"),
         "a raw key or a body leaked into the logs:\n{logs}"
+    );
+}
+
+/// A request that waits behind a duplicate in this process, and then again
+/// in the store, records one wait and one outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_waits_twice_is_counted_once() {
+    let installed = installed();
+    const ENDPOINT: &str = "POST /wait-twice v1";
+    let store = MemoryStore::new();
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    // Process A holds the key.
+    let process_a = IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"))
+        .layer(tower::service_fn({
+            let (started, release) = (started.clone(), release.clone());
+            move |request: Request<RequestBody>| {
+                let (started, release) = (started.clone(), release.clone());
+                async move {
+                    let _tx = request.extensions().get::<MemoryTx>().cloned();
+                    started.notify_one();
+                    release.notified().await;
+                    Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
+                }
+            }
+        }));
+    let holder = spawn_send(process_a, post(Some("t"), Some("k"), "{}"));
+    started.notified().await;
+    // Process B: its first request leads and gives up after 100 ms; the
+    // second follows it in memory, then leads and waits in the store.
+    let process_b = IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"));
+    let short = process_b
+        .clone()
+        .wait(Duration::from_millis(100))
+        .layer(status_handler(StatusCode::CREATED));
+    let long = process_b
+        .wait(Duration::from_millis(400))
+        .layer(status_handler(StatusCode::CREATED));
+    let first = spawn_send(short, post(Some("t"), Some("k"), "{}"));
+    tokio::task::yield_now().await;
+    let second = send(long, post(Some("t"), Some("k"), "{}")).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.json()["code"], "idempotency_in_progress");
+    assert_eq!(second.json()["code"], "idempotency_in_progress");
+    release.notify_one();
+    holder.await.unwrap();
+
+    let values = snapshot(&installed.snapshotter);
+    let waits = match values.get(&(
+        "idempotency_duplicate_wait_seconds".to_owned(),
+        labels(&[("endpoint", ENDPOINT)]),
+    )) {
+        Some(DebugValue::Histogram(samples)) => samples.len(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(waits, 2, "one wait per waiting request");
+    assert_eq!(
+        values.get(&(
+            "idempotency_requests_total".to_owned(),
+            labels(&[("endpoint", ENDPOINT), ("outcome", "in_progress")]),
+        )),
+        Some(&DebugValue::Counter(2))
+    );
+}
+
+/// The runtime that runs a request's owned work shuts down under it: the
+/// request is answered 503 and counted like every other.
+#[test]
+fn a_request_cut_by_a_runtime_shutdown_is_counted() {
+    let installed = installed();
+    const ENDPOINT: &str = "POST /shutdown v1";
+    let owner = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let driver = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let started = Arc::new(Notify::new());
+    let service = IdempotencyLayer::new(MemoryStore::new(), ENDPOINT, JsonFingerprinter::new("v1"))
+        .layer(tower::service_fn({
+            let started = started.clone();
+            move |_: Request<RequestBody>| {
+                let started = started.clone();
+                async move {
+                    started.notify_one();
+                    std::future::pending::<()>().await;
+                    Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
+                }
+            }
+        }));
+    let owner_handle = owner.handle().clone();
+    let answer = driver.block_on(async move {
+        let mut request = Box::pin(send(service, post(Some("t"), Some("k"), "{}")));
+        // Polled here, but the work it spawns once it owns the key lands on `owner`.
+        let request = std::future::poll_fn(move |cx| {
+            let _entered = owner_handle.enter();
+            std::future::Future::poll(request.as_mut(), cx)
+        });
+        let shutdown = async move {
+            started.notified().await;
+            owner.shutdown_background();
+        };
+        tokio::join!(request, shutdown).0
+    });
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    let values = snapshot(&installed.snapshotter);
+    assert_eq!(
+        values.get(&(
+            "idempotency_requests_total".to_owned(),
+            labels(&[("endpoint", ENDPOINT), ("outcome", "store_unavailable")]),
+        )),
+        Some(&DebugValue::Counter(1))
     );
 }

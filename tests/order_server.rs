@@ -365,6 +365,7 @@ async fn serves_the_contract_table() {
         "outbox_backlog_events",
         "outbox_lag_seconds",
         "outbox_delivered_total",
+        "outbox_relay_restarts_total",
     ] {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }

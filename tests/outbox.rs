@@ -597,3 +597,126 @@ async fn a_hanging_sink_keeps_the_batch_short() {
         (1, "delivery timed out")
     );
 }
+
+/// A sink that panics on one event costs that event one failed attempt, like
+/// any other failure: the rest of the batch is delivered and recorded once,
+/// and the panicking event is retried with backoff, then parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_sink_counts_as_a_failed_attempt() {
+    #[derive(Clone, Default)]
+    struct Panics {
+        deliveries: Arc<Mutex<HashMap<String, u32>>>,
+    }
+    impl Sink for Panics {
+        async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
+            *self
+                .deliveries
+                .lock()
+                .unwrap()
+                .entry(event.aggregate_id.clone())
+                .or_default() += 1;
+            if event.aggregate_id == "boom" {
+                panic!("cannot charge {}", event.payload);
+            }
+            Ok(())
+        }
+    }
+    let pg = setup().await;
+    // Distinct due times fix the claim order: two events before the panic, two after.
+    pg.client
+        .batch_execute(
+            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload, next_attempt_at) VALUES
+             ('t', 'before-1', 'E', '{}', now() - interval '5 minutes'),
+             ('t', 'before-2', 'E', '{}', now() - interval '4 minutes'),
+             ('t', 'boom', 'E', '{\"card\": \"4242-SECRET\"}', now() - interval '3 minutes'),
+             ('t', 'after-1', 'E', '{}', now() - interval '2 minutes'),
+             ('t', 'after-2', 'E', '{}', now() - interval '1 minute')",
+        )
+        .await
+        .unwrap();
+    let sink = Panics::default();
+    let relay = Relay::new(pg.store.clone(), sink.clone()).max_attempts(3);
+    let report = relay.run_once().await.unwrap();
+    assert_eq!(
+        (
+            report.claimed,
+            report.delivered,
+            report.retried,
+            report.parked
+        ),
+        (5, 4, 1, 0)
+    );
+    assert_eq!(
+        count(
+            &pg,
+            "SELECT count(*) FROM outbox_events WHERE aggregate_id <> 'boom' \
+             AND published_at IS NOT NULL AND attempts = 1 AND last_error IS NULL"
+        )
+        .await,
+        4,
+        "the events on either side of the panic are marked delivered"
+    );
+    let boom = "SELECT attempts, last_error, next_attempt_at > now(), published_at IS NULL, parked_at IS NULL \
+                FROM outbox_events WHERE aggregate_id = 'boom'";
+    let row = pg.client.query_one(boom, &[]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert_eq!(
+        row.get::<_, &str>(1),
+        "the sink panicked",
+        "a fixed message: the panic's text may hold the payload"
+    );
+    assert!(row.get::<_, bool>(2), "the retry waits for its backoff");
+    assert!(row.get::<_, bool>(3) && row.get::<_, bool>(4));
+    assert_eq!(relay.run_once().await.unwrap().claimed, 0, "not due yet");
+
+    let eager = Relay::new(pg.store.clone(), sink.clone())
+        .max_attempts(3)
+        .backoff(Duration::ZERO, Duration::ZERO);
+    pg.client
+        .execute("UPDATE outbox_events SET next_attempt_at = now()", &[])
+        .await
+        .unwrap();
+    let reports = [
+        eager.run_once().await.unwrap(),
+        eager.run_once().await.unwrap(),
+        eager.run_once().await.unwrap(),
+    ];
+    assert_eq!(
+        reports.map(|r| (r.claimed, r.retried, r.parked)),
+        [(1, 1, 0), (1, 0, 1), (0, 0, 0)],
+        "parked after its third attempt, then left alone"
+    );
+    let row = pg
+        .client
+        .query_one(
+            "SELECT attempts, last_error, parked_at IS NOT NULL, published_at IS NULL \
+             FROM outbox_events WHERE aggregate_id = 'boom'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, i32>(0),
+            row.get::<_, &str>(1),
+            row.get::<_, bool>(2),
+            row.get::<_, bool>(3)
+        ),
+        (3, "the sink panicked", true, true)
+    );
+    let deliveries = sink.deliveries.lock().unwrap().clone();
+    assert_eq!(
+        deliveries,
+        HashMap::from(
+            [
+                ("before-1", 1),
+                ("before-2", 1),
+                ("boom", 3),
+                ("after-1", 1),
+                ("after-2", 1)
+            ]
+            .map(|(id, n)| (id.to_owned(), n))
+        ),
+        "each delivered event went out once; the panicking one once per attempt"
+    );
+}

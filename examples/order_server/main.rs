@@ -24,8 +24,10 @@ use axum::{
 };
 use http::StatusCode;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::sync::watch;
 use tower_idempotency::{
-    outbox::Relay, retention::Cleanup, testing::TempPostgres, IdempotencyLayer, PgStore, Problem,
+    metrics::OUTBOX_RELAY_RESTARTS_TOTAL, outbox::Relay, retention::Cleanup, testing::TempPostgres,
+    IdempotencyLayer, PgStore, Problem,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -124,14 +126,11 @@ async fn run() -> Result<(), String> {
         shutdown_signal().await;
         let _ = stop.send(true);
     });
-    let until_stopped = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = stopped.wait_for(|stop| *stop).await;
-    };
-    let relay = Relay::new(store.clone(), downstream::Providers::new(store.clone()));
-    let relay = tokio::spawn({
-        let stopped = stopped.clone();
-        async move { relay.run(until_stopped(stopped)).await }
-    });
+    let relay = Arc::new(Relay::new(
+        store.clone(),
+        downstream::Providers::new(store.clone()),
+    ));
+    let relay = tokio::spawn(supervise_relay(relay, stopped.clone()));
 
     // Expired keys go in small batches; the gauges an operator watches
     // (cleanup backlog, oldest in-progress age) refresh on the same beat.
@@ -157,13 +156,60 @@ async fn run() -> Result<(), String> {
     if let Err(e) = cleanup.await {
         tracing::error!(error = %e, "cleanup task failed");
     }
-    match relay.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::error!(error = %e, "outbox relay stopped with an error"),
-        Err(e) => tracing::error!(error = %e, "outbox relay task failed"),
+    if relay.await.is_err() {
+        tracing::error!("outbox relay supervisor failed");
     }
     tracing::info!("shut down; in-flight requests and the relay's batch finished");
     Ok(())
+}
+
+async fn until_stopped(mut stopped: watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|stop| *stop).await;
+}
+
+/// Keeps the outbox relay running until shutdown. Undelivered events pile up
+/// silently behind a dead relay, so a relay task that ends early (an error, a
+/// panic) is logged, counted and started again after a capped exponential
+/// backoff.
+async fn supervise_relay(relay: Arc<Relay<downstream::Providers>>, stopped: watch::Receiver<bool>) {
+    const FIRST_DELAY: Duration = Duration::from_millis(100);
+    const MAX_DELAY: Duration = Duration::from_secs(30);
+    // At zero from the start, so an alert on its increase works before the first restart.
+    metrics::counter!(OUTBOX_RELAY_RESTARTS_TOTAL).increment(0);
+    let mut delay = FIRST_DELAY;
+    loop {
+        let started = tokio::time::Instant::now();
+        let task = tokio::spawn({
+            let (relay, stopped) = (relay.clone(), stopped.clone());
+            async move { relay.run(until_stopped(stopped)).await }
+        });
+        match task.await {
+            Ok(Ok(())) if *stopped.borrow() => return,
+            Ok(Ok(())) => tracing::error!("outbox relay stopped before shutdown"),
+            Ok(Err(e)) => tracing::error!(error = %e, "outbox relay stopped with an error"),
+            // A panic's message may quote an event's payload: not logged.
+            Err(e) if e.is_panic() => tracing::error!("outbox relay task panicked"),
+            Err(e) => tracing::error!(error = %e, "outbox relay task failed"),
+        }
+        if *stopped.borrow() {
+            return;
+        }
+        // A relay that ran for a good while hit a new fault, not the same
+        // one in a loop: start again from the short delay.
+        if started.elapsed() >= MAX_DELAY {
+            delay = FIRST_DELAY;
+        }
+        tracing::warn!(
+            restart_in_ms = delay.as_millis() as u64,
+            "restarting the outbox relay"
+        );
+        tokio::select! {
+            _ = until_stopped(stopped.clone()) => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        metrics::counter!(OUTBOX_RELAY_RESTARTS_TOTAL).increment(1);
+        delay = (delay * 2).min(MAX_DELAY);
+    }
 }
 
 async fn healthz(State(store): State<PgStore>) -> StatusCode {

@@ -3,10 +3,14 @@
 use std::{
     fmt,
     future::Future,
+    panic::{catch_unwind, AssertUnwindSafe},
+    pin::Pin,
     sync::Arc,
+    task::{Context, Poll},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+use pin_project_lite::pin_project;
 use tokio::sync::Notify;
 use tokio_postgres::{types::ToSql, AsyncMessage};
 
@@ -18,6 +22,12 @@ use crate::{metrics, store::postgres::map_error, PgStore, StoreError};
 /// Delivery is at least once: the same event may arrive again after a crash,
 /// a timeout or a re-drive, so the sink must make repeats harmless, typically
 /// by sending [`OutboxEvent::derived_key`] as the downstream idempotency key.
+///
+/// A delivery that panics counts as a failed, retryable attempt with
+/// `last_error` "the sink panicked" (the relay neither stores nor logs the
+/// panic's message: it may quote the payload); the rest of the batch goes
+/// on, and the same sink keeps delivering. This needs unwinding panics (not
+/// `panic = "abort"`).
 pub trait Sink: Send + Sync + 'static {
     /// Delivers one event. `Err` schedules a retry (or parks the event).
     fn deliver(
@@ -273,13 +283,15 @@ impl<K: Sink> Relay<K> {
                 payload: row.get(4),
                 attempts: row.get(5),
             };
-            let outcome = match tokio::time::timeout(
-                self.delivery_timeout,
-                self.sink.deliver(&event),
-            )
-            .await
-            {
-                Ok(outcome) => outcome,
+            // The async block defers the call to `deliver` into the first
+            // poll, so a sink that panics before returning its future is caught too.
+            let delivery = CatchUnwind::new(async { self.sink.deliver(&event).await });
+            let outcome = match tokio::time::timeout(self.delivery_timeout, delivery).await {
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(Panicked)) => {
+                    tracing::error!(event_id = %event.id, event_type = %event.event_type, "the outbox sink panicked; counted as a failed attempt");
+                    Err(DeliveryError::retryable("the sink panicked"))
+                }
                 Err(_) => Err(DeliveryError::retryable("delivery timed out")),
             };
             let event_type = event.event_type.clone();
@@ -342,17 +354,29 @@ impl<K: Sink> Relay<K> {
 
     /// Runs until `shutdown` completes; the batch in flight then finishes
     /// (delivered events are recorded) before this returns.
+    ///
+    /// A batch that fails or panics is logged and tried again after the poll
+    /// interval; its events stay due. Supervise the task anyway (log, count
+    /// and restart it if it ends before shutdown), as the example order
+    /// server does.
     pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StoreError> {
         let wake = Arc::new(Notify::new());
-        // Aborted however `run` ends: returned, dropped, or unwound by a panicking sink.
+        // Aborted however `run` ends: returned, dropped, or unwound by a panic.
         let _listener = AbortOnDrop(tokio::spawn(listen(self.store.clone(), wake.clone())));
         let mut shutdown = std::pin::pin!(shutdown);
         let mut gauges_due = tokio::time::Instant::now();
         loop {
-            let report = match self.run_once().await {
-                Ok(report) => report,
-                Err(e) => {
+            // A panic outside the sink (a bug) must not end the relay: the
+            // batch's connection is closed on unwinding, so its transaction
+            // rolls back and its events are claimed again later.
+            let report = match CatchUnwind::new(self.run_once()).await {
+                Ok(Ok(report)) => report,
+                Ok(Err(e)) => {
                     tracing::error!(error = %e, "outbox batch failed; retrying after the poll interval");
+                    BatchReport::default()
+                }
+                Err(Panicked) => {
+                    tracing::error!("outbox batch panicked; retrying after the poll interval");
                     BatchReport::default()
                 }
             };
@@ -378,6 +402,39 @@ impl<K: Sink> Relay<K> {
             }
         }
         Ok(())
+    }
+}
+
+/// The future it wraps panicked; the payload is dropped unread.
+struct Panicked;
+
+pin_project! {
+    /// Turns a panic while polling `inner` into `Err(Panicked)`.
+    struct CatchUnwind<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F> CatchUnwind<F> {
+    fn new(inner: F) -> Self {
+        CatchUnwind { inner }
+    }
+}
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Panicked>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.project().inner;
+        // Unwind safety is asserted: a panicked future is never polled again
+        // (Ready is returned), and the relay's own state is only read here.
+        // What the sink shares between deliveries is the sink's to keep sound.
+        match catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(_payload) => Poll::Ready(Err(Panicked)),
+        }
     }
 }
 

@@ -2,6 +2,8 @@
 //! both stores through the `Backend` trait.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::{
     future::Future,
     sync::{

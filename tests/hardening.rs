@@ -1,0 +1,642 @@
+//! Nothing the handler or the application does leaves a pooled connection, a
+//! key or a transaction in a wrong state, and every wait is bounded. Each test
+//! names the hole it closes.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use common::{proxy::SlowProxy, *};
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tokio::sync::oneshot;
+use tower::Layer;
+use tower_idempotency::{
+    retention::Cleanup, Claim, ClaimRequest, Fingerprint, IdempotencyKey, PgStore, PgTx,
+    RequestBody, Scope, Store, StoreErrorKind, StoredResponse, TenantId, TxErrorKind,
+};
+
+const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
+
+type Handler = tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError>;
+
+fn handler<F, Fut>(f: F) -> Handler
+where
+    F: Fn(PgTx) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<Full<Bytes>>, BoxError>> + Send + 'static,
+{
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let tx = request
+            .extensions()
+            .get::<PgTx>()
+            .cloned()
+            .expect("the layer passes a PgTx");
+        f(tx)
+    }))
+}
+
+fn created() -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
+    *response.status_mut() = StatusCode::CREATED;
+    response
+}
+
+/// A handler that writes one order, runs `sql` through the handle (ignoring
+/// its result, as a careless handler would), and answers 201.
+fn writes_then_runs(sql: &'static str) -> Handler {
+    handler(move |tx: PgTx| async move {
+        tx.execute(
+            "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
+            &[&new_order_id()],
+        )
+        .await?;
+        let _ = tx.batch_execute(sql).await;
+        Ok(created())
+    })
+}
+
+/// Reports what `sql` run through the handle answered, then answers 201.
+fn reports(sql: &'static str) -> (Handler, oneshot::Receiver<Result<(), TxErrorKind>>) {
+    let (seen_tx, seen_rx) = oneshot::channel();
+    let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
+    let service = handler(move |tx: PgTx| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
+                &[&new_order_id()],
+            )
+            .await?;
+            let outcome = tx.batch_execute(sql).await.map_err(|e| e.kind());
+            if let Some(seen) = seen_tx.lock().unwrap().take() {
+                let _ = seen.send(outcome);
+            }
+            Ok(created())
+        }
+    });
+    (service, seen_rx)
+}
+
+fn orders_service(store: PgStore) -> TestService<PgStore> {
+    layer(store).layer(order_handler::<Postgres>(Default::default()))
+}
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+// 1. Connections the application borrows go back clean.
+
+/// The application's own transaction fails and is never ended: with a pool
+/// of one, every later claim would run into `25P02` on that connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_connection_left_in_a_failed_transaction_is_cleaned() {
+    let pg = Postgres::with_pool(1).await;
+    {
+        let client = pg.store.client().await.unwrap();
+        let failed = client.batch_execute("BEGIN; SELECT 1/0; COMMIT").await;
+        assert!(failed.is_err(), "the batch stops at the division by zero");
+    }
+    let answer = send(
+        orders_service(pg.store.clone()),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    assert_eq!(pg.orders().await.len(), 1);
+    assert_eq!(pg.records().await[0].2, "completed");
+}
+
+/// The application's future is dropped between its `BEGIN` and `COMMIT`
+/// (axum drops it when the client disconnects): its writes must not ride
+/// along with the next request's commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_transaction_abandoned_mid_way_is_rolled_back() {
+    let pg = Postgres::with_pool(1).await;
+    let (began, began_rx) = oneshot::channel();
+    let store = pg.store.clone();
+    let abandoned = tokio::spawn(async move {
+        let client = store.client().await.unwrap();
+        client
+            .batch_execute("BEGIN; INSERT INTO orders (id, tenant_id) VALUES ('stray', 'tenant-a')")
+            .await
+            .unwrap();
+        let _ = began.send(());
+        std::future::pending::<()>().await;
+        drop(client);
+    });
+    began_rx.await.unwrap();
+    abandoned.abort();
+    let _ = abandoned.await;
+    let answer = send(
+        orders_service(pg.store.clone()),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    let orders = pg.orders().await;
+    assert_eq!(orders.len(), 1, "{orders:?}");
+    assert_ne!(orders[0].0, "stray", "the abandoned write was rolled back");
+}
+
+// 2. Transaction control cannot slip past the guard; orphans never block a key.
+
+/// PostgreSQL ends a `--` comment at `\r` too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_behind_a_carriage_return_comment_is_refused() {
+    let pg = Postgres::new().await;
+    let (service, seen) = reports("--\rCOMMIT");
+    let answer = send(
+        layer(pg.store.clone()).layer(service),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(seen.await.unwrap(), Err(TxErrorKind::TransactionControl));
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    let records = pg.records().await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        records[0].2, "completed",
+        "the claim was never committed early"
+    );
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+/// A committed `in_progress` row (a crash of an older version, a manual
+/// edit, a bypass) has no transaction behind it: the next request with its
+/// key takes it over instead of being told "in progress" for the retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_in_progress_row_is_taken_over_not_waited_for() {
+    let pg = Postgres::new().await;
+    pg.client
+        .batch_execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+             VALUES ('tenant-a', 'POST /orders v1', 'k1', '\\x00', 'in_progress', now() + interval '1 day')",
+        )
+        .await
+        .unwrap();
+    let answer = send(
+        layer(pg.store.clone())
+            .wait(WAIT_SHORT)
+            .layer(order_handler::<Postgres>(Default::default())),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    let row = pg
+        .client
+        .query_one("SELECT state, attempt_token FROM idempotency_requests", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, &str>(0), "completed");
+    assert_eq!(row.get::<_, i64>(1), 2, "taken over as a new attempt");
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+/// Cleanup removes expired orphans too; a live claim's row is never touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_removes_expired_orphans_but_not_live_claims() {
+    let pg = Postgres::new().await;
+    let Claim::Owned(live) = pg
+        .store
+        .claim(&claim_request("live", Duration::from_secs(30)))
+        .await
+        .unwrap()
+    else {
+        panic!("owner")
+    };
+    pg.client
+        .batch_execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+             VALUES ('t', 'POST /x', 'orphan', '\\x00', 'in_progress', now() - interval '1 second')",
+        )
+        .await
+        .unwrap();
+    let removed = Cleanup::new(pg.store.clone()).run_once().await.unwrap();
+    assert_eq!(removed, 1);
+    pg.store
+        .complete(live, &stored(b"ok"))
+        .await
+        .expect("the live claim was not disturbed");
+    let keys: Vec<String> = pg
+        .records()
+        .await
+        .into_iter()
+        .map(|(_, key, _, _)| key)
+        .collect();
+    assert_eq!(keys, ["live"]);
+}
+
+// 3. The completion's COMMIT never goes out when its UPDATE could not.
+
+/// A response bigger than PostgreSQL's protocol can carry fails to encode on
+/// the client: the pipelined COMMIT must not be sent without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_that_cannot_be_encoded_commits_nothing() {
+    let pg = Postgres::new().await;
+    let Claim::Owned(tx) = pg
+        .store
+        .claim(&claim_request("huge", Duration::from_secs(5)))
+        .await
+        .unwrap()
+    else {
+        panic!("owner")
+    };
+    tx.execute("INSERT INTO orders (id, tenant_id) VALUES ('o1', 't')", &[])
+        .await
+        .unwrap();
+    let huge = StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from(vec![0u8; i32::MAX as usize + 1]),
+    };
+    let error = pg.store.complete(tx, &huge).await.unwrap_err();
+    assert_ne!(error.kind(), StoreErrorKind::Unavailable, "{error}");
+    assert!(pg.orders().await.is_empty(), "the order was not committed");
+    assert!(pg.records().await.is_empty(), "no claim row was committed");
+}
+
+// 4. Session state does not outlive the request on a pooled connection.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_level_statements_are_refused() {
+    for sql in [
+        "DEALLOCATE ALL",
+        "PREPARE q AS SELECT 1",
+        "LISTEN channel",
+        "DISCARD ALL",
+        "SELECT set_config('search_path', 'nowhere', false)",
+        "SELECT pg_advisory_lock(42)",
+        "CREATE TEMP TABLE scratch (x int)",
+        "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
+    ] {
+        let pg = Postgres::with_pool(1).await;
+        let (service, seen) = reports(sql);
+        let first = send(
+            layer(pg.store.clone()).layer(service),
+            post(Some("tenant-a"), Some("k1"), BODY),
+        )
+        .await;
+        assert_eq!(seen.await.unwrap(), Err(TxErrorKind::SessionState), "{sql}");
+        assert_eq!(first.status, StatusCode::CREATED, "{sql}");
+        let second = send(
+            orders_service(pg.store.clone()),
+            post(Some("tenant-a"), Some("k2"), BODY),
+        )
+        .await;
+        assert_eq!(
+            second.status,
+            StatusCode::CREATED,
+            "{sql}: {:?}",
+            second.body
+        );
+    }
+}
+
+/// What no lexer can see (a function that changes the session) is reset
+/// before the connection serves anyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
+    let pg = Postgres::with_pool(1).await;
+    pg.client
+        .batch_execute(
+            "CREATE FUNCTION wander() RETURNS text LANGUAGE sql AS \
+                 $$ SELECT set_config('search_path', 'nowhere', false) $$; \
+             CREATE FUNCTION hold_lock() RETURNS void LANGUAGE sql AS \
+                 $$ SELECT pg_advisory_lock(42) $$;",
+        )
+        .await
+        .unwrap();
+    let service =
+        layer(pg.store.clone()).layer(writes_then_runs("SELECT wander(); SELECT hold_lock()"));
+    let first = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let free: bool = pg
+        .client
+        .query_one("SELECT pg_try_advisory_lock(42)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(free, "the session advisory lock was released");
+    let second = send(
+        orders_service(pg.store.clone()),
+        post(Some("tenant-a"), Some("k2"), BODY),
+    )
+    .await;
+    assert_eq!(second.status, StatusCode::CREATED, "{:?}", second.body);
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// A connection whose cached statements were destroyed behind the layer's
+/// back (here by the application's own connection) is replaced, not reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_that_lost_its_prepared_statements_is_replaced() {
+    let pg = Postgres::with_pool(1).await;
+    let service = orders_service(pg.store.clone());
+    assert_eq!(
+        send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    {
+        let client = pg.store.client().await.unwrap();
+        client.batch_execute("DEALLOCATE ALL").await.unwrap();
+    }
+    let answer = send(service, post(Some("tenant-a"), Some("k2"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+// 5. A commit that fails for good is not "the database is down".
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deferred_constraint_failing_at_commit_is_a_final_error_not_unavailable() {
+    let pg = Postgres::new().await;
+    pg.client
+        .batch_execute(
+            "CREATE TABLE shipments (order_id text, UNIQUE (order_id) DEFERRABLE INITIALLY DEFERRED)",
+        )
+        .await
+        .unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let service = layer(pg.store.clone()).layer(handler({
+        let calls = calls.clone();
+        move |tx: PgTx| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                tx.execute(
+                    "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
+                    &[&new_order_id()],
+                )
+                .await?;
+                tx.execute("INSERT INTO shipments VALUES ('o1'), ('o1')", &[])
+                    .await?;
+                Ok(created())
+            }
+        }
+    }));
+    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(answer.json()["code"], "commit_rejected");
+    assert!(
+        answer.headers.get("retry-after").is_none(),
+        "a retry would fail the same way"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(pg.orders().await.is_empty());
+    assert!(pg.records().await.is_empty(), "the key is free");
+}
+
+/// The handler ignored a failed statement: the transaction can only roll
+/// back, and a retry runs into the same handler bug.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swallowed_error_is_reported_as_a_rejected_commit() {
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone()).layer(writes_then_runs("SELECT 1/0"));
+    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(answer.json()["code"], "commit_rejected");
+    assert!(pg.orders().await.is_empty());
+    assert!(pg.records().await.is_empty());
+}
+
+/// The connection dies while `COMMIT` runs: nobody knows whether it
+/// committed, and the answer says so (503: the retry finds out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_lost_during_commit_is_reported_as_unknown() {
+    let pg = Postgres::with_pool(1).await;
+    // A deferred constraint trigger runs inside COMMIT; this one ends its
+    // own session there.
+    pg.client
+        .batch_execute(
+            "CREATE TABLE doomed (x int); \
+             CREATE FUNCTION die() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NULL; END $$; \
+             CREATE CONSTRAINT TRIGGER die_at_commit AFTER INSERT ON doomed \
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION die();",
+        )
+        .await
+        .unwrap();
+    let service = layer(pg.store.clone()).layer(writes_then_runs("INSERT INTO doomed VALUES (1)"));
+    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert_eq!(answer.headers["retry-after"], "1");
+    let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("unknown"), "{detail}");
+    assert!(
+        pg.orders().await.is_empty(),
+        "the server died before committing"
+    );
+    let retry = send(
+        orders_service(pg.store.clone()),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the retry finds the key free"
+    );
+}
+
+// 6. A slow store is bounded by the wait and reported as unavailable.
+
+/// No lock anywhere, just a slow database: the request is answered within
+/// about its wait, as `store_unavailable`, not `idempotency_in_progress`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_database_is_unavailable_within_the_wait() {
+    let pg = Postgres::new().await;
+    let proxy = SlowProxy::start(pg.db.config()).await;
+    let store = PgStore::builder(proxy.config()).build().unwrap();
+    let service = layer(store)
+        .wait(Duration::from_millis(300))
+        .layer(order_handler::<Postgres>(Default::default()));
+    assert_eq!(
+        send(service.clone(), post(Some("tenant-a"), Some("warm"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    proxy.set_delay(Duration::from_secs(3));
+    let started = std::time::Instant::now();
+    let answer = send(
+        service.clone(),
+        post(Some("tenant-a"), Some("never-seen"), BODY),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        answer.body
+    );
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert!(took < Duration::from_secs(2), "answered after {took:?}");
+    proxy.set_delay(Duration::ZERO);
+    let retry = send(service, post(Some("tenant-a"), Some("never-seen"), BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// A claim statement that is slow for no lock (a trigger sleeping) is not
+/// bounded by `lock_timeout`: the wait still bounds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_claim_statement_is_bounded_by_the_wait() {
+    let pg = Postgres::new().await;
+    pg.client
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
+             CREATE TRIGGER slow BEFORE INSERT ON idempotency_requests FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    let service = layer(pg.store.clone())
+        .wait(Duration::from_millis(300))
+        .layer(order_handler::<Postgres>(Default::default()));
+    let started = std::time::Instant::now();
+    let answer = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let took = started.elapsed();
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        answer.body
+    );
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert!(took < Duration::from_secs(2), "answered after {took:?}");
+    // DROP TRIGGER waits for the slow statement's transaction to end.
+    pg.client
+        .batch_execute("DROP TRIGGER slow ON idempotency_requests")
+        .await
+        .unwrap();
+    let retry = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+// 7. Nothing after the claim runs unbounded.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_that_never_returns_is_rolled_back_at_its_deadline() {
+    let pg = Postgres::with_pool(1).await;
+    let hanging = layer(pg.store.clone())
+        .handler_timeout(Duration::from_millis(300))
+        .layer(handler(|tx: PgTx| async move {
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ('hung', 'tenant-a')",
+                &[],
+            )
+            .await?;
+            std::future::pending::<()>().await;
+            Ok(created())
+        }));
+    let drained = layer(pg.store.clone());
+    let answer = send(hanging.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json()["code"], "handler_timeout");
+    assert_eq!(answer.headers["retry-after"], "1");
+    assert!(pg.orders().await.is_empty());
+    assert!(pg.records().await.is_empty(), "the key is free");
+    assert_eq!(pg.idle_in_transaction().await, 0);
+    tokio::time::timeout(Duration::from_secs(10), drained.drained())
+        .await
+        .expect("no owned work is left running");
+    let retry = send(
+        orders_service(pg.store.clone()),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+}
+
+/// A handler stuck inside a statement: the statement is cancelled, so the
+/// row lock and the connection come back at the deadline, not when the
+/// statement would have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_stuck_in_a_statement_is_cancelled_at_its_deadline() {
+    let pg = Postgres::with_pool(1).await;
+    let started = std::time::Instant::now();
+    let answer = send(
+        layer(pg.store.clone())
+            .handler_timeout(Duration::from_millis(300))
+            .layer(writes_then_runs("SELECT pg_sleep(30)")),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(answer.json()["code"], "handler_timeout");
+    let retry = send(
+        orders_service(pg.store.clone()),
+        post(Some("tenant-a"), Some("k1"), BODY),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let sleeping = count(
+        &pg.client,
+        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'",
+    )
+    .await;
+    assert_eq!(sleeping, 0);
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+/// A process that froze while owning a key (no deadline of its own can
+/// fire) is ended by the server: the key is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_owner_is_ended_by_the_server() {
+    let pg = Postgres::new().await;
+    let frozen =
+        claim_request("k", Duration::from_secs(5)).with_hold_limit(Duration::from_millis(300));
+    let Claim::Owned(owner) = pg.store.claim(&frozen).await.unwrap() else {
+        panic!("owner")
+    };
+    let setting: String = owner
+        .query_one(
+            "SELECT current_setting('idle_in_transaction_session_timeout')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(setting, "300ms");
+    // The owner does nothing more. A second claim waits on the key's row
+    // lock until the server ends the idle owner's session.
+    let next = pg
+        .store
+        .claim(&claim_request("k", Duration::from_secs(20)))
+        .await
+        .unwrap();
+    let Claim::Owned(next) = next else {
+        panic!("the key was freed by the server: {next:?}")
+    };
+    pg.store.complete(next, &stored(b"second")).await.unwrap();
+    assert!(pg.store.complete(owner, &stored(b"first")).await.is_err());
+    assert_eq!(pg.records().await[0].2, "completed");
+}
+
+fn claim_request(key: &str, wait: Duration) -> ClaimRequest {
+    ClaimRequest::new(
+        Scope::new(TenantId::new("t"), "POST /x"),
+        IdempotencyKey::parse(key.as_bytes()).unwrap(),
+        Fingerprint::from_bytes([1; 32]),
+        Duration::from_secs(60),
+        wait,
+    )
+}
+
+fn stored(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from_static(body),
+    }
+}
