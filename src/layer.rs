@@ -35,6 +35,8 @@ impl KeyReuseStatus {
 }
 
 const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
+/// The largest body limit: a quarter of PostgreSQL's 1 GiB field and message limits.
+pub(crate) const MAX_BODY: usize = 256 * 1024 * 1024;
 const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 #[derive(Debug, Clone)]
@@ -50,6 +52,7 @@ pub(crate) struct Config {
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) key_reuse: KeyReuseStatus,
     pub(crate) tenant_label: bool,
+    pub(crate) handler_timeout: Duration,
 }
 
 /// Gives the wrapped service Idempotency-Key semantics.
@@ -59,7 +62,8 @@ pub(crate) struct Config {
 /// and a complete example are in the [crate docs](crate).
 ///
 /// Defaults: header `Idempotency-Key`, key required, request body limit 1 MiB,
-/// stored response limit 1 MiB, concurrent-duplicate wait 5 s, retention 24 h,
+/// stored response limit 1 MiB, concurrent-duplicate wait 5 s, handler
+/// timeout 30 s, retention 24 h,
 /// replayed headers `Content-Type`, `Content-Language`, `Location`, `ETag`,
 /// `Last-Modified`, `Link`, key reuse answered with `409`.
 ///
@@ -133,6 +137,7 @@ where
                 ],
                 key_reuse: KeyReuseStatus::Conflict,
                 tenant_label: false,
+                handler_timeout: Duration::from_secs(30),
             }),
             in_flight: Arc::default(),
             operations: Arc::default(),
@@ -201,16 +206,20 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
     }
 
     /// The largest request body buffered (default 1 MiB); larger ones are
-    /// answered `413 payload_too_large`.
+    /// answered `413 payload_too_large`. At most 256 MiB.
     pub fn request_body_limit(mut self, bytes: usize) -> Self {
-        self.config_mut().request_body_limit = bytes;
+        self.config_mut().request_body_limit = bytes.min(MAX_BODY);
         self
     }
 
     /// The largest response body remembered (default 1 MiB). A larger one is
     /// rolled back and answered `500 response_not_storable`.
+    ///
+    /// At most 256 MiB, well inside what PostgreSQL takes in one `bytea`
+    /// value and one protocol message (1 GiB), so a remembered response can
+    /// always be sent to the database.
     pub fn response_body_limit(mut self, bytes: usize) -> Self {
-        self.config_mut().response_body_limit = bytes;
+        self.config_mut().response_body_limit = bytes.min(MAX_BODY);
         self
     }
 
@@ -256,6 +265,24 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
         self
     }
 
+    /// How long the owner's work may take (default 30 s): from the moment
+    /// the request owns its key until the response is ready to remember
+    /// (the handler, and buffering its body).
+    ///
+    /// Past it the handler is dropped, a statement it left running in the
+    /// database is cancelled, its writes are rolled back, and the client gets
+    /// `503 handler_timeout` with `Retry-After`; the key is free again. Without
+    /// it a handler that never returns would hold its key, its row lock and a
+    /// pooled connection for good. The database also ends the owner's
+    /// transaction by itself when it sits idle 5 s past this limit
+    /// (`idle_in_transaction_session_timeout`), should the process freeze.
+    ///
+    /// Clamped to `i32::MAX` milliseconds (about 24.8 days), like the wait.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.config_mut().handler_timeout = timeout.min(MAX_WAIT);
+        self
+    }
+
     /// The status for a key reused with a different request (default `409`).
     pub fn key_reuse_status(mut self, status: KeyReuseStatus) -> Self {
         self.config_mut().key_reuse = status;
@@ -268,5 +295,24 @@ impl<S, St: Clone, F, R> Layer<S> for IdempotencyLayer<St, F, R> {
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::from_layer(inner, self.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{JsonFingerprinter, MemoryStore};
+
+    #[test]
+    fn limits_are_clamped_to_what_the_database_takes() {
+        let layer = IdempotencyLayer::new(MemoryStore::new(), "e", JsonFingerprinter::new("v1"))
+            .request_body_limit(usize::MAX)
+            .response_body_limit(usize::MAX)
+            .handler_timeout(Duration::MAX)
+            .wait(Duration::MAX);
+        assert_eq!(layer.config.request_body_limit, MAX_BODY);
+        assert_eq!(layer.config.response_body_limit, MAX_BODY);
+        assert_eq!(layer.config.handler_timeout, MAX_WAIT);
+        assert_eq!(layer.config.wait, MAX_WAIT);
     }
 }

@@ -26,6 +26,9 @@ pub const OLDEST_IN_PROGRESS_SECONDS: &str = "idempotency_oldest_in_progress_sec
 /// request that held its key, by `endpoint`.
 pub const DUPLICATE_WAIT_SECONDS: &str = "idempotency_duplicate_wait_seconds";
 
+/// Counter: owners stopped and rolled back at the layer's handler timeout, by `endpoint`.
+pub const HANDLER_TIMEOUTS_TOTAL: &str = "idempotency_handler_timeouts_total";
+
 /// Gauge: undelivered, unparked outbox events (refreshed by the relay).
 pub const OUTBOX_BACKLOG: &str = "outbox_backlog_events";
 /// Gauge (seconds): age of the oldest undelivered outbox event; 0 when none.
@@ -100,6 +103,10 @@ pub(crate) fn claim_duration(endpoint: &str, outcome: Outcome, seconds: f64) {
 
 pub(crate) fn key_held(endpoint: &str, seconds: f64) {
     metrics::histogram!(KEY_HELD_SECONDS, "endpoint" => endpoint.to_owned()).record(seconds);
+}
+
+pub(crate) fn handler_timeout(endpoint: &str) {
+    metrics::counter!(HANDLER_TIMEOUTS_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
 }
 
 pub(crate) fn outbox_delivered(event_type: &str) {

@@ -156,6 +156,13 @@ pub mod codes {
     pub const STORE_UNAVAILABLE: &str = "store_unavailable";
     /// The handler's response could not be remembered (e.g. over the stored-response limit); its work was rolled back (500).
     pub const RESPONSE_NOT_STORABLE: &str = "response_not_storable";
+    /// The handler did not finish within the layer's handler timeout; its
+    /// work was rolled back (503 with `Retry-After`).
+    pub const HANDLER_TIMEOUT: &str = "handler_timeout";
+    /// The database refused to commit the handler's writes (a deferred
+    /// constraint, a statement that failed and was ignored); nothing was
+    /// changed, and the same request fails the same way again (500).
+    pub const COMMIT_REJECTED: &str = "commit_rejected";
     /// The request body failed the endpoint's validation (422).
     pub const VALIDATION_FAILED: &str = "validation_failed";
 }

@@ -11,7 +11,8 @@
 //! - with `FOR UPDATE SKIP LOCKED`, so any number of cleaners (one per app
 //!   instance is fine) never wait on each other or on a claim taking an
 //!   expired key over;
-//! - never touching a row that is still in progress.
+//! - never touching a row a live owner holds (its lock is skipped); an
+//!   expired `in_progress` row nobody holds is an orphan and is removed.
 //!
 //! Cron users call [`Cleanup::run_once`] (or run the SQL it documents).
 
@@ -21,16 +22,17 @@ use tokio_postgres::types::ToSql;
 
 use crate::{metrics, store::postgres::map_error, PgStore, StoreError};
 
-// Expired completed rows only; rows locked by a claim (an expired key being
-// taken over) or by another cleaner are skipped, not waited for.
+// Expired rows; rows locked by a claim (an expired key being taken over, a
+// live owner) or by another cleaner are skipped, not waited for. An expired
+// `in_progress` row that nobody holds is an orphan (its transaction ended
+// without completing it) and goes too.
 const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
      USING (SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
-            WHERE expires_at <= now() AND state = 'completed' \
+            WHERE expires_at <= now() \
             ORDER BY expires_at LIMIT $1::int8 FOR UPDATE SKIP LOCKED) AS d \
      WHERE r.tenant_id = d.tenant_id AND r.endpoint = d.endpoint AND r.idempotency_key = d.idempotency_key";
 
-const BACKLOG: &str =
-    "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now() AND state = 'completed'";
+const BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";
 
 // The oldest operation that holds a key: open claim transactions (tagged by
 // their application_name) and committed in-progress rows not yet expired (an
@@ -124,7 +126,7 @@ impl Cleanup {
     /// ```sql
     /// DELETE FROM idempotency_requests AS r
     /// USING (SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests
-    ///        WHERE expires_at <= now() AND state = 'completed'
+    ///        WHERE expires_at <= now()
     ///        ORDER BY expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED) AS d
     /// WHERE (r.tenant_id, r.endpoint, r.idempotency_key) = (d.tenant_id, d.endpoint, d.idempotency_key);
     /// ```

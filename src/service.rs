@@ -13,7 +13,7 @@ use http::{header, request::Parts, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
-use tracing::{field, Instrument, Span};
+use tracing::{field, Instrument};
 
 use crate::{
     body::{BoxError, RequestBody, ResponseBody},
@@ -26,7 +26,7 @@ use crate::{
     problem::{codes, Problem},
     record::{FinalResponse, StoredResponse},
     scope::{ResolveTenant, Scope, TenantFromExtension},
-    store::{Claim, ClaimRequest, Store},
+    store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind},
 };
 
 /// The middleware [`IdempotencyLayer`] produces.
@@ -218,30 +218,37 @@ where
     // From the claim on, a connection may be inside a transaction: run to the
     // end on our own task, whether or not the client is still waiting.
     let running = layer.operations.start();
-    let work =
-        own(layer.clone(), inner, parts, bytes, claim, span.clone()).instrument(span.clone());
+    let tenant_label = config
+        .tenant_label
+        .then(|| claim.scope.tenant().as_str().to_owned());
+    let work = own(layer.clone(), inner, parts, bytes, claim).instrument(span.clone());
     let owned = tokio::spawn(async move {
         let _running = running;
         work.await
     });
-    match owned.await {
-        Ok(answer) => answer,
+    let (outcome, answer) = match owned.await {
+        Ok(settled) => settled,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => {
             let problem = store_unavailable("the request was cancelled by a runtime shutdown");
-            Ok(problem_response(&problem))
+            (Outcome::StoreUnavailable, Ok(problem_response(&problem)))
         }
-    }
+    };
+    // The one place an owned request is counted.
+    span.record("outcome", outcome.as_str());
+    metrics::request(&config.endpoint, outcome, tenant_label.as_deref());
+    answer
 }
 
+/// Coalesces, claims, runs the owner and remembers its answer; says how the
+/// request ended along with the answer, for the caller to count once.
 async fn own<S, St, F, R, ResB>(
     layer: IdempotencyLayer<St, F, R>,
     inner: S,
     mut parts: Parts,
     bytes: Bytes,
     claim: ClaimRequest,
-    span: Span,
-) -> Answer<ResB, S::Error>
+) -> (Outcome, Answer<ResB, S::Error>)
 where
     S: Service<Request<RequestBody>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send + 'static,
@@ -252,12 +259,11 @@ where
     let config = &layer.config;
     let endpoint = &*config.endpoint;
     let arrived = Instant::now();
-    let tenant_label = config
-        .tenant_label
-        .then(|| claim.scope.tenant().as_str().to_owned());
-    let finish = |outcome: Outcome| {
-        span.record("outcome", outcome.as_str());
-        metrics::request(endpoint, outcome, tenant_label.as_deref());
+    // Counted once, however many times the request waited.
+    let waited = |why: &'static str| {
+        let waited = arrived.elapsed();
+        metrics::duplicate_wait(endpoint, waited.as_secs_f64());
+        tracing::info!(waited_ms = waited.as_millis() as u64, "{why}");
     };
     // Duplicates of a key this process is already working on wait here,
     // holding no connection, then ask the store with what is left of the wait.
@@ -269,36 +275,23 @@ where
             Turn::Follow(follower) => {
                 followed = true;
                 match follower.wait(deadline).await {
+                    // The key has a record: read it without leading.
                     Woken::Settled => break None,
                     // The leader rolled back: one of us leads next.
                     Woken::Unsettled => continue,
                     Woken::TimedOut => {
-                        let waited = arrived.elapsed();
-                        metrics::duplicate_wait(endpoint, waited.as_secs_f64());
-                        tracing::info!(
-                            waited_ms = waited.as_millis() as u64,
-                            "key still in progress after the wait"
-                        );
+                        waited("key still in progress after the wait");
                         metrics::claim_duration(
                             endpoint,
                             Outcome::InProgress,
-                            waited.as_secs_f64(),
+                            arrived.elapsed().as_secs_f64(),
                         );
-                        finish(Outcome::InProgress);
-                        return Ok(problem_response(&in_progress()));
+                        return (Outcome::InProgress, Ok(problem_response(&in_progress())));
                     }
                 }
             }
         }
     };
-    if followed {
-        let waited = arrived.elapsed();
-        metrics::duplicate_wait(endpoint, waited.as_secs_f64());
-        tracing::info!(
-            waited_ms = waited.as_millis() as u64,
-            "waited for a concurrent duplicate in this process"
-        );
-    }
     let settled = || {
         if let Some(lead) = &lead {
             lead.settled();
@@ -306,6 +299,9 @@ where
     };
     let mut claim = claim;
     claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+    // The server ends the claim's transaction by itself should this process
+    // freeze past the handler's deadline.
+    claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
     let claimed = layer.store.claim(&claim).await;
     let claim_outcome = match &claimed {
         Ok(Claim::Owned(_)) => Outcome::New,
@@ -313,121 +309,195 @@ where
             Outcome::Replayed
         }
         Ok(Claim::Completed(_)) => Outcome::KeyReused,
-        Ok(_) => Outcome::InProgress,
+        Ok(Claim::InProgress) => Outcome::InProgress,
         Err(_) => Outcome::StoreUnavailable,
     };
     metrics::claim_duration(endpoint, claim_outcome, arrived.elapsed().as_secs_f64());
+    if followed && claim_outcome != Outcome::InProgress {
+        waited("waited for a concurrent duplicate in this process");
+    }
     let tx = match claimed {
         Ok(Claim::Owned(tx)) => tx,
         Ok(Claim::Completed(record)) if record.fingerprint == claim.fingerprint => {
             settled();
             tracing::info!("replaying the completed response");
-            finish(Outcome::Replayed);
-            return Ok(record.response.to_replay().map(ResponseBody::buffered));
+            let replay = record.response.to_replay().map(ResponseBody::buffered);
+            return (Outcome::Replayed, Ok(replay));
         }
         Ok(Claim::Completed(_)) => {
             settled();
             tracing::info!("key reused with a different request; refused");
-            finish(Outcome::KeyReused);
-            return Ok(problem_response(&key_reused(config)));
-        }
-        Ok(_) => {
-            tracing::info!(
-                waited_ms = arrived.elapsed().as_millis() as u64,
-                "key still in progress after the wait"
+            return (
+                Outcome::KeyReused,
+                Ok(problem_response(&key_reused(config))),
             );
-            metrics::duplicate_wait(endpoint, arrived.elapsed().as_secs_f64());
-            finish(Outcome::InProgress);
-            return Ok(problem_response(&in_progress()));
+        }
+        Ok(Claim::InProgress) => {
+            waited("key still in progress after the wait");
+            return (Outcome::InProgress, Ok(problem_response(&in_progress())));
         }
         Err(e) => {
             tracing::error!(error = %e, "claim failed");
-            finish(Outcome::StoreUnavailable);
-            return Ok(problem_response(&store_unavailable(
-                "the idempotency store is unavailable",
-            )));
+            let problem = store_unavailable("the idempotency store is unavailable");
+            return (Outcome::StoreUnavailable, Ok(problem_response(&problem)));
         }
     };
     tracing::debug!("claimed the key");
     let held_since = Instant::now();
     parts.extensions.insert(tx.clone());
-    let result = call_inner(
-        inner,
-        Request::from_parts(parts, RequestBody::buffered(bytes)),
+    let request = Request::from_parts(parts, RequestBody::buffered(bytes));
+    let ran = tokio::time::timeout(
+        config.handler_timeout,
+        run_owner(inner, request, config.response_body_limit),
     )
     .await;
-
+    let held = || metrics::key_held(endpoint, held_since.elapsed().as_secs_f64());
     let rollback = |reason: &'static str| {
-        let store = layer.store.clone();
-        let tx = tx.clone();
+        let (store, tx) = (layer.store.clone(), tx.clone());
         async move {
             if let Err(e) = store.abort(tx).await {
                 tracing::warn!(error = %e, "rollback failed; the connection was discarded");
             }
             tracing::info!(reason, "rolled back; the key is free again");
-            finish(Outcome::RolledBack);
-            metrics::key_held(endpoint, held_since.elapsed().as_secs_f64());
+            held();
         }
     };
-    let response = match result {
-        Ok(response) => response,
-        Err(e) => {
+    let (response_parts, stored_body) = match ran {
+        Err(_elapsed) => {
+            rollback("the handler did not finish within its deadline").await;
+            metrics::handler_timeout(endpoint);
+            return (
+                Outcome::RolledBack,
+                Ok(problem_response(&handler_timeout(config))),
+            );
+        }
+        Ok(Ran::Failed(e)) => {
             rollback("the service failed").await;
-            return Err(e);
+            return (Outcome::RolledBack, Err(e));
         }
-    };
-    if !is_remembered(&response) {
-        rollback("the response is not remembered").await;
-        return Ok(response.map(ResponseBody::inner));
-    }
-    let (response_parts, body) = response.into_parts();
-    let body = match Limited::new(body, config.response_body_limit)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) => {
-            let reason = if e.is::<LengthLimitError>() {
-                "the response body is over the stored-response limit"
-            } else {
-                "the response body failed"
-            };
+        Ok(Ran::NotRemembered(response)) => {
+            rollback("the response is not remembered").await;
+            return (Outcome::RolledBack, Ok(response.map(ResponseBody::inner)));
+        }
+        Ok(Ran::Unstorable(reason)) => {
             rollback(reason).await;
             let problem = Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 codes::RESPONSE_NOT_STORABLE,
                 "The response could not be remembered; nothing was changed",
             );
-            return Ok(problem_response(&problem));
+            return (Outcome::RolledBack, Ok(problem_response(&problem)));
         }
+        Ok(Ran::Remember(parts, body)) => (parts, body),
     };
     let stored = StoredResponse::new(
         response_parts.status,
         &response_parts.headers,
         &config.replay_headers,
-        body,
+        stored_body,
     );
-    match layer.store.complete(tx, &stored).await {
+    let completed = layer.store.complete(tx, &stored).await;
+    held();
+    match completed {
         Ok(()) => {
             settled();
             tracing::info!(
                 status = stored.status.as_u16(),
                 "committed the response with the handler's writes"
             );
-            finish(Outcome::New);
-            metrics::key_held(endpoint, held_since.elapsed().as_secs_f64());
-            Ok(Response::from_parts(
-                response_parts,
-                ResponseBody::buffered(stored.body),
-            ))
+            let body = ResponseBody::buffered(stored.body);
+            (Outcome::New, Ok(Response::from_parts(response_parts, body)))
         }
         Err(e) => {
-            tracing::error!(error = %e, "commit failed; the handler's writes were rolled back");
-            finish(Outcome::StoreUnavailable);
-            metrics::key_held(endpoint, held_since.elapsed().as_secs_f64());
-            Ok(problem_response(&store_unavailable(
-                "the transaction could not be committed",
-            )))
+            let (outcome, problem) = completion_failed(&e);
+            (outcome, Ok(problem_response(&problem)))
+        }
+    }
+}
+
+/// How long past the handler's deadline the database itself ends an owner's
+/// transaction that went silent (its process frozen, its network gone).
+const HOLD_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What the owner's handler produced.
+enum Ran<ResB, E> {
+    /// A response to remember: its parts and its buffered body.
+    Remember(http::response::Parts, Bytes),
+    /// A response that is passed on and rolled back (5xx, unmarked 4xx).
+    NotRemembered(Response<ResB>),
+    /// A response to remember whose body could not be buffered.
+    Unstorable(&'static str),
+    /// The service failed.
+    Failed(E),
+}
+
+/// Calls the handler and buffers what is to be remembered: the part of the
+/// owner's work the handler's deadline bounds.
+async fn run_owner<S, ResB>(
+    inner: S,
+    request: Request<RequestBody>,
+    body_limit: usize,
+) -> Ran<ResB, S::Error>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes>,
+    ResB::Error: Into<BoxError>,
+{
+    let response = match call_inner(inner, request).await {
+        Ok(response) => response,
+        Err(e) => return Ran::Failed(e),
+    };
+    if !is_remembered(&response) {
+        return Ran::NotRemembered(response);
+    }
+    let (parts, body) = response.into_parts();
+    match Limited::new(body, body_limit).collect().await {
+        Ok(collected) => Ran::Remember(parts, collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => {
+            Ran::Unstorable("the response body is over the stored-response limit")
+        }
+        Err(_) => Ran::Unstorable("the response body failed"),
+    }
+}
+
+/// The answer and the outcome for a completion that failed; see
+/// [`StoreErrorKind`] for what each kind means.
+fn completion_failed(error: &StoreError) -> (Outcome, Problem) {
+    match error.kind() {
+        StoreErrorKind::OutcomeUnknown => {
+            tracing::error!(error = %error, "the connection was lost while committing: the outcome is unknown; a retry with the same key finds out");
+            (
+                Outcome::StoreUnavailable,
+                store_unavailable(
+                    "the commit's outcome is unknown; retry with the same key to learn it",
+                ),
+            )
+        }
+        StoreErrorKind::TransactionAborted => {
+            tracing::error!(error = %error, "the database refused to commit the handler's writes; rolled back");
+            let problem = Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                codes::COMMIT_REJECTED,
+                "The database refused to commit this request's changes; nothing was changed",
+            )
+            .with_detail("retrying the same request fails the same way");
+            (Outcome::RolledBack, problem)
+        }
+        StoreErrorKind::Conflict => {
+            tracing::warn!(error = %error, "the commit conflicted with a concurrent transaction; rolled back");
+            (
+                Outcome::RolledBack,
+                store_unavailable(
+                    "the transaction conflicted with a concurrent one and was rolled back",
+                ),
+            )
+        }
+        _ => {
+            tracing::error!(error = %error, "commit failed; the handler's writes were rolled back");
+            (
+                Outcome::StoreUnavailable,
+                store_unavailable("the transaction could not be committed"),
+            )
         }
     }
 }
@@ -550,6 +620,19 @@ fn in_progress() -> Problem {
         "A request with this idempotency key is still in progress",
     )
     .with_detail("retry after a moment to get its result")
+    .with_retry_after(1)
+}
+
+fn handler_timeout(config: &Config) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        codes::HANDLER_TIMEOUT,
+        "The request did not finish in time; nothing was changed",
+    )
+    .with_detail(format!(
+        "the handler was stopped after {} ms and its work rolled back; retry with the same key",
+        config.handler_timeout.as_millis()
+    ))
     .with_retry_after(1)
 }
 

@@ -13,8 +13,8 @@ use http_body_util::Full;
 use tokio::sync::oneshot;
 use tower::Layer;
 use tower_idempotency::{
-    retention::Cleanup, Claim, ClaimRequest, Fingerprint, IdempotencyKey, PgStore, PgTx,
-    RequestBody, Scope, Store, StoreErrorKind, StoredResponse, TenantId, TxErrorKind,
+    Claim, ClaimRequest, Fingerprint, IdempotencyKey, PgStore, PgTx, RequestBody, Scope, Store,
+    StoreErrorKind, StoredResponse, TenantId, TxErrorKind,
 };
 
 const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
@@ -194,40 +194,6 @@ async fn committed_in_progress_row_is_taken_over_not_waited_for() {
     assert_eq!(pg.orders().await.len(), 1);
 }
 
-/// Cleanup removes expired orphans too; a live claim's row is never touched.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cleanup_removes_expired_orphans_but_not_live_claims() {
-    let pg = Postgres::new().await;
-    let Claim::Owned(live) = pg
-        .store
-        .claim(&claim_request("live", Duration::from_secs(30)))
-        .await
-        .unwrap()
-    else {
-        panic!("owner")
-    };
-    pg.client
-        .batch_execute(
-            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
-             VALUES ('t', 'POST /x', 'orphan', '\\x00', 'in_progress', now() - interval '1 second')",
-        )
-        .await
-        .unwrap();
-    let removed = Cleanup::new(pg.store.clone()).run_once().await.unwrap();
-    assert_eq!(removed, 1);
-    pg.store
-        .complete(live, &stored(b"ok"))
-        .await
-        .expect("the live claim was not disturbed");
-    let keys: Vec<String> = pg
-        .records()
-        .await
-        .into_iter()
-        .map(|(_, key, _, _)| key)
-        .collect();
-    assert_eq!(keys, ["live"]);
-}
-
 // 3. The completion's COMMIT never goes out when its UPDATE could not.
 
 /// A response bigger than PostgreSQL's protocol can carry fails to encode on
@@ -308,9 +274,8 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
         )
         .await
         .unwrap();
-    let service =
-        layer(pg.store.clone()).layer(writes_then_runs("SELECT wander(); SELECT hold_lock()"));
-    let first = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let locking = layer(pg.store.clone()).layer(writes_then_runs("SELECT hold_lock()"));
+    let first = send(locking, post(Some("tenant-a"), Some("k1"), BODY)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let free: bool = pg
         .client
@@ -319,12 +284,20 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
         .unwrap()
         .get(0);
     assert!(free, "the session advisory lock was released");
-    let second = send(
+    // A search_path changed inside the transaction hides the key table from
+    // the completion itself: the request fails whole, nothing is committed.
+    let wandering = layer(pg.store.clone()).layer(writes_then_runs("SELECT wander()"));
+    let second = send(wandering, post(Some("tenant-a"), Some("k2"), BODY)).await;
+    assert_eq!(second.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(second.json()["code"], "commit_rejected");
+    assert_eq!(pg.orders().await.len(), 1);
+    // The next request on the same (only) connection sees the default again.
+    let third = send(
         orders_service(pg.store.clone()),
         post(Some("tenant-a"), Some("k2"), BODY),
     )
     .await;
-    assert_eq!(second.status, StatusCode::CREATED, "{:?}", second.body);
+    assert_eq!(third.status, StatusCode::CREATED, "{:?}", third.body);
     assert_eq!(pg.orders().await.len(), 2);
 }
 
@@ -387,19 +360,6 @@ async fn deferred_constraint_failing_at_commit_is_a_final_error_not_unavailable(
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(pg.orders().await.is_empty());
     assert!(pg.records().await.is_empty(), "the key is free");
-}
-
-/// The handler ignored a failed statement: the transaction can only roll
-/// back, and a retry runs into the same handler bug.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn swallowed_error_is_reported_as_a_rejected_commit() {
-    let pg = Postgres::new().await;
-    let service = layer(pg.store.clone()).layer(writes_then_runs("SELECT 1/0"));
-    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
-    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(answer.json()["code"], "commit_rejected");
-    assert!(pg.orders().await.is_empty());
-    assert!(pg.records().await.is_empty());
 }
 
 /// The connection dies while `COMMIT` runs: nobody knows whether it

@@ -46,6 +46,8 @@ pub struct ClaimRequest {
     pub retention: Duration,
     /// How long to wait for an unfinished owner of the same key.
     pub wait: Duration,
+    /// How long the owner may hold the key.
+    pub hold_limit: Option<Duration>,
 }
 
 impl ClaimRequest {
@@ -63,7 +65,14 @@ impl ClaimRequest {
             fingerprint,
             retention,
             wait,
+            hold_limit: None,
         }
+    }
+
+    /// Sets [`hold_limit`](Self::hold_limit).
+    pub fn with_hold_limit(mut self, limit: Duration) -> Self {
+        self.hold_limit = Some(limit);
+        self
     }
 }
 
@@ -97,8 +106,12 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Remembers `response` and commits it together with the handler's writes.
     ///
-    /// On error nothing was committed (or, for [`StoreErrorKind::Unavailable`]
-    /// during the commit itself, the outcome is unknown; a retry finds out).
+    /// On error nothing was committed, except for
+    /// [`StoreErrorKind::OutcomeUnknown`]: the connection was lost during the
+    /// commit itself, and a retry finds out. Return
+    /// [`StoreErrorKind::TransactionAborted`] when committing again would fail
+    /// the same way (a constraint), [`StoreErrorKind::Conflict`] when it may
+    /// succeed.
     fn complete(
         &self,
         tx: Self::Tx,
@@ -116,9 +129,17 @@ pub enum StoreErrorKind {
     /// The backend could not be reached in time (pool exhausted, connection
     /// refused or lost, timeout). Retrying later may succeed.
     Unavailable,
-    /// The transaction can no longer commit (an earlier statement failed,
-    /// a constraint failed at commit, or the handle was already finished).
+    /// The transaction can no longer commit, and trying again fails the same
+    /// way: an earlier statement failed (and the handler went on), a
+    /// constraint failed at commit, or the handle was already finished.
+    /// Nothing was committed.
     TransactionAborted,
+    /// The transaction conflicted with a concurrent one (a serialization
+    /// failure, a deadlock) and was rolled back; trying again may succeed.
+    Conflict,
+    /// The connection was lost while committing: the commit may or may not
+    /// have happened. A retry with the same key finds out.
+    OutcomeUnknown,
     /// A stored record could not be decoded.
     Corrupt,
     /// The schema is missing or from an unknown version.
@@ -133,6 +154,8 @@ impl StoreErrorKind {
         match self {
             StoreErrorKind::Unavailable => "store_unavailable",
             StoreErrorKind::TransactionAborted => "transaction_aborted",
+            StoreErrorKind::Conflict => "transaction_conflict",
+            StoreErrorKind::OutcomeUnknown => "commit_outcome_unknown",
             StoreErrorKind::Corrupt => "record_corrupt",
             StoreErrorKind::Schema => "schema_mismatch",
             StoreErrorKind::Backend => "store_error",

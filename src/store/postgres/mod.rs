@@ -62,6 +62,12 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
 // session's default for the handler (`set_config` with NULL is `SET LOCAL …
 // TO DEFAULT`: the value from the server, database, role or connection
 // options).
+//
+// ON CONFLICT waits for the transaction holding the key's row, so the WHERE
+// sees a committed row: an expired record, or an `in_progress` row whose
+// transaction is over without completing it (an owner in this mode only ever
+// commits `completed`, so such a row is an orphan: a crash of an older
+// version, a manual edit). Both are taken over as a new attempt.
 const CLAIM: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
      VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
@@ -69,7 +75,7 @@ const CLAIM: &str = "INSERT INTO idempotency_requests AS r \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          attempt_token = r.attempt_token + 1, response_status = NULL, response_headers = NULL, \
          response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
-     WHERE r.expires_at <= now() \
+     WHERE r.expires_at <= now() OR r.state = 'in_progress' \
      RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";
 
 // The COMMIT is pipelined behind this statement, so it must fail (aborting
@@ -86,6 +92,17 @@ const COMPLETE: &str = "WITH done AS ( \
              AND pg_current_xact_id() = $9::text::xid8 \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM done)";
+
+// What a request may have left on its session that would outlive it on a
+// pooled connection, undone before anyone else gets the connection: what
+// `DISCARD ALL` does except dropping prepared statements (the pool's cached
+// statements live on). Sent pipelined behind the COMMIT or ROLLBACK, in a
+// message of its own so that its outcome never blurs the commit's.
+// `PgTx` refuses the plain ways to change the session; this catches the
+// hidden ones (a function calling `set_config(…, false)` or taking a session
+// advisory lock).
+const SESSION_RESET: &str = "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; CLOSE ALL; UNLISTEN *; \
+     SELECT pg_advisory_unlock_all(); DISCARD TEMP";
 
 /// A pooled connection that may be inside a transaction.
 ///
@@ -180,6 +197,7 @@ pub struct PgStoreBuilder {
     max_connections: usize,
     acquire_timeout: Duration,
     connect_timeout: Duration,
+    keepalive_idle: Duration,
 }
 
 impl PgStoreBuilder {
@@ -203,9 +221,26 @@ impl PgStoreBuilder {
         self
     }
 
+    /// How long a pooled connection may be silent before TCP keepalive
+    /// probes check that the server is still there (default 15 s; probes
+    /// every 5 s, 3 of them). A database host that vanished without closing
+    /// its sockets is then noticed in about 30 s instead of hours, and a
+    /// request waiting on it gets an error instead of hanging. Replaces the
+    /// connection configuration's keepalive settings; no effect on Unix
+    /// sockets.
+    pub fn keepalive_idle(mut self, idle: Duration) -> Self {
+        self.keepalive_idle = idle;
+        self
+    }
+
     /// Creates the store; connections are opened lazily.
     pub fn build(mut self) -> Result<PgStore, StoreError> {
-        self.config.connect_timeout(self.connect_timeout);
+        self.config
+            .connect_timeout(self.connect_timeout)
+            .keepalives(true)
+            .keepalives_idle(self.keepalive_idle)
+            .keepalives_interval(Duration::from_secs(5))
+            .keepalives_retries(3);
         let config = std::sync::Arc::new(self.config.clone());
         let manager = Manager::from_config(
             self.config,
@@ -237,6 +272,7 @@ impl PgStore {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
+            keepalive_idle: Duration::from_secs(15),
         }
     }
 
@@ -261,8 +297,15 @@ impl PgStore {
 
     /// A pooled connection for the application's own queries outside the
     /// layer (reads, health checks, its own migrations).
+    ///
+    /// Whatever the application leaves on it (a transaction it never ended,
+    /// one that failed, a session setting) is undone before the connection
+    /// serves anyone else; see [`PooledClient`].
     pub async fn client(&self) -> Result<PooledClient, StoreError> {
-        Ok(PooledClient(self.conn().await?))
+        let mut conn = self.conn().await?;
+        // Unknown until the reset on drop proves otherwise.
+        conn.discard();
+        Ok(PooledClient(Some(conn)))
     }
 
     /// Opens a dedicated connection outside the pool (e.g. for `LISTEN`).
@@ -303,12 +346,13 @@ impl PgStore {
         conn: &mut Conn,
         claim: &tokio_postgres::Statement,
         request: &ClaimRequest,
+        wait: Duration,
     ) -> Result<Option<(i64, String)>, StoreError> {
         let retention = request.retention.as_secs_f64();
         let fingerprint = request.fingerprint.as_bytes().as_slice();
         let (tenant, endpoint, key) = key_columns(request);
         let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &fingerprint, &retention];
-        let begin = claim_begin(request.wait);
+        let begin = claim_begin(wait, request.hold_limit);
         conn.begin();
         // One round trip: the begin batch and the claim are pipelined, in this order.
         let (_, claimed) = tokio::try_join!(
@@ -330,17 +374,66 @@ impl PgStore {
 
 /// Begins the claim's transaction: READ COMMITTED (the "not owned" read needs
 /// a fresh snapshot), the wait limit for every lock the claim may wait on
-/// (including the table lock the INSERT takes first), and an
-/// `application_name` tag that `Cleanup` finds in `pg_stat_activity`. The wait is a number we format, never client
-/// data; `lock_timeout = 0` would mean "wait forever", and PostgreSQL takes
-/// at most `i32::MAX` milliseconds.
-fn claim_begin(wait: Duration) -> String {
-    let wait_ms = wait.as_millis().clamp(1, i32::MAX as u128);
+/// (including the table lock the INSERT takes first), an `application_name`
+/// tag that `Cleanup` finds in `pg_stat_activity`, and, with a hold limit,
+/// `idle_in_transaction_session_timeout`: should the owner's process freeze
+/// or lose its network between two statements, the server ends the session
+/// and frees the key by itself. The values are numbers we format, never
+/// client data; `0` would mean "no limit", and PostgreSQL takes at most
+/// `i32::MAX` milliseconds.
+fn claim_begin(wait: Duration, hold_limit: Option<Duration>) -> String {
+    let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);
+    let wait_ms = ms(wait);
+    let hold = hold_limit.map_or(String::new(), |limit| {
+        format!(
+            "; SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+            ms(limit)
+        )
+    });
     // Utility statements only: no planning, one message.
     format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
          SET LOCAL lock_timeout = '{wait_ms}ms'; \
-         SET LOCAL application_name = 'tower-idempotency'"
+         SET LOCAL application_name = 'tower-idempotency'{hold}"
+    )
+}
+
+/// How much longer than its wait a claim may take before the store gives up
+/// on the database: room for the server to report its own lock timeout.
+const CLAIM_GRACE: Duration = Duration::from_millis(250);
+
+/// The shortest wait a claim gets: a request that spent its wait elsewhere
+/// (behind a duplicate in this process) still gets to read the record.
+const MIN_WAIT: Duration = Duration::from_millis(100);
+
+/// How long a `ROLLBACK` may queue behind a statement still running on the
+/// connection (a handler cut off at its deadline) before that statement is
+/// cancelled, and how long the cancelled statement then has to end.
+const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
+const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+/// Errors that say this connection's session is not what the store left
+/// (its prepared statements deallocated, its `search_path` or role changed,
+/// a transaction left open on it, a table changed under a cached plan):
+/// another connection is fine.
+fn is_session_fault(error: &StoreError) -> bool {
+    const CODES: [&str; 8] = [
+        "26000", // invalid_sql_statement_name: a cached statement is gone
+        "42P05", // duplicate_prepared_statement: a name the driver uses is taken
+        "25P02", // in_failed_sql_transaction
+        "25001", // active_sql_transaction
+        "42P01", // undefined_table: search_path changed
+        "3F000", // invalid_schema_name
+        "42501", // insufficient_privilege: role changed
+        "0A000", // feature_not_supported: cached plan must not change result type
+    ];
+    error.sql_state().is_some_and(|code| CODES.contains(&code))
+}
+
+fn timed_out() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Unavailable,
+        "the database did not answer within the wait",
     )
 }
 
@@ -353,26 +446,27 @@ fn key_columns(request: &ClaimRequest) -> (&str, &str, &str) {
 }
 
 impl PgStore {
-    /// The claim; `retried` once a stale pooled connection was replaced.
+    /// The claim, answered by `deadline` (plus [`CLAIM_GRACE`]) whatever the
+    /// database does; `retried` once a faulty pooled connection was replaced.
     async fn claim_once(
         &self,
         request: &ClaimRequest,
+        deadline: tokio::time::Instant,
         retried: bool,
     ) -> Result<Claim<PgTx>, StoreError> {
         let mut conn = self.conn().await?;
-        // Outside the claim's transaction no lock_timeout applies, and a lock
-        // on the whole table (a migration, an ALTER) would hold the lookup or
-        // the first PREPARE of the claim: the wait bounds them too. A statement
-        // stuck behind such a lock leaves its connection busy, so the
-        // connection is closed rather than returned.
-        // (At least 100 ms: a request that spent its wait elsewhere, say
-        // behind a duplicate in this process, still gets to read the record.)
-        let deadline = tokio::time::Instant::now() + request.wait.max(Duration::from_millis(100));
+        // Outside the claim's transaction no lock_timeout applies, so the
+        // deadline bounds the lookup and the first PREPARE of the claim
+        // statement on this connection. A statement cut off that way leaves
+        // its connection busy, so the connection is closed rather than
+        // returned.
+        let mut looked_up = false;
         let prepared = tokio::time::timeout_at(deadline, async {
             let record = match Self::lookup(&conn, request).await? {
                 Some(row) => decode_record(&row)?,
                 None => None,
             };
+            looked_up = true;
             let claim = conn.prepare_cached(CLAIM).await.map_err(map_error)?;
             Ok::<_, StoreError>((record, claim))
         })
@@ -381,26 +475,54 @@ impl PgStore {
             Ok(Ok((Some(record), _))) => return Ok(Claim::Completed(record)),
             Ok(Ok((None, claim))) => claim,
             // A pooled connection the server closed (a restart, a terminated
-            // backend) is only found out when used. Nothing has happened on it
-            // yet: drop it and start over once on a fresh one, rather than
-            // answer 503 for a database that is back.
-            Ok(Err(e)) if e.kind() == StoreErrorKind::Unavailable && !retried => {
+            // backend), or whose session is not what we left, is only found
+            // out when used. Nothing has happened on it yet: drop it and start
+            // over once on a fresh one, rather than answer 503 for a database
+            // that is fine.
+            Ok(Err(e))
+                if (e.kind() == StoreErrorKind::Unavailable || is_session_fault(&e))
+                    && !retried =>
+            {
                 conn.discard();
                 drop(conn);
-                return Box::pin(self.claim_once(request, true)).await;
+                return Box::pin(self.claim_once(request, deadline, true)).await;
             }
-            Ok(Err(e)) => return Err(e),
-            Err(_) => {
+            Ok(Err(e)) => {
+                if is_session_fault(&e) {
+                    conn.discard();
+                }
+                return Err(e);
+            }
+            // The server answered the lookup, but preparing the INSERT waits
+            // for a lock on the key table (a migration, a `LOCK TABLE`): the
+            // same wait as the claim's own lock timeout, answered the same way.
+            Err(_) if looked_up => {
                 conn.discard();
                 return Ok(Claim::InProgress);
             }
+            Err(_) => {
+                conn.discard();
+                return Err(timed_out());
+            }
         };
-        match Self::try_claim(&mut conn, &claim, request).await {
-            Ok(Some((token, xid))) => Ok(Claim::Owned(PgTx::new(conn, request, token, xid))),
-            Ok(None) => {
+        let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let claimed = tokio::time::timeout_at(
+            deadline + CLAIM_GRACE,
+            Self::try_claim(&mut conn, &claim, request, wait),
+        )
+        .await;
+        match claimed {
+            // Cut off mid-statement: `conn` is marked in a transaction, so it
+            // is closed, and PostgreSQL rolls back once the statement ends.
+            Err(_) => Err(timed_out()),
+            Ok(Ok(Some((token, xid)))) => Ok(Claim::Owned(PgTx::new(conn, request, token, xid))),
+            Ok(Ok(None)) => {
                 // Committed by another owner while we waited: read it with a
                 // fresh snapshot, then let go.
-                let row = Self::lookup(&conn, request).await;
+                let row =
+                    tokio::time::timeout_at(deadline + CLAIM_GRACE, Self::lookup(&conn, request))
+                        .await
+                        .unwrap_or_else(|_| Err(timed_out()));
                 Self::rollback(conn).await?;
                 let record = match row? {
                     Some(row) => decode_record(&row)?,
@@ -408,9 +530,9 @@ impl PgStore {
                 };
                 Ok(record.map_or(Claim::InProgress, Claim::Completed))
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 let lock_timeout = e.sql_state() == Some(SqlState::LOCK_NOT_AVAILABLE.code());
-                if e.kind() != StoreErrorKind::Unavailable {
+                if e.kind() != StoreErrorKind::Unavailable && !is_session_fault(&e) {
                     // A failed rollback leaves `conn` marked in a transaction: it is closed.
                     let _ = Self::rollback(conn).await;
                 }
@@ -422,17 +544,66 @@ impl PgStore {
             }
         }
     }
+
+    /// Ends the owner's transaction with `end` (`COMMIT` or `ROLLBACK`),
+    /// pipelined behind `update` when there is one, with the session reset
+    /// behind it: one round trip. The connection goes back to the pool only
+    /// if all of it is known to have worked.
+    async fn finish(
+        mut conn: Conn,
+        update: Option<(&tokio_postgres::Statement, &[&(dyn ToSql + Sync)])>,
+        end: &'static str,
+    ) -> Result<(), Finished> {
+        let ended = async {
+            // `try_join!` and `biased`: the UPDATE goes out first, and should
+            // it fail before it was sent (an encoding error), the COMMIT
+            // never goes out at all. Once both were sent, a failed UPDATE has
+            // aborted the transaction and the COMMIT rolls back.
+            match update {
+                Some((statement, params)) => tokio::try_join!(
+                    biased;
+                    async { conn.query_one(statement, params).await.map_err(Finished::Update) },
+                    async { conn.batch_execute(end).await.map_err(Finished::End) },
+                )
+                .map(|_| ()),
+                None => conn.batch_execute(end).await.map_err(Finished::End),
+            }
+        };
+        let (ended, reset) = tokio::join!(biased; ended, conn.batch_execute(SESSION_RESET));
+        if ended.is_ok() && reset.is_ok() {
+            conn.ended();
+        }
+        ended
+    }
+
+    /// Cancels whatever statement runs on the connection of `tx` (a handler
+    /// cut off at its deadline, a task it spawned), so that its locks and
+    /// its connection come back now rather than when the statement ends.
+    async fn cancel_running(tx: &PgTx) {
+        if let Err(e) = tx.cancel_token().cancel_query(NoTls).await {
+            tracing::warn!(error = %e, "could not cancel the statement still running for an abandoned owner");
+        }
+    }
+}
+
+/// Which part of ending a transaction failed.
+enum Finished {
+    /// The statement before the end (the completion's UPDATE).
+    Update(tokio_postgres::Error),
+    /// The `COMMIT` or `ROLLBACK` itself.
+    End(tokio_postgres::Error),
 }
 
 impl Store for PgStore {
     type Tx = PgTx;
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
-        self.claim_once(request, false).await
+        let deadline = tokio::time::Instant::now() + request.wait.max(MIN_WAIT);
+        self.claim_once(request, deadline, false).await
     }
 
     async fn complete(&self, tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
-        let Some(mut conn) = tx.take().await else {
+        let Some(conn) = tx.take().await else {
             return Err(StoreError::new(
                 StoreErrorKind::TransactionAborted,
                 "the transaction has already finished",
@@ -441,7 +612,8 @@ impl Store for PgStore {
         let statement = match conn.prepare_cached(COMPLETE).await {
             Ok(statement) => statement,
             Err(e) => {
-                let _ = Self::rollback(conn).await;
+                // The transaction is still open (or aborted): roll it back.
+                let _ = Self::finish(conn, None, "ROLLBACK").await;
                 return Err(map_error(e));
             }
         };
@@ -454,40 +626,77 @@ impl Store for PgStore {
         let params: [&(dyn ToSql + Sync); 9] = [
             &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid,
         ];
-        // One round trip; `biased` sends the UPDATE before the COMMIT.
-        let (updated, committed) = tokio::join!(
-            biased;
-            conn.query_one(&statement, &params),
-            conn.batch_execute("COMMIT"),
-        );
-        if committed.is_ok() {
-            // Committed, or (after a failed UPDATE) rolled back: either way over.
-            conn.ended();
-        }
-        match (updated, committed) {
-            (Ok(_), Ok(())) => Ok(()),
-            (Err(e), _) => {
-                let error = map_error(e);
-                Err(if error.kind() == StoreErrorKind::Unavailable {
-                    error
-                } else {
-                    StoreError::new(
-                        StoreErrorKind::TransactionAborted,
-                        "the transaction was rolled back",
-                    )
-                    .with_source(error)
-                })
-            }
-            (Ok(_), Err(e)) => Err(map_error(e)),
-        }
+        Self::finish(conn, Some((&statement, &params)), "COMMIT")
+            .await
+            .map_err(completion_error)
     }
 
     async fn abort(&self, tx: PgTx) -> Result<(), StoreError> {
-        match tx.take().await {
+        // Busy: a statement still runs through a clone of the handle (a task
+        // the handler spawned); it would hold the transaction until it ends.
+        let conn = match tx.try_take() {
+            Some(taken) => taken,
+            None => {
+                Self::cancel_running(&tx).await;
+                tx.take().await
+            }
+        };
+        let Some(conn) = conn else { return Ok(()) };
+        // A statement the handler started may still be running on the
+        // connection (its future was dropped at the deadline): the ROLLBACK
+        // waits behind it. Cancel it if it does not end soon.
+        let mut rollback = std::pin::pin!(Self::finish(conn, None, "ROLLBACK"));
+        let ended = match tokio::time::timeout(ROLLBACK_PATIENCE, &mut rollback).await {
+            Ok(ended) => Some(ended),
+            Err(_) => {
+                Self::cancel_running(&tx).await;
+                tokio::time::timeout(CANCEL_GRACE, rollback).await.ok()
+            }
+        };
+        match ended {
+            Some(Ok(())) => Ok(()),
             // The server rolls back when a connection whose ROLLBACK failed is closed.
-            Some(conn) => Self::rollback(conn).await,
-            None => Ok(()),
+            Some(Err(Finished::Update(e) | Finished::End(e))) => Err(map_error(e)),
+            None => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the rollback did not finish; the connection was closed",
+            )),
         }
+    }
+}
+
+/// What a failed completion means for the operation.
+///
+/// - Lost before or with the `COMMIT` (a connection closed or terminated):
+///   the commit may or may not have happened ([`StoreErrorKind::OutcomeUnknown`]).
+/// - The UPDATE failed in the server: the transaction was already aborted
+///   (the handler swallowed a failed statement) or is no longer the claim's;
+///   the `COMMIT` rolled back, and a retry fails the same way
+///   ([`StoreErrorKind::TransactionAborted`]). Likewise an UPDATE that could
+///   not even be sent: the `COMMIT` never was.
+/// - The `COMMIT` failed in the server: a deferred constraint
+///   ([`StoreErrorKind::TransactionAborted`]) or a serialization failure
+///   ([`StoreErrorKind::Conflict`]); rolled back either way.
+fn completion_error(failed: Finished) -> StoreError {
+    let (e, what) = match failed {
+        Finished::Update(e) => (
+            e,
+            "remembering the response failed; the transaction was rolled back",
+        ),
+        Finished::End(e) => (e, "the commit failed; the transaction was rolled back"),
+    };
+    let error = map_error(e);
+    match error.kind() {
+        StoreErrorKind::Unavailable => StoreError::new(
+            StoreErrorKind::OutcomeUnknown,
+            "the connection was lost while committing; whether the commit happened is unknown",
+        )
+        .with_sql_state(error.sql_state().map(str::to_owned))
+        .with_source(error),
+        StoreErrorKind::Conflict => error,
+        _ => StoreError::new(StoreErrorKind::TransactionAborted, what)
+            .with_sql_state(error.sql_state().map(str::to_owned))
+            .with_source(error),
     }
 }
 
@@ -524,15 +733,23 @@ fn decode_record(row: &Row) -> Result<Option<Record>, StoreError> {
 /// Sorts driver errors into the store's stable kinds.
 pub(crate) fn map_error(e: tokio_postgres::Error) -> StoreError {
     let kind = match e.code() {
+        // Not a server error: the connection failed, or a value could not be
+        // encoded (nothing was sent, and sending it again fails the same way).
+        None if is_encoding_error(&e) => StoreErrorKind::Backend,
         None => StoreErrorKind::Unavailable,
         Some(code) if *code == SqlState::UNDEFINED_TABLE || *code == SqlState::UNDEFINED_COLUMN => {
             StoreErrorKind::Schema
         }
         Some(code)
+            if *code == SqlState::T_R_SERIALIZATION_FAILURE
+                || *code == SqlState::T_R_DEADLOCK_DETECTED =>
+        {
+            StoreErrorKind::Conflict
+        }
+        Some(code)
             if *code == SqlState::IN_FAILED_SQL_TRANSACTION
-                || *code == SqlState::T_R_SERIALIZATION_FAILURE
-                || *code == SqlState::T_R_DEADLOCK_DETECTED
-                || *code == SqlState::DIVISION_BY_ZERO =>
+                || *code == SqlState::DIVISION_BY_ZERO
+                || code.code().starts_with("23") =>
         {
             StoreErrorKind::TransactionAborted
         }
@@ -559,9 +776,25 @@ pub(crate) fn map_error(e: tokio_postgres::Error) -> StoreError {
         .with_source(e)
 }
 
+/// The driver fails to serialize a parameter before anything is sent.
+fn is_encoding_error(e: &tokio_postgres::Error) -> bool {
+    use std::error::Error as _;
+    // tokio-postgres has no public kind for it; its message is stable.
+    !e.is_closed() && e.source().is_some() && e.to_string().starts_with("error serializing")
+}
+
 /// A pooled connection from [`PgStore::client`]; dereferences to a
-/// `tokio_postgres::Client` and returns to the pool on drop.
-pub struct PooledClient(Conn);
+/// `tokio_postgres::Client`.
+///
+/// On drop it goes back to the pool only once it is clean again: a
+/// transaction the application left open or failed is rolled back, and the
+/// session is reset (settings, role, cursors, listeners, session advisory
+/// locks, temporary tables), on a task of its own so that dropping never
+/// blocks. Should that not work within a few seconds, the connection is
+/// closed instead. Prepared statements are kept (the pool caches its own);
+/// an application that deallocates them costs the next claim on that
+/// connection a reconnect, nothing else.
+pub struct PooledClient(Option<Conn>);
 
 impl PooledClient {
     /// Prepares a statement, reusing this connection's cached one.
@@ -569,19 +802,70 @@ impl PooledClient {
         &self,
         sql: &str,
     ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
-        self.0.prepare_cached(sql).await
+        self.conn().prepare_cached(sql).await
+    }
+
+    fn conn(&self) -> &Conn {
+        // Only `Drop` takes the connection out.
+        self.0
+            .as_ref()
+            .expect("a PooledClient holds its connection until dropped")
     }
 }
 
 impl std::ops::Deref for PooledClient {
     type Target = tokio_postgres::Client;
     fn deref(&self) -> &tokio_postgres::Client {
-        &self.0
+        self.conn()
     }
 }
 
 impl fmt::Debug for PooledClient {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PooledClient").finish_non_exhaustive()
+    }
+}
+
+impl Drop for PooledClient {
+    fn drop(&mut self) {
+        let Some(conn) = self.0.take() else { return };
+        // Without a runtime the connection is simply closed (it is marked
+        // as possibly in a transaction).
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(reset_borrowed(conn));
+        }
+    }
+}
+
+/// Returns an application's connection to the pool clean, or closes it.
+async fn reset_borrowed(mut conn: Conn) {
+    const RESET_LIMIT: Duration = Duration::from_secs(5);
+    let reset = async {
+        // Outside a transaction block a statement is its own transaction, so
+        // now() and statement_timestamp() are one instant; inside a block the
+        // transaction began with an earlier message. A failed block answers
+        // 25P02. (A bare ROLLBACK would do too, but warns on every clean
+        // connection.)
+        let in_transaction = match conn
+            .simple_query("SELECT now() = statement_timestamp()")
+            .await
+        {
+            Ok(messages) => !messages.iter().any(|m| {
+                matches!(m, tokio_postgres::SimpleQueryMessage::Row(row) if row.get(0) == Some("t"))
+            }),
+            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => true,
+            Err(e) => return Err(e),
+        };
+        if in_transaction {
+            conn.batch_execute("ROLLBACK").await?;
+        }
+        conn.batch_execute(SESSION_RESET).await
+    };
+    match tokio::time::timeout(RESET_LIMIT, reset).await {
+        Ok(Ok(())) => conn.ended(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not reset an application connection; closing it")
+        }
+        Err(_) => tracing::warn!("resetting an application connection took too long; closing it"),
     }
 }

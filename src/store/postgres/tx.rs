@@ -56,6 +56,8 @@ pub struct PgTx {
 
 struct Shared {
     conn: Mutex<Option<Conn>>,
+    // Outside the mutex: a statement holding the mutex is what it cancels.
+    cancel: tokio_postgres::CancelToken,
     scope: Scope,
     key: crate::IdempotencyKey,
     token: i64,
@@ -67,6 +69,7 @@ impl PgTx {
     pub(super) fn new(conn: Conn, claim: &crate::ClaimRequest, token: i64, xid: String) -> Self {
         PgTx {
             inner: Arc::new(Shared {
+                cancel: conn.cancel_token(),
                 conn: Mutex::new(Some(conn)),
                 scope: claim.scope.clone(),
                 key: claim.key.clone(),
@@ -172,6 +175,17 @@ impl PgTx {
     /// Takes the connection out to end the transaction; `None` if it already ended.
     pub(super) async fn take(&self) -> Option<Conn> {
         self.inner.conn.lock().await.take()
+    }
+
+    /// [`take`](Self::take) unless a statement is running through a clone
+    /// right now (`None` then too).
+    pub(super) fn try_take(&self) -> Option<Option<Conn>> {
+        self.inner.conn.try_lock().ok().map(|mut conn| conn.take())
+    }
+
+    /// Cancels the statement running on the connection, if any.
+    pub(super) fn cancel_token(&self) -> &tokio_postgres::CancelToken {
+        &self.inner.cancel
     }
 }
 
