@@ -434,6 +434,22 @@ UPDATE idempotency_requests SET state = 'completed', response_status = 201, resp
 COMMIT;
 "#;
 
+/// The layered SQL plus the session reset that follows every owner's
+/// `COMMIT` (`SESSION_RESET` in the store), as one message (`\;` joins the
+/// statements). An upper bound of its cost: pgbench waits for each command,
+/// so the reset costs it a round trip that the store, which pipelines the
+/// reset behind the `COMMIT`, does not pay.
+const PGBENCH_LAYERED_RESET: &str = r#"\set k random(1, 9000000000000000)
+SELECT state FROM idempotency_requests WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = 'r' || (:k)::text AND expires_at > now();
+BEGIN;
+INSERT INTO idempotency_requests AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) VALUES ('pgb', 'e', 'r' || (:k)::text, '\x00', 'in_progress', now() + interval '1 day') ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET state = 'in_progress' WHERE r.expires_at <= now() RETURNING attempt_token;
+INSERT INTO orders (tenant_id, checkout_id, total) VALUES ('pgb', 'pgbr-' || (:k)::text, 2400) RETURNING id;
+INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ('pgb', 'x', 'OrderCreated', '{}');
+UPDATE idempotency_requests SET state = 'completed', response_status = 201, response_body = '\x00', completed_at = now(), expires_at = now() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = 'r' || (:k)::text;
+COMMIT;
+SET SESSION AUTHORIZATION DEFAULT\; RESET ALL\; CLOSE ALL\; UNLISTEN *\; SELECT pg_advisory_unlock_all()\; DISCARD TEMP;
+"#;
+
 /// `pgbench` with the same SQL, same connection count: what the database
 /// itself reaches on this machine.
 fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<f64> {
@@ -671,6 +687,16 @@ async fn run(duration: Duration, rounds: usize) {
     let pgbench_seconds = duration.as_secs().max(5);
     let pgbench_bare = pgbench(&pg, "bare", PGBENCH_BARE, pgbench_seconds);
     let pgbench_layered = pgbench(&pg, "layered", PGBENCH_LAYERED, pgbench_seconds);
+    // The session reset's cost is a few percent at most: alternate two
+    // rounds of each so that drift does not pass for it.
+    let mut reset_rounds = Vec::new();
+    for _ in 0..2 {
+        let without = pgbench(&pg, "layered", PGBENCH_LAYERED, pgbench_seconds);
+        let with = pgbench(&pg, "reset", PGBENCH_LAYERED_RESET, pgbench_seconds);
+        if let (Some(without), Some(with)) = (without, with) {
+            reset_rounds.push((without, with));
+        }
+    }
     let (memory, body) = memory_per_in_flight_request().await;
 
     println!();
@@ -725,6 +751,16 @@ async fn run(duration: Duration, rounds: usize) {
             layered / bare
         ),
         _ => println!("pgbench: not available"),
+    }
+    if !reset_rounds.is_empty() {
+        let n = reset_rounds.len() as f64;
+        let without = reset_rounds.iter().map(|r| r.0).sum::<f64>() / n;
+        let with = reset_rounds.iter().map(|r| r.1).sum::<f64>() / n;
+        println!(
+            "pgbench, session reset after COMMIT (upper bound: one more round trip here, none in the store): without {without:.0} tx/s, with {with:.0} tx/s (ratio {:.3}, mean of {} alternating rounds)",
+            with / without,
+            reset_rounds.len()
+        );
     }
     let (bare, create, replay) = (medians[0], medians[1], medians[2]);
     println!(

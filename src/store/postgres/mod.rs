@@ -16,14 +16,23 @@
 //!    the same transaction and roll back.
 //! 3. The handler writes through [`PgTx`].
 //! 4. In one round trip: `UPDATE` the row with the response (its retention
-//!    counts from now, the completion) and `COMMIT`. The `UPDATE` matches only
-//!    the row this transaction claimed (attempt token and transaction id), and
-//!    fails otherwise, so the pipelined `COMMIT` rolls back.
+//!    counts from now, the completion), `COMMIT`, and a session reset. The
+//!    `UPDATE` matches only the row this transaction claimed (attempt token
+//!    and transaction id), and fails otherwise, so the pipelined `COMMIT`
+//!    rolls back; an `UPDATE` that cannot even be sent keeps the `COMMIT`
+//!    from being sent.
+//!
+//! One deadline (the request's wait) bounds steps 1 and 2: lock waits by
+//! `lock_timeout`, everything else (a slow server, a lost network) by the
+//! client, which then closes the connection.
 //!
 //! Every pooled connection that may be inside a transaction is held in a
 //! guard that closes it, rather than returning it to the pool, if it is
 //! dropped before `COMMIT`/`ROLLBACK` was acknowledged (a cancelled future, a
-//! panic): PostgreSQL then rolls back.
+//! panic): PostgreSQL then rolls back. A connection goes back to the pool
+//! only in a known state: after the owner's `COMMIT`/`ROLLBACK` its session
+//! is reset, and a connection lent to the application is rolled back and
+//! reset when it is returned.
 //!
 //! No `SELECT` decides ownership: the unique index does.
 

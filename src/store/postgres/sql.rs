@@ -1,216 +1,994 @@
-//! Just enough SQL lexing to find each statement's leading keywords, so that
-//! [`PgTx`](super::PgTx) can refuse statements that would end the layer's
-//! transaction or change the pooled session for later requests.
+//! Just enough of PostgreSQL's SQL scanner to tell what each statement does,
+//! so that [`PgTx`](super::PgTx) can refuse statements that would end the
+//! layer's transaction or change the pooled session for later requests.
 //!
-//! Quotes (`'…'`, `E'…'`, `"…"`, `$tag$…$tag$`) and comments (`--`, nested
-//! `/* */`) are skipped, so a `;` or a keyword inside them counts for nothing.
+//! The lexer follows PostgreSQL's (`src/backend/parser/scan.l`) wherever a
+//! token's boundary decides what counts as a keyword: strings in all their
+//! forms (`'…'`, `E'…'`, `B'…'`, `X'…'`, `N'…'`, `U&'…'`, `$tag$…$tag$`, and
+//! a `'…'` continued after a newline), quoted identifiers (`"…"`, `U&"…"`),
+//! `--` comments (which end at `\n` or `\r`), nested `/* */` comments and
+//! whitespace (`[ \t\n\r\f\v]`). A `;` or a keyword inside a string or a
+//! comment counts for nothing. Bytes of non-ASCII characters outside quotes
+//! are identifier letters, as in PostgreSQL, so `COMMITé` is not `COMMIT`.
+//!
+//! It fails closed: text it cannot follow is refused, as transaction control,
+//! rather than guessed at, because a misread quote would hide everything after
+//! it. That covers unterminated strings, identifiers and comments, NUL bytes,
+//! control characters outside strings and comments, and `UESCAPE` after
+//! `U&"…"`. PostgreSQL rejects nearly all of these itself, so the refusal
+//! costs nothing.
+//!
+//! Whether a backslash escapes a quote in a plain `'…'` depends on
+//! `standard_conforming_strings`: on by default, but a role may have it off
+//! and a handler may `SET LOCAL` it. So text with a backslash is read both
+//! ways, and what either reading refuses is refused.
 
 /// Why a statement is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Refusal {
-    /// BEGIN, COMMIT, ROLLBACK (but not ROLLBACK TO), END, ABORT, START, PREPARE TRANSACTION.
+    /// BEGIN, START, COMMIT, END, ABORT, ROLLBACK (but not ROLLBACK TO),
+    /// PREPARE TRANSACTION, COMMIT/ROLLBACK PREPARED; also text the lexer
+    /// cannot follow (see the module docs).
     TransactionControl,
-    /// A session-level SET/RESET, which would outlive the transaction on the pooled connection.
+    /// Something that would outlive the transaction on the pooled connection:
+    /// a session-level SET/RESET, prepared statements, LISTEN, temporary
+    /// objects, WITH HOLD cursors, `set_config` and session advisory locks.
     SessionState,
 }
 
 /// The first refused statement in `sql`, if any.
 pub(super) fn refusal(sql: &str) -> Option<Refusal> {
-    statements(sql)
-        .into_iter()
-        .find_map(|words| classify(&words))
+    // The server reads query text only up to a NUL.
+    if sql.contains('\0') {
+        return Some(Refusal::TransactionControl);
+    }
+    let standard = match Lexer::new(sql, true).tokens() {
+        Ok(tokens) => first_refusal(&tokens),
+        Err(_) => return Some(Refusal::TransactionControl),
+    };
+    if standard.is_some() || !sql.contains('\\') {
+        return standard;
+    }
+    // The reading with standard_conforming_strings off. Text that this
+    // reading rejects is rejected whole by a server in that mode, before any
+    // of it runs; `'C:\'` is such text, and fine under the default.
+    match Lexer::new(sql, false).tokens() {
+        Ok(tokens) => first_refusal(&tokens),
+        Err(Stop::Rejected) => None,
+        Err(Stop::Unfollowed) => Some(Refusal::TransactionControl),
+    }
 }
 
-fn classify(words: &[String]) -> Option<Refusal> {
-    let word = |i: usize| words.get(i).map(String::as_str);
-    match word(0)? {
-        "BEGIN" | "START" | "COMMIT" | "END" | "ABORT" => Some(Refusal::TransactionControl),
-        "ROLLBACK" if word(1) != Some("TO") => Some(Refusal::TransactionControl),
-        "PREPARE" if word(1) == Some("TRANSACTION") => Some(Refusal::TransactionControl),
-        "SET" if !matches!(word(1), Some("LOCAL" | "TRANSACTION" | "CONSTRAINTS")) => {
-            Some(Refusal::SessionState)
+/// Functions whose effect outlives the transaction. `set_config(…, true)`
+/// would be fine, but a call cannot be told apart from `set_config(…,
+/// false)` without evaluating it; `SET LOCAL` can.
+const SESSION_FUNCTIONS: [&str; 5] = [
+    "set_config",
+    "pg_advisory_lock",
+    "pg_advisory_lock_shared",
+    "pg_try_advisory_lock",
+    "pg_try_advisory_lock_shared",
+];
+
+fn first_refusal(tokens: &[Token<'_>]) -> Option<Refusal> {
+    tokens
+        .split(|token| matches!(token, Token::Other(b';')))
+        .find_map(statement_refusal)
+}
+
+fn statement_refusal(statement: &[Token<'_>]) -> Option<Refusal> {
+    let parens = statement
+        .iter()
+        .take_while(|token| matches!(token, Token::Other(b'(')))
+        .count();
+    leading_refusal(&statement[parens..]).or_else(|| inner_refusal(statement))
+}
+
+/// Refusals decided by the keywords a statement starts with.
+fn leading_refusal(statement: &[Token<'_>]) -> Option<Refusal> {
+    use Refusal::{SessionState, TransactionControl};
+    let is = |i: usize, keyword: &str| statement.get(i).is_some_and(|t| t.is(keyword));
+    let Some(Token::Word(first)) = statement.first() else {
+        return None;
+    };
+    match first.to_ascii_uppercase().as_str() {
+        "BEGIN" | "START" | "COMMIT" | "END" | "ABORT" => Some(TransactionControl),
+        "ROLLBACK" => {
+            let to = if is(1, "WORK") || is(1, "TRANSACTION") {
+                2
+            } else {
+                1
+            };
+            (!is(to, "TO")).then_some(TransactionControl)
         }
-        "RESET" => Some(Refusal::SessionState),
+        "PREPARE" if is(1, "TRANSACTION") => Some(TransactionControl),
+        // SET LOCAL ends with the transaction; but another client encoding
+        // would change how the server reads the next text this lexer reads.
+        "SET" if is(1, "LOCAL") => {
+            let encoding =
+                is(2, "NAMES") || statement.get(2).is_some_and(|t| t.names("client_encoding"));
+            encoding.then_some(SessionState)
+        }
+        "SET" if is(1, "TRANSACTION") || is(1, "CONSTRAINTS") => None,
+        "SET" | "RESET" | "PREPARE" | "EXECUTE" | "DEALLOCATE" | "LISTEN" | "UNLISTEN"
+        | "DISCARD" | "LOAD" => Some(SessionState),
         _ => None,
     }
 }
 
-/// The first two upper-cased keywords of every statement.
-fn statements(sql: &str) -> Vec<Vec<String>> {
-    let bytes = sql.as_bytes();
-    let mut statements = Vec::new();
-    let mut words: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        match b {
-            b';' => {
-                if !words.is_empty() {
-                    statements.push(std::mem::take(&mut words));
+/// Refusals wherever the words appear in a statement (`EXPLAIN ANALYZE
+/// CREATE TEMP TABLE …` creates the table too).
+fn inner_refusal(statement: &[Token<'_>]) -> Option<Refusal> {
+    let declares = statement.iter().any(|t| t.is("DECLARE"));
+    let outlives = statement.iter().enumerate().any(|(i, token)| {
+        let before = i.checked_sub(1).and_then(|p| statement.get(p));
+        let after = &statement[i + 1..];
+        SESSION_FUNCTIONS.iter().any(|f| token.names(f))
+            // `pg_temp.t` creates, or finds, an object in the session's temporary schema.
+            || (token.names_temp_schema() && matches!(after.first(), Some(Token::Other(b'.'))))
+            || (token.is("CREATE") && creates_temporary(after))
+            // SELECT … INTO TEMP t; `INSERT INTO temp` is a table named temp.
+            || (token.is("INTO")
+                && !before.is_some_and(|t| t.is("INSERT") || t.is("MERGE"))
+                && temporary(after))
+            || (declares && token.is("WITH") && after.first().is_some_and(|t| t.is("HOLD")))
+    });
+    outlives.then_some(Refusal::SessionState)
+}
+
+/// `[OR REPLACE] [LOCAL | GLOBAL] TEMP[ORARY]` after CREATE.
+fn creates_temporary(after_create: &[Token<'_>]) -> bool {
+    match after_create {
+        [or, replace, rest @ ..] if or.is("OR") && replace.is("REPLACE") => temporary(rest),
+        _ => temporary(after_create),
+    }
+}
+
+/// `[LOCAL | GLOBAL] TEMP[ORARY]`.
+fn temporary(words: &[Token<'_>]) -> bool {
+    let words = match words {
+        [scope, rest @ ..] if scope.is("LOCAL") || scope.is("GLOBAL") => rest,
+        _ => words,
+    };
+    words
+        .first()
+        .is_some_and(|t| t.is("TEMP") || t.is("TEMPORARY"))
+}
+
+/// What the classification needs of a token; strings keep no content, since
+/// nothing in them is ever run as a statement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Token<'a> {
+    /// A keyword or unquoted identifier, as written.
+    Word(&'a str),
+    /// A quoted identifier, unescaped; `unicode` for `U&"…"`.
+    Quoted { name: String, unicode: bool },
+    /// A string constant of any kind.
+    Literal,
+    /// Punctuation, an operator character, a digit, the `$` of `$1`.
+    Other(u8),
+}
+
+impl Token<'_> {
+    fn is(&self, keyword: &str) -> bool {
+        matches!(self, Token::Word(word) if word.eq_ignore_ascii_case(keyword))
+    }
+
+    /// The identifier this token spells, and whether PostgreSQL folds its case.
+    fn identifier(&self) -> Option<(&str, bool)> {
+        match self {
+            Token::Word(word) => Some((word, true)),
+            Token::Quoted { name, .. } => Some((name, false)),
+            _ => None,
+        }
+    }
+
+    /// Whether this identifier may name `name` (lower-case ASCII).
+    fn names(&self, name: &str) -> bool {
+        self.identifier()
+            .is_some_and(|(ident, folded)| same_name(ident, folded, name))
+    }
+
+    /// `pg_temp`, or a backend's own `pg_temp_<n>`.
+    fn names_temp_schema(&self) -> bool {
+        self.identifier().is_some_and(|(ident, folded)| {
+            let base = ident.trim_end_matches(|c: char| c.is_ascii_digit());
+            same_name(ident, folded, "pg_temp")
+                || (base.len() < ident.len() && same_name(base, folded, "pg_temp_"))
+        })
+    }
+}
+
+/// Quoted identifiers keep their case, so comparing them case-insensitively
+/// only errs towards refusing.
+fn same_name(ident: &str, folded: bool, name: &str) -> bool {
+    if folded {
+        folds_to(ident, name)
+    } else {
+        ident.eq_ignore_ascii_case(name)
+    }
+}
+
+/// Whether PostgreSQL may fold the unquoted identifier `word` into `name`.
+/// It lower-cases ASCII, and in a single-byte server encoding also applies
+/// the locale's `tolower` to other letters, which in a Turkish locale makes
+/// `İ` an `i`; so a non-ASCII character may stand for any letter.
+fn folds_to(word: &str, name: &str) -> bool {
+    word.chars().count() == name.len()
+        && word
+            .chars()
+            .zip(name.chars())
+            .all(|(w, n)| !w.is_ascii() || w.eq_ignore_ascii_case(&n))
+}
+
+/// Why the lexer stopped before the end of the text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// PostgreSQL rejects the whole text as well, so none of it would run.
+    Rejected,
+    /// A construct this lexer does not follow, which PostgreSQL may accept.
+    Unfollowed,
+}
+
+/// How a single-quoted string treats backslashes and doubled quotes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quote {
+    /// `'…'` with standard_conforming_strings on, `U&'…'`: `''` is a quote.
+    Standard,
+    /// `E'…'`, and `'…'` with standard_conforming_strings off: `\` escapes
+    /// the next byte as well.
+    Escaped,
+    /// `B'…'`, `X'…'`: the first quote ends them.
+    Bits,
+}
+
+struct Lexer<'a> {
+    sql: &'a str,
+    bytes: &'a [u8],
+    pos: usize,
+    standard_conforming_strings: bool,
+    tokens: Vec<Token<'a>>,
+}
+
+impl<'a> Lexer<'a> {
+    fn new(sql: &'a str, standard_conforming_strings: bool) -> Self {
+        Lexer {
+            sql,
+            bytes: sql.as_bytes(),
+            pos: 0,
+            standard_conforming_strings,
+            tokens: Vec::new(),
+        }
+    }
+
+    fn peek(&self, ahead: usize) -> Option<u8> {
+        self.bytes.get(self.pos + ahead).copied()
+    }
+
+    fn tokens(mut self) -> Result<Vec<Token<'a>>, Stop> {
+        while let Some(byte) = self.peek(0) {
+            match byte {
+                b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c => self.pos += 1,
+                b'-' if self.peek(1) == Some(b'-') => {
+                    self.pos = line_comment_end(self.bytes, self.pos)
                 }
-                i += 1;
+                b'/' if self.peek(1) == Some(b'*') => self.block_comment()?,
+                b'\'' => {
+                    self.pos += 1;
+                    self.string(self.plain())?;
+                }
+                b'"' => {
+                    self.pos += 1;
+                    let name = self.quoted_identifier()?;
+                    self.tokens.push(Token::Quoted {
+                        name,
+                        unicode: false,
+                    });
+                }
+                b'$' => self.dollar()?,
+                b'0'..=b'9' => self.other(byte),
+                _ if is_ident_start(byte) => self.word()?,
+                0x21..=0x7e => self.other(byte),
+                // Control characters: PostgreSQL has no token for them.
+                _ => return Err(Stop::Rejected),
             }
-            b'-' if bytes.get(i + 1) == Some(&b'-') => {
-                i = bytes[i..]
-                    .iter()
-                    .position(|&c| c == b'\n')
-                    .map_or(bytes.len(), |n| i + n + 1);
+        }
+        Ok(self.tokens)
+    }
+
+    fn other(&mut self, byte: u8) {
+        self.tokens.push(Token::Other(byte));
+        self.pos += 1;
+    }
+
+    fn plain(&self) -> Quote {
+        if self.standard_conforming_strings {
+            Quote::Standard
+        } else {
+            Quote::Escaped
+        }
+    }
+
+    /// A keyword or identifier; or, when it is a single letter right before a
+    /// quote, the prefix of a string or identifier (`E'`, `B'`, `X'`, `N'`,
+    /// `U&'`, `U&"`), as in scan.l where the longer match wins.
+    fn word(&mut self) -> Result<(), Stop> {
+        let start = self.pos;
+        while self.peek(0).is_some_and(is_ident_cont) {
+            self.pos += 1;
+        }
+        // Words start and end next to ASCII bytes, at character boundaries.
+        let word = self.sql.get(start..self.pos).ok_or(Stop::Unfollowed)?;
+        match (word.as_bytes(), self.peek(0), self.peek(1)) {
+            ([b'e' | b'E'], Some(b'\''), _) => {
+                self.pos += 1;
+                self.string(Quote::Escaped)
             }
-            b'/' if bytes.get(i + 1) == Some(&b'*') => i = skip_block_comment(bytes, i),
-            b'\'' => i = skip_quoted(bytes, i, b'\'', false),
-            b'"' => i = skip_quoted(bytes, i, b'"', false),
-            b'$' => i = skip_dollar_quoted(bytes, i),
-            c if c.is_ascii_alphabetic() || c == b'_' => {
-                let start = i;
-                while i < bytes.len()
-                    && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_' || bytes[i] == b'$')
-                {
-                    i += 1;
+            ([b'b' | b'B' | b'x' | b'X'], Some(b'\''), _) => {
+                self.pos += 1;
+                self.string(Quote::Bits)
+            }
+            ([b'n' | b'N'], Some(b'\''), _) => {
+                self.pos += 1;
+                self.string(self.plain())
+            }
+            ([b'u' | b'U'], Some(b'&'), Some(b'\'')) => {
+                // "unsafe use of string constant with Unicode escapes"
+                if !self.standard_conforming_strings {
+                    return Err(Stop::Rejected);
                 }
-                // E'…' strings take backslash escapes.
-                if i - start == 1 && matches!(c, b'e' | b'E') && bytes.get(i) == Some(&b'\'') {
-                    i = skip_quoted(bytes, i, b'\'', true);
-                } else if words.len() < 2 {
-                    words.push(sql[start..i].to_ascii_uppercase());
-                }
+                self.pos += 2;
+                self.string(Quote::Standard)
+            }
+            ([b'u' | b'U'], Some(b'&'), Some(b'"')) => {
+                self.pos += 2;
+                let name = unescape_unicode(&self.quoted_identifier()?)?;
+                self.tokens.push(Token::Quoted {
+                    name,
+                    unicode: true,
+                });
+                Ok(())
             }
             _ => {
-                // Anything else (a parenthesis, a number, an operator) ends the
-                // leading keywords of this statement.
-                if !b.is_ascii_whitespace() && b != b'(' && words.len() < 2 {
-                    words.resize(2, String::new());
+                // UESCAPE picks another escape character for the U&"…" before
+                // it, which would change the name it spells.
+                let unicode_before = matches!(
+                    self.tokens.last(),
+                    Some(Token::Quoted { unicode: true, .. })
+                );
+                if unicode_before && word.eq_ignore_ascii_case("UESCAPE") {
+                    return Err(Stop::Unfollowed);
                 }
-                i += 1;
+                self.tokens.push(Token::Word(word));
+                Ok(())
             }
         }
     }
-    if !words.is_empty() {
-        statements.push(words);
-    }
-    statements
-}
 
-fn skip_block_comment(bytes: &[u8], mut i: usize) -> usize {
-    let mut depth = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'/' && bytes.get(i + 1) == Some(&b'*') {
-            depth += 1;
-            i += 2;
-        } else if bytes[i] == b'*' && bytes.get(i + 1) == Some(&b'/') {
-            depth -= 1;
-            i += 2;
-            if depth == 0 {
-                return i;
+    /// The rest of a single-quoted string whose opening quote is consumed,
+    /// including its continuations on later lines.
+    fn string(&mut self, quote: Quote) -> Result<(), Stop> {
+        loop {
+            match self.peek(0) {
+                None => return Err(Stop::Rejected),
+                Some(b'\\') if quote == Quote::Escaped => self.pos += 2,
+                Some(b'\'') if quote != Quote::Bits && self.peek(1) == Some(b'\'') => self.pos += 2,
+                Some(b'\'') => {
+                    self.pos += 1;
+                    match string_continuation(self.bytes, self.pos) {
+                        Some(next) => self.pos = next,
+                        None => {
+                            self.tokens.push(Token::Literal);
+                            return Ok(());
+                        }
+                    }
+                }
+                Some(_) => self.pos += 1,
             }
-        } else {
-            i += 1;
         }
     }
-    i
+
+    /// The rest of a double-quoted identifier whose opening quote is
+    /// consumed, with `""` unescaped.
+    fn quoted_identifier(&mut self) -> Result<String, Stop> {
+        let mut name = Vec::new();
+        loop {
+            match self.peek(0) {
+                None => return Err(Stop::Rejected),
+                Some(b'"') if self.peek(1) == Some(b'"') => {
+                    name.push(b'"');
+                    self.pos += 2;
+                }
+                Some(b'"') => {
+                    self.pos += 1;
+                    break;
+                }
+                Some(byte) => {
+                    name.push(byte);
+                    self.pos += 1;
+                }
+            }
+        }
+        // "zero-length delimited identifier"
+        if name.is_empty() {
+            return Err(Stop::Rejected);
+        }
+        Ok(String::from_utf8_lossy(&name).into_owned())
+    }
+
+    /// `$tag$ … $tag$`, or a lone `$`: that of a parameter (`$1`), or one
+    /// before a name with no closing `$`, which PostgreSQL then reads on its own.
+    fn dollar(&mut self) -> Result<(), Stop> {
+        let start = self.pos;
+        let mut end = start + 1;
+        if self.bytes.get(end).is_some_and(|&b| is_ident_start(b)) {
+            while self
+                .bytes
+                .get(end)
+                .is_some_and(|&b| is_ident_cont(b) && b != b'$')
+            {
+                end += 1;
+            }
+        }
+        if self.bytes.get(end) != Some(&b'$') {
+            self.other(b'$');
+            return Ok(());
+        }
+        let tag = &self.bytes[start..=end];
+        let body = end + 1;
+        let close = self.bytes[body..]
+            .windows(tag.len())
+            .position(|window| window == tag)
+            .ok_or(Stop::Rejected)?;
+        self.pos = body + close + tag.len();
+        self.tokens.push(Token::Literal);
+        Ok(())
+    }
+
+    fn block_comment(&mut self) -> Result<(), Stop> {
+        let mut depth = 0_usize;
+        loop {
+            match (self.peek(0), self.peek(1)) {
+                (None, _) => return Err(Stop::Rejected),
+                (Some(b'/'), Some(b'*')) => {
+                    depth += 1;
+                    self.pos += 2;
+                }
+                (Some(b'*'), Some(b'/')) => {
+                    self.pos += 2;
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        return Ok(());
+                    }
+                }
+                (Some(_), _) => self.pos += 1,
+            }
+        }
+    }
 }
 
-/// Skips a quoted run starting at `i`; a doubled quote is an escaped quote.
-fn skip_quoted(bytes: &[u8], mut i: usize, quote: u8, backslash_escapes: bool) -> usize {
-    i += 1;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'\\' if backslash_escapes => i += 2,
-            c if c == quote && bytes.get(i + 1) == Some(&quote) => i += 2,
-            c if c == quote => return i + 1,
-            _ => i += 1,
-        }
-    }
-    i
+/// ident_start in scan.l: bytes of non-ASCII characters are letters.
+fn is_ident_start(byte: u8) -> bool {
+    byte.is_ascii_alphabetic() || byte == b'_' || byte >= 0x80
 }
 
-/// `$tag$ … $tag$`; a `$` that does not open a tag (`$1`) is skipped alone.
-fn skip_dollar_quoted(bytes: &[u8], i: usize) -> usize {
-    let tag_end = bytes[i + 1..]
-        .iter()
-        .position(|&c| !(c.is_ascii_alphanumeric() || c == b'_'))
-        .map(|n| i + 1 + n);
-    match tag_end {
-        Some(end) if bytes[end] == b'$' && !bytes.get(i + 1).is_some_and(u8::is_ascii_digit) => {
-            let tag = &bytes[i..=end];
-            let body = end + 1;
-            bytes[body..]
-                .windows(tag.len())
-                .position(|w| w == tag)
-                .map_or(bytes.len(), |n| body + n + tag.len())
+fn is_ident_cont(byte: u8) -> bool {
+    is_ident_start(byte) || byte.is_ascii_digit() || byte == b'$'
+}
+
+/// Where a `--` comment at `start` ends: at `\n` or `\r`, as in scan.l.
+fn line_comment_end(bytes: &[u8], start: usize) -> usize {
+    bytes
+        .get(start..)
+        .and_then(|rest| rest.iter().position(|&b| b == b'\n' || b == b'\r'))
+        .map_or(bytes.len(), |n| start + n)
+}
+
+/// Where a string goes on after the quote that seemed to end it at `after`:
+/// SQL joins string constants separated only by whitespace (and `--`
+/// comments) that includes a newline, and the joined part is read the same
+/// way, so an `E'…'` continues with backslash escapes.
+fn string_continuation(bytes: &[u8], after: usize) -> Option<usize> {
+    let mut pos = after;
+    let mut newline = false;
+    loop {
+        match *bytes.get(pos)? {
+            b' ' | b'\t' | 0x0b | 0x0c => pos += 1,
+            b'\n' | b'\r' => {
+                newline = true;
+                pos += 1;
+            }
+            b'-' if bytes.get(pos + 1) == Some(&b'-') => pos = line_comment_end(bytes, pos),
+            b'\'' if newline => return Some(pos + 1),
+            _ => return None,
         }
-        _ => i + 1,
     }
+}
+
+/// The name a `U&"…"` identifier spells with the default escape, `\`:
+/// `\\`, `\XXXX` and `\+XXXXXX`. PostgreSQL rejects any other escape.
+fn unescape_unicode(raw: &str) -> Result<String, Stop> {
+    let mut name = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            name.push(c);
+            continue;
+        }
+        let digits = match chars.clone().next() {
+            Some('\\') => {
+                chars.next();
+                name.push('\\');
+                continue;
+            }
+            Some('+') => {
+                chars.next();
+                6
+            }
+            _ => 4,
+        };
+        let hex: String = chars.by_ref().take(digits).collect();
+        if hex.len() != digits || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Err(Stop::Rejected);
+        }
+        let code = u32::from_str_radix(&hex, 16).map_err(|_| Stop::Rejected)?;
+        // Surrogates and the like never spell an ASCII name.
+        name.push(char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER));
+    }
+    Ok(name)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    const ENDS_TRANSACTION: &[&str] = &[
+        "COMMIT",
+        "  commit;",
+        "COMMIT;",
+        "end;",
+        "/* x */ COMMIT",
+        "/* a /* nested */ b */ commit",
+        "-- c\nROLLBACK",
+        "BEGIN",
+        "start transaction",
+        "rollback",
+        "abort",
+        "PREPARE TRANSACTION 'x'",
+        "INSERT INTO t VALUES (1); COMMIT",
+        "SELECT 'a;b'; END",
+        "COMMIT PREPARED 'x'",
+        "ROLLBACK PREPARED 'x'",
+        "ROLLBACK AND CHAIN",
+        "COMMIT AND NO CHAIN",
+        "END TRANSACTION",
+        "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        "((COMMIT))",
+        "SELECT 1;COMMIT",
+        // `$` continues an identifier, so neither `$$` opens a dollar quote.
+        "SELECT 1 AS x$$; COMMIT; SELECT 1 AS y$$",
+        "SELECT B'0'\n'1'; COMMIT",
+        "SELECT 1\n-- a comment; COMMIT\n;COMMIT",
+    ];
+
+    const WHITESPACE_AND_COMMENT_ENDINGS: &[&str] = &[
+        "--\rCOMMIT",
+        "-- x\rROLLBACK",
+        "SELECT 1 --\r; COMMIT",
+        "SELECT 1 -- x\r\n; END",
+        "\x0bCOMMIT",
+        "\x0cCOMMIT",
+        "SELECT 1;\x0bBEGIN",
+        "SELECT 1;\x0c\x0b\t\r\n ABORT",
+        "/* c */\x0b-- d\rCOMMIT",
+    ];
+
+    const UNFOLLOWED: &[&str] = &[
+        "SELECT 'abc",
+        "SELECT 'abc''",
+        "SELECT \"abc",
+        "SELECT \"\"",
+        "SELECT $$abc",
+        "SELECT $a$ abc $b$",
+        "SELECT $a$ abc $A$",
+        "/* abc",
+        "/* /* */ COMMIT",
+        "SELECT E'abc\\'",
+        "SELECT E'abc\\",
+        "SELECT U&'abc",
+        "SELECT U&\"abc",
+        "SELECT B'01",
+        "SELECT X'ab",
+        "SELECT N'ab",
+        "SELECT 'a\0b'",
+        "SELECT 1\0; COMMIT",
+        "SELECT 1\x01",
+        "\x7fCOMMIT",
+        "SELECT 1\x1b",
+        "SELECT U&\"\\00zz\"",
+        "SELECT U&\"\\+00\"",
+        "SELECT U&\"x!0041\" UESCAPE '!'",
+        "SELECT U&\"x\"/* c */uescape '!'",
+    ];
+
+    /// Refused under either setting of standard_conforming_strings.
+    const EITHER_STRING_READING: &[&str] = &[
+        // Off: '\'; SELECT ' is one string, then COMMIT runs.
+        "SELECT '\\'; SELECT ';COMMIT;--'",
+        // On: '\' is one string, then COMMIT runs.
+        "SELECT '\\'; COMMIT; --'",
+        "SELECT N'\\'; SELECT ';COMMIT;--'",
+        // An E'…' continued on the next line still takes backslash escapes:
+        // E'x' '\'; SELECT ' is one string.
+        "SELECT E'x'\n'\\'; SELECT ';COMMIT;--'",
+        "SELECT E'x' -- c\n\r -- d\n'\\'; SELECT ';COMMIT;--'",
+    ];
+
+    const SESSION_SETTINGS: &[&str] = &[
+        "SET default_transaction_read_only = on",
+        "set search_path to x",
+        "RESET ALL",
+        "SET SESSION x = 1",
+        "SET SESSION AUTHORIZATION DEFAULT",
+        "SET ROLE r",
+        "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+        // Another client encoding would change how the server reads the text.
+        "SET LOCAL client_encoding = 'SJIS'",
+        "SET LOCAL \"client_encoding\" TO 'SJIS'",
+        "set local names 'SJIS'",
+    ];
+
+    const OUTLIVES_TRANSACTION: &[&str] = &[
+        "PREPARE q AS SELECT 1",
+        "prepare q (int) AS SELECT $1",
+        "EXECUTE q",
+        "EXECUTE q(1)",
+        "DEALLOCATE q",
+        "DEALLOCATE ALL",
+        "LISTEN c",
+        "UNLISTEN *",
+        "DISCARD ALL",
+        "DISCARD TEMP",
+        "LOAD 'auto_explain'",
+        "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
+        "declare c no scroll cursor with hold for select 1",
+        "CREATE TEMP TABLE t (id int)",
+        "CREATE TEMPORARY TABLE t (id int)",
+        "CREATE LOCAL TEMP TABLE t (id int)",
+        "CREATE LOCAL TEMPORARY TABLE t (id int)",
+        "CREATE GLOBAL TEMP TABLE t (id int)",
+        "create temp table t on commit drop as select 1",
+        "CREATE TEMP SEQUENCE s",
+        "CREATE TEMP VIEW v AS SELECT 1",
+        "CREATE OR REPLACE TEMP VIEW v AS SELECT 1",
+        "CREATE TEMP RECURSIVE VIEW v (n) AS SELECT 1",
+        "EXPLAIN ANALYZE CREATE TEMP TABLE t AS SELECT 1",
+        "SELECT 1 INTO TEMP t",
+        "SELECT * INTO TEMPORARY TABLE t FROM x",
+        "SELECT * INTO LOCAL TEMP t FROM x",
+        "WITH x AS (SELECT 1) SELECT * INTO TEMP t FROM x",
+        "CREATE TABLE pg_temp.t (id int)",
+        "CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        "SELECT * INTO pg_temp_3.t FROM x",
+        "SELECT 1; LISTEN c",
+    ];
+
+    const SESSION_FUNCTIONS_ANYWHERE: &[&str] = &[
+        "SELECT set_config('search_path', 'x', false)",
+        "SELECT set_config('search_path', 'x', true)",
+        "SELECT SET_CONFIG('a.b', 'x', false)",
+        "SELECT pg_catalog.set_config('a.b', 'x', false)",
+        "SELECT pg_catalog . set_config ('a.b', 'x', false)",
+        "SELECT \"set_config\"('a.b', 'x', false)",
+        "SELECT U&\"\\0073et_config\"('a.b', 'x', false)",
+        "SELECT * FROM set_config('a.b', 'x', false)",
+        "INSERT INTO t SELECT set_config('a.b', 'x', false)",
+        "SELECT 1 FROM t WHERE pg_advisory_lock(1) IS NOT NULL",
+        "SELECT pg_advisory_lock(1, 2)",
+        "SELECT pg_advisory_lock_shared(1)",
+        "SELECT pg_try_advisory_lock(1)",
+        "SELECT pg_try_advisory_lock_shared(1)",
+        "WITH l AS (SELECT pg_advisory_lock(1)) SELECT 1",
+        "SELECT 1 /* pg_advisory_lock */; SELECT pg_advisory_lock(1)",
+        // A single-byte server encoding with a Turkish locale folds İ into i.
+        "SELECT set_conf\u{130}g('a.b', 'x', false)",
+    ];
+
+    const ALLOWED: &[&str] = &[
+        "SAVEPOINT a",
+        "ROLLBACK TO SAVEPOINT a",
+        "rollback to a",
+        "ROLLBACK WORK TO a",
+        "ROLLBACK TRANSACTION TO SAVEPOINT a",
+        "RELEASE a",
+        "RELEASE SAVEPOINT a",
+        "SET LOCAL lock_timeout = '1s'",
+        "SET LOCAL search_path = app, public",
+        "SET LOCAL standard_conforming_strings = off",
+        "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+        "SET CONSTRAINTS ALL DEFERRED",
+        "INSERT INTO t VALUES (1)",
+        "INSERT INTO t VALUES ('done; end of story')",
+        "INSERT INTO t VALUES (E'it\\'s; commit')",
+        "INSERT INTO t VALUES ($$; COMMIT $$)",
+        "INSERT INTO t VALUES ($body$; ROLLBACK $body$)",
+        "SELECT $1::text",
+        "UPDATE \"commit\" SET x = 1",
+        "(SELECT 1)",
+        "",
+        ";;",
+        "-- only a comment",
+        "CALL p()",
+        "DECLARE c CURSOR FOR SELECT 1",
+        "DECLARE c NO SCROLL CURSOR WITHOUT HOLD FOR SELECT 1",
+        "WITH hold AS (SELECT 1) SELECT * FROM hold",
+        "CREATE UNLOGGED TABLE t (id int)",
+        "CREATE TABLE temp (id int)",
+        "INSERT INTO temp VALUES (1)",
+        "MERGE INTO temp USING s ON temp.id = s.id WHEN MATCHED THEN DELETE",
+        "SELECT temp FROM readings",
+        "SELECT pg_advisory_xact_lock(1)",
+        "SELECT pg_try_advisory_xact_lock_shared(1)",
+        "SELECT current_setting('search_path')",
+        "SELECT 'set_config', \"pg_advisory_lock(1)\" FROM t",
+        "SELECT 1 -- set_config(\n",
+        "NOTIFY c, 'payload'",
+        "SELECT pg_notify('c', 'payload')",
+        "LOCK TABLE t IN SHARE MODE",
+    ];
+
+    const ORDINARY_DML: &[&str] = &[
+        "INSERT INTO orders (tenant_id, total) VALUES ($1, $2) RETURNING id",
+        "INSERT INTO notes (body) VALUES ('COMMIT; ROLLBACK; SET x = 1; BEGIN')",
+        "UPDATE accounts SET balance = balance - $1 WHERE id = $2",
+        "DELETE FROM t WHERE id = ANY($1::bigint[])",
+        "SELECT (ARRAY[1, 2, 3])[1], '{1,2}'::int[], $1::text[]",
+        "SELECT doc->>'k', doc->'a'->>0, doc #>> '{a,b}' FROM t",
+        "SELECT doc ? 'k', doc ?| array['a'], doc @> '{\"a\": 1}'::jsonb FROM t",
+        "SELECT * FROM t WHERE tags && $1 AND x <> 1 AND y != 2",
+        "WITH x AS (INSERT INTO t (a) VALUES ($1) RETURNING id) SELECT id FROM x",
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT * FROM n",
+        "SELECT 1e5, 1.5, .5, 1E-3, 2::numeric(10, 2)",
+        "SELECT E'\\n\\t\\'', B'0101', X'FF', N'caf\u{e9}', U&'\\0041'",
+        "SELECT 'a'\n'b', 'c'\r\n  'd'",
+        "SELECT 'it''s'",
+        "SELECT x ~ '^\\d+$' FROM t",
+        "SELECT 'C:\\' AS path",
+        "SELECT '\\' || 'x'",
+        "SELECT $a$ $b$ COMMIT $a$",
+        "SELECT $a$ x $$ y $a$, $$ z $$",
+        "SELECT \"caf\u{e9}\", 'na\u{ef}ve' FROM t -- h\u{e9}",
+        "SELECT * FROM caf\u{e9} WHERE prix > 0",
+        "SELECT 1 /* */ + /* a /* b */ c */ 2",
+        "SELECT 1 -/* c */ 2",
+        "INSERT INTO t VALUES ($1) ON CONFLICT (id) DO UPDATE SET x = excluded.x",
+        "SELECT a.*, b.c FROM a JOIN b USING (id) ORDER BY 1 LIMIT $1 OFFSET $2",
+        "SELECT U&\"\\0041\", U&\"a\\\\b\"",
+        "SELECT 'x' AS \"a\"\"b\"",
+    ];
+
+    fn assert_all(statements: &[&str], expected: Option<Refusal>) {
+        for sql in statements {
+            assert_eq!(refusal(sql), expected, "{sql:?}");
+        }
+    }
 
     #[test]
     fn refuses_statements_that_end_the_transaction() {
-        for sql in [
-            "COMMIT",
-            "  commit;",
-            "COMMIT;",
-            "end;",
-            "/* x */ COMMIT",
-            "/* a /* nested */ b */ commit",
-            "-- c\nROLLBACK",
-            "BEGIN",
-            "start transaction",
-            "rollback",
-            "abort",
-            "PREPARE TRANSACTION 'x'",
-            "INSERT INTO t VALUES (1); COMMIT",
-            "SELECT 'a;b'; END",
-        ] {
-            assert_eq!(refusal(sql), Some(Refusal::TransactionControl), "{sql:?}");
-        }
+        assert_all(ENDS_TRANSACTION, Some(Refusal::TransactionControl));
+    }
+
+    #[test]
+    fn comments_end_at_carriage_returns_and_vertical_tabs_are_whitespace() {
+        assert_all(
+            WHITESPACE_AND_COMMENT_ENDINGS,
+            Some(Refusal::TransactionControl),
+        );
+    }
+
+    #[test]
+    fn refuses_text_the_lexer_cannot_follow() {
+        assert_all(UNFOLLOWED, Some(Refusal::TransactionControl));
+    }
+
+    #[test]
+    fn reads_plain_strings_with_and_without_standard_conforming_strings() {
+        assert_all(EITHER_STRING_READING, Some(Refusal::TransactionControl));
     }
 
     #[test]
     fn refuses_session_level_settings() {
-        for sql in [
-            "SET default_transaction_read_only = on",
-            "set search_path to x",
-            "RESET ALL",
-            "SET SESSION x = 1",
-        ] {
-            assert_eq!(refusal(sql), Some(Refusal::SessionState), "{sql:?}");
-        }
+        assert_all(SESSION_SETTINGS, Some(Refusal::SessionState));
+    }
+
+    #[test]
+    fn refuses_statements_whose_effects_outlive_the_transaction() {
+        assert_all(OUTLIVES_TRANSACTION, Some(Refusal::SessionState));
+    }
+
+    #[test]
+    fn refuses_session_functions_anywhere_outside_quotes() {
+        assert_all(SESSION_FUNCTIONS_ANYWHERE, Some(Refusal::SessionState));
     }
 
     #[test]
     fn allows_ordinary_statements_savepoints_and_local_settings() {
-        for sql in [
-            "SAVEPOINT a",
-            "ROLLBACK TO SAVEPOINT a",
-            "rollback to a",
-            "RELEASE a",
-            "SET LOCAL lock_timeout = '1s'",
-            "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
-            "SET CONSTRAINTS ALL DEFERRED",
-            "INSERT INTO t VALUES (1)",
-            "INSERT INTO t VALUES ('done; end of story')",
-            "INSERT INTO t VALUES (E'it\\'s; commit')",
-            "INSERT INTO t VALUES ($$; COMMIT $$)",
-            "INSERT INTO t VALUES ($body$; ROLLBACK $body$)",
-            "SELECT $1::text",
-            "UPDATE \"commit\" SET x = 1",
-            "PREPARE q AS SELECT 1",
-            "(SELECT 1)",
-            "",
-            ";;",
-            "-- only a comment",
-        ] {
-            assert_eq!(refusal(sql), None, "{sql:?}");
-        }
+        assert_all(ALLOWED, None);
+    }
+
+    #[test]
+    fn allows_ordinary_dml() {
+        assert_all(ORDINARY_DML, None);
+    }
+
+    #[test]
+    fn keywords_must_be_exact_and_unquoted() {
+        // Non-ASCII characters are identifier letters: these are identifiers,
+        // which PostgreSQL would reject as statements.
+        assert_all(
+            &[
+                "COMMIT\u{e9}",
+                "\u{a0}COMMIT",
+                "COMMIT\u{a0}",
+                "COMMIT$",
+                "\"COMMIT\"",
+                "\"set\" x = 1",
+            ],
+            None,
+        );
     }
 
     #[test]
     fn never_panics_on_truncated_input() {
-        for sql in ["'", "\"", "$", "$a", "$a$", "/*", "E'", "E'\\", "--", "x$"] {
+        for sql in [
+            "'",
+            "\"",
+            "$",
+            "$a",
+            "$a$",
+            "/*",
+            "E'",
+            "E'\\",
+            "--",
+            "x$",
+            "U&",
+            "U&\"",
+            "U&\"\\",
+            "U&\"\\+\"",
+            "U&'",
+            "B'",
+            "X'",
+            "N'",
+            "'a'\n",
+            "'a'\n--",
+            "'a' -",
+            "*/",
+            "/*/",
+            "\u{e9}",
+            "$\u{e9}$",
+        ] {
             let _ = refusal(sql);
+        }
+    }
+
+    /// PostgreSQL's whitespace, and comments ended by either newline.
+    fn separator() -> impl Strategy<Value = String> {
+        prop_oneof![
+            prop::sample::select(vec![" ", "\t", "\n", "\r", "\x0b", "\x0c"])
+                .prop_map(String::from),
+            ("[^\r\n\0]*", prop::sample::select(vec!["\n", "\r"]))
+                .prop_map(|(body, end)| format!("--{body}{end}")),
+            "[^*/\0]*".prop_map(|body| format!("/*{body}*/")),
+            ("[^*/\0]*", "[^*/\0]*").prop_map(|(a, b)| format!("/*{a}/*{b}*/*/")),
+        ]
+    }
+
+    /// Text built from the pieces the lexer treats specially.
+    fn sql_like() -> impl Strategy<Value = String> {
+        let pieces = vec![
+            "'",
+            "''",
+            "\"",
+            "$",
+            "$$",
+            "$a$",
+            "$1",
+            "--",
+            "/*",
+            "*/",
+            "\n",
+            "\r",
+            "\\",
+            "E'",
+            "e",
+            "U&'",
+            "U&\"",
+            "B'",
+            "X'",
+            "N'",
+            "U&",
+            ";",
+            "(",
+            "COMMIT",
+            "SET",
+            "set_config",
+            "pg_temp",
+            ".",
+            " ",
+            "\x0b",
+            "\x0c",
+            "x",
+            "\u{e9}",
+            "\u{130}",
+            "UESCAPE",
+            "\0",
+            "\x01",
+            "+",
+            "-",
+            "*",
+            "/",
+            "0",
+        ];
+        prop::collection::vec(prop::sample::select(pieces), 0..40)
+            .prop_map(|pieces| pieces.concat())
+    }
+
+    fn refused() -> Vec<(&'static str, Refusal)> {
+        let tc = [
+            ENDS_TRANSACTION,
+            WHITESPACE_AND_COMMENT_ENDINGS,
+            UNFOLLOWED,
+            EITHER_STRING_READING,
+        ];
+        let ss = [
+            SESSION_SETTINGS,
+            OUTLIVES_TRANSACTION,
+            SESSION_FUNCTIONS_ANYWHERE,
+        ];
+        let tc = tc
+            .into_iter()
+            .flatten()
+            .map(|&sql| (sql, Refusal::TransactionControl));
+        let ss = ss
+            .into_iter()
+            .flatten()
+            .map(|&sql| (sql, Refusal::SessionState));
+        tc.chain(ss).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(sql in any::<String>()) {
+            let _ = refusal(&sql);
+        }
+
+        #[test]
+        fn never_panics_on_bytes(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
+            let _ = refusal(&String::from_utf8_lossy(&bytes));
+        }
+
+        #[test]
+        fn never_panics_on_sql_like_text(sql in sql_like()) {
+            let _ = refusal(&sql);
+        }
+
+        #[test]
+        fn whitespace_and_comments_before_a_refused_statement_change_nothing(
+            prefix in prop::collection::vec(separator(), 0..6),
+            (sql, expected) in prop::sample::select(refused()),
+        ) {
+            let sql = format!("{}{sql}", prefix.concat());
+            prop_assert_eq!(refusal(&sql), Some(expected), "{:?}", sql);
+        }
+
+        #[test]
+        fn whitespace_and_comments_before_an_allowed_statement_change_nothing(
+            prefix in prop::collection::vec(separator(), 0..6),
+            sql in prop::sample::select([ALLOWED, ORDINARY_DML].concat()),
+        ) {
+            let sql = format!("{}{sql}", prefix.concat());
+            prop_assert_eq!(refusal(&sql), None, "{:?}", sql);
         }
     }
 }

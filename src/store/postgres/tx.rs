@@ -29,11 +29,21 @@ use crate::scope::Scope;
 ///
 /// Never issue `BEGIN`, `COMMIT` or `ROLLBACK` yourself: the layer owns the
 /// transaction's end, and such statements are refused with
-/// [`TxErrorKind::TransactionControl`]. Savepoints are fine. Session-level
-/// `SET`/`RESET` would outlive the request on the pooled connection and are
-/// refused with [`TxErrorKind::SessionState`]; use `SET LOCAL`. (As a
-/// backstop, should a `COMMIT` slip through anyway, the completion detects
-/// that it runs in another transaction and refuses to remember the response.)
+/// [`TxErrorKind::TransactionControl`]. Savepoints are fine. The guard reads
+/// SQL as PostgreSQL's scanner does (quotes, comments, `--` ending at `\n` or
+/// `\r`) and fails closed: text it cannot follow with certainty (an
+/// unterminated quote or comment, a control character outside a string) is
+/// refused the same way.
+///
+/// What would outlive the request on the pooled connection is refused with
+/// [`TxErrorKind::SessionState`]: session-level `SET`/`RESET`, `PREPARE`,
+/// `EXECUTE`, `DEALLOCATE`, `LISTEN`/`UNLISTEN`, `DISCARD`, `LOAD`, temporary
+/// objects, `WITH HOLD` cursors, `set_config` and session advisory locks. Use
+/// `SET LOCAL` and `pg_advisory_xact_lock`. What no guard can see (a function
+/// that changes the session) is undone by a session reset the store sends
+/// behind every `COMMIT` and `ROLLBACK`. (As a backstop, should a `COMMIT`
+/// slip through anyway, the completion detects that it runs in another
+/// transaction and refuses to remember the response.)
 ///
 /// Statements are prepared once per connection and cached: pass values as
 /// `$n` parameters and keep the SQL text static.
@@ -236,10 +246,14 @@ pub enum TxErrorKind {
     /// spawned task wrote after the handler returned).
     Finished,
     /// The statement would begin, commit or roll back the transaction, which
-    /// only the layer may do.
+    /// only the layer may do; or the guard could not read the SQL text with
+    /// certainty (an unterminated quote or comment, a control character
+    /// outside a string), and refuses rather than guesses.
     TransactionControl,
-    /// The statement would change the session (a `SET` without `LOCAL`, a
-    /// `RESET`) beyond this request, on a connection other requests reuse.
+    /// The statement would change the session beyond this request, on a
+    /// connection other requests reuse: a `SET` without `LOCAL`, `RESET`,
+    /// prepared statements, `LISTEN`, temporary objects, `WITH HOLD` cursors,
+    /// `set_config`, session advisory locks.
     SessionState,
     /// PostgreSQL answered with an error; see [`TxError::code`].
     Database,
@@ -291,11 +305,11 @@ impl fmt::Display for TxError {
         match (self.kind, &self.source) {
             (TxErrorKind::Finished, _) => f.write_str("the idempotency transaction has already finished"),
             (TxErrorKind::TransactionControl, _) => f.write_str(
-                "transaction control statements are reserved for the idempotency layer (savepoints are allowed)",
+                "transaction control statements (and SQL text the guard cannot read with certainty) are reserved for the idempotency layer; savepoints are allowed",
             ),
-            (TxErrorKind::SessionState, _) => {
-                f.write_str("session-level SET/RESET would leak into other requests; use SET LOCAL")
-            }
+            (TxErrorKind::SessionState, _) => f.write_str(
+                "the statement would change the pooled session beyond this request; use SET LOCAL, pg_advisory_xact_lock or transaction-scoped objects",
+            ),
             (_, Some(e)) => write!(f, "database error: {e}"),
             (_, None) => f.write_str("database error"),
         }
