@@ -2,58 +2,22 @@
 
 use std::{sync::Arc, time::Duration};
 
-use http::{header, HeaderName, StatusCode};
+use http::HeaderName;
 use tower_layer::Layer;
 
 use crate::{
-    coalesce::InFlight,
-    drain::Operations,
+    endpoint::{Config, Endpoint, KeyReuseStatus, Runtime},
     fingerprint::Fingerprinter,
     scope::{ResolveTenant, TenantFromExtension},
     service::Idempotency,
     store::Store,
 };
 
-/// The status answered when a key is reused with a different request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum KeyReuseStatus {
-    /// `409 Conflict` (the default, and what the example server's contract says).
-    #[default]
-    Conflict,
-    /// `422 Unprocessable Content`, as the IETF `Idempotency-Key` draft suggests.
-    UnprocessableContent,
-}
-
-impl KeyReuseStatus {
-    pub(crate) fn status(self) -> StatusCode {
-        match self {
-            KeyReuseStatus::Conflict => StatusCode::CONFLICT,
-            KeyReuseStatus::UnprocessableContent => StatusCode::UNPROCESSABLE_ENTITY,
-        }
-    }
-}
-
+/// PostgreSQL takes at most `i32::MAX` milliseconds for its timeouts.
 const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
 /// The largest body limit: a quarter of PostgreSQL's 1 GiB field and message limits.
-pub(crate) const MAX_BODY: usize = 256 * 1024 * 1024;
+const MAX_BODY: usize = 256 * 1024 * 1024;
 const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-#[derive(Debug, Clone)]
-pub(crate) struct Config {
-    pub(crate) endpoint: Arc<str>,
-    pub(crate) header: HeaderName,
-    pub(crate) key_required: bool,
-    pub(crate) max_key_len: usize,
-    pub(crate) request_body_limit: usize,
-    pub(crate) response_body_limit: usize,
-    pub(crate) wait: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) replay_headers: Vec<HeaderName>,
-    pub(crate) key_reuse: KeyReuseStatus,
-    pub(crate) tenant_label: bool,
-    pub(crate) handler_timeout: Duration,
-}
 
 /// Gives the wrapped service Idempotency-Key semantics.
 ///
@@ -78,24 +42,29 @@ pub(crate) struct Config {
 /// ```
 #[derive(Debug)]
 pub struct IdempotencyLayer<St, F, R = TenantFromExtension> {
-    pub(crate) store: St,
-    pub(crate) fingerprinter: Arc<F>,
-    pub(crate) resolver: Arc<R>,
-    pub(crate) config: Arc<Config>,
-    pub(crate) in_flight: Arc<InFlight>,
-    pub(crate) operations: Arc<Operations>,
+    endpoint: Endpoint<St, F, R>,
 }
 
 impl<St: Clone, F, R> Clone for IdempotencyLayer<St, F, R> {
     fn clone(&self) -> Self {
         IdempotencyLayer {
-            store: self.store.clone(),
-            fingerprinter: self.fingerprinter.clone(),
-            resolver: self.resolver.clone(),
-            config: self.config.clone(),
-            in_flight: self.in_flight.clone(),
-            operations: self.operations.clone(),
+            endpoint: self.endpoint.clone(),
         }
+    }
+}
+
+impl<S, St, F> Idempotency<S, St, F, TenantFromExtension>
+where
+    St: Store,
+    F: Fingerprinter,
+{
+    /// An [`IdempotencyLayer`] (same arguments as [`IdempotencyLayer::new`]).
+    pub fn layer(
+        store: St,
+        endpoint: impl Into<Arc<str>>,
+        fingerprinter: F,
+    ) -> IdempotencyLayer<St, F, TenantFromExtension> {
+        IdempotencyLayer::new(store, endpoint, fingerprinter)
     }
 }
 
@@ -115,39 +84,20 @@ where
         let endpoint = endpoint.into();
         crate::metrics::register_endpoint(&endpoint);
         IdempotencyLayer {
-            store,
-            fingerprinter: Arc::new(fingerprinter),
-            resolver: Arc::new(TenantFromExtension),
-            config: Arc::new(Config {
-                endpoint,
-                header: HeaderName::from_static("idempotency-key"),
-                key_required: true,
-                max_key_len: crate::key::MAX_KEY_LEN,
-                request_body_limit: 1024 * 1024,
-                response_body_limit: 1024 * 1024,
-                wait: Duration::from_secs(5),
-                retention: Duration::from_secs(24 * 3600),
-                replay_headers: vec![
-                    header::CONTENT_TYPE,
-                    header::CONTENT_LANGUAGE,
-                    header::LOCATION,
-                    header::ETAG,
-                    header::LAST_MODIFIED,
-                    header::LINK,
-                ],
-                key_reuse: KeyReuseStatus::Conflict,
-                tenant_label: false,
-                handler_timeout: Duration::from_secs(30),
-            }),
-            in_flight: Arc::default(),
-            operations: Arc::default(),
+            endpoint: Endpoint {
+                store,
+                fingerprinter: Arc::new(fingerprinter),
+                resolver: Arc::new(TenantFromExtension),
+                config: Arc::new(Config::new(endpoint)),
+                runtime: Runtime::default(),
+            },
         }
     }
 }
 
 impl<St, F, R> IdempotencyLayer<St, F, R> {
     fn config_mut(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.config)
+        Arc::make_mut(&mut self.endpoint.config)
     }
 
     /// Resolves once no request that claimed a key through this layer (its
@@ -166,20 +116,28 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
     /// # }
     /// ```
     pub fn drained(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let operations = self.operations.clone();
+        let operations = self.endpoint.runtime.operations.clone();
         async move { operations.idle().await }
     }
 
     /// Resolves tenants with `resolver` instead (a [`ResolveTenant`] or a
     /// closure over the request parts).
     pub fn tenant_resolver<R2: ResolveTenant>(self, resolver: R2) -> IdempotencyLayer<St, F, R2> {
+        let Endpoint {
+            store,
+            fingerprinter,
+            config,
+            runtime,
+            ..
+        } = self.endpoint;
         IdempotencyLayer {
-            store: self.store,
-            fingerprinter: self.fingerprinter,
-            resolver: Arc::new(resolver),
-            config: self.config,
-            in_flight: self.in_flight,
-            operations: self.operations,
+            endpoint: Endpoint {
+                store,
+                fingerprinter,
+                resolver: Arc::new(resolver),
+                config,
+                runtime,
+            },
         }
     }
 
@@ -294,7 +252,7 @@ impl<S, St: Clone, F, R> Layer<S> for IdempotencyLayer<St, F, R> {
     type Service = Idempotency<S, St, F, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::from_layer(inner, self.clone())
+        Idempotency::new(inner, self.endpoint.clone())
     }
 }
 
@@ -310,9 +268,9 @@ mod tests {
             .response_body_limit(usize::MAX)
             .handler_timeout(Duration::MAX)
             .wait(Duration::MAX);
-        assert_eq!(layer.config.request_body_limit, MAX_BODY);
-        assert_eq!(layer.config.response_body_limit, MAX_BODY);
-        assert_eq!(layer.config.handler_timeout, MAX_WAIT);
-        assert_eq!(layer.config.wait, MAX_WAIT);
+        assert_eq!(layer.endpoint.config.request_body_limit, MAX_BODY);
+        assert_eq!(layer.endpoint.config.response_body_limit, MAX_BODY);
+        assert_eq!(layer.endpoint.config.handler_timeout, MAX_WAIT);
+        assert_eq!(layer.endpoint.config.wait, MAX_WAIT);
     }
 }

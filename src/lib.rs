@@ -97,20 +97,23 @@
 )]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admit;
 mod body;
 mod coalesce;
-mod drain;
+mod endpoint;
 mod fingerprint;
 mod future;
 mod key;
 mod layer;
 pub mod metrics;
+mod operations;
 pub mod outbox;
 pub mod problem;
 mod record;
 pub mod retention;
 mod scope;
 mod service;
+mod settled;
 pub mod store;
 
 #[cfg(feature = "axum")]
@@ -121,6 +124,7 @@ mod extract;
 pub mod testing;
 
 pub use body::{RequestBody, ResponseBody};
+pub use endpoint::KeyReuseStatus;
 #[cfg(feature = "axum")]
 pub use extract::MissingFromLayer;
 pub use fingerprint::{
@@ -129,7 +133,7 @@ pub use fingerprint::{
 };
 pub use future::ResponseFuture;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::{IdempotencyLayer, KeyReuseStatus};
+pub use layer::IdempotencyLayer;
 pub use problem::Problem;
 pub use record::{FinalResponse, Record, StoredResponse, IDEMPOTENT_REPLAYED};
 pub use scope::{ResolveTenant, Scope, SingleTenant, TenantFromExtension, TenantId};

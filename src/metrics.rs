@@ -44,41 +44,48 @@ pub const OUTBOX_PARKED_TOTAL: &str = "outbox_parked_total";
 /// supervisor increments it, as the example order server does.
 pub const OUTBOX_RELAY_RESTARTS_TOTAL: &str = "outbox_relay_restarts_total";
 
-/// How an idempotent request ended, as the `outcome` label says it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Outcome {
-    /// The request owned its key, ran, and its response was committed.
-    New,
-    /// A completed record was replayed.
-    Replayed,
-    /// The key was reused with a different request and refused.
-    KeyReused,
-    /// Another request still held the key after the wait.
-    InProgress,
-    /// Refused before owning a key (missing/invalid key, no tenant, too
-    /// large, validation failure).
-    Rejected,
-    /// The owner's work was rolled back (5xx, service error, panic,
-    /// unstorable response).
-    RolledBack,
-    /// The store failed.
-    StoreUnavailable,
+/// Defines [`Outcome`] with its label values and the list of all of them,
+/// so that a new outcome cannot be left out of [`register_endpoint`].
+macro_rules! outcomes {
+    ($($(#[$doc:meta])* $variant:ident => $label:literal,)*) => {
+        /// How an idempotent request ended, as the `outcome` label says it.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum Outcome {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Outcome {
+            /// Every outcome, in declaration order.
+            pub const ALL: &'static [Outcome] = &[$(Outcome::$variant),*];
+
+            /// The label value.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Outcome::$variant => $label,)*
+                }
+            }
+        }
+    };
 }
 
-impl Outcome {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::New => "new",
-            Outcome::Replayed => "replayed",
-            Outcome::KeyReused => "key_reused",
-            Outcome::InProgress => "in_progress",
-            Outcome::Rejected => "rejected",
-            Outcome::RolledBack => "rolled_back",
-            Outcome::StoreUnavailable => "store_unavailable",
-        }
-    }
+outcomes! {
+    /// The request owned its key, ran, and its response was committed.
+    New => "new",
+    /// A completed record was replayed.
+    Replayed => "replayed",
+    /// The key was reused with a different request and refused.
+    KeyReused => "key_reused",
+    /// Another request still held the key after the wait.
+    InProgress => "in_progress",
+    /// Refused before owning a key (missing/invalid key, no tenant, too
+    /// large, validation failure).
+    Rejected => "rejected",
+    /// The owner's work was rolled back (5xx, service error, panic,
+    /// unstorable response, handler timeout, a commit the database refused).
+    RolledBack => "rolled_back",
+    /// The store failed, or the commit's outcome is unknown.
+    StoreUnavailable => "store_unavailable",
 }
 
 /// `tenant` is only passed when the user opted in to the tenant label.
@@ -142,15 +149,7 @@ pub(crate) fn duplicate_wait(endpoint: &str, seconds: f64) {
 /// Creates every outcome's series at zero, so dashboards and alerts see the
 /// metric before the first request of each kind.
 pub(crate) fn register_endpoint(endpoint: &str) {
-    for outcome in [
-        Outcome::New,
-        Outcome::Replayed,
-        Outcome::KeyReused,
-        Outcome::InProgress,
-        Outcome::Rejected,
-        Outcome::RolledBack,
-        Outcome::StoreUnavailable,
-    ] {
+    for outcome in Outcome::ALL {
         metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
             .increment(0);
     }

@@ -456,14 +456,18 @@ fn key_columns(request: &ClaimRequest) -> (&str, &str, &str) {
 
 impl PgStore {
     /// The claim, answered by `deadline` (plus [`CLAIM_GRACE`]) whatever the
-    /// database does; `retried` once a faulty pooled connection was replaced.
+    /// database does. The first attempt sets the deadline once it has a
+    /// connection (taking one is bounded by the pool's acquire timeout); an
+    /// attempt on a replacement for a faulty pooled connection keeps it.
     async fn claim_once(
         &self,
         request: &ClaimRequest,
-        deadline: tokio::time::Instant,
-        retried: bool,
+        deadline: Option<tokio::time::Instant>,
     ) -> Result<Claim<PgTx>, StoreError> {
         let mut conn = self.conn().await?;
+        let retried = deadline.is_some();
+        let deadline =
+            deadline.unwrap_or_else(|| tokio::time::Instant::now() + request.wait.max(MIN_WAIT));
         // Outside the claim's transaction no lock_timeout applies, so the
         // deadline bounds the lookup and the first PREPARE of the claim
         // statement on this connection. A statement cut off that way leaves
@@ -494,7 +498,7 @@ impl PgStore {
             {
                 conn.discard();
                 drop(conn);
-                return Box::pin(self.claim_once(request, deadline, true)).await;
+                return Box::pin(self.claim_once(request, Some(deadline))).await;
             }
             Ok(Err(e)) => {
                 if is_session_fault(&e) {
@@ -607,8 +611,7 @@ impl Store for PgStore {
     type Tx = PgTx;
 
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
-        let deadline = tokio::time::Instant::now() + request.wait.max(MIN_WAIT);
-        self.claim_once(request, deadline, false).await
+        self.claim_once(request, None).await
     }
 
     async fn complete(&self, tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {

@@ -1,0 +1,173 @@
+//! Admission: everything decided before a key is claimed. Cheap checks
+//! first (key, tenant), then the body is buffered under its limit and
+//! fingerprinted. Nothing here is remembered.
+
+use bytes::Bytes;
+use http::{header, request::Parts, Request, StatusCode};
+use http_body::Body;
+use http_body_util::BodyExt;
+
+use crate::{
+    body::BoxError,
+    endpoint::{Config, Endpoint},
+    fingerprint::Fingerprinter,
+    key::{IdempotencyKey, KeyError},
+    problem::{codes, Problem},
+    scope::{ResolveTenant, Scope},
+    store::ClaimRequest,
+};
+
+/// What admission decided.
+pub(crate) enum Admission<B> {
+    /// No key, and keys are optional: the request goes through untouched.
+    PassThrough(Request<B>),
+    /// Refused before claiming; never remembered.
+    Refused(Problem),
+    /// Ready to claim its key.
+    Admitted(Admitted),
+}
+
+/// A request ready to claim its key: its parts, its buffered body and what
+/// it asks the store for.
+pub(crate) struct Admitted {
+    pub(crate) parts: Parts,
+    pub(crate) body: Bytes,
+    pub(crate) claim: ClaimRequest,
+}
+
+pub(crate) async fn admit<St, F, R, B>(
+    endpoint: &Endpoint<St, F, R>,
+    request: Request<B>,
+) -> Admission<B>
+where
+    F: Fingerprinter,
+    R: ResolveTenant,
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let config = &endpoint.config;
+    let key = match parse_key(config, &request) {
+        Ok(Some(key)) => key,
+        Ok(None) => return Admission::PassThrough(request),
+        Err(problem) => return Admission::Refused(problem),
+    };
+    tracing::Span::current().record("key_hash", key.short_hash());
+    let (mut parts, body) = request.into_parts();
+    let Some(tenant) = endpoint.resolver.resolve(&parts) else {
+        tracing::warn!("no authenticated tenant for an idempotent request; refusing (fail closed)");
+        let problem = Problem::new(
+            StatusCode::UNAUTHORIZED,
+            codes::UNAUTHORIZED,
+            "No authenticated tenant",
+        );
+        return Admission::Refused(problem);
+    };
+    let body = match read_body(config, &parts, body).await {
+        Ok(body) => body,
+        Err(problem) => return Admission::Refused(problem),
+    };
+    let fingerprint = match endpoint.fingerprinter.fingerprint(&mut parts, &body) {
+        // The same body sent to another path or query is another request.
+        Ok(fingerprint) => {
+            let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
+            fingerprint.for_target(&parts.method, target)
+        }
+        Err(problem) => return Admission::Refused(problem),
+    };
+    let claim = ClaimRequest::new(
+        Scope::new(tenant, config.endpoint.clone()),
+        key,
+        fingerprint,
+        config.retention,
+        config.wait,
+    );
+    Admission::Admitted(Admitted { parts, body, claim })
+}
+
+fn parse_key<B>(config: &Config, request: &Request<B>) -> Result<Option<IdempotencyKey>, Problem> {
+    let mut values = request.headers().get_all(&config.header).iter();
+    let invalid = |e: KeyError| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::KEY_INVALID,
+            "The idempotency key is not valid",
+        )
+        .with_detail(e.to_string())
+    };
+    match (values.next(), values.next()) {
+        (None, _) if config.key_required => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::KEY_MISSING,
+            "An idempotency key is required",
+        )
+        .with_detail(format!(
+            "send a unique `{}` header with this request",
+            config.header
+        ))),
+        (None, _) => Ok(None),
+        (Some(_), Some(_)) => Err(invalid(KeyError::Repeated)),
+        (Some(value), None) => match IdempotencyKey::parse(value.as_bytes()) {
+            Ok(key) if key.as_str().len() > config.max_key_len => Err(invalid(KeyError::TooLong)),
+            Ok(key) => Ok(Some(key)),
+            Err(e) => Err(invalid(e)),
+        },
+    }
+}
+
+/// Buffers the body under the limit. An over-long body is still read (and
+/// discarded) up to [`DRAIN_LIMIT`] so that an HTTP/1 client, which sends its
+/// whole body before it reads, sees the 413 instead of a broken pipe.
+async fn read_body<B>(config: &Config, parts: &Parts, body: B) -> Result<Bytes, Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let limit = config.request_body_limit;
+    let too_large = || {
+        Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            codes::PAYLOAD_TOO_LARGE,
+            "The request body is too large",
+        )
+        .with_detail(format!("the limit is {limit} bytes"))
+    };
+    let unreadable = || {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::BODY_UNREADABLE,
+            "The request body could not be read",
+        )
+    };
+    let drain_limit = limit.saturating_add(DRAIN_LIMIT) as u64;
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > drain_limit) {
+        return Err(too_large());
+    }
+    let mut body = std::pin::pin!(body);
+    let mut buffered = bytes::BytesMut::new();
+    let mut seen: u64 = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| unreadable())?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        seen += data.len() as u64;
+        if seen > drain_limit {
+            break;
+        }
+        if seen <= limit as u64 {
+            buffered.extend_from_slice(&data);
+        }
+    }
+    if seen > limit as u64 {
+        return Err(too_large());
+    }
+    Ok(buffered.freeze())
+}
+
+/// How far past the request body limit an over-long body is read and discarded.
+const DRAIN_LIMIT: usize = 1024 * 1024;

@@ -1,0 +1,102 @@
+//! What an [`IdempotencyLayer`](crate::IdempotencyLayer) sets up for its
+//! endpoint, shared by every service the layer makes: the configuration, the
+//! strategies, and the state that concurrent requests share at run time.
+
+use std::{sync::Arc, time::Duration};
+
+use http::{header, HeaderName, StatusCode};
+
+use crate::{coalesce::InFlight, operations::Operations};
+
+/// The status answered when a key is reused with a different request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KeyReuseStatus {
+    /// `409 Conflict` (the default, and what the example server's contract says).
+    #[default]
+    Conflict,
+    /// `422 Unprocessable Content`, as the IETF `Idempotency-Key` draft suggests.
+    UnprocessableContent,
+}
+
+impl KeyReuseStatus {
+    pub(crate) fn status(self) -> StatusCode {
+        match self {
+            KeyReuseStatus::Conflict => StatusCode::CONFLICT,
+            KeyReuseStatus::UnprocessableContent => StatusCode::UNPROCESSABLE_ENTITY,
+        }
+    }
+}
+
+/// The layer's settings: plain data.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) endpoint: Arc<str>,
+    pub(crate) header: HeaderName,
+    pub(crate) key_required: bool,
+    pub(crate) max_key_len: usize,
+    pub(crate) request_body_limit: usize,
+    pub(crate) response_body_limit: usize,
+    pub(crate) wait: Duration,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) key_reuse: KeyReuseStatus,
+    pub(crate) tenant_label: bool,
+}
+
+impl Config {
+    pub(crate) fn new(endpoint: Arc<str>) -> Self {
+        Config {
+            endpoint,
+            header: HeaderName::from_static("idempotency-key"),
+            key_required: true,
+            max_key_len: crate::key::MAX_KEY_LEN,
+            request_body_limit: 1024 * 1024,
+            response_body_limit: 1024 * 1024,
+            wait: Duration::from_secs(5),
+            handler_timeout: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3600),
+            replay_headers: vec![
+                header::CONTENT_TYPE,
+                header::CONTENT_LANGUAGE,
+                header::LOCATION,
+                header::ETAG,
+                header::LAST_MODIFIED,
+                header::LINK,
+            ],
+            key_reuse: KeyReuseStatus::Conflict,
+            tenant_label: false,
+        }
+    }
+}
+
+/// What requests of one layer share while they run: who leads each key in
+/// this process, and which operations still own a key.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Runtime {
+    pub(crate) in_flight: Arc<InFlight>,
+    pub(crate) operations: Arc<Operations>,
+}
+
+/// One endpoint's setup: cheap to clone (handles and `Arc`s).
+#[derive(Debug)]
+pub(crate) struct Endpoint<St, F, R> {
+    pub(crate) store: St,
+    pub(crate) fingerprinter: Arc<F>,
+    pub(crate) resolver: Arc<R>,
+    pub(crate) config: Arc<Config>,
+    pub(crate) runtime: Runtime,
+}
+
+impl<St: Clone, F, R> Clone for Endpoint<St, F, R> {
+    fn clone(&self) -> Self {
+        Endpoint {
+            store: self.store.clone(),
+            fingerprinter: self.fingerprinter.clone(),
+            resolver: self.resolver.clone(),
+            config: self.config.clone(),
+            runtime: self.runtime.clone(),
+        }
+    }
+}

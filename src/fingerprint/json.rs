@@ -1,0 +1,222 @@
+//! [`JsonFingerprinter`] and the canonical JSON encoding it hashes.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::request::Parts;
+use serde_json::Value;
+
+use super::{validation_problem, FieldError, Fingerprint, Fingerprinter};
+use crate::problem::Problem;
+
+/// Fingerprints any JSON body by its canonical form.
+///
+/// Object key order, white space and number spelling (`1`, `1.0`, `1e0`) make
+/// no difference; array order does. Top-level fields named with
+/// [`ignore_field`](Self::ignore_field) (tracing ids, client timestamps) are
+/// dropped before hashing. A body that is not JSON is answered with
+/// `422 validation_failed`.
+///
+/// ```
+/// use tower_idempotency::{Fingerprinter, JsonFingerprinter};
+///
+/// let fp = JsonFingerprinter::new("orders.v1").ignore_field("trace_id");
+/// let (mut parts, _) = http::Request::new(()).into_parts();
+/// let a = fp.fingerprint(&mut parts, &r#"{"a": 1, "b": [1, 2], "trace_id": "x"}"#.into()).unwrap();
+/// let b = fp.fingerprint(&mut parts, &r#"{"b":[1,2.0],"a":1}"#.into()).unwrap();
+/// assert_eq!(a, b);
+/// ```
+#[derive(Debug, Clone)]
+pub struct JsonFingerprinter {
+    version: Arc<str>,
+    ignored: Arc<[String]>,
+}
+
+impl JsonFingerprinter {
+    /// A fingerprinter for an endpoint version (e.g. `"orders.v1"`).
+    pub fn new(version: impl Into<Arc<str>>) -> Self {
+        JsonFingerprinter {
+            version: version.into(),
+            ignored: Arc::from(Vec::new()),
+        }
+    }
+
+    /// Drops a top-level field that is not part of the business request.
+    pub fn ignore_field(mut self, name: impl Into<String>) -> Self {
+        let mut ignored = self.ignored.to_vec();
+        ignored.push(name.into());
+        self.ignored = ignored.into();
+        self
+    }
+}
+
+impl Fingerprinter for JsonFingerprinter {
+    fn fingerprint(&self, _parts: &mut Parts, body: &Bytes) -> Result<Fingerprint, Problem> {
+        let mut value: Value = serde_json::from_slice(body)
+            .map_err(|e| validation_problem(&[FieldError::new("", e.to_string())]))?;
+        if let Value::Object(map) = &mut value {
+            for name in self.ignored.iter() {
+                map.remove(name);
+            }
+        }
+        Ok(Fingerprint::digest(&self.version, &canonical_json(&value)))
+    }
+}
+
+/// A deterministic, unambiguous byte encoding of a JSON value: objects by
+/// sorted key, numbers by value, strings length-prefixed.
+pub fn canonical_json(value: &Value) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    encode(value, &mut out);
+    out
+}
+
+fn encode(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Null => out.push(b'n'),
+        Value::Bool(true) => out.push(b't'),
+        Value::Bool(false) => out.push(b'f'),
+        Value::Number(n) => {
+            out.push(b'#');
+            out.extend_from_slice(canonical_number(n).as_bytes());
+            out.push(b';');
+        }
+        Value::String(s) => encode_str(s, out),
+        Value::Array(items) => {
+            out.push(b'[');
+            items.iter().for_each(|item| encode(item, out));
+            out.push(b']');
+        }
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (key, item) in entries {
+                encode_str(key, out);
+                encode(item, out);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+fn encode_str(s: &str, out: &mut Vec<u8>) {
+    out.push(b's');
+    out.extend_from_slice(&(s.len() as u64).to_be_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// Numbers compare by value: integers print as integers, and a float with
+/// no fractional part prints as the integer it exactly is, so `2`, `2.0` and
+/// `2e0` (or `100000000000000000` and `1e17`) agree. Other floats compare as
+/// IEEE-754 doubles: values that differ only beyond double precision collide,
+/// so send amounts in integer minor units or as strings.
+fn canonical_number(n: &serde_json::Number) -> String {
+    if let Some(i) = n.as_i64() {
+        return i.to_string();
+    }
+    if let Some(u) = n.as_u64() {
+        return u.to_string();
+    }
+    let f = n.as_f64().unwrap_or(f64::NAN);
+    // Every integral double below 2^127 converts to i128 exactly.
+    const I128_SAFE: f64 = 1.7014118346046923e38;
+    if f.fract() == 0.0 && f.abs() < I128_SAFE {
+        return (f as i128).to_string();
+    }
+    format!("{f:e}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::codes;
+    use http::StatusCode;
+    use proptest::prelude::*;
+
+    fn fp(json: &JsonFingerprinter, body: &str) -> Result<Fingerprint, Problem> {
+        let (mut parts, _) = http::Request::new(()).into_parts();
+        json.fingerprint(&mut parts, &Bytes::copy_from_slice(body.as_bytes()))
+    }
+
+    #[test]
+    fn number_spelling_does_not_matter() {
+        let json = JsonFingerprinter::new("v1");
+        let a = fp(&json, r#"{"n": 2, "x": 0.5}"#).unwrap();
+        assert_eq!(a, fp(&json, r#"{"n": 2.0, "x": 5e-1}"#).unwrap());
+        assert_eq!(a, fp(&json, r#"{"x":0.50,"n":2E0}"#).unwrap());
+        assert_eq!(
+            fp(&json, "100000000000000000").unwrap(),
+            fp(&json, "1e17").unwrap()
+        );
+        assert_eq!(fp(&json, "-0.0").unwrap(), fp(&json, "0").unwrap());
+        assert_ne!(a, fp(&json, r#"{"n": 3, "x": 0.5}"#).unwrap());
+    }
+
+    #[test]
+    fn array_order_and_types_matter() {
+        let json = JsonFingerprinter::new("v1");
+        assert_ne!(fp(&json, "[1,2]").unwrap(), fp(&json, "[2,1]").unwrap());
+        assert_ne!(
+            fp(&json, r#"{"a":"1"}"#).unwrap(),
+            fp(&json, r#"{"a":1}"#).unwrap()
+        );
+        assert_ne!(
+            fp(&json, r#"{"a":null}"#).unwrap(),
+            fp(&json, "{}").unwrap()
+        );
+        // Length prefixes keep concatenations apart.
+        assert_ne!(
+            fp(&json, r#"{"ab":"c"}"#).unwrap(),
+            fp(&json, r#"{"a":"bc"}"#).unwrap()
+        );
+    }
+
+    #[test]
+    fn version_is_mixed_in() {
+        let body = r#"{"a":1}"#;
+        assert_ne!(
+            fp(&JsonFingerprinter::new("v1"), body).unwrap(),
+            fp(&JsonFingerprinter::new("v2"), body).unwrap()
+        );
+    }
+
+    #[test]
+    fn invalid_json_is_a_validation_problem() {
+        let problem = fp(&JsonFingerprinter::new("v1"), "{nope").unwrap_err();
+        assert_eq!(problem.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(problem.code(), codes::VALIDATION_FAILED);
+    }
+
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            "[a-z]{0,6}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::btree_map("[a-z]{1,3}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn pretty_and_compact_spellings_agree(value in arb_json()) {
+            let json = JsonFingerprinter::new("v1");
+            let compact = serde_json::to_string(&value).unwrap();
+            let pretty = serde_json::to_string_pretty(&value).unwrap();
+            prop_assert_eq!(fp(&json, &compact).unwrap(), fp(&json, &pretty).unwrap());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let (mut parts, _) = http::Request::new(()).into_parts();
+            let _ = JsonFingerprinter::new("v1").fingerprint(&mut parts, &Bytes::from(body));
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! [`TypedFingerprinter`]: a DTO-shaped fingerprint, with validation and the
+//! [`Validated`] value it leaves for the handler.
+
+use std::{fmt, marker::PhantomData, sync::Arc};
+
+use bytes::Bytes;
+use http::{request::Parts, StatusCode};
+use serde::{de::DeserializeOwned, Serialize};
+use serde_json::Value;
+
+use super::{canonical_json, Fingerprint, Fingerprinter};
+use crate::problem::{codes, Problem};
+
+/// One failing field of a rejected body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FieldError {
+    /// Where the field is, e.g. `items[0].quantity` (empty for the whole body).
+    pub field: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl FieldError {
+    /// A failing field.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        FieldError {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The `422 validation_failed` problem listing the failing fields.
+pub fn validation_problem(errors: &[FieldError]) -> Problem {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        codes::VALIDATION_FAILED,
+        "The request body is not valid",
+    )
+    .with_member(
+        "errors",
+        serde_json::to_value(errors).unwrap_or(Value::Null),
+    )
+}
+
+/// The validated DTO a [`TypedFingerprinter`] parsed, left in the request
+/// extensions so the handler does not parse the body again.
+///
+/// With the `axum` feature it is an extractor.
+#[derive(Debug)]
+pub struct Validated<T>(Arc<T>);
+
+impl<T> Validated<T> {
+    /// Wraps an already validated value.
+    pub fn new(value: T) -> Self {
+        Validated(Arc::new(value))
+    }
+
+    /// The shared value.
+    pub fn into_inner(self) -> Arc<T> {
+        self.0
+    }
+}
+
+impl<T> Clone for Validated<T> {
+    fn clone(&self) -> Self {
+        Validated(self.0.clone())
+    }
+}
+
+impl<T> std::ops::Deref for Validated<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+type Validator<T> = Arc<dyn Fn(&T) -> Result<(), Vec<FieldError>> + Send + Sync>;
+
+/// Deserialises the body into the endpoint's DTO, validates it and hashes its
+/// canonical encoding.
+///
+/// Serde decides what is a business field: unknown fields are ignored (unless
+/// the type denies them), `#[serde(default)]` fills defaults, so `quantity`
+/// absent and `quantity: 1` are the same request. The DTO is left in the
+/// request extensions as [`Validated<T>`].
+///
+/// ```
+/// use serde::{Deserialize, Serialize};
+/// use tower_idempotency::{FieldError, Fingerprinter, TypedFingerprinter, Validated};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct Transfer { to: String, #[serde(default)] memo: Option<String>, amount: u64 }
+///
+/// let fp = TypedFingerprinter::<Transfer>::new("transfers.v1").with_validator(|t| {
+///     if t.amount == 0 { Err(vec![FieldError::new("amount", "must be positive")]) } else { Ok(()) }
+/// });
+/// let (mut parts, _) = http::Request::new(()).into_parts();
+/// let a = fp.fingerprint(&mut parts, &r#"{"to":"bob","amount":5}"#.into()).unwrap();
+/// let b = fp.fingerprint(&mut parts, &r#"{"amount":5,"memo":null,"to":"bob","note":"x"}"#.into()).unwrap();
+/// assert_eq!(a, b);
+/// assert_eq!(parts.extensions.get::<Validated<Transfer>>().unwrap().to, "bob");
+/// let rejected = fp.fingerprint(&mut parts, &r#"{"to":"bob","amount":0}"#.into()).unwrap_err();
+/// assert_eq!(rejected.code(), "validation_failed");
+/// ```
+pub struct TypedFingerprinter<T> {
+    version: Arc<str>,
+    validator: Option<Validator<T>>,
+    _dto: PhantomData<fn() -> T>,
+}
+
+impl<T> TypedFingerprinter<T> {
+    /// A fingerprinter for the DTO `T` under an endpoint version.
+    pub fn new(version: impl Into<Arc<str>>) -> Self {
+        TypedFingerprinter {
+            version: version.into(),
+            validator: None,
+            _dto: PhantomData,
+        }
+    }
+
+    /// Adds business validation run after deserialisation; failures are
+    /// answered with `422 validation_failed` listing the fields.
+    pub fn with_validator<F>(mut self, validator: F) -> Self
+    where
+        F: Fn(&T) -> Result<(), Vec<FieldError>> + Send + Sync + 'static,
+    {
+        self.validator = Some(Arc::new(validator));
+        self
+    }
+}
+
+impl<T> Clone for TypedFingerprinter<T> {
+    fn clone(&self) -> Self {
+        TypedFingerprinter {
+            version: self.version.clone(),
+            validator: self.validator.clone(),
+            _dto: PhantomData,
+        }
+    }
+}
+
+impl<T> fmt::Debug for TypedFingerprinter<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TypedFingerprinter")
+            .field("dto", &std::any::type_name::<T>())
+            .field("version", &self.version)
+            .field("validator", &self.validator.is_some())
+            .finish()
+    }
+}
+
+impl<T> Fingerprinter for TypedFingerprinter<T>
+where
+    T: DeserializeOwned + Serialize + Send + Sync + 'static,
+{
+    fn fingerprint(&self, parts: &mut Parts, body: &Bytes) -> Result<Fingerprint, Problem> {
+        let mut de = serde_json::Deserializer::from_slice(body);
+        let dto: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let field = e.path().to_string();
+            let field = if field == "." { String::new() } else { field };
+            validation_problem(&[FieldError::new(field, e.inner().to_string())])
+        })?;
+        de.end()
+            .map_err(|e| validation_problem(&[FieldError::new("", e.to_string())]))?;
+        if let Some(validator) = &self.validator {
+            validator(&dto).map_err(|errors| validation_problem(&errors))?;
+        }
+        let canonical = serde_json::to_value(&dto).map_err(|e| {
+            validation_problem(&[FieldError::new("", format!("cannot encode: {e}"))])
+        })?;
+        let fingerprint = Fingerprint::digest(&self.version, &canonical_json(&canonical));
+        parts.extensions.insert(Validated::new(dto));
+        Ok(fingerprint)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Deserialize, Serialize)]
+    struct Item {
+        sku: String,
+        #[serde(default = "one")]
+        quantity: u32,
+    }
+    fn one() -> u32 {
+        1
+    }
+
+    #[test]
+    fn typed_reports_the_failing_field_path() {
+        let typed = TypedFingerprinter::<Vec<Item>>::new("v1");
+        let (mut parts, _) = http::Request::new(()).into_parts();
+        let problem = typed
+            .fingerprint(
+                &mut parts,
+                &Bytes::from_static(br#"[{"sku":"a"},{"sku":"b","quantity":-1}]"#),
+            )
+            .unwrap_err();
+        let json = problem.to_json();
+        assert_eq!(json["errors"][0]["field"], "[1].quantity");
+        assert!(parts.extensions.get::<Validated<Vec<Item>>>().is_none());
+    }
+
+    #[test]
+    fn typed_applies_defaults_before_hashing() {
+        let typed = TypedFingerprinter::<Item>::new("v1");
+        let (mut parts, _) = http::Request::new(()).into_parts();
+        let a = typed
+            .fingerprint(&mut parts, &Bytes::from_static(br#"{"sku":"a"}"#))
+            .unwrap();
+        let b = typed
+            .fingerprint(
+                &mut parts,
+                &Bytes::from_static(br#"{"quantity":1,"sku":"a","extra":[1]}"#),
+            )
+            .unwrap();
+        assert_eq!(a, b);
+        assert!(typed
+            .fingerprint(&mut parts, &Bytes::from_static(br#"{"sku":"a"} trailing"#))
+            .is_err());
+    }
+}

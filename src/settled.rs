@@ -1,0 +1,280 @@
+//! How a request ended, and the two things made of it: the answer the client
+//! gets ([`Settled::answer`]) and what operators see ([`Settled::observe`]:
+//! the span's outcome, one log event, the metrics). Both match every
+//! variant, so a new way to end does not compile until both handle it, and
+//! each runs exactly once per request.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{response, Response, StatusCode};
+use tracing::Span;
+
+use crate::{
+    body::ResponseBody,
+    endpoint::Config,
+    metrics::{self, Outcome},
+    problem::{codes, Problem},
+    record::StoredResponse,
+    store::{StoreError, StoreErrorKind},
+};
+
+/// The answer of the middleware: the inner service's error type is kept.
+pub(crate) type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+/// How an idempotent request ended.
+pub(crate) enum Settled<B, E> {
+    /// Refused before claiming its key (key, tenant, body, fingerprint).
+    Rejected(Problem),
+    /// The key has a completed record for the same request: its replay.
+    Replayed(StoredResponse),
+    /// The key has a completed record for another request.
+    KeyReused,
+    /// Another request still held the key when the wait ran out.
+    InProgress,
+    /// The store could not arbitrate the key.
+    ClaimFailed(StoreError),
+    /// The owner's response committed with its writes.
+    Committed(response::Parts, Bytes),
+    /// The owner's work was rolled back; the key is free again.
+    RolledBack(Rollback<B, E>),
+    /// The owner's response was ready, but the commit failed (see the kind).
+    CompletionFailed(StoreError),
+    /// The runtime shut down under the owned work.
+    Cancelled,
+}
+
+/// Why an owner's work was rolled back, with what the client gets.
+pub(crate) enum Rollback<B, E> {
+    /// A response that is not remembered (5xx, unmarked 4xx): passed on.
+    NotRemembered(Response<B>),
+    /// The inner service failed: its error is passed on.
+    ServiceFailed(E),
+    /// A response to remember whose body could not be buffered.
+    Unstorable(&'static str),
+    /// The handler did not finish within the handler timeout.
+    TimedOut,
+}
+
+/// When the phases of a request ended, for the metrics.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timings {
+    arrived: Instant,
+    /// Arrival to the store's answer to the claim.
+    pub(crate) claimed: Option<Duration>,
+    /// Arrival to the end of waiting for a concurrent duplicate, if it waited.
+    pub(crate) waited: Option<Duration>,
+    /// How long the owner held its key, claim to commit or rollback.
+    pub(crate) held: Option<Duration>,
+}
+
+impl Timings {
+    pub(crate) fn start() -> Self {
+        Timings {
+            arrived: Instant::now(),
+            claimed: None,
+            waited: None,
+            held: None,
+        }
+    }
+
+    pub(crate) fn since_arrival(&self) -> Duration {
+        self.arrived.elapsed()
+    }
+}
+
+impl<B, E> Settled<B, E> {
+    /// The `outcome` label.
+    pub(crate) fn outcome(&self) -> Outcome {
+        match self {
+            Settled::Rejected(_) => Outcome::Rejected,
+            Settled::Replayed(_) => Outcome::Replayed,
+            Settled::KeyReused => Outcome::KeyReused,
+            Settled::InProgress => Outcome::InProgress,
+            Settled::ClaimFailed(_) | Settled::Cancelled => Outcome::StoreUnavailable,
+            Settled::Committed(..) => Outcome::New,
+            Settled::RolledBack(_) => Outcome::RolledBack,
+            Settled::CompletionFailed(e) => match e.kind() {
+                StoreErrorKind::TransactionAborted | StoreErrorKind::Conflict => {
+                    Outcome::RolledBack
+                }
+                _ => Outcome::StoreUnavailable,
+            },
+        }
+    }
+
+    /// What the claim itself answered, for the claim-duration histogram.
+    fn claim_outcome(&self) -> Outcome {
+        match self {
+            Settled::Committed(..) | Settled::RolledBack(_) | Settled::CompletionFailed(_) => {
+                Outcome::New
+            }
+            other => other.outcome(),
+        }
+    }
+
+    /// Records the outcome on the span, logs the decision once, and counts
+    /// the request once.
+    pub(crate) fn observe(
+        &self,
+        config: &Config,
+        span: &Span,
+        timings: &Timings,
+        tenant: Option<&str>,
+    ) {
+        let _entered = span.enter();
+        let endpoint = &*config.endpoint;
+        let outcome = self.outcome();
+        span.record("outcome", outcome.as_str());
+        match self {
+            Settled::Rejected(problem) => {
+                tracing::debug!(
+                    code = problem.code(),
+                    "request refused before claiming a key"
+                );
+            }
+            Settled::Replayed(_) => tracing::info!("replaying the completed response"),
+            Settled::KeyReused => tracing::info!("key reused with a different request; refused"),
+            Settled::InProgress => tracing::info!("key still in progress after the wait"),
+            Settled::ClaimFailed(e) => tracing::error!(error = %e, "claim failed"),
+            Settled::Committed(parts, _) => tracing::info!(
+                status = parts.status.as_u16(),
+                "committed the response with the handler's writes"
+            ),
+            Settled::RolledBack(rollback) => {
+                let reason = match rollback {
+                    Rollback::NotRemembered(_) => "the response is not remembered",
+                    Rollback::ServiceFailed(_) => "the service failed",
+                    Rollback::Unstorable(reason) => reason,
+                    Rollback::TimedOut => {
+                        metrics::handler_timeout(endpoint);
+                        "the handler did not finish within its deadline"
+                    }
+                };
+                tracing::info!(reason, "rolled back; the key is free again");
+            }
+            Settled::CompletionFailed(e) => match e.kind() {
+                StoreErrorKind::OutcomeUnknown => tracing::error!(
+                    error = %e,
+                    "the connection was lost while committing: the outcome is unknown; a retry with the same key finds out"
+                ),
+                StoreErrorKind::TransactionAborted => tracing::error!(
+                    error = %e,
+                    "the database refused to commit the handler's writes; rolled back"
+                ),
+                StoreErrorKind::Conflict => tracing::warn!(
+                    error = %e,
+                    "the commit conflicted with a concurrent transaction; rolled back"
+                ),
+                _ => {
+                    tracing::error!(error = %e, "commit failed; the handler's writes were rolled back")
+                }
+            },
+            Settled::Cancelled => tracing::warn!("the runtime shut down under an owned request"),
+        }
+        metrics::request(endpoint, outcome, tenant);
+        if let Some(claimed) = timings.claimed {
+            metrics::claim_duration(endpoint, self.claim_outcome(), claimed.as_secs_f64());
+        }
+        if let Some(waited) = timings.waited {
+            tracing::info!(
+                waited_ms = waited.as_millis() as u64,
+                "waited for a concurrent duplicate"
+            );
+            metrics::duplicate_wait(endpoint, waited.as_secs_f64());
+        }
+        if let Some(held) = timings.held {
+            metrics::key_held(endpoint, held.as_secs_f64());
+        }
+    }
+
+    /// The response the client gets.
+    pub(crate) fn answer(self, config: &Config) -> Answer<B, E> {
+        let problem = match self {
+            Settled::Replayed(stored) => return Ok(stored.to_replay().map(ResponseBody::buffered)),
+            Settled::Committed(parts, body) => {
+                return Ok(Response::from_parts(parts, ResponseBody::buffered(body)))
+            }
+            Settled::RolledBack(Rollback::NotRemembered(response)) => {
+                return Ok(response.map(ResponseBody::inner))
+            }
+            Settled::RolledBack(Rollback::ServiceFailed(e)) => return Err(e),
+            Settled::Rejected(problem) => problem,
+            Settled::KeyReused => key_reused(config),
+            Settled::InProgress => in_progress(),
+            Settled::ClaimFailed(_) => store_unavailable("the idempotency store is unavailable"),
+            Settled::RolledBack(Rollback::Unstorable(_)) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                codes::RESPONSE_NOT_STORABLE,
+                "The response could not be remembered; nothing was changed",
+            ),
+            Settled::RolledBack(Rollback::TimedOut) => handler_timeout(config),
+            Settled::CompletionFailed(e) => completion_failed(&e),
+            Settled::Cancelled => {
+                store_unavailable("the request was cancelled by a runtime shutdown")
+            }
+        };
+        Ok(problem.to_response().map(ResponseBody::buffered))
+    }
+}
+
+fn key_reused(config: &Config) -> Problem {
+    Problem::new(
+        config.key_reuse.status(),
+        codes::KEY_REUSED,
+        "This idempotency key was already used for a different request",
+    )
+    .with_detail("use a new key for a new request; the first request's result is unchanged")
+}
+
+fn in_progress() -> Problem {
+    Problem::new(
+        StatusCode::CONFLICT,
+        codes::IN_PROGRESS,
+        "A request with this idempotency key is still in progress",
+    )
+    .with_detail("retry after a moment to get its result")
+    .with_retry_after(1)
+}
+
+fn handler_timeout(config: &Config) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        codes::HANDLER_TIMEOUT,
+        "The request did not finish in time; nothing was changed",
+    )
+    .with_detail(format!(
+        "the handler was stopped after {} ms and its work rolled back; retry with the same key",
+        config.handler_timeout.as_millis()
+    ))
+    .with_retry_after(1)
+}
+
+/// See [`StoreErrorKind`] for what each kind means.
+fn completion_failed(error: &StoreError) -> Problem {
+    match error.kind() {
+        StoreErrorKind::OutcomeUnknown => store_unavailable(
+            "the commit's outcome is unknown; retry with the same key to learn it",
+        ),
+        StoreErrorKind::TransactionAborted => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            codes::COMMIT_REJECTED,
+            "The database refused to commit this request's changes; nothing was changed",
+        )
+        .with_detail("retrying the same request fails the same way"),
+        StoreErrorKind::Conflict => store_unavailable(
+            "the transaction conflicted with a concurrent one and was rolled back",
+        ),
+        _ => store_unavailable("the transaction could not be committed"),
+    }
+}
+
+fn store_unavailable(detail: &str) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        codes::STORE_UNAVAILABLE,
+        "The idempotency store is unavailable; retry with the same key",
+    )
+    .with_detail(detail)
+    .with_retry_after(1)
+}
