@@ -23,14 +23,14 @@ pub struct RequestBody {
 }
 
 enum RequestKind {
-    Buffered(Option<Bytes>),
+    Buffered(Buffered),
     Streaming(http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>),
 }
 
 impl RequestBody {
     pub(crate) fn buffered(bytes: Bytes) -> Self {
         RequestBody {
-            kind: RequestKind::Buffered(Some(bytes)),
+            kind: RequestKind::Buffered(Buffered::new(bytes)),
         }
     }
 
@@ -61,23 +61,21 @@ impl Body for RequestBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match &mut self.get_mut().kind {
-            RequestKind::Buffered(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            RequestKind::Buffered(buffered) => buffered.poll_frame(),
             RequestKind::Streaming(body) => Pin::new(body).poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            RequestKind::Buffered(bytes) => bytes.is_none(),
+            RequestKind::Buffered(buffered) => buffered.is_end_stream(),
             RequestKind::Streaming(body) => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            RequestKind::Buffered(bytes) => {
-                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
-            }
+            RequestKind::Buffered(buffered) => buffered.size_hint(),
             RequestKind::Streaming(body) => body.size_hint(),
         }
     }
@@ -106,7 +104,7 @@ pin_project! {
 pin_project! {
     #[project = ResponseKindProj]
     enum ResponseKind<B> {
-        Buffered { bytes: Option<Bytes> },
+        Buffered { buffered: Buffered },
         Inner { #[pin] body: B },
     }
 }
@@ -115,7 +113,7 @@ impl<B> ResponseBody<B> {
     pub(crate) fn buffered(bytes: Bytes) -> Self {
         ResponseBody {
             kind: ResponseKind::Buffered {
-                bytes: (!bytes.is_empty()).then_some(bytes),
+                buffered: Buffered::new(bytes),
             },
         }
     }
@@ -140,25 +138,21 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
-            ResponseKindProj::Buffered { bytes } => {
-                Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b))))
-            }
+            ResponseKindProj::Buffered { buffered } => buffered.poll_frame(),
             ResponseKindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            ResponseKind::Buffered { bytes } => bytes.is_none(),
+            ResponseKind::Buffered { buffered } => buffered.is_end_stream(),
             ResponseKind::Inner { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            ResponseKind::Buffered { bytes } => {
-                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
-            }
+            ResponseKind::Buffered { buffered } => buffered.size_hint(),
             ResponseKind::Inner { body } => body.size_hint(),
         }
     }
@@ -171,5 +165,26 @@ impl<B> fmt::Debug for ResponseBody<B> {
             ResponseKind::Inner { .. } => "inner",
         };
         f.debug_struct("ResponseBody").field("kind", &kind).finish()
+    }
+}
+
+/// A body that is already in memory: one data frame, then the end.
+struct Buffered(Option<Bytes>);
+
+impl Buffered {
+    fn new(bytes: Bytes) -> Self {
+        Buffered((!bytes.is_empty()).then_some(bytes))
+    }
+
+    fn poll_frame(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Poll::Ready(self.0.take().map(|bytes| Ok(Frame::data(bytes))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.0.as_ref().map_or(0, |bytes| bytes.len() as u64))
     }
 }
