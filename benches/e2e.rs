@@ -8,6 +8,7 @@
 //! Environment: `E2E_SECONDS` (per scenario run, default 5), `E2E_ROUNDS`
 //! (default 3). The last line is
 //! `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx> p99_create_vs_bare=<x.xx>`.
+#![allow(unsafe_code)] // the counting allocator below, and nothing else
 
 use std::{
     alloc::{GlobalAlloc, Layout, System},
@@ -27,8 +28,13 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_idempotency::{
-    outbox, testing::TempPostgres, IdempotencyLayer, MemoryStore, PgStore, PgTx, RequestBody,
-    SingleTenant, TypedFingerprinter, Validated,
+    fingerprint::{TypedFingerprinter, Validated},
+    memory::MemoryStore,
+    outbox,
+    postgres::{PgStore, PgTx},
+    scope::SingleTenant,
+    testing::TempPostgres,
+    IdempotencyLayer, RequestBody,
 };
 
 const POOL: usize = 16;
@@ -38,6 +44,7 @@ const HOT_DUPLICATES: usize = 50;
 // ---------------------------------------------------------------- memory
 
 /// Counts live heap bytes, to measure the layer's memory per in-flight request.
+/// (A global allocator is unsafe to implement; it only forwards to `System`.)
 struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
@@ -131,7 +138,7 @@ async fn layered(tx: PgTx, order: Validated<NewOrder>) -> axum::response::Respon
             &serde_json::json!({"id": id, "total": order.total}),
         )
         .await?;
-        Ok::<_, tower_idempotency::TxError>(id)
+        Ok::<_, tower_idempotency::postgres::TxError>(id)
     }
     .await;
     match result {

@@ -8,7 +8,9 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use http::{header, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
-    Fingerprinter, IdempotencyKey, JsonFingerprinter, StoredResponse, TypedFingerprinter,
+    fingerprint::{Fingerprinter, JsonFingerprinter, TypedFingerprinter},
+    key::IdempotencyKey,
+    record::StoredResponse,
 };
 
 #[derive(Serialize, Deserialize)]

@@ -14,7 +14,10 @@ use std::sync::{
 };
 
 use tower_idempotency::{
-    testing::conformance, Claim, ClaimRequest, MemoryStore, Store, StoreError, StoredResponse,
+    memory::MemoryStore,
+    record::StoredResponse,
+    store::{Claim, ClaimRequest, Store, StoreError},
+    testing::conformance,
 };
 
 /// Counts claims by answer, completions and aborts of the store it wraps.

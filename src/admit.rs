@@ -78,9 +78,9 @@ where
         Scope::new(tenant, config.endpoint.clone()),
         key,
         fingerprint,
-        config.retention,
-        config.wait,
-    );
+    )
+    .with_retention(config.retention)
+    .with_wait(config.wait);
     Admission::Admitted(Admitted { parts, body, claim })
 }
 

@@ -103,7 +103,7 @@ impl Drop for LeadGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::TenantId;
+    use crate::scope::TenantId;
 
     #[tokio::test]
     async fn followers_learn_whether_the_leader_settled_the_key() {

@@ -6,7 +6,7 @@ use axum_core::{
 };
 use http::{request::Parts, StatusCode};
 
-use crate::{fingerprint::Validated, problem::Problem, store::postgres::PgTx};
+use crate::{fingerprint::Validated, postgres::PgTx, problem::Problem};
 
 /// The rejection when a handler asks for something the layer did not provide:
 /// the route is not behind [`IdempotencyLayer`](crate::IdempotencyLayer) (or

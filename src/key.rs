@@ -15,7 +15,7 @@ pub const MAX_KEY_LEN: usize = 255;
 /// the same sense as request bodies, so logs only see [`IdempotencyKey::short_hash`].
 ///
 /// ```
-/// use tower_idempotency::IdempotencyKey;
+/// use tower_idempotency::key::IdempotencyKey;
 ///
 /// let key = IdempotencyKey::parse(b"\"order-42\"").unwrap();
 /// assert_eq!(key.as_str(), "order-42");

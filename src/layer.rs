@@ -33,7 +33,7 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_idempotency::{IdempotencyLayer, JsonFingerprinter, MemoryStore};
+/// use tower_idempotency::{IdempotencyLayer, fingerprint::JsonFingerprinter, memory::MemoryStore};
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new(), "POST /orders v1", JsonFingerprinter::new("orders.v1"))
 ///     .wait(Duration::from_secs(2))
@@ -74,7 +74,7 @@ where
     F: Fingerprinter,
 {
     /// A layer for one endpoint (e.g. `"POST /orders v1"`), with its store and
-    /// fingerprinter. The tenant comes from a [`TenantId`](crate::TenantId) in
+    /// fingerprinter. The tenant comes from a [`TenantId`](crate::scope::TenantId) in
     /// the request extensions until [`tenant_resolver`](Self::tenant_resolver)
     /// says otherwise.
     ///
@@ -110,7 +110,7 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
     /// owned operation commits or rolls back first.
     ///
     /// ```no_run
-    /// # async fn run(listener: tokio::net::TcpListener, app: axum::Router, layer: tower_idempotency::IdempotencyLayer<tower_idempotency::MemoryStore, tower_idempotency::JsonFingerprinter>) {
+    /// # async fn run(listener: tokio::net::TcpListener, app: axum::Router, layer: tower_idempotency::IdempotencyLayer<tower_idempotency::memory::MemoryStore, tower_idempotency::fingerprint::JsonFingerprinter>) {
     /// axum::serve(listener, app).with_graceful_shutdown(async { /* signal */ }).await.ok();
     /// layer.drained().await;
     /// # }
@@ -259,7 +259,7 @@ impl<S, St: Clone, F, R> Layer<S> for IdempotencyLayer<St, F, R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{JsonFingerprinter, MemoryStore};
+    use crate::{fingerprint::JsonFingerprinter, memory::MemoryStore};
 
     #[test]
     fn limits_are_clamped_to_what_the_database_takes() {

@@ -10,7 +10,7 @@
 //!
 //! 1. One `(tenant, endpoint, key)` = one operation: however often and however
 //!    concurrently it arrives, at most one execution commits.
-//! 2. The handler's writes (through [`PgTx`]) and the remembered response commit
+//! 2. The handler's writes (through [`PgTx`](postgres::PgTx)) and the remembered response commit
 //!    together, before the response leaves; on rollback none exist and the key
 //!    is free for a retry.
 //! 3. A retry with the same request gets the first status, allow-listed headers
@@ -24,14 +24,14 @@
 //! # The request flow
 //!
 //! 1. Safe methods (`GET`, `HEAD`, `OPTIONS`, `TRACE`) pass through untouched.
-//! 2. The key is parsed ([`IdempotencyKey`]), the tenant resolved
-//!    ([`ResolveTenant`]; none fails closed), the body buffered under a limit
-//!    and fingerprinted ([`Fingerprinter`]). A failure here answers at once
+//! 2. The key is parsed ([`IdempotencyKey`](key::IdempotencyKey)), the tenant resolved
+//!    ([`ResolveTenant`](scope::ResolveTenant); none fails closed), the body buffered under a limit
+//!    and fingerprinted ([`Fingerprinter`](fingerprint::Fingerprinter)). A failure here answers at once
 //!    and is never remembered.
-//! 3. The [`Store`] claims the key: owned, completed (replay or refuse), or in
+//! 3. The [`Store`](store::Store) claims the key: owned, completed (replay or refuse), or in
 //!    progress.
 //! 4. The owner's handler runs with the transaction handle in its request
-//!    extensions. 2xx responses and responses marked [`FinalResponse`] are
+//!    extensions. 2xx responses and responses marked [`FinalResponse`](record::FinalResponse) are
 //!    remembered and committed; 5xx and errors roll back.
 //! 5. From the claim on, the work runs on its own task: a client that goes
 //!    away does not cancel it, so its retry finds the finished result.
@@ -41,7 +41,11 @@
 //! ```no_run
 //! use axum::{routing::post, Router, http::StatusCode};
 //! use serde::{Deserialize, Serialize};
-//! use tower_idempotency::{IdempotencyLayer, PgStore, PgTx, TypedFingerprinter, Validated};
+//! use tower_idempotency::{
+//!     IdempotencyLayer,
+//!     postgres::{PgStore, PgTx},
+//!     fingerprint::{TypedFingerprinter, Validated},
+//! };
 //!
 //! #[derive(Serialize, Deserialize)]
 //! struct NewOrder { checkout_id: String, total: i64 }
@@ -79,39 +83,36 @@
 //!   derived downstream keys, a consumer inbox).
 //! - [`retention`]: batched removal of expired keys and the operator gauges.
 //! - [`metrics`]: every metric name the crate emits.
-//! - [`PgStore::inspect_key`] and [`PgStore::remove_key`]: the operator API.
+//! - [`PgStore::inspect_key`](postgres::PgStore::inspect_key) and [`PgStore::remove_key`](postgres::PgStore::remove_key): the operator API.
 //! - [`IdempotencyLayer::drained`]: wait for owned work at shutdown.
 //!
 //! # Feature flags
 //!
-//! - `axum`: [`PgTx`] and [`Validated`] are axum extractors.
+//! - `axum`: [`PgTx`](postgres::PgTx) and [`Validated`](fingerprint::Validated) are axum extractors.
 //! - `test-util`: [`testing`]: a throwaway PostgreSQL cluster and the store
 //!   conformance suite.
 
+// The other lints are configured in Cargo.toml (`[lints]`).
 #![forbid(unsafe_code)]
-#![warn(
-    missing_docs,
-    missing_debug_implementations,
-    unreachable_pub,
-    rust_2018_idioms
-)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admit;
 mod body;
 mod coalesce;
 mod endpoint;
-mod fingerprint;
+pub mod fingerprint;
 mod future;
-mod key;
+pub mod key;
 mod layer;
+pub mod memory;
 pub mod metrics;
 mod operations;
 pub mod outbox;
+pub mod postgres;
 pub mod problem;
-mod record;
+pub mod record;
 pub mod retention;
-mod scope;
+pub mod scope;
 mod service;
 mod settled;
 pub mod store;
@@ -123,28 +124,15 @@ mod extract;
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 
+// The middleware's own types live at the root; everything else under the
+// module named for its concern, each type at one path.
 pub use body::{RequestBody, ResponseBody};
 pub use endpoint::KeyReuseStatus;
 #[cfg(feature = "axum")]
 pub use extract::MissingFromLayer;
-pub use fingerprint::{
-    canonical_json, validation_problem, FieldError, Fingerprint, Fingerprinter, JsonFingerprinter,
-    TypedFingerprinter, Validated,
-};
 pub use future::ResponseFuture;
-pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
-pub use problem::Problem;
-pub use record::{FinalResponse, Record, StoredResponse, IDEMPOTENT_REPLAYED};
-pub use scope::{ResolveTenant, Scope, SingleTenant, TenantFromExtension, TenantId};
 pub use service::Idempotency;
-pub use store::{
-    memory::{MemoryStore, MemoryTx},
-    postgres::{
-        KeyRecord, KeyState, PgStore, PgStoreBuilder, PgTx, PooledClient, TxError, TxErrorKind,
-    },
-    Claim, ClaimRequest, Store, StoreError, StoreErrorKind,
-};
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -17,7 +17,7 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 ///
 /// ```
 /// use http::StatusCode;
-/// use tower_idempotency::Problem;
+/// use tower_idempotency::problem::Problem;
 ///
 /// let problem = Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "coupon_invalid", "The coupon is not valid")
 ///     .with_detail("coupon codes are upper-case")

@@ -17,7 +17,7 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// key. A 5xx is never remembered.
 ///
 /// ```
-/// use tower_idempotency::FinalResponse;
+/// use tower_idempotency::record::FinalResponse;
 ///
 /// let mut response = http::Response::new("coupon expired");
 /// *response.status_mut() = http::StatusCode::UNPROCESSABLE_ENTITY;

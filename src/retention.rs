@@ -20,7 +20,7 @@ use std::{fmt, future::Future, time::Duration};
 
 use tokio_postgres::types::ToSql;
 
-use crate::{metrics, store::postgres::map_error, PgStore, StoreError};
+use crate::{metrics, postgres::PgStore, store::StoreError};
 
 // Expired rows; rows locked by a claim (an expired key being taken over, a
 // live owner) or by another cleaner are skipped, not waited for. An expired
@@ -32,7 +32,8 @@ const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
             ORDER BY expires_at LIMIT $1::int8 FOR UPDATE SKIP LOCKED) AS d \
      WHERE r.tenant_id = d.tenant_id AND r.endpoint = d.endpoint AND r.idempotency_key = d.idempotency_key";
 
-const BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";
+// Expired rows not yet removed (the cleanup backlog gauge).
+const CLEANUP_BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";
 
 // The oldest operation that holds a key: open claim transactions (tagged by
 // their application_name) and committed in-progress rows not yet expired (an
@@ -47,7 +48,7 @@ const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
 /// retention and in-progress gauges.
 ///
 /// ```no_run
-/// # async fn run(store: tower_idempotency::PgStore) -> Result<(), tower_idempotency::StoreError> {
+/// # async fn run(store: tower_idempotency::postgres::PgStore) -> Result<(), tower_idempotency::store::StoreError> {
 /// use std::time::Duration;
 /// use tower_idempotency::retention::Cleanup;
 ///
@@ -110,10 +111,10 @@ impl Cleanup {
 
     /// Removes one batch; returns how many rows went.
     pub async fn delete_batch(&self) -> Result<u64, StoreError> {
-        let conn = self.store.conn().await?;
-        let statement = conn.prepare_cached(DELETE_BATCH).await.map_err(map_error)?;
+        let session = self.store.session().await?;
+        let statement = session.prepare(DELETE_BATCH).await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
-        let removed = conn.execute(&statement, &limit).await.map_err(map_error)?;
+        let removed = session.execute(&statement, &limit).await?;
         metrics::expired_removed(removed);
         Ok(removed)
     }
@@ -145,12 +146,11 @@ impl Cleanup {
     /// Reads the cleanup backlog and the oldest in-progress age, and sets
     /// their gauges.
     pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
-        let conn = self.store.conn().await?;
+        let session = self.store.session().await?;
         let (backlog, oldest) = tokio::try_join!(
-            conn.query_one(BACKLOG, &[]),
-            conn.query_one(OLDEST_IN_PROGRESS, &[])
-        )
-        .map_err(map_error)?;
+            session.query_one(CLEANUP_BACKLOG, &[]),
+            session.query_one(OLDEST_IN_PROGRESS, &[])
+        )?;
         let backlog: i64 = backlog.get(0);
         let oldest: f64 = oldest.get(0);
         metrics::retention_gauges(backlog as f64, oldest);

@@ -12,7 +12,7 @@ use http::request::Parts;
 /// put into the request extensions.
 ///
 /// ```
-/// use tower_idempotency::TenantId;
+/// use tower_idempotency::scope::TenantId;
 ///
 /// let mut request = http::Request::new(());
 /// request.extensions_mut().insert(TenantId::new("tenant-a"));
@@ -92,7 +92,7 @@ impl Scope {
 /// implement this trait.
 ///
 /// ```
-/// use tower_idempotency::{ResolveTenant, TenantId};
+/// use tower_idempotency::{scope::{ResolveTenant, TenantId}};
 ///
 /// // Tenant from a header set by a trusted gateway (never from the client).
 /// let resolver = |parts: &http::request::Parts| {

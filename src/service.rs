@@ -310,7 +310,7 @@ async fn coalesce<St, F, R>(
                     // The key has a record: read it without leading.
                     Woken::Settled => return Some((None, followed)),
                     // The leader rolled back: one of us leads next.
-                    Woken::Unsettled => continue,
+                    Woken::Unsettled => {}
                     Woken::TimedOut => return None,
                 }
             }

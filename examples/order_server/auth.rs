@@ -8,11 +8,11 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use http::{header, StatusCode};
-use tower_idempotency::{Problem, TenantId};
+use tower_idempotency::{problem::Problem, scope::TenantId};
 
-pub type Tokens = Arc<HashMap<String, TenantId>>;
+pub(crate) type Tokens = Arc<HashMap<String, TenantId>>;
 
-pub async fn authenticate(
+pub(crate) async fn authenticate(
     State(tokens): State<Tokens>,
     mut request: Request,
     next: Next,

@@ -2,18 +2,18 @@
 
 use std::{collections::HashMap, net::SocketAddr, time::Duration};
 
-use tower_idempotency::TenantId;
+use tower_idempotency::scope::TenantId;
 
-pub struct Settings {
-    pub database_url: Option<String>,
-    pub addr: SocketAddr,
-    pub tokens: HashMap<String, TenantId>,
-    pub retention: Duration,
-    pub wait: Duration,
+pub(crate) struct Settings {
+    pub(crate) database_url: Option<String>,
+    pub(crate) addr: SocketAddr,
+    pub(crate) tokens: HashMap<String, TenantId>,
+    pub(crate) retention: Duration,
+    pub(crate) wait: Duration,
 }
 
 impl Settings {
-    pub fn from_env() -> Result<Self, String> {
+    pub(crate) fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let addr = var("ORDER_SERVER_ADDR").unwrap_or_else(|| "127.0.0.1:3000".into());
         Ok(Settings {
@@ -52,7 +52,7 @@ fn parse_tokens(spec: &str) -> Result<HashMap<String, TenantId>, String> {
 }
 
 /// `500ms`, `90s`, `15m`, `24h`, `7d`.
-pub fn parse_duration(name: &str, text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(name: &str, text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())

@@ -23,14 +23,17 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::{
+    fingerprint::{TypedFingerprinter, Validated},
     outbox::{DeliveryError, OutboxEvent, Sink},
-    IdempotencyLayer, PgStore, PgTx, TenantId, TypedFingerprinter, Validated,
+    postgres::{PgStore, PgTx},
+    scope::TenantId,
+    IdempotencyLayer,
 };
 
 /// The token the relay presents; the providers know it as `order-service`.
 const RELAY_TOKEN: &str = "internal-relay-token";
-pub const PAYMENT_CHARGE: &str = "payment.charge";
-pub const INVENTORY_RESERVE: &str = "inventory.reserve";
+pub(crate) const PAYMENT_CHARGE: &str = "payment.charge";
+pub(crate) const INVENTORY_RESERVE: &str = "inventory.reserve";
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Charge {
@@ -99,7 +102,7 @@ async fn reserve(tx: PgTx, reservation: Validated<Reservation>) -> Response {
 }
 
 /// The providers' router (not exposed on the public listener).
-pub fn providers(store: PgStore) -> Router {
+pub(crate) fn providers(store: PgStore) -> Router {
     let tokens: crate::auth::Tokens = Arc::new(HashMap::from([(
         RELAY_TOKEN.to_owned(),
         TenantId::new("order-service"),
@@ -128,12 +131,12 @@ pub fn providers(store: PgStore) -> Router {
 }
 
 /// Delivers `OrderCreated` to both providers, each call with its own derived key.
-pub struct Providers {
+pub(crate) struct Providers {
     router: Router,
 }
 
 impl Providers {
-    pub fn new(store: PgStore) -> Self {
+    pub(crate) fn new(store: PgStore) -> Self {
         Providers {
             router: providers(store),
         }

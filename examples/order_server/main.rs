@@ -26,20 +26,20 @@ use http::StatusCode;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 use tower_idempotency::{
-    metrics::OUTBOX_RELAY_RESTARTS_TOTAL, outbox::Relay, retention::Cleanup, testing::TempPostgres,
-    IdempotencyLayer, PgStore, Problem,
+    metrics::OUTBOX_RELAY_RESTARTS_TOTAL, outbox::Relay, postgres::PgStore, problem::Problem,
+    retention::Cleanup, testing::TempPostgres, IdempotencyLayer,
 };
 use tracing_subscriber::EnvFilter;
 
 /// A problem answer as an axum response.
-pub fn problem(problem: Problem) -> Response {
+pub(crate) fn problem(problem: Problem) -> Response {
     problem
         .to_response()
         .map(axum::body::Body::from)
         .into_response()
 }
 
-pub fn unavailable() -> Response {
+pub(crate) fn unavailable() -> Response {
     problem(
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -9,15 +9,19 @@ use http::{header, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tower_idempotency::{
-    outbox, FieldError, FinalResponse, PgStore, PgTx, Problem, TenantId, TypedFingerprinter,
-    Validated,
+    fingerprint::{FieldError, TypedFingerprinter, Validated},
+    outbox,
+    postgres::{PgStore, PgTx},
+    problem::Problem,
+    record::FinalResponse,
+    scope::TenantId,
 };
 
 /// The business fields of POST /orders. Unknown fields (`trace_id`,
 /// `client_sent_at`, …) are not business fields: serde ignores them, so they
 /// never reach the fingerprint.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct NewOrder {
+pub(crate) struct NewOrder {
     checkout_id: String,
     currency: String,
     items: Vec<Item>,
@@ -27,7 +31,7 @@ pub struct NewOrder {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-pub struct Item {
+pub(crate) struct Item {
     sku: String,
     #[serde(default = "one")]
     quantity: i64,
@@ -93,7 +97,7 @@ fn validate(order: &NewOrder) -> Result<(), Vec<FieldError>> {
     }
 }
 
-pub fn fingerprinter() -> TypedFingerprinter<NewOrder> {
+pub(crate) fn fingerprinter() -> TypedFingerprinter<NewOrder> {
     TypedFingerprinter::new("orders.v1").with_validator(validate)
 }
 
@@ -132,14 +136,14 @@ fn final_problem(problem: Problem) -> Response {
     response
 }
 
-fn db_failure(e: tower_idempotency::TxError) -> Response {
+fn db_failure(e: tower_idempotency::postgres::TxError) -> Response {
     tracing::error!(error = %e, "order transaction failed");
     crate::unavailable()
 }
 
 /// Writes only through the layer's transaction: the order, its outbox event
 /// and the remembered response commit together.
-pub async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
+pub(crate) async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
     if order
         .coupon
         .as_deref()
@@ -215,7 +219,7 @@ pub async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
         .into_response()
 }
 
-pub async fn get(
+pub(crate) async fn get(
     State(store): State<PgStore>,
     Extension(tenant): Extension<TenantId>,
     Path(id): Path<String>,

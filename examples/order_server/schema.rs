@@ -2,7 +2,7 @@
 //! several processes may start at once. `outbox_events` comes with the
 //! library's migrations (`PgStore::migrate`).
 
-use tower_idempotency::{PgStore, StoreError};
+use tower_idempotency::{postgres::PgStore, store::StoreError};
 
 const SCHEMA: &str = r#"
 SELECT pg_advisory_xact_lock(7243410001);
@@ -41,7 +41,7 @@ CREATE TABLE IF NOT EXISTS inventory_reservations (
 );
 "#;
 
-pub async fn migrate(store: &PgStore) -> Result<(), String> {
+pub(crate) async fn migrate(store: &PgStore) -> Result<(), String> {
     store
         .migrate()
         .await

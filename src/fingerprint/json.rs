@@ -18,7 +18,7 @@ use crate::problem::Problem;
 /// `422 validation_failed`.
 ///
 /// ```
-/// use tower_idempotency::{Fingerprinter, JsonFingerprinter};
+/// use tower_idempotency::{fingerprint::{Fingerprinter, JsonFingerprinter}};
 ///
 /// let fp = JsonFingerprinter::new("orders.v1").ignore_field("trace_id");
 /// let (mut parts, _) = http::Request::new(()).into_parts();
@@ -65,7 +65,7 @@ impl Fingerprinter for JsonFingerprinter {
 
 /// A deterministic, unambiguous byte encoding of a JSON value: objects by
 /// sorted key, numbers by value, strings length-prefixed.
-pub fn canonical_json(value: &Value) -> Vec<u8> {
+pub(crate) fn canonical_json(value: &Value) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     encode(value, &mut out);
     out

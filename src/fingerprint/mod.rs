@@ -5,8 +5,8 @@
 //! answer; the same key with another fingerprint is refused.
 //!
 //! - [`Fingerprint`] and the [`Fingerprinter`] trait live here.
-//! - [`json`]: [`JsonFingerprinter`], any JSON body by its canonical form.
-//! - [`typed`]: [`TypedFingerprinter`], a DTO with validation, leaving
+//! - [`JsonFingerprinter`]: any JSON body by its canonical form.
+//! - [`TypedFingerprinter`]: a DTO with validation, leaving
 //!   [`Validated`] for the handler.
 //!
 //! A closure is a fingerprinter. This one lets a header take part and refuses
@@ -14,7 +14,7 @@
 //!
 //! ```
 //! use http::{request::Parts, StatusCode};
-//! use tower_idempotency::{problem::codes, Fingerprint, Fingerprinter, Problem};
+//! use tower_idempotency::{fingerprint::{Fingerprint, Fingerprinter}, problem::{codes, Problem}};
 //!
 //! let by_currency = |parts: &mut Parts, body: &bytes::Bytes| {
 //!     if body.is_empty() {
@@ -48,7 +48,7 @@
 //! `422 validation_failed`.
 //!
 //! ```
-//! use tower_idempotency::{Fingerprinter, JsonFingerprinter};
+//! use tower_idempotency::{fingerprint::{Fingerprinter, JsonFingerprinter}};
 //!
 //! let fp = JsonFingerprinter::new("orders.v1").ignore_field("request_id");
 //! let (mut parts, _) = http::Request::new(()).into_parts();
@@ -71,8 +71,10 @@ use crate::problem::Problem;
 mod json;
 mod typed;
 
-pub use json::{canonical_json, JsonFingerprinter};
-pub use typed::{validation_problem, FieldError, TypedFingerprinter, Validated};
+pub(crate) use json::canonical_json;
+pub use json::JsonFingerprinter;
+pub(crate) use typed::validation_problem;
+pub use typed::{FieldError, TypedFingerprinter, Validated};
 
 /// A SHA-256 over the canonical business fields of a request.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -142,7 +144,7 @@ impl fmt::Display for Fingerprint {
 /// this trait:
 ///
 /// ```
-/// use tower_idempotency::{Fingerprint, Fingerprinter};
+/// use tower_idempotency::{fingerprint::{Fingerprint, Fingerprinter}};
 ///
 /// // Every byte counts: the raw body is the fingerprint.
 /// let raw = |_: &mut http::request::Parts, body: &bytes::Bytes| Ok(Fingerprint::digest("v1", body));

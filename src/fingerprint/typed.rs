@@ -31,7 +31,7 @@ impl FieldError {
 }
 
 /// The `422 validation_failed` problem listing the failing fields.
-pub fn validation_problem(errors: &[FieldError]) -> Problem {
+pub(crate) fn validation_problem(errors: &[FieldError]) -> Problem {
     Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
         codes::VALIDATION_FAILED,
@@ -87,7 +87,9 @@ type Validator<T> = Arc<dyn Fn(&T) -> Result<(), Vec<FieldError>> + Send + Sync>
 ///
 /// ```
 /// use serde::{Deserialize, Serialize};
-/// use tower_idempotency::{FieldError, Fingerprinter, TypedFingerprinter, Validated};
+/// use tower_idempotency::{
+///     fingerprint::{FieldError, Fingerprinter, TypedFingerprinter, Validated},
+/// };
 ///
 /// #[derive(Serialize, Deserialize)]
 /// struct Transfer { to: String, #[serde(default)] memo: Option<String>, amount: u64 }

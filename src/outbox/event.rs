@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 
-use crate::{PgTx, TxError};
+use crate::{postgres::PgTx, postgres::TxError};
 
 /// Adds an event to `outbox_events` inside the request's transaction: it
 /// commits with the business rows and the remembered response, or not at all.
@@ -10,7 +10,7 @@ use crate::{PgTx, TxError};
 /// Returns the event id. The tenant is the transaction's.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::PgTx) -> Result<(), tower_idempotency::TxError> {
+/// # async fn handler(tx: tower_idempotency::postgres::PgTx) -> Result<(), tower_idempotency::postgres::TxError> {
 /// use tower_idempotency::outbox;
 ///
 /// let order_id = "3f1c…";

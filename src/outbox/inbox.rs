@@ -2,7 +2,7 @@
 
 use tokio_postgres::GenericClient;
 
-use crate::{PgTx, TxError};
+use crate::{postgres::PgTx, postgres::TxError};
 
 /// Records that `consumer` processes `event_id`, inside the caller's own
 /// transaction; `true` the first time, `false` for every redelivery.

@@ -47,6 +47,6 @@ mod tests {
     #[test]
     fn is_a_valid_idempotency_key() {
         let key = derive_key("order-1", "payment.charge");
-        assert!(crate::IdempotencyKey::parse(key.as_bytes()).is_ok());
+        assert!(crate::key::IdempotencyKey::parse(key.as_bytes()).is_ok());
     }
 }

@@ -26,7 +26,7 @@
 //! Consumers that read events themselves deduplicate with the [`inbox`].
 //!
 //! The tables (`outbox_events`, `inbox_events`) come with
-//! [`PgStore::migrate`](crate::PgStore::migrate). Operators re-drive an event
+//! [`PgStore::migrate`](crate::postgres::PgStore::migrate). Operators re-drive an event
 //! by setting `published_at` (delivered) or `parked_at` (given up) back to NULL.
 
 mod event;
@@ -36,4 +36,4 @@ mod relay;
 
 pub use event::{enqueue, OutboxEvent};
 pub use key::derive_key;
-pub use relay::{BatchReport, DeliveryError, Relay, Sink};
+pub use relay::{BatchReport, DeliveryError, OutboxStatus, Relay, Sink};

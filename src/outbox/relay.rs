@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use tokio_postgres::{types::ToSql, AsyncMessage};
 
 use super::event::OutboxEvent;
-use crate::{metrics, store::postgres::map_error, PgStore, StoreError};
+use crate::{metrics, postgres::PgStore, store::StoreError};
 
 /// Where the relay delivers events (a payment API, a message broker, …).
 ///
@@ -86,6 +86,16 @@ impl fmt::Display for DeliveryError {
 
 impl std::error::Error for DeliveryError {}
 
+/// What the outbox gauges say, as [`Relay::refresh_backlog`] read them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct OutboxStatus {
+    /// Undelivered, unparked events.
+    pub backlog: u64,
+    /// Age of the oldest of them (zero when none).
+    pub lag: Duration,
+}
+
 /// What one batch did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -122,7 +132,7 @@ pub struct BatchReport {
 /// lost listener connection missed.
 ///
 /// ```no_run
-/// # use tower_idempotency::{PgStore, outbox::{Relay, Sink, OutboxEvent, DeliveryError}};
+/// # use tower_idempotency::{postgres::PgStore, outbox::{Relay, Sink, OutboxEvent, DeliveryError}};
 /// struct Printer;
 /// impl Sink for Printer {
 ///     async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
@@ -130,7 +140,7 @@ pub struct BatchReport {
 ///         Ok(())
 ///     }
 /// }
-/// # async fn run(store: PgStore) -> Result<(), tower_idempotency::StoreError> {
+/// # async fn run(store: PgStore) -> Result<(), tower_idempotency::store::StoreError> {
 /// let relay = Relay::new(store, Printer).batch_size(64);
 /// relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await
 /// # }
@@ -159,7 +169,9 @@ impl<K> fmt::Debug for Relay<K> {
     }
 }
 
-const CLAIM: &str = "SELECT id::text, tenant_id, aggregate_id, event_type, payload, attempts \
+// Due events, locked for this batch; rows another relay holds are skipped.
+const CLAIM_EVENTS: &str =
+    "SELECT id::text, tenant_id, aggregate_id, event_type, payload, attempts \
      FROM outbox_events \
      WHERE published_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now() \
      ORDER BY next_attempt_at \
@@ -181,7 +193,8 @@ const MARK_PARKED: &str = "UPDATE outbox_events AS o \
      FROM unnest($1::text[], $2::text[]) AS f(id, error) \
      WHERE o.id = f.id::uuid";
 
-const BACKLOG: &str =
+// Undelivered events and the age of the oldest (the backlog and lag gauges).
+const OUTBOX_BACKLOG: &str =
     "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) \
      FROM outbox_events WHERE published_at IS NULL AND parked_at IS NULL";
 
@@ -242,22 +255,21 @@ impl<K: Sink> Relay<K> {
         let doubling = 2_f64.powi(attempts.saturating_sub(1).min(30));
         let delay =
             (self.backoff_base.as_secs_f64() * doubling).min(self.backoff_cap.as_secs_f64());
-        Duration::from_secs_f64(delay * (0.5 + 0.5 * jitter(event_id, attempts)))
+        Duration::from_secs_f64(delay * 0.5_f64.mul_add(jitter(event_id, attempts), 0.5))
     }
 
     /// Claims, delivers and records one batch. For tests, cron-style use and
     /// [`run`](Self::run).
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
-        let mut conn = self.store.conn().await?;
-        let claim = conn.prepare_cached(CLAIM).await.map_err(map_error)?;
+        let mut session = self.store.session().await?;
+        let claim = session.prepare(CLAIM_EVENTS).await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
-        conn.begin();
+        session.mark_dirty();
         let (_, rows) = tokio::try_join!(
             biased;
-            conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
-            conn.query(&claim, &limit),
-        )
-        .map_err(map_error)?;
+            session.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
+            session.query(&claim, &limit),
+        )?;
         let mut report = BatchReport {
             claimed: rows.len(),
             ..BatchReport::default()
@@ -322,34 +334,35 @@ impl<K: Sink> Relay<K> {
         report.retried = retry_ids.len();
         report.parked = park_ids.len();
         let (mark_delivered, mark_failed, mark_parked) = tokio::try_join!(
-            conn.prepare_cached(MARK_DELIVERED),
-            conn.prepare_cached(MARK_FAILED),
-            conn.prepare_cached(MARK_PARKED),
-        )
-        .map_err(map_error)?;
+            session.prepare(MARK_DELIVERED),
+            session.prepare(MARK_FAILED),
+            session.prepare(MARK_PARKED),
+        )?;
         let delivered_params: [&(dyn ToSql + Sync); 1] = [&delivered];
         let failed_params: [&(dyn ToSql + Sync); 3] = [&retry_ids, &retry_errors, &retry_delays];
         let parked_params: [&(dyn ToSql + Sync); 2] = [&park_ids, &park_errors];
-        tokio::try_join!(
+        let (.., committed) = tokio::try_join!(
             biased;
-            conn.execute(&mark_delivered, &delivered_params),
-            conn.execute(&mark_failed, &failed_params),
-            conn.execute(&mark_parked, &parked_params),
-            conn.batch_execute("COMMIT"),
-        )
-        .map_err(map_error)?;
-        conn.ended();
+            session.execute(&mark_delivered, &delivered_params),
+            session.execute(&mark_failed, &failed_params),
+            session.execute(&mark_parked, &parked_params),
+            session.commit(),
+        )?;
+        session.mark_clean(committed);
         Ok(report)
     }
 
     /// Counts undelivered events and the age of the oldest, and publishes
     /// them as the backlog and lag gauges.
-    pub async fn refresh_backlog(&self) -> Result<(u64, Duration), StoreError> {
-        let conn = self.store.conn().await?;
-        let row = conn.query_one(BACKLOG, &[]).await.map_err(map_error)?;
+    pub async fn refresh_backlog(&self) -> Result<OutboxStatus, StoreError> {
+        let session = self.store.session().await?;
+        let row = session.query_one(OUTBOX_BACKLOG, &[]).await?;
         let (count, lag): (i64, f64) = (row.get(0), row.get(1));
         metrics::outbox_backlog(count as f64, lag);
-        Ok((count.max(0) as u64, Duration::from_secs_f64(lag.max(0.0))))
+        Ok(OutboxStatus {
+            backlog: count.max(0) as u64,
+            lag: Duration::from_secs_f64(lag.max(0.0)),
+        })
     }
 
     /// Runs until `shutdown` completes; the batch in flight then finishes

@@ -1,6 +1,6 @@
 //! Stores: where keys are arbitrated and responses remembered.
 //!
-//! [`PgStore`](crate::PgStore) is the production store; [`MemoryStore`](crate::MemoryStore) keeps
+//! [`PgStore`](crate::postgres::PgStore) is the production store; [`MemoryStore`](crate::memory::MemoryStore) keeps
 //! the same contract in memory for unit tests and as the reference for custom
 //! stores. A custom store must provide these guarantees:
 //!
@@ -29,10 +29,26 @@ use crate::{
     scope::Scope,
 };
 
-pub mod memory;
-pub mod postgres;
-
 /// What the layer asks a store for when a request arrives.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{
+///     fingerprint::Fingerprint,
+///     key::IdempotencyKey,
+///     scope::{Scope, TenantId},
+///     store::ClaimRequest,
+/// };
+///
+/// let claim = ClaimRequest::new(
+///     Scope::new(TenantId::new("tenant-a"), "POST /orders v1"),
+///     IdempotencyKey::parse(b"k-1").unwrap(),
+///     Fingerprint::from_bytes([0; 32]),
+/// )
+/// .with_wait(Duration::from_secs(2))
+/// .with_retention(Duration::from_secs(3600));
+/// assert_eq!(claim.wait, Duration::from_secs(2));
+/// ```
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ClaimRequest {
@@ -42,31 +58,40 @@ pub struct ClaimRequest {
     pub key: IdempotencyKey,
     /// The request's fingerprint.
     pub fingerprint: Fingerprint,
-    /// How long the completed record is remembered.
+    /// How long the completed record is remembered (default 24 h).
     pub retention: Duration,
-    /// How long to wait for an unfinished owner of the same key.
+    /// How long to wait for an unfinished owner of the same key (default 5 s).
     pub wait: Duration,
-    /// How long the owner may hold the key.
+    /// How long the owner may hold the key before the store may end its
+    /// work by itself (a server-side backstop for an owner whose process
+    /// froze); `None` (the default): no such limit.
     pub hold_limit: Option<Duration>,
 }
 
 impl ClaimRequest {
-    /// A claim for `key` in `scope`.
-    pub fn new(
-        scope: Scope,
-        key: IdempotencyKey,
-        fingerprint: Fingerprint,
-        retention: Duration,
-        wait: Duration,
-    ) -> Self {
+    /// A claim for `key` in `scope`, with the layer's default retention and
+    /// wait and no hold limit.
+    pub fn new(scope: Scope, key: IdempotencyKey, fingerprint: Fingerprint) -> Self {
         ClaimRequest {
             scope,
             key,
             fingerprint,
-            retention,
-            wait,
+            retention: Duration::from_secs(24 * 3600),
+            wait: Duration::from_secs(5),
             hold_limit: None,
         }
+    }
+
+    /// Sets [`retention`](Self::retention).
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Sets [`wait`](Self::wait).
+    pub fn with_wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
     }
 
     /// Sets [`hold_limit`](Self::hold_limit).

@@ -9,7 +9,7 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! tower_idempotency::testing::conformance::run_all(tower_idempotency::MemoryStore::new()).await;
+//! tower_idempotency::testing::conformance::run_all(tower_idempotency::memory::MemoryStore::new()).await;
 //! # }
 //! ```
 
@@ -22,7 +22,8 @@ use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
 
 use crate::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Scope, Store, StoredResponse, TenantId,
+    fingerprint::Fingerprint, key::IdempotencyKey, record::StoredResponse, scope::Scope,
+    scope::TenantId, store::Claim, store::ClaimRequest, store::Store,
 };
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -68,9 +69,9 @@ fn request(
         scope,
         key.clone(),
         Fingerprint::from_bytes([fingerprint; 32]),
-        retention,
-        wait,
     )
+    .with_retention(retention)
+    .with_wait(wait)
 }
 
 fn response(body: &'static [u8]) -> StoredResponse {

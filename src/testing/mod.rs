@@ -1,5 +1,5 @@
 //! Test utilities (feature `test-util`): a throwaway PostgreSQL for tests and
-//! demos, and the conformance suite for custom [`Store`](crate::Store)s.
+//! demos, and the conformance suite for custom [`Store`](crate::store::Store)s.
 
 pub mod conformance;
 mod postgres;

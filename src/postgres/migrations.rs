@@ -1,5 +1,6 @@
 //! Versioned, idempotent schema migrations, safe to run from many processes.
 
+use super::session::{Committed, Session};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// Serialises concurrent migrators (any constant unique to this crate).
@@ -23,28 +24,29 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// The newest schema version this build knows.
 pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
 
-pub(crate) async fn run(conn: &super::Conn) -> Result<(), StoreError> {
-    // On error the caller's `Conn` stays marked in a transaction and is
-    // closed, which rolls back.
-    apply(conn).await
+/// Applies what is missing, in one transaction; the caller marks `session`
+/// dirty first and clean with the returned [`Committed`].
+pub(super) async fn run(session: &Session) -> Result<Committed, StoreError> {
+    // On error the caller's session stays marked dirty and is closed, which
+    // rolls back.
+    apply(session).await
 }
 
-async fn apply(conn: &super::Conn) -> Result<(), StoreError> {
-    conn.batch_execute(&format!(
-        "BEGIN;
+async fn apply(session: &Session) -> Result<Committed, StoreError> {
+    session
+        .batch_execute(&format!(
+            "BEGIN;
          SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
          CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
              version    integer PRIMARY KEY,
              name       text NOT NULL,
              applied_at timestamptz NOT NULL DEFAULT now()
          );"
-    ))
-    .await
-    .map_err(super::map_error)?;
-    let applied: Vec<i32> = conn
+        ))
+        .await?;
+    let applied: Vec<i32> = session
         .query("SELECT version FROM tower_idempotency_migrations", &[])
-        .await
-        .map_err(super::map_error)?
+        .await?
         .iter()
         .map(|row| row.get(0))
         .collect();
@@ -58,14 +60,14 @@ async fn apply(conn: &super::Conn) -> Result<(), StoreError> {
         if applied.contains(version) {
             continue;
         }
-        conn.batch_execute(sql).await.map_err(super::map_error)?;
-        conn.execute(
-            "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
-            &[version, name],
-        )
-        .await
-        .map_err(super::map_error)?;
+        session.batch_execute(sql).await?;
+        session
+            .execute(
+                "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
+                &[version, name],
+            )
+            .await?;
         tracing::info!(version, name, "applied idempotency migration");
     }
-    conn.batch_execute("COMMIT").await.map_err(super::map_error)
+    session.commit().await
 }

@@ -4,12 +4,12 @@ use std::{fmt, sync::Arc};
 
 use std::time::Duration;
 
-use tokio::sync::Mutex;
-use tokio_postgres::{error::SqlState, types::ToSql, Row};
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+use tokio_postgres::{error::SqlState, types::ToSql, Row, Statement};
 
 use super::{
-    sql::{self, Refusal},
-    Conn,
+    conn::Conn,
+    lexer::{self, Refusal},
 };
 use crate::scope::Scope;
 
@@ -49,7 +49,7 @@ use crate::scope::Scope;
 /// `$n` parameters and keep the SQL text static.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::PgTx) -> Result<(), tower_idempotency::TxError> {
+/// # async fn handler(tx: tower_idempotency::postgres::PgTx) -> Result<(), tower_idempotency::postgres::TxError> {
 /// let row = tx
 ///     .query_one(
 ///         "INSERT INTO orders (tenant_id, total) VALUES ($1, $2) RETURNING id",
@@ -69,14 +69,19 @@ struct Shared {
     // Outside the mutex: a statement holding the mutex is what it cancels.
     cancel: tokio_postgres::CancelToken,
     scope: Scope,
-    key: crate::IdempotencyKey,
+    key: crate::key::IdempotencyKey,
     token: i64,
     xid: String,
     retention: Duration,
 }
 
 impl PgTx {
-    pub(super) fn new(conn: Conn, claim: &crate::ClaimRequest, token: i64, xid: String) -> Self {
+    pub(super) fn new(
+        conn: Conn,
+        claim: &crate::store::ClaimRequest,
+        token: i64,
+        xid: String,
+    ) -> Self {
         PgTx {
             inner: Arc::new(Shared {
                 cancel: conn.cancel_token(),
@@ -113,7 +118,7 @@ impl PgTx {
         self.inner.key.as_str()
     }
 
-    pub(super) fn key(&self) -> &crate::IdempotencyKey {
+    pub(super) fn key(&self) -> &crate::key::IdempotencyKey {
         &self.inner.key
     }
 
@@ -128,10 +133,7 @@ impl PgTx {
 
     /// Runs one statement and returns the number of rows it affected.
     pub async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, TxError> {
-        refuse_transaction_control(sql)?;
-        let conn = self.inner.conn.lock().await;
-        let conn = conn.as_ref().ok_or_else(TxError::finished)?;
-        let statement = conn.prepare_cached(sql).await?;
+        let (conn, statement) = self.prepared(sql).await?;
         Ok(conn.execute(&statement, params).await?)
     }
 
@@ -141,10 +143,7 @@ impl PgTx {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, TxError> {
-        refuse_transaction_control(sql)?;
-        let conn = self.inner.conn.lock().await;
-        let conn = conn.as_ref().ok_or_else(TxError::finished)?;
-        let statement = conn.prepare_cached(sql).await?;
+        let (conn, statement) = self.prepared(sql).await?;
         Ok(conn.query(&statement, params).await?)
     }
 
@@ -154,10 +153,7 @@ impl PgTx {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Row, TxError> {
-        refuse_transaction_control(sql)?;
-        let conn = self.inner.conn.lock().await;
-        let conn = conn.as_ref().ok_or_else(TxError::finished)?;
-        let statement = conn.prepare_cached(sql).await?;
+        let (conn, statement) = self.prepared(sql).await?;
         Ok(conn.query_one(&statement, params).await?)
     }
 
@@ -167,19 +163,34 @@ impl PgTx {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Option<Row>, TxError> {
-        refuse_transaction_control(sql)?;
-        let conn = self.inner.conn.lock().await;
-        let conn = conn.as_ref().ok_or_else(TxError::finished)?;
-        let statement = conn.prepare_cached(sql).await?;
+        let (conn, statement) = self.prepared(sql).await?;
         Ok(conn.query_opt(&statement, params).await?)
     }
 
     /// Runs statements without parameters (e.g. `SAVEPOINT s1`).
     pub async fn batch_execute(&self, sql: &str) -> Result<(), TxError> {
-        refuse_transaction_control(sql)?;
-        let conn = self.inner.conn.lock().await;
-        let conn = conn.as_ref().ok_or_else(TxError::finished)?;
+        let conn = self.guarded(sql).await?;
         Ok(conn.batch_execute(sql).await?)
+    }
+
+    /// The path every statement takes: refused if it would end the
+    /// transaction or change the session, then the connection, locked so
+    /// that statements run one at a time, unless the layer already ended the
+    /// transaction ([`TxErrorKind::Finished`]).
+    async fn guarded(&self, sql: &str) -> Result<MappedMutexGuard<'_, Conn>, TxError> {
+        refuse_transaction_control(sql)?;
+        MutexGuard::try_map(self.inner.conn.lock().await, Option::as_mut)
+            .map_err(|_| TxError::finished())
+    }
+
+    /// [`guarded`](Self::guarded), with `sql` prepared (cached per connection).
+    async fn prepared(
+        &self,
+        sql: &str,
+    ) -> Result<(MappedMutexGuard<'_, Conn>, Statement), TxError> {
+        let conn = self.guarded(sql).await?;
+        let statement = conn.prepare_cached(sql).await?;
+        Ok((conn, statement))
     }
 
     /// Takes the connection out to end the transaction; `None` if it already ended.
@@ -187,16 +198,29 @@ impl PgTx {
         self.inner.conn.lock().await.take()
     }
 
-    /// [`take`](Self::take) unless a statement is running through a clone
-    /// right now (`None` then too).
-    pub(super) fn try_take(&self) -> Option<Option<Conn>> {
-        self.inner.conn.try_lock().ok().map(|mut conn| conn.take())
+    /// [`take`](Self::take), without waiting for a statement that is
+    /// running through a clone right now.
+    pub(super) fn try_take(&self) -> Take {
+        match self.inner.conn.try_lock() {
+            Ok(mut conn) => conn.take().map_or(Take::Finished, |c| Take::Taken(Box::new(c))),
+            Err(_) => Take::Busy,
+        }
     }
 
     /// Cancels the statement running on the connection, if any.
     pub(super) fn cancel_token(&self) -> &tokio_postgres::CancelToken {
         &self.inner.cancel
     }
+}
+
+/// What [`PgTx::try_take`] found.
+pub(super) enum Take {
+    /// The connection, taken out to end the transaction.
+    Taken(Box<Conn>),
+    /// The transaction already ended.
+    Finished,
+    /// A statement is running through a clone of the handle.
+    Busy,
 }
 
 impl Drop for Shared {
@@ -226,7 +250,7 @@ impl fmt::Debug for PgTx {
 
 /// Statements that would end the layer's transaction or change the session.
 fn refuse_transaction_control(sql: &str) -> Result<(), TxError> {
-    match sql::refusal(sql) {
+    match lexer::refusal(sql) {
         None => Ok(()),
         Some(refusal) => Err(TxError {
             kind: match refusal {

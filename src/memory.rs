@@ -12,7 +12,7 @@ use std::{
 use serde_json::Value;
 use tokio::{sync::watch, time::Instant};
 
-use super::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind};
+use crate::store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind};
 use crate::{
     key::IdempotencyKey,
     record::{Record, StoredResponse},
@@ -25,7 +25,7 @@ type EntryKey = (Scope, IdempotencyKey);
 /// JSON rows that become visible only when the operation completes.
 ///
 /// ```
-/// use tower_idempotency::MemoryStore;
+/// use tower_idempotency::memory::MemoryStore;
 ///
 /// let store = MemoryStore::new();
 /// assert!(store.rows("orders").is_empty());
@@ -194,7 +194,7 @@ struct TxInner {
     state: Arc<Mutex<State>>,
     entry_key: EntryKey,
     token: u64,
-    fingerprint: crate::Fingerprint,
+    fingerprint: crate::fingerprint::Fingerprint,
     retention: std::time::Duration,
     staged: Mutex<Option<Vec<(String, Value)>>>,
 }

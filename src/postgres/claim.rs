@@ -1,0 +1,253 @@
+//! Steps 1 and 2 of the protocol (see the [module docs](super)): replay a
+//! completed record, or claim the key by inserting its row, within the
+//! request's wait.
+
+use std::time::Duration;
+
+use tokio_postgres::{error::SqlState, types::ToSql, Row};
+
+use super::{conn::Conn, decode, error::map_error, PgStore, PgTx};
+use crate::store::{Claim, ClaimRequest, StoreError, StoreErrorKind};
+
+// Parameters carry explicit casts so their types are fixed by the SQL text:
+// binding can then never fail on the client after an earlier pipelined
+// statement was already sent.
+const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body \
+     FROM idempotency_requests \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
+
+// The claim. Its transaction was begun by `claim_begin`, which set the wait
+// limit; RETURNING runs once we own the key and puts lock_timeout back to the
+// session's default for the handler (`set_config` with NULL is `SET LOCAL …
+// TO DEFAULT`: the value from the server, database, role or connection
+// options).
+//
+// ON CONFLICT waits for the transaction holding the key's row, so the WHERE
+// sees a committed row: an expired record, or an `in_progress` row whose
+// transaction is over without completing it (an owner in this mode only ever
+// commits `completed`, so such a row is an orphan: a crash of an older
+// version, a manual edit). Both are taken over as a new attempt.
+const CLAIM_KEY: &str = "INSERT INTO idempotency_requests AS r \
+         (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+     VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
+     ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
+         request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
+         attempt_token = r.attempt_token + 1, response_status = NULL, response_headers = NULL, \
+         response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
+     WHERE r.expires_at <= now() OR r.state = 'in_progress' \
+     RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";
+
+/// How much longer than its wait a claim may take before the store gives up
+/// on the database: room for the server to report its own lock timeout.
+const CLAIM_GRACE: Duration = Duration::from_millis(250);
+
+/// The shortest wait a claim gets: a request that spent its wait elsewhere
+/// (behind a duplicate in this process) still gets to read the record.
+const MIN_WAIT: Duration = Duration::from_millis(100);
+
+/// [`Store::claim`](crate::store::Store::claim) for [`PgStore`].
+pub(super) async fn claim(
+    store: &PgStore,
+    request: &ClaimRequest,
+) -> Result<Claim<PgTx>, StoreError> {
+    claim_once(store, request, None).await
+}
+
+/// The claim, answered by `deadline` (plus [`CLAIM_GRACE`]) whatever the
+/// database does. The first attempt sets the deadline once it has a
+/// connection (taking one is bounded by the pool's acquire timeout); an
+/// attempt on a replacement for a faulty pooled connection keeps it.
+async fn claim_once(
+    store: &PgStore,
+    request: &ClaimRequest,
+    deadline: Option<tokio::time::Instant>,
+) -> Result<Claim<PgTx>, StoreError> {
+    let mut conn = store.conn().await?;
+    let retried = deadline.is_some();
+    let deadline =
+        deadline.unwrap_or_else(|| tokio::time::Instant::now() + request.wait.max(MIN_WAIT));
+    // Outside the claim's transaction no lock_timeout applies, so the
+    // deadline bounds the lookup and the first PREPARE of the claim
+    // statement on this connection. A statement cut off that way leaves
+    // its connection busy, so the connection is closed rather than
+    // returned.
+    let mut looked_up = false;
+    let prepared = tokio::time::timeout_at(deadline, async {
+        let record = match lookup(&conn, request).await? {
+            Some(row) => decode::record(&row)?,
+            None => None,
+        };
+        looked_up = true;
+        let claim = conn.prepare_cached(CLAIM_KEY).await.map_err(map_error)?;
+        Ok::<_, StoreError>((record, claim))
+    })
+    .await;
+    let claim = match prepared {
+        Ok(Ok((Some(record), _))) => return Ok(Claim::Completed(record)),
+        Ok(Ok((None, claim))) => claim,
+        // A pooled connection the server closed (a restart, a terminated
+        // backend), or whose session is not what we left, is only found
+        // out when used. Nothing has happened on it yet: drop it and start
+        // over once on a fresh one, rather than answer 503 for a database
+        // that is fine.
+        Ok(Err(e))
+            if (e.kind() == StoreErrorKind::Unavailable || is_session_fault(&e)) && !retried =>
+        {
+            conn.mark_dirty();
+            drop(conn);
+            return Box::pin(claim_once(store, request, Some(deadline))).await;
+        }
+        Ok(Err(e)) => {
+            if is_session_fault(&e) {
+                conn.mark_dirty();
+            }
+            return Err(e);
+        }
+        // The server answered the lookup, but preparing the INSERT waits
+        // for a lock on the key table (a migration, a `LOCK TABLE`): the
+        // same wait as the claim's own lock timeout, answered the same way.
+        Err(_) if looked_up => {
+            conn.mark_dirty();
+            return Ok(Claim::InProgress);
+        }
+        Err(_) => {
+            conn.mark_dirty();
+            return Err(timed_out());
+        }
+    };
+    let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let claimed = tokio::time::timeout_at(
+        deadline + CLAIM_GRACE,
+        try_claim(&mut conn, &claim, request, wait),
+    )
+    .await;
+    match claimed {
+        // Cut off mid-statement: `conn` is marked dirty, so it is closed,
+        // and PostgreSQL rolls back once the statement ends.
+        Err(_) => Err(timed_out()),
+        Ok(Ok(Some((token, xid)))) => Ok(Claim::Owned(PgTx::new(conn, request, token, xid))),
+        Ok(Ok(None)) => {
+            // Committed by another owner while we waited: read it with a
+            // fresh snapshot, then let go.
+            let row = tokio::time::timeout_at(deadline + CLAIM_GRACE, lookup(&conn, request))
+                .await
+                .unwrap_or_else(|_| Err(timed_out()));
+            rollback(conn).await?;
+            let record = match row? {
+                Some(row) => decode::record(&row)?,
+                None => None,
+            };
+            Ok(record.map_or(Claim::InProgress, Claim::Completed))
+        }
+        Ok(Err(e)) => {
+            let lock_timeout = e.sql_state() == Some(SqlState::LOCK_NOT_AVAILABLE.code());
+            if e.kind() != StoreErrorKind::Unavailable && !is_session_fault(&e) {
+                // A failed rollback leaves `conn` marked dirty: it is closed.
+                let _ = rollback(conn).await;
+            }
+            if lock_timeout {
+                Ok(Claim::InProgress)
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Reads the record of `request`'s key, if any (READ COMMITTED: a fresh snapshot).
+async fn lookup(conn: &Conn, request: &ClaimRequest) -> Result<Option<Row>, StoreError> {
+    let statement = conn.prepare_cached(LOOKUP).await.map_err(map_error)?;
+    let (tenant, endpoint, key) = key_columns(request);
+    conn.query_opt(&statement, &[&tenant, &endpoint, &key])
+        .await
+        .map_err(map_error)
+}
+
+/// Begins and claims in one round trip: `Some((token, xid))` if we own the key.
+async fn try_claim(
+    conn: &mut Conn,
+    claim: &tokio_postgres::Statement,
+    request: &ClaimRequest,
+    wait: Duration,
+) -> Result<Option<(i64, String)>, StoreError> {
+    let retention = request.retention.as_secs_f64();
+    let fingerprint = request.fingerprint.as_bytes().as_slice();
+    let (tenant, endpoint, key) = key_columns(request);
+    let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &fingerprint, &retention];
+    let begin = claim_begin(wait, request.hold_limit);
+    conn.mark_dirty();
+    // One round trip: the begin batch and the claim are pipelined, in this order.
+    let (_, claimed) = tokio::try_join!(
+        biased;
+        conn.batch_execute(&begin),
+        conn.query_opt(claim, &params),
+    )
+    .map_err(map_error)?;
+    Ok(claimed.map(|row| (row.get(0), row.get(1))))
+}
+
+/// Rolls back; the connection goes back to the pool only if that worked.
+async fn rollback(mut conn: Conn) -> Result<(), StoreError> {
+    conn.batch_execute("ROLLBACK").await.map_err(map_error)?;
+    conn.mark_clean();
+    Ok(())
+}
+
+/// Begins the claim's transaction: READ COMMITTED (the "not owned" read needs
+/// a fresh snapshot), the wait limit for every lock the claim may wait on
+/// (including the table lock the INSERT takes first), an `application_name`
+/// tag that `Cleanup` finds in `pg_stat_activity`, and, with a hold limit,
+/// `idle_in_transaction_session_timeout`: should the owner's process freeze
+/// or lose its network between two statements, the server ends the session
+/// and frees the key by itself. The values are numbers we format, never
+/// client data; `0` would mean "no limit", and PostgreSQL takes at most
+/// `i32::MAX` milliseconds.
+fn claim_begin(wait: Duration, hold_limit: Option<Duration>) -> String {
+    let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);
+    let wait_ms = ms(wait);
+    let hold = hold_limit.map_or(String::new(), |limit| {
+        format!(
+            "; SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+            ms(limit)
+        )
+    });
+    // Utility statements only: no planning, one message.
+    format!(
+        "BEGIN ISOLATION LEVEL READ COMMITTED; \
+         SET LOCAL lock_timeout = '{wait_ms}ms'; \
+         SET LOCAL application_name = 'tower-idempotency'{hold}"
+    )
+}
+
+/// Errors that say this connection's session is not what the store left
+/// (its prepared statements deallocated, its `search_path` or role changed,
+/// a transaction left open on it, a table changed under a cached plan):
+/// another connection is fine.
+fn is_session_fault(error: &StoreError) -> bool {
+    const CODES: [&str; 8] = [
+        "26000", // invalid_sql_statement_name: a cached statement is gone
+        "42P05", // duplicate_prepared_statement: a name the driver uses is taken
+        "25P02", // in_failed_sql_transaction
+        "25001", // active_sql_transaction
+        "42P01", // undefined_table: search_path changed
+        "3F000", // invalid_schema_name
+        "42501", // insufficient_privilege: role changed
+        "0A000", // feature_not_supported: cached plan must not change result type
+    ];
+    error.sql_state().is_some_and(|code| CODES.contains(&code))
+}
+
+fn timed_out() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Unavailable,
+        "the database did not answer within the wait",
+    )
+}
+
+fn key_columns(request: &ClaimRequest) -> (&str, &str, &str) {
+    (
+        request.scope.tenant().as_str(),
+        request.scope.endpoint(),
+        request.key.as_str(),
+    )
+}

@@ -1,0 +1,172 @@
+//! Pooled connections that are returned to the pool only in a known state.
+//!
+//! [`Conn`] holds every pooled connection the store uses: one that may be
+//! inside a transaction (or whose state is unknown) is closed on drop instead
+//! of being returned. [`PooledClient`] is the connection lent to the
+//! application, rolled back and reset before anyone else gets it.
+//! [`SESSION_RESET`] is what undoes a request's session changes.
+
+use std::{fmt, time::Duration};
+
+use deadpool_postgres::Object;
+use tokio_postgres::error::SqlState;
+
+// What a request may have left on its session that would outlive it on a
+// pooled connection, undone before anyone else gets the connection: what
+// `DISCARD ALL` does except dropping prepared statements (the pool's cached
+// statements live on). Sent pipelined behind the COMMIT or ROLLBACK, in a
+// message of its own so that its outcome never blurs the commit's.
+// `PgTx` refuses the plain ways to change the session; this catches the
+// hidden ones (a function calling `set_config(…, false)` or taking a session
+// advisory lock).
+pub(super) const SESSION_RESET: &str =
+    "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; CLOSE ALL; UNLISTEN *; \
+     SELECT pg_advisory_unlock_all(); DISCARD TEMP";
+
+/// A pooled connection that may be inside a transaction.
+///
+/// Dropped while a transaction may be open (a cancelled future, a panic), it
+/// closes the connection instead of returning it to the pool; PostgreSQL then
+/// rolls the transaction back. Nothing else can put an open transaction back
+/// into the pool.
+pub(super) struct Conn {
+    object: Option<Object>,
+    /// Known to be outside any transaction, with nothing running on it: only
+    /// then does it go back to the pool.
+    clean: bool,
+}
+
+impl Conn {
+    pub(super) fn new(object: Object) -> Self {
+        Conn {
+            object: Some(object),
+            clean: true,
+        }
+    }
+
+    /// The connection may be inside a transaction, or is in an unknown state
+    /// (a statement still running on it): close it on drop instead of
+    /// returning it. Call before sending `BEGIN`.
+    pub(super) fn mark_dirty(&mut self) {
+        self.clean = false;
+    }
+
+    /// `COMMIT` or `ROLLBACK` was acknowledged (and the session reset, where
+    /// one is due): the connection may go back to the pool.
+    pub(super) fn mark_clean(&mut self) {
+        self.clean = true;
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = Object;
+    fn deref(&self) -> &Object {
+        // Only `Drop` takes the object out.
+        self.object
+            .as_ref()
+            .expect("a Conn holds its object until dropped")
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(object) = self.object.take() {
+            if !self.clean || object.is_closed() {
+                drop(Object::take(object));
+            }
+        }
+    }
+}
+
+/// A pooled connection from [`PgStore::client`](super::PgStore::client);
+/// dereferences to a `tokio_postgres::Client`.
+///
+/// On drop it goes back to the pool only once it is clean again: a
+/// transaction the application left open or failed is rolled back, and the
+/// session is reset (settings, role, cursors, listeners, session advisory
+/// locks, temporary tables), on a task of its own so that dropping never
+/// blocks. Should that not work within a few seconds, the connection is
+/// closed instead. Prepared statements are kept (the pool caches its own);
+/// an application that deallocates them costs the next claim on that
+/// connection a reconnect, nothing else.
+pub struct PooledClient(Option<Conn>);
+
+impl PooledClient {
+    /// Lends `conn`, which the caller marked dirty: its state is unknown until
+    /// the reset on drop proves otherwise.
+    pub(super) fn new(conn: Conn) -> Self {
+        PooledClient(Some(conn))
+    }
+
+    /// Prepares a statement, reusing this connection's cached one.
+    pub async fn prepare_cached(
+        &self,
+        sql: &str,
+    ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
+        self.conn().prepare_cached(sql).await
+    }
+
+    fn conn(&self) -> &Conn {
+        // Only `Drop` takes the connection out.
+        self.0
+            .as_ref()
+            .expect("a PooledClient holds its connection until dropped")
+    }
+}
+
+impl std::ops::Deref for PooledClient {
+    type Target = tokio_postgres::Client;
+    fn deref(&self) -> &tokio_postgres::Client {
+        self.conn()
+    }
+}
+
+impl fmt::Debug for PooledClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PooledClient").finish_non_exhaustive()
+    }
+}
+
+impl Drop for PooledClient {
+    fn drop(&mut self) {
+        let Some(conn) = self.0.take() else { return };
+        // Without a runtime the connection is simply closed (it is marked
+        // dirty: possibly in a transaction).
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(reset_borrowed(conn));
+        }
+    }
+}
+
+/// Returns an application's connection to the pool clean, or closes it.
+async fn reset_borrowed(mut conn: Conn) {
+    const RESET_LIMIT: Duration = Duration::from_secs(5);
+    let reset = async {
+        // Outside a transaction block a statement is its own transaction, so
+        // now() and statement_timestamp() are one instant; inside a block the
+        // transaction began with an earlier message. A failed block answers
+        // 25P02. (A bare ROLLBACK would do too, but warns on every clean
+        // connection.)
+        let in_transaction = match conn
+            .simple_query("SELECT now() = statement_timestamp()")
+            .await
+        {
+            Ok(messages) => !messages.iter().any(|m| {
+                matches!(m, tokio_postgres::SimpleQueryMessage::Row(row) if row.get(0) == Some("t"))
+            }),
+            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => true,
+            Err(e) => return Err(e),
+        };
+        if in_transaction {
+            conn.batch_execute("ROLLBACK").await?;
+        }
+        conn.batch_execute(SESSION_RESET).await
+    };
+    match tokio::time::timeout(RESET_LIMIT, reset).await {
+        Ok(Ok(())) => conn.mark_clean(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not reset an application connection; closing it")
+        }
+        Err(_) => tracing::warn!("resetting an application connection took too long; closing it"),
+    }
+}

@@ -1,0 +1,83 @@
+//! Rows of `idempotency_requests` decoded into records: the replayable
+//! [`Record`] the claim reads, and the operator's [`KeyRecord`]. Both share
+//! one reading of the stored state, fingerprint and status, and one error
+//! for a value that does not decode ([`StoreErrorKind::Corrupt`]).
+
+use bytes::Bytes;
+use http::StatusCode;
+use tokio_postgres::Row;
+
+use super::admin::{KeyRecord, KeyState};
+use crate::{
+    fingerprint::Fingerprint,
+    record::{Record, StoredResponse},
+    store::{StoreError, StoreErrorKind},
+};
+
+/// A row of the claim's lookup (`request_fingerprint, state,
+/// response_status, response_headers, response_body`); `None` for a row that
+/// is not completed (a committed in-progress row).
+pub(super) fn record(row: &Row) -> Result<Option<Record>, StoreError> {
+    let state: &str = row.try_get(1).map_err(|_| corrupt("state"))?;
+    if state_of(state) != KeyState::Completed {
+        return Ok(None);
+    }
+    let fingerprint: &[u8] = row.try_get(0).map_err(|_| corrupt("fingerprint"))?;
+    let status: i16 = row.try_get(2).map_err(|_| corrupt("status"))?;
+    let headers: &[u8] = row.try_get(3).map_err(|_| corrupt("header block"))?;
+    let body: &[u8] = row.try_get(4).map_err(|_| corrupt("body"))?;
+    Ok(Some(Record {
+        fingerprint: fingerprint_of(fingerprint)?,
+        response: StoredResponse {
+            status: status_of(status)?,
+            headers: StoredResponse::decode_headers(headers)
+                .ok_or_else(|| corrupt("header block"))?,
+            body: Bytes::copy_from_slice(body),
+        },
+    }))
+}
+
+/// A row of the operator's lookup (`tenant_id, endpoint, state,
+/// request_fingerprint, response_status, attempt_token, created_at,
+/// completed_at, expires_at`).
+pub(super) fn key_record(row: &Row) -> Result<KeyRecord, StoreError> {
+    let state = state_of(row.get(2));
+    let status: Option<i16> = row.get(4);
+    Ok(KeyRecord {
+        tenant_id: row.get(0),
+        endpoint: row.get(1),
+        state,
+        fingerprint: fingerprint_of(row.get(3))?,
+        response_status: status.map(status_of).transpose()?,
+        attempt_token: row.get(5),
+        created_at: row.get(6),
+        completed_at: row.get(7),
+        expires_at: row.get(8),
+    })
+}
+
+/// The `state` column: `completed`, or else in progress.
+fn state_of(state: &str) -> KeyState {
+    match state {
+        "completed" => KeyState::Completed,
+        _ => KeyState::InProgress,
+    }
+}
+
+fn fingerprint_of(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
+    Fingerprint::from_slice(bytes).ok_or_else(|| corrupt("fingerprint"))
+}
+
+fn status_of(status: i16) -> Result<StatusCode, StoreError> {
+    u16::try_from(status)
+        .ok()
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| corrupt("status"))
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Corrupt,
+        format!("stored record has an invalid {what}"),
+    )
+}

@@ -1,0 +1,188 @@
+//! Step 4 of the protocol (see the [module docs](super)): the owner's
+//! transaction ends, committed with its remembered response or rolled back,
+//! with the session reset behind it, in one round trip.
+
+use std::time::Duration;
+
+use tokio_postgres::{types::ToSql, NoTls};
+
+use super::{
+    conn::{Conn, SESSION_RESET},
+    error::map_error,
+    tx::Take,
+    PgTx,
+};
+use crate::{
+    record::StoredResponse,
+    store::{StoreError, StoreErrorKind},
+};
+
+// The COMMIT is pipelined behind this statement, so it must fail (aborting
+// the transaction) rather than match no row: the handler's writes must never
+// commit without the remembered response. Division by zero does that. The
+// transaction id check catches a handler that ended the claim's transaction.
+// Retention counts from the completion (one timestamp for both columns).
+const COMPLETE: &str = "WITH done AS ( \
+         UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
+             response_headers = $6::bytea, response_body = $7::bytea, completed_at = statement_timestamp(), \
+             expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
+         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+             AND attempt_token = $4::int8 AND state = 'in_progress' \
+             AND pg_current_xact_id() = $9::text::xid8 \
+         RETURNING 1) \
+     SELECT 1 / (SELECT count(*)::int FROM done)";
+
+/// How long a `ROLLBACK` may queue behind a statement still running on the
+/// connection (a handler cut off at its deadline) before that statement is
+/// cancelled, and how long the cancelled statement then has to end.
+const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
+const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+/// [`Store::complete`](crate::store::Store::complete) for
+/// [`PgStore`](super::PgStore).
+pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
+    let Some(conn) = tx.take().await else {
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "the transaction has already finished",
+        ));
+    };
+    let statement = match conn.prepare_cached(COMPLETE).await {
+        Ok(statement) => statement,
+        Err(e) => {
+            // The transaction is still open (or aborted): roll it back.
+            let _ = finish(conn, None, "ROLLBACK").await;
+            return Err(map_error(e));
+        }
+    };
+    let status = response.status.as_u16() as i16;
+    let headers = response.encode_headers();
+    let body: &[u8] = &response.body;
+    let retention = tx.retention().as_secs_f64();
+    let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
+    let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
+    let params: [&(dyn ToSql + Sync); 9] = [
+        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid,
+    ];
+    finish(conn, Some((&statement, &params)), "COMMIT")
+        .await
+        .map_err(completion_error)
+}
+
+/// [`Store::abort`](crate::store::Store::abort) for [`PgStore`](super::PgStore).
+pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
+    // Busy: a statement still runs through a clone of the handle (a task
+    // the handler spawned); it would hold the transaction until it ends.
+    let conn = match tx.try_take() {
+        Take::Taken(conn) => Some(*conn),
+        Take::Finished => None,
+        Take::Busy => {
+            cancel_running(&tx).await;
+            tx.take().await
+        }
+    };
+    let Some(conn) = conn else { return Ok(()) };
+    // A statement the handler started may still be running on the
+    // connection (its future was dropped at the deadline): the ROLLBACK
+    // waits behind it. Cancel it if it does not end soon.
+    let mut rollback = std::pin::pin!(finish(conn, None, "ROLLBACK"));
+    let ended = match tokio::time::timeout(ROLLBACK_PATIENCE, &mut rollback).await {
+        Ok(ended) => Some(ended),
+        Err(_) => {
+            cancel_running(&tx).await;
+            tokio::time::timeout(CANCEL_GRACE, rollback).await.ok()
+        }
+    };
+    match ended {
+        Some(Ok(())) => Ok(()),
+        // The server rolls back when a connection whose ROLLBACK failed is closed.
+        Some(Err(Finished::Update(e) | Finished::End(e))) => Err(map_error(e)),
+        None => Err(StoreError::new(
+            StoreErrorKind::Unavailable,
+            "the rollback did not finish; the connection was closed",
+        )),
+    }
+}
+
+/// Ends the owner's transaction with `end` (`COMMIT` or `ROLLBACK`),
+/// pipelined behind `update` when there is one, with the session reset
+/// behind it: one round trip. The connection goes back to the pool only
+/// if all of it is known to have worked.
+async fn finish(
+    mut conn: Conn,
+    update: Option<(&tokio_postgres::Statement, &[&(dyn ToSql + Sync)])>,
+    end: &'static str,
+) -> Result<(), Finished> {
+    let ended = async {
+        // `try_join!` and `biased`: the UPDATE goes out first, and should
+        // it fail before it was sent (an encoding error), the COMMIT
+        // never goes out at all. Once both were sent, a failed UPDATE has
+        // aborted the transaction and the COMMIT rolls back.
+        match update {
+            Some((statement, params)) => tokio::try_join!(
+                biased;
+                async { conn.query_one(statement, params).await.map_err(Finished::Update) },
+                async { conn.batch_execute(end).await.map_err(Finished::End) },
+            )
+            .map(|_| ()),
+            None => conn.batch_execute(end).await.map_err(Finished::End),
+        }
+    };
+    let (ended, reset) = tokio::join!(biased; ended, conn.batch_execute(SESSION_RESET));
+    if ended.is_ok() && reset.is_ok() {
+        conn.mark_clean();
+    }
+    ended
+}
+
+/// Cancels whatever statement runs on the connection of `tx` (a handler
+/// cut off at its deadline, a task it spawned), so that its locks and
+/// its connection come back now rather than when the statement ends.
+async fn cancel_running(tx: &PgTx) {
+    if let Err(e) = tx.cancel_token().cancel_query(NoTls).await {
+        tracing::warn!(error = %e, "could not cancel the statement still running for an abandoned owner");
+    }
+}
+
+/// Which part of ending a transaction failed.
+enum Finished {
+    /// The statement before the end (the completion's UPDATE).
+    Update(tokio_postgres::Error),
+    /// The `COMMIT` or `ROLLBACK` itself.
+    End(tokio_postgres::Error),
+}
+
+/// What a failed completion means for the operation.
+///
+/// - Lost before or with the `COMMIT` (a connection closed or terminated):
+///   the commit may or may not have happened ([`StoreErrorKind::OutcomeUnknown`]).
+/// - The UPDATE failed in the server: the transaction was already aborted
+///   (the handler swallowed a failed statement) or is no longer the claim's;
+///   the `COMMIT` rolled back, and a retry fails the same way
+///   ([`StoreErrorKind::TransactionAborted`]). Likewise an UPDATE that could
+///   not even be sent: the `COMMIT` never was.
+/// - The `COMMIT` failed in the server: a deferred constraint
+///   ([`StoreErrorKind::TransactionAborted`]) or a serialization failure
+///   ([`StoreErrorKind::Conflict`]); rolled back either way.
+fn completion_error(failed: Finished) -> StoreError {
+    let (e, what) = match failed {
+        Finished::Update(e) => (
+            e,
+            "remembering the response failed; the transaction was rolled back",
+        ),
+        Finished::End(e) => (e, "the commit failed; the transaction was rolled back"),
+    };
+    let error = map_error(e);
+    match error.kind() {
+        StoreErrorKind::Unavailable => StoreError::new(
+            StoreErrorKind::OutcomeUnknown,
+            "the connection was lost while committing; whether the commit happened is unknown",
+        )
+        .with_sql_state(error.sql_state().map(str::to_owned))
+        .with_source(error),
+        StoreErrorKind::Conflict => error,
+        _ => StoreError::new(StoreErrorKind::TransactionAborted, what)
+            .with_sql_state(error.sql_state().map(str::to_owned))
+            .with_source(error),
+    }
+}

@@ -1,0 +1,170 @@
+//! [`PgStore`]: keys arbitrated by a PostgreSQL primary key, responses
+//! committed in the handler's own transaction.
+//!
+//! The protocol, per request:
+//!
+//! 1. A plain indexed read finds a completed, unexpired record: replay it
+//!    (no transaction, no write, no lock).
+//! 2. Otherwise, in one round trip: `BEGIN ISOLATION LEVEL READ COMMITTED`
+//!    (the "not owned" read below needs a fresh snapshot) with `lock_timeout`
+//!    set to the wait, and `INSERT … ON CONFLICT ON CONSTRAINT
+//!    idempotency_requests_pkey DO UPDATE … WHERE expired RETURNING
+//!    attempt_token, (the session's lock_timeout restored for the handler)`. A returned row means this
+//!    request owns the key (new, or an expired record taken over). If another
+//!    transaction holds the key, the insert waits on it; `55P03` after the wait
+//!    means in progress. No row means a record committed meanwhile: read it in
+//!    the same transaction and roll back.
+//! 3. The handler writes through [`PgTx`].
+//! 4. In one round trip: `UPDATE` the row with the response (its retention
+//!    counts from now, the completion), `COMMIT`, and a session reset. The
+//!    `UPDATE` matches only the row this transaction claimed (attempt token
+//!    and transaction id), and fails otherwise, so the pipelined `COMMIT`
+//!    rolls back; an `UPDATE` that cannot even be sent keeps the `COMMIT`
+//!    from being sent.
+//!
+//! One deadline (the request's wait) bounds steps 1 and 2: lock waits by
+//! `lock_timeout`, everything else (a slow server, a lost network) by the
+//! client, which then closes the connection.
+//!
+//! Every pooled connection that may be inside a transaction is held in a
+//! guard that closes it, rather than returning it to the pool, if it is
+//! dropped before `COMMIT`/`ROLLBACK` was acknowledged (a cancelled future, a
+//! panic): PostgreSQL then rolls back. A connection goes back to the pool
+//! only in a known state: after the owner's `COMMIT`/`ROLLBACK` its session
+//! is reset, and a connection lent to the application is rolled back and
+//! reset when it is returned.
+//!
+//! No `SELECT` decides ownership: the unique index does.
+
+// The code, one concern per file: the protocol's claim (`claim.rs`) and its
+// end (`finish.rs`); the connection guard and the application's connection
+// (`conn.rs`); the pool (`pool.rs`); row decoding (`decode.rs`); error
+// mapping (`error.rs`); the handler's transaction (`tx.rs`) and the SQL lexer
+// guarding it (`lexer.rs`); the operator API (`admin.rs`); migrations
+// (`migrations.rs`); and `Session` (`session.rs`), the one way the rest of
+// the crate (the outbox relay, retention) runs statements on the pool.
+
+use std::{fmt, str::FromStr};
+
+use deadpool_postgres::Pool;
+use tokio_postgres::NoTls;
+
+use crate::record::StoredResponse;
+use crate::store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind};
+
+mod admin;
+mod claim;
+mod conn;
+mod decode;
+mod error;
+mod finish;
+mod lexer;
+mod migrations;
+mod pool;
+mod session;
+mod tx;
+
+pub use admin::{KeyRecord, KeyState};
+pub use conn::PooledClient;
+pub use pool::PgStoreBuilder;
+pub use tx::{PgTx, TxError, TxErrorKind};
+
+use error::map_error;
+
+/// The PostgreSQL [`Store`].
+///
+/// Cheap to clone (a pool handle). Create it with [`PgStore::connect`] or
+/// [`PgStore::builder`], then run [`PgStore::migrate`] once at start-up (safe
+/// from many processes at once).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), tower_idempotency::store::StoreError> {
+/// use tower_idempotency::postgres::PgStore;
+///
+/// let store = PgStore::connect("postgres://app@localhost/app")?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgStore {
+    pool: Pool,
+    config: std::sync::Arc<tokio_postgres::Config>,
+}
+
+impl fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self.pool.status();
+        f.debug_struct("PgStore")
+            .field("max_connections", &status.max_size)
+            .field("connections", &status.size)
+            .finish()
+    }
+}
+
+impl PgStore {
+    /// A builder from a parsed configuration.
+    pub fn builder(config: tokio_postgres::Config) -> PgStoreBuilder {
+        PgStoreBuilder::new(config)
+    }
+
+    /// A store for a connection string (`postgres://…` or `host=… user=…`)
+    /// with default pool settings.
+    pub fn connect(conninfo: &str) -> Result<PgStore, StoreError> {
+        let config = tokio_postgres::Config::from_str(conninfo).map_err(|e| {
+            StoreError::new(StoreErrorKind::Backend, "invalid connection string").with_source(e)
+        })?;
+        Self::builder(config).build()
+    }
+
+    /// Creates or upgrades the schema (`idempotency_requests`). Idempotent;
+    /// concurrent callers serialise on an advisory lock.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut session = self.session().await?;
+        session.mark_dirty();
+        let committed = migrations::run(&session).await?;
+        session.mark_clean(committed);
+        Ok(())
+    }
+
+    /// A pooled connection for the application's own queries outside the
+    /// layer (reads, health checks, its own migrations).
+    ///
+    /// Whatever the application leaves on it (a transaction it never ended,
+    /// one that failed, a session setting) is undone before the connection
+    /// serves anyone else; see [`PooledClient`].
+    pub async fn client(&self) -> Result<PooledClient, StoreError> {
+        let mut conn = self.conn().await?;
+        // Unknown until the reset on drop proves otherwise.
+        conn.mark_dirty();
+        Ok(PooledClient::new(conn))
+    }
+
+    /// Opens a dedicated connection outside the pool (e.g. for `LISTEN`).
+    pub(crate) async fn dedicated(
+        &self,
+    ) -> Result<
+        (
+            tokio_postgres::Client,
+            tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+        ),
+        StoreError,
+    > {
+        self.config.connect(NoTls).await.map_err(map_error)
+    }
+}
+
+impl Store for PgStore {
+    type Tx = PgTx;
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
+        claim::claim(self, request).await
+    }
+
+    async fn complete(&self, tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
+        finish::complete(tx, response).await
+    }
+
+    async fn abort(&self, tx: PgTx) -> Result<(), StoreError> {
+        finish::abort(tx).await
+    }
+}
