@@ -214,24 +214,16 @@ where
     let deadline = tokio::time::Instant::now() + config.wait;
 
     // 2. Coalesce.
-    let (lead, followed) = match coalesce(&endpoint, &claim, deadline).await {
-        Some(turn) => turn,
-        None => {
-            timings.waited = Some(timings.since_arrival());
-            timings.claimed = timings.waited;
-            return (Settled::InProgress, timings);
-        }
+    let Some((lead, followed)) = coalesce(&endpoint, &claim, deadline).await else {
+        timings.waited = Some(timings.since_arrival());
+        timings.claimed = timings.waited;
+        return (Settled::InProgress, timings);
     };
-    let settled = || {
-        if let Some(lead) = &lead {
-            lead.settled();
-        }
-    };
+    let settled = || lead.as_ref().inspect(|lead| lead.settled());
 
-    // 3. Claim, with what is left of the wait.
+    // 3. Claim, with what is left of the wait. Should this process freeze
+    // past the handler's deadline, the database ends the claim by itself.
     claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
-    // Should this process freeze past the handler's deadline, the database
-    // ends the claim's transaction by itself.
     claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
     let claimed = endpoint.store.claim(&claim).await;
     timings.claimed = Some(timings.since_arrival());
@@ -240,39 +232,48 @@ where
     }
     let tx = match claimed {
         Ok(Claim::Owned(tx)) => tx,
-        Ok(Claim::Completed(record)) => {
+        Ok(Claim::Completed(record)) if record.fingerprint == claim.fingerprint => {
             settled();
-            return match record.fingerprint == claim.fingerprint {
-                true => (Settled::Replayed(record.response), timings),
-                false => (Settled::KeyReused, timings),
-            };
+            return (Settled::Replayed(record.response), timings);
+        }
+        Ok(Claim::Completed(_)) => {
+            settled();
+            return (Settled::KeyReused, timings);
         }
         Ok(Claim::InProgress) => return (Settled::InProgress, timings),
         Err(e) => return (Settled::ClaimFailed(e), timings),
     };
-    tracing::debug!("claimed the key");
     let held_since = Instant::now();
 
     // 4. Run the owner, under its deadline.
     parts.extensions.insert(tx.clone());
     let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let ran = tokio::time::timeout(
-        config.handler_timeout,
-        run_owner(inner, request, config.response_body_limit),
-    )
-    .await
-    .unwrap_or(Err(Rollback::TimedOut));
+    let owner = run_owner(inner, request, config.response_body_limit);
+    let ran = tokio::time::timeout(config.handler_timeout, owner)
+        .await
+        .unwrap_or(Err(Rollback::TimedOut));
 
     // 5. Remember, or roll back.
-    let ended = match ran {
+    let ended = remember(&endpoint, tx, ran).await;
+    if matches!(ended, Settled::Committed(..)) {
+        settled();
+    }
+    timings.held = Some(held_since.elapsed());
+    (ended, timings)
+}
+
+/// Commits the owner's response with its writes, or rolls its work back.
+async fn remember<St: Store, F, R, ResB, E>(
+    endpoint: &Endpoint<St, F, R>,
+    tx: St::Tx,
+    ran: Result<(http::response::Parts, Bytes), Rollback<ResB, E>>,
+) -> Settled<ResB, E> {
+    match ran {
         Ok((parts, body)) => {
-            let stored =
-                StoredResponse::new(parts.status, &parts.headers, &config.replay_headers, body);
+            let replayed = &endpoint.config.replay_headers;
+            let stored = StoredResponse::new(parts.status, &parts.headers, replayed, body);
             match endpoint.store.complete(tx, &stored).await {
-                Ok(()) => {
-                    settled();
-                    Settled::Committed(parts, stored.body)
-                }
+                Ok(()) => Settled::Committed(parts, stored.body),
                 Err(e) => Settled::CompletionFailed(e),
             }
         }
@@ -282,9 +283,7 @@ where
             }
             Settled::RolledBack(rollback)
         }
-    };
-    timings.held = Some(held_since.elapsed());
-    (ended, timings)
+    }
 }
 
 /// How long past the handler's deadline the database itself ends an owner's

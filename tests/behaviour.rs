@@ -15,15 +15,19 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use tokio::sync::{Barrier, Notify};
 use tower::Layer;
-use tower_idempotency::{FinalResponse, RequestBody, Store, TenantId};
+use tower_idempotency::{record::FinalResponse, scope::TenantId, RequestBody};
 
-const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
+/// The default layer over [`order_handler`], and the count of the handler's calls.
+fn counted_orders<B: Backend>(backend: &B) -> (TestService<B::Store>, Arc<AtomicU64>) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    (service, calls)
+}
 
 // Each start waits at the barrier, then hands back the spawned request.
 #[allow(clippy::async_yields_async)]
 async fn fifty_concurrent_duplicates_commit_once<B: Backend>(backend: B) {
-    let calls = Arc::new(AtomicU64::new(0));
-    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
+    let (service, calls) = counted_orders(&backend);
     let barrier = Arc::new(Barrier::new(50));
     let starts: Vec<_> = (0..50)
         .map(|i| {
@@ -64,20 +68,15 @@ async fn fifty_concurrent_duplicates_commit_once<B: Backend>(backend: B) {
 }
 
 async fn replays_first_response_with_allow_listed_headers<B: Backend>(backend: B) {
-    let calls = Arc::new(AtomicU64::new(0));
-    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
-    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let (service, calls) = counted_orders(&backend);
+    let first = send(service.clone(), tenant_a_post("k1")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed());
     assert!(
         first.headers.get("set-cookie").is_some(),
         "the first answer is untouched"
     );
-    let replay = send(
-        service.clone(),
-        post(Some("tenant-a"), Some("\"k1\""), BODY),
-    )
-    .await;
+    let replay = send(service.clone(), tenant_a_post("\"k1\"")).await;
     assert_eq!(replay.status, StatusCode::CREATED);
     assert!(replay.replayed());
     assert_eq!(replay.body, first.body);
@@ -93,9 +92,8 @@ async fn replays_first_response_with_allow_listed_headers<B: Backend>(backend: B
 }
 
 async fn refuses_reused_key_and_changes_nothing<B: Backend>(backend: B) {
-    let calls = Arc::new(AtomicU64::new(0));
-    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
-    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let (service, calls) = counted_orders(&backend);
+    let first = send(service.clone(), tenant_a_post("k1")).await;
     let other = send(
         service.clone(),
         post(
@@ -111,34 +109,35 @@ async fn refuses_reused_key_and_changes_nothing<B: Backend>(backend: B) {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(backend.orders().await.len(), 1);
     assert_eq!(backend.remembered().await, 1);
-    let replay = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let replay = send(service.clone(), tenant_a_post("k1")).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, first.body, "the original still replays");
 }
 
-/// A handler that writes its order and then fails with `status`.
-fn failing_after_write<B: Backend>(
-    status: StatusCode,
+/// A handler that counts its call, writes its order, then answers what `answer` gives.
+fn writes_then<B: Backend>(
     calls: Arc<AtomicU64>,
-) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+    answer: impl Fn() -> Result<Response<Full<Bytes>>, BoxError> + Clone + Send + Sync + 'static,
+) -> Handler {
     tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
-        let calls = calls.clone();
+        let (calls, answer) = (calls.clone(), answer.clone());
         async move {
             calls.fetch_add(1, Ordering::SeqCst);
-            let tx = request
-                .extensions()
-                .get::<<B::Store as Store>::Tx>()
-                .cloned()
-                .unwrap();
+            let tx = tx_of::<B>(&request).unwrap();
             B::insert_order(&tx, &new_order_id(), "tenant-a").await?;
-            if status == StatusCode::IM_A_TEAPOT {
-                return Err::<Response<Full<Bytes>>, BoxError>("service error".into());
-            }
-            let mut response = Response::new(Full::new(Bytes::from_static(b"{\"error\":true}")));
-            *response.status_mut() = status;
-            Ok(response)
+            answer()
         }
     }))
+}
+
+/// A handler that writes its order and then fails with `status`.
+fn failing_after_write<B: Backend>(status: StatusCode, calls: Arc<AtomicU64>) -> Handler {
+    writes_then::<B>(calls, move || {
+        if status == StatusCode::IM_A_TEAPOT {
+            return Err("service error".into());
+        }
+        Ok(response(status, "{\"error\":true}"))
+    })
 }
 
 async fn rolls_back_on_5xx_and_frees_the_key<B: Backend>(backend: B) {
@@ -147,7 +146,7 @@ async fn rolls_back_on_5xx_and_frees_the_key<B: Backend>(backend: B) {
         StatusCode::INTERNAL_SERVER_ERROR,
         calls.clone(),
     ));
-    let answer = send(failing.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(failing.clone(), tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(
         backend.orders().await.is_empty(),
@@ -155,7 +154,7 @@ async fn rolls_back_on_5xx_and_frees_the_key<B: Backend>(backend: B) {
     );
     assert_eq!(backend.remembered().await, 0);
     let working = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
-    let retry = send(working.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let retry = send(working.clone(), tenant_a_post("k1")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed(), "the retry ran afresh");
     assert_eq!(backend.orders().await.len(), 1);
@@ -168,7 +167,7 @@ async fn rolls_back_on_service_error<B: Backend>(backend: B) {
         StatusCode::IM_A_TEAPOT,
         calls.clone(),
     ));
-    let error = tower::ServiceExt::oneshot(failing, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let error = tower::ServiceExt::oneshot(failing, tenant_a_post("k1")).await;
     assert!(error.is_err(), "the service error is passed on");
     assert!(backend.orders().await.is_empty());
     assert_eq!(backend.remembered().await, 0);
@@ -180,33 +179,21 @@ async fn unmarked_4xx_is_rolled_back_but_final_4xx_is_remembered<B: Backend>(bac
         StatusCode::UNPROCESSABLE_ENTITY,
         calls.clone(),
     ));
-    let answer = send(unmarked.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(unmarked.clone(), tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(backend.orders().await.is_empty());
     assert_eq!(backend.remembered().await, 0);
 
-    let final_calls = calls.clone();
-    let marked =
-        layer(backend.store()).layer(tower::service_fn(move |request: Request<RequestBody>| {
-            let calls = final_calls.clone();
-            async move {
-                calls.fetch_add(1, Ordering::SeqCst);
-                let tx = request
-                    .extensions()
-                    .get::<<B::Store as Store>::Tx>()
-                    .cloned()
-                    .unwrap();
-                B::insert_order(&tx, &new_order_id(), "tenant-a").await?;
-                let mut response = Response::new(Full::new(Bytes::from_static(
-                    b"{\"code\":\"coupon_expired\"}",
-                )));
-                *response.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
-                response.extensions_mut().insert(FinalResponse);
-                Ok::<_, BoxError>(response)
-            }
-        }));
-    let first = send(marked.clone(), post(Some("tenant-a"), Some("k2"), BODY)).await;
-    let replay = send(marked.clone(), post(Some("tenant-a"), Some("k2"), BODY)).await;
+    let marked = layer(backend.store()).layer(writes_then::<B>(calls.clone(), || {
+        let mut response = response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{\"code\":\"coupon_expired\"}",
+        );
+        response.extensions_mut().insert(FinalResponse);
+        Ok(response)
+    }));
+    let first = send(marked.clone(), tenant_a_post("k2")).await;
+    let replay = send(marked.clone(), tenant_a_post("k2")).await;
     assert_eq!(first.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(replay.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(replay.replayed());
@@ -221,11 +208,10 @@ async fn unmarked_4xx_is_rolled_back_but_final_4xx_is_remembered<B: Backend>(bac
 }
 
 async fn same_key_on_another_target_is_a_reused_key<B: Backend>(backend: B) {
-    let calls = Arc::new(AtomicU64::new(0));
-    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
-    let mut first = post(Some("tenant-a"), Some("k1"), BODY);
+    let (service, calls) = counted_orders(&backend);
+    let mut first = tenant_a_post("k1");
     *first.uri_mut() = "/orders/1/cancel".parse().unwrap();
-    let mut second = post(Some("tenant-a"), Some("k1"), BODY);
+    let mut second = tenant_a_post("k1");
     *second.uri_mut() = "/orders/2/cancel".parse().unwrap();
     assert_eq!(
         send(service.clone(), first).await.status,
@@ -239,13 +225,8 @@ async fn same_key_on_another_target_is_a_reused_key<B: Backend>(backend: B) {
 }
 
 async fn tenants_with_the_same_raw_key_stay_apart<B: Backend>(backend: B) {
-    let calls = Arc::new(AtomicU64::new(0));
-    let service = layer(backend.store()).layer(order_handler::<B>(calls.clone()));
-    let a = send(
-        service.clone(),
-        post(Some("tenant-a"), Some("shared"), BODY),
-    )
-    .await;
+    let (service, _) = counted_orders(&backend);
+    let a = send(service.clone(), tenant_a_post("shared")).await;
     let b = send(
         service.clone(),
         post(Some("tenant-b"), Some("shared"), BODY),
@@ -271,8 +252,8 @@ async fn expired_key_is_a_new_operation<B: Backend>(backend: B) {
     let service = layer(backend.store())
         .retention(std::time::Duration::ZERO)
         .layer(order_handler::<B>(calls.clone()));
-    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
-    let second = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let first = send(service.clone(), tenant_a_post("k1")).await;
+    let second = send(service.clone(), tenant_a_post("k1")).await;
     assert!(!second.replayed(), "past retention the key is new again");
     assert_ne!(first.body, second.body);
     assert_eq!(backend.orders().await.len(), 2);
@@ -288,9 +269,9 @@ async fn duplicate_waits_then_answers_in_progress<B: Backend>(backend: B) {
     let service = layer(backend.store())
         .wait(WAIT_SHORT)
         .layer(gated::<B>(started.clone(), release.clone()));
-    let first = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    let first = spawn_send(service.clone(), tenant_a_post("k1"));
     started.notified().await;
-    let duplicate = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let duplicate = send(service.clone(), tenant_a_post("k1")).await;
     assert_eq!(duplicate.status, StatusCode::CONFLICT);
     assert_eq!(duplicate.json()["code"], "idempotency_in_progress");
     assert_eq!(duplicate.headers["retry-after"], "1");
@@ -301,7 +282,7 @@ async fn duplicate_waits_then_answers_in_progress<B: Backend>(backend: B) {
     release.notify_one();
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
-    let later = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let later = send(service.clone(), tenant_a_post("k1")).await;
     assert!(later.replayed());
     assert_eq!(later.body, first.body);
     assert_eq!(backend.orders().await.len(), 1);
@@ -310,14 +291,14 @@ async fn duplicate_waits_then_answers_in_progress<B: Backend>(backend: B) {
 async fn client_gone_after_claim_still_commits_and_retry_replays<B: Backend>(backend: B) {
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let service = layer(backend.store()).layer(gated::<B>(started.clone(), release.clone()));
-    let client = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    let client = spawn_send(service.clone(), tenant_a_post("k1"));
     started.notified().await;
     // The client disconnects: its response future is dropped mid-request.
     client.abort();
     assert!(client.await.unwrap_err().is_cancelled());
     // The retry arrives while the orphaned work still holds the key; it waits
     // for the commit (the wait is the synchronisation) and replays it.
-    let retry = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    let retry = spawn_send(service.clone(), tenant_a_post("k1"));
     release.notify_one();
     let retry = retry.await.unwrap();
     assert_eq!(retry.status, StatusCode::CREATED);
@@ -396,7 +377,7 @@ async fn bad_input_is_refused_and_writes_nothing<B: Backend>(backend: B) {
     assert!(backend.orders().await.is_empty());
     assert_eq!(backend.remembered().await, 0);
     // A corrected body may reuse the key the invalid one was sent with.
-    let corrected = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let corrected = send(service.clone(), tenant_a_post("k1")).await;
     assert_eq!(corrected.status, StatusCode::CREATED);
 }
 
@@ -413,10 +394,7 @@ async fn builder_options_change_the_contract<B: Backend>(backend: B) {
         .require_key(false)
         .layer(tower::service_fn(
             |request: Request<RequestBody>| async move {
-                let had_tx = request
-                    .extensions()
-                    .get::<<B::Store as Store>::Tx>()
-                    .is_some();
+                let had_tx = tx_of::<B>(&request).is_some();
                 Ok::<_, BoxError>(Response::new(Full::new(Bytes::from(format!("{had_tx}")))))
             },
         ));

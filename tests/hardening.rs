@@ -8,82 +8,51 @@ use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use common::{proxy::SlowProxy, *};
-use http::{Request, Response, StatusCode};
-use http_body_util::Full;
+use http::StatusCode;
 use tokio::sync::oneshot;
 use tower::Layer;
 use tower_idempotency::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyKey, PgStore, PgTx, RequestBody, Scope, Store,
-    StoreErrorKind, StoredResponse, TenantId, TxErrorKind,
+    postgres::{PgStore, PgTx, TxErrorKind},
+    record::StoredResponse,
+    store::{Claim, Store, StoreErrorKind},
 };
 
-const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
-
-type Handler = tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError>;
-
-fn handler<F, Fut>(f: F) -> Handler
-where
-    F: Fn(PgTx) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<Response<Full<Bytes>>, BoxError>> + Send + 'static,
-{
-    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
-        let tx = request
-            .extensions()
-            .get::<PgTx>()
-            .cloned()
-            .expect("the layer passes a PgTx");
-        f(tx)
-    }))
-}
-
-fn created() -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
-    *response.status_mut() = StatusCode::CREATED;
-    response
+/// Writes one order for tenant-a through the handle.
+async fn insert_order(tx: &PgTx) -> Result<(), BoxError> {
+    tx.execute(
+        "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
+        &[&new_order_id()],
+    )
+    .await?;
+    Ok(())
 }
 
 /// A handler that writes one order, runs `sql` through the handle (ignoring
 /// its result, as a careless handler would), and answers 201.
 fn writes_then_runs(sql: &'static str) -> Handler {
     handler(move |tx: PgTx| async move {
-        tx.execute(
-            "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
-            &[&new_order_id()],
-        )
-        .await?;
+        insert_order(&tx).await?;
         let _ = tx.batch_execute(sql).await;
-        Ok(created())
+        Ok(created("{}"))
     })
 }
 
 /// Reports what `sql` run through the handle answered, then answers 201.
 fn reports(sql: &'static str) -> (Handler, oneshot::Receiver<Result<(), TxErrorKind>>) {
-    let (seen_tx, seen_rx) = oneshot::channel();
-    let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
+    let (report, seen) = Report::channel();
     let service = handler(move |tx: PgTx| {
-        let seen_tx = seen_tx.clone();
+        let report = report.clone();
         async move {
-            tx.execute(
-                "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
-                &[&new_order_id()],
-            )
-            .await?;
-            let outcome = tx.batch_execute(sql).await.map_err(|e| e.kind());
-            if let Some(seen) = seen_tx.lock().unwrap().take() {
-                let _ = seen.send(outcome);
-            }
-            Ok(created())
+            insert_order(&tx).await?;
+            report.send(tx.batch_execute(sql).await.map_err(|e| e.kind()));
+            Ok(created("{}"))
         }
     });
-    (service, seen_rx)
+    (service, seen)
 }
 
 fn orders_service(store: PgStore) -> TestService<PgStore> {
     layer(store).layer(order_handler::<Postgres>(Default::default()))
-}
-
-async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 // 1. Connections the application borrows go back clean.
@@ -98,11 +67,7 @@ async fn application_connection_left_in_a_failed_transaction_is_cleaned() {
         let failed = client.batch_execute("BEGIN; SELECT 1/0; COMMIT").await;
         assert!(failed.is_err(), "the batch stops at the division by zero");
     }
-    let answer = send(
-        orders_service(pg.store.clone()),
-        post(Some("tenant-a"), Some("k1"), BODY),
-    )
-    .await;
+    let answer = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
     assert_eq!(pg.orders().await.len(), 1);
     assert_eq!(pg.records().await[0].2, "completed");
@@ -129,11 +94,7 @@ async fn application_transaction_abandoned_mid_way_is_rolled_back() {
     began_rx.await.unwrap();
     abandoned.abort();
     let _ = abandoned.await;
-    let answer = send(
-        orders_service(pg.store.clone()),
-        post(Some("tenant-a"), Some("k1"), BODY),
-    )
-    .await;
+    let answer = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
     let orders = pg.orders().await;
     assert_eq!(orders.len(), 1, "{orders:?}");
@@ -147,11 +108,7 @@ async fn application_transaction_abandoned_mid_way_is_rolled_back() {
 async fn commit_behind_a_carriage_return_comment_is_refused() {
     let pg = Postgres::new().await;
     let (service, seen) = reports("--\rCOMMIT");
-    let answer = send(
-        layer(pg.store.clone()).layer(service),
-        post(Some("tenant-a"), Some("k1"), BODY),
-    )
-    .await;
+    let answer = send(layer(pg.store.clone()).layer(service), tenant_a_post("k1")).await;
     assert_eq!(seen.await.unwrap(), Err(TxErrorKind::TransactionControl));
     assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
     let records = pg.records().await;
@@ -169,26 +126,22 @@ async fn commit_behind_a_carriage_return_comment_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_in_progress_row_is_taken_over_not_waited_for() {
     let pg = Postgres::new().await;
-    pg.client
-        .batch_execute(
-            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
-             VALUES ('tenant-a', 'POST /orders v1', 'k1', '\\x00', 'in_progress', now() + interval '1 day')",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+         VALUES ('tenant-a', 'POST /orders v1', 'k1', '\\x00', 'in_progress', now() + interval '1 day')",
+    )
+    .await;
     let answer = send(
         layer(pg.store.clone())
             .wait(WAIT_SHORT)
             .layer(order_handler::<Postgres>(Default::default())),
-        post(Some("tenant-a"), Some("k1"), BODY),
+        tenant_a_post("k1"),
     )
     .await;
     assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
     let row = pg
-        .client
-        .query_one("SELECT state, attempt_token FROM idempotency_requests", &[])
-        .await
-        .unwrap();
+        .row("SELECT state, attempt_token FROM idempotency_requests")
+        .await;
     assert_eq!(row.get::<_, &str>(0), "completed");
     assert_eq!(row.get::<_, i64>(1), 2, "taken over as a new attempt");
     assert_eq!(pg.orders().await.len(), 1);
@@ -201,14 +154,9 @@ async fn committed_in_progress_row_is_taken_over_not_waited_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completion_that_cannot_be_encoded_commits_nothing() {
     let pg = Postgres::new().await;
-    let Claim::Owned(tx) = pg
-        .store
-        .claim(&claim_request("huge", Duration::from_secs(5)))
-        .await
-        .unwrap()
-    else {
-        panic!("owner")
-    };
+    let tx = pg
+        .own(&claim_request("huge", Duration::from_secs(5)), "owner")
+        .await;
     tx.execute("INSERT INTO orders (id, tenant_id) VALUES ('o1', 't')", &[])
         .await
         .unwrap();
@@ -239,18 +187,10 @@ async fn session_level_statements_are_refused() {
     ] {
         let pg = Postgres::with_pool(1).await;
         let (service, seen) = reports(sql);
-        let first = send(
-            layer(pg.store.clone()).layer(service),
-            post(Some("tenant-a"), Some("k1"), BODY),
-        )
-        .await;
+        let first = send(layer(pg.store.clone()).layer(service), tenant_a_post("k1")).await;
         assert_eq!(seen.await.unwrap(), Err(TxErrorKind::SessionState), "{sql}");
         assert_eq!(first.status, StatusCode::CREATED, "{sql}");
-        let second = send(
-            orders_service(pg.store.clone()),
-            post(Some("tenant-a"), Some("k2"), BODY),
-        )
-        .await;
+        let second = send(orders_service(pg.store.clone()), tenant_a_post("k2")).await;
         assert_eq!(
             second.status,
             StatusCode::CREATED,
@@ -265,38 +205,27 @@ async fn session_level_statements_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
     let pg = Postgres::with_pool(1).await;
-    pg.client
-        .batch_execute(
-            "CREATE FUNCTION wander() RETURNS text LANGUAGE sql AS \
-                 $$ SELECT set_config('search_path', 'nowhere', false) $$; \
-             CREATE FUNCTION hold_lock() RETURNS void LANGUAGE sql AS \
-                 $$ SELECT pg_advisory_lock(42) $$;",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "CREATE FUNCTION wander() RETURNS text LANGUAGE sql AS \
+             $$ SELECT set_config('search_path', 'nowhere', false) $$; \
+         CREATE FUNCTION hold_lock() RETURNS void LANGUAGE sql AS \
+             $$ SELECT pg_advisory_lock(42) $$;",
+    )
+    .await;
     let locking = layer(pg.store.clone()).layer(writes_then_runs("SELECT hold_lock()"));
-    let first = send(locking, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let first = send(locking, tenant_a_post("k1")).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let free: bool = pg
-        .client
-        .query_one("SELECT pg_try_advisory_lock(42)", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let free: bool = pg.value("SELECT pg_try_advisory_lock(42)").await;
     assert!(free, "the session advisory lock was released");
     // A search_path changed inside the transaction hides the key table from
     // the completion itself: the request fails whole, nothing is committed.
     let wandering = layer(pg.store.clone()).layer(writes_then_runs("SELECT wander()"));
-    let second = send(wandering, post(Some("tenant-a"), Some("k2"), BODY)).await;
+    let second = send(wandering, tenant_a_post("k2")).await;
     assert_eq!(second.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(second.json()["code"], "commit_rejected");
     assert_eq!(pg.orders().await.len(), 1);
     // The next request on the same (only) connection sees the default again.
-    let third = send(
-        orders_service(pg.store.clone()),
-        post(Some("tenant-a"), Some("k2"), BODY),
-    )
-    .await;
+    let third = send(orders_service(pg.store.clone()), tenant_a_post("k2")).await;
     assert_eq!(third.status, StatusCode::CREATED, "{:?}", third.body);
     assert_eq!(pg.orders().await.len(), 2);
 }
@@ -308,16 +237,14 @@ async fn connection_that_lost_its_prepared_statements_is_replaced() {
     let pg = Postgres::with_pool(1).await;
     let service = orders_service(pg.store.clone());
     assert_eq!(
-        send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY))
-            .await
-            .status,
+        send(service.clone(), tenant_a_post("k1")).await.status,
         StatusCode::CREATED
     );
     {
         let client = pg.store.client().await.unwrap();
         client.batch_execute("DEALLOCATE ALL").await.unwrap();
     }
-    let answer = send(service, post(Some("tenant-a"), Some("k2"), BODY)).await;
+    let answer = send(service, tenant_a_post("k2")).await;
     assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
     assert_eq!(pg.orders().await.len(), 2);
 }
@@ -327,30 +254,24 @@ async fn connection_that_lost_its_prepared_statements_is_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deferred_constraint_failing_at_commit_is_a_final_error_not_unavailable() {
     let pg = Postgres::new().await;
-    pg.client
-        .batch_execute(
-            "CREATE TABLE shipments (order_id text, UNIQUE (order_id) DEFERRABLE INITIALLY DEFERRED)",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "CREATE TABLE shipments (order_id text, UNIQUE (order_id) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .await;
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let service = layer(pg.store.clone()).layer(handler({
         let calls = calls.clone();
         move |tx: PgTx| {
             calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             async move {
-                tx.execute(
-                    "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
-                    &[&new_order_id()],
-                )
-                .await?;
+                insert_order(&tx).await?;
                 tx.execute("INSERT INTO shipments VALUES ('o1'), ('o1')", &[])
                     .await?;
-                Ok(created())
+                Ok(created("{}"))
             }
         }
     }));
-    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(service, tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(answer.json()["code"], "commit_rejected");
     assert!(
@@ -369,18 +290,16 @@ async fn connection_lost_during_commit_is_reported_as_unknown() {
     let pg = Postgres::with_pool(1).await;
     // A deferred constraint trigger runs inside COMMIT; this one ends its
     // own session there.
-    pg.client
-        .batch_execute(
-            "CREATE TABLE doomed (x int); \
-             CREATE FUNCTION die() RETURNS trigger LANGUAGE plpgsql AS \
-                 $$ BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NULL; END $$; \
-             CREATE CONSTRAINT TRIGGER die_at_commit AFTER INSERT ON doomed \
-                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION die();",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "CREATE TABLE doomed (x int); \
+         CREATE FUNCTION die() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER die_at_commit AFTER INSERT ON doomed \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION die();",
+    )
+    .await;
     let service = layer(pg.store.clone()).layer(writes_then_runs("INSERT INTO doomed VALUES (1)"));
-    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(service, tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.json()["code"], "store_unavailable");
     assert_eq!(answer.headers["retry-after"], "1");
@@ -390,11 +309,7 @@ async fn connection_lost_during_commit_is_reported_as_unknown() {
         pg.orders().await.is_empty(),
         "the server died before committing"
     );
-    let retry = send(
-        orders_service(pg.store.clone()),
-        post(Some("tenant-a"), Some("k1"), BODY),
-    )
-    .await;
+    let retry = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
     assert_eq!(
         retry.status,
         StatusCode::CREATED,
@@ -415,18 +330,12 @@ async fn slow_database_is_unavailable_within_the_wait() {
         .wait(Duration::from_secs(1))
         .layer(order_handler::<Postgres>(Default::default()));
     assert_eq!(
-        send(service.clone(), post(Some("tenant-a"), Some("warm"), BODY))
-            .await
-            .status,
+        send(service.clone(), tenant_a_post("warm")).await.status,
         StatusCode::CREATED
     );
     proxy.set_delay(Duration::from_secs(6));
     let started = std::time::Instant::now();
-    let answer = send(
-        service.clone(),
-        post(Some("tenant-a"), Some("never-seen"), BODY),
-    )
-    .await;
+    let answer = send(service.clone(), tenant_a_post("never-seen")).await;
     let took = started.elapsed();
     assert_eq!(
         answer.status,
@@ -437,7 +346,7 @@ async fn slow_database_is_unavailable_within_the_wait() {
     assert_eq!(answer.json()["code"], "store_unavailable");
     assert!(took < Duration::from_secs(4), "answered after {took:?}");
     proxy.set_delay(Duration::ZERO);
-    let retry = send(service, post(Some("tenant-a"), Some("never-seen"), BODY)).await;
+    let retry = send(service, tenant_a_post("never-seen")).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert_eq!(pg.orders().await.len(), 2);
 }
@@ -447,19 +356,17 @@ async fn slow_database_is_unavailable_within_the_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_claim_statement_is_bounded_by_the_wait() {
     let pg = Postgres::new().await;
-    pg.client
-        .batch_execute(
-            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
-                 $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
-             CREATE TRIGGER slow BEFORE INSERT ON idempotency_requests FOR EACH ROW EXECUTE FUNCTION slow();",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
+         CREATE TRIGGER slow BEFORE INSERT ON idempotency_requests FOR EACH ROW EXECUTE FUNCTION slow();",
+    )
+    .await;
     let service = layer(pg.store.clone())
         .wait(Duration::from_millis(300))
         .layer(order_handler::<Postgres>(Default::default()));
     let started = std::time::Instant::now();
-    let answer = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(service.clone(), tenant_a_post("k1")).await;
     let took = started.elapsed();
     assert_eq!(
         answer.status,
@@ -470,11 +377,8 @@ async fn slow_claim_statement_is_bounded_by_the_wait() {
     assert_eq!(answer.json()["code"], "store_unavailable");
     assert!(took < Duration::from_secs(2), "answered after {took:?}");
     // DROP TRIGGER waits for the slow statement's transaction to end.
-    pg.client
-        .batch_execute("DROP TRIGGER slow ON idempotency_requests")
-        .await
-        .unwrap();
-    let retry = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    pg.exec("DROP TRIGGER slow ON idempotency_requests").await;
+    let retry = send(service, tenant_a_post("k1")).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert_eq!(pg.orders().await.len(), 1);
 }
@@ -493,10 +397,10 @@ async fn handler_that_never_returns_is_rolled_back_at_its_deadline() {
             )
             .await?;
             std::future::pending::<()>().await;
-            Ok(created())
+            Ok(created("{}"))
         }));
     let drained = layer(pg.store.clone());
-    let answer = send(hanging.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(hanging.clone(), tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.json()["code"], "handler_timeout");
     assert_eq!(answer.headers["retry-after"], "1");
@@ -506,11 +410,7 @@ async fn handler_that_never_returns_is_rolled_back_at_its_deadline() {
     tokio::time::timeout(Duration::from_secs(10), drained.drained())
         .await
         .expect("no owned work is left running");
-    let retry = send(
-        orders_service(pg.store.clone()),
-        post(Some("tenant-a"), Some("k1"), BODY),
-    )
-    .await;
+    let retry = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
 }
 
@@ -525,26 +425,20 @@ async fn handler_stuck_in_a_statement_is_cancelled_at_its_deadline() {
         layer(pg.store.clone())
             .handler_timeout(Duration::from_millis(300))
             .layer(writes_then_runs("SELECT pg_sleep(30)")),
-        post(Some("tenant-a"), Some("k1"), BODY),
+        tenant_a_post("k1"),
     )
     .await;
     assert_eq!(answer.json()["code"], "handler_timeout");
-    let retry = send(
-        orders_service(pg.store.clone()),
-        post(Some("tenant-a"), Some("k1"), BODY),
-    )
-    .await;
+    let retry = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "{:?}",
         started.elapsed()
     );
-    let sleeping = count(
-        &pg.client,
-        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'",
-    )
-    .await;
+    let sleeping = pg
+        .count("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'")
+        .await;
     assert_eq!(sleeping, 0);
     assert_eq!(pg.orders().await.len(), 1);
 }
@@ -556,9 +450,7 @@ async fn frozen_owner_is_ended_by_the_server() {
     let pg = Postgres::new().await;
     let frozen =
         claim_request("k", Duration::from_secs(5)).with_hold_limit(Duration::from_millis(300));
-    let Claim::Owned(owner) = pg.store.claim(&frozen).await.unwrap() else {
-        panic!("owner")
-    };
+    let owner = pg.own(&frozen, "owner").await;
     let setting: String = owner
         .query_one(
             "SELECT current_setting('idle_in_transaction_session_timeout')",
@@ -581,22 +473,4 @@ async fn frozen_owner_is_ended_by_the_server() {
     pg.store.complete(next, &stored(b"second")).await.unwrap();
     assert!(pg.store.complete(owner, &stored(b"first")).await.is_err());
     assert_eq!(pg.records().await[0].2, "completed");
-}
-
-fn claim_request(key: &str, wait: Duration) -> ClaimRequest {
-    ClaimRequest::new(
-        Scope::new(TenantId::new("t"), "POST /x"),
-        IdempotencyKey::parse(key.as_bytes()).unwrap(),
-        Fingerprint::from_bytes([1; 32]),
-        Duration::from_secs(60),
-        wait,
-    )
-}
-
-fn stored(body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::OK,
-        headers: vec![],
-        body: Bytes::from_static(body),
-    }
 }

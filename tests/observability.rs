@@ -18,10 +18,13 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::sync::Notify;
 use tower::Layer;
 use tower_idempotency::{
+    fingerprint::JsonFingerprinter,
+    key::IdempotencyKey,
+    memory::{MemoryStore, MemoryTx},
     outbox::{DeliveryError, OutboxEvent, Relay, Sink},
     retention::Cleanup,
-    IdempotencyKey, IdempotencyLayer, JsonFingerprinter, MemoryStore, MemoryTx, PgStore,
-    RequestBody,
+    store::Store,
+    IdempotencyLayer, RequestBody,
 };
 
 #[derive(Clone, Default)]
@@ -112,16 +115,40 @@ fn labels(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     labels
 }
 
-fn status_handler(
-    status: StatusCode,
-) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+/// What `values` hold for the metric `name` with the labels `pairs`.
+fn metric<'a>(values: &'a Values, name: &str, pairs: &[(&str, &str)]) -> Option<&'a DebugValue> {
+    values.get(&(name.to_owned(), labels(pairs)))
+}
+
+/// What `values` hold for the requests of `endpoint` that ended as `outcome`.
+fn outcome<'a>(values: &'a Values, endpoint: &str, outcome: &str) -> Option<&'a DebugValue> {
+    let pairs = [("endpoint", endpoint), ("outcome", outcome)];
+    metric(values, "idempotency_requests_total", &pairs)
+}
+
+/// A handler that answers `status` with `{}`.
+fn status_handler(status: StatusCode) -> Handler {
     tower::util::BoxCloneService::new(tower::service_fn(
-        move |_: Request<RequestBody>| async move {
-            let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
-            *response.status_mut() = status;
-            Ok::<_, BoxError>(response)
-        },
+        move |_: Request<RequestBody>| async move { Ok::<_, BoxError>(response(status, "{}")) },
     ))
+}
+
+/// The layer of these tests for `endpoint` over `store`.
+fn v1_layer<St: Store>(store: St, endpoint: &str) -> IdempotencyLayer<St, JsonFingerprinter> {
+    IdempotencyLayer::new(store, endpoint, JsonFingerprinter::new("v1"))
+}
+
+/// A handler that holds its transaction, tells the test it started, and waits for `release`.
+fn held(started: Arc<Notify>, release: Arc<Notify>) -> Handler {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let (started, release) = (started.clone(), release.clone());
+        async move {
+            let _tx = request.extensions().get::<MemoryTx>().cloned();
+            started.notify_one();
+            release.notified().await;
+            Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
+        }
+    }))
 }
 
 struct Recording;
@@ -136,10 +163,7 @@ async fn metrics_count_every_outcome() {
     let installed = installed();
     const ENDPOINT: &str = "POST /metrics-test v1";
     let store = MemoryStore::new();
-    let make = |status| {
-        IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"))
-            .layer(status_handler(status))
-    };
+    let make = |status| v1_layer(store.clone(), ENDPOINT).layer(status_handler(status));
     let ok = make(StatusCode::CREATED);
     send(ok.clone(), post(Some("t"), Some("k-new"), "{}")).await;
     send(ok.clone(), post(Some("t"), Some("k-new"), "{}")).await;
@@ -151,50 +175,27 @@ async fn metrics_count_every_outcome() {
     )
     .await;
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let gated = IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"))
+    let gated = v1_layer(store.clone(), ENDPOINT)
         .wait(Duration::from_millis(100))
-        .layer(tower::service_fn({
-            let (started, release) = (started.clone(), release.clone());
-            move |request: Request<RequestBody>| {
-                let (started, release) = (started.clone(), release.clone());
-                async move {
-                    let _tx = request.extensions().get::<MemoryTx>().cloned();
-                    started.notify_one();
-                    release.notified().await;
-                    Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
-                }
-            }
-        }));
+        .layer(held(started.clone(), release.clone()));
     let first = spawn_send(gated.clone(), post(Some("t"), Some("k-slow"), "{}"));
     started.notified().await;
     let waited = send(gated, post(Some("t"), Some("k-slow"), "{}")).await;
     assert_eq!(waited.status, StatusCode::CONFLICT);
     release.notify_one();
     first.await.unwrap();
-    let mut unreachable = tokio_postgres::Config::new();
-    unreachable
-        .host_path("/nonexistent")
-        .port(1)
-        .user("x")
-        .dbname("x");
-    let down = PgStore::builder(unreachable)
-        .connect_timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    let down = IdempotencyLayer::new(down, ENDPOINT, JsonFingerprinter::new("v1"))
+    let down = v1_layer(unreachable_store(Duration::from_millis(100)), ENDPOINT)
         .layer(status_handler(StatusCode::CREATED));
     send(down, post(Some("t"), Some("k-down"), "{}")).await;
 
     // Retention and outbox gauges, from a real database.
     let pg = Postgres::new().await;
-    pg.client
-        .batch_execute(
-            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
-             SELECT 't', 'e', 'expired-' || i, '\\x00', 'completed', now() - interval '1 hour' FROM generate_series(1, 7) i;
-             INSERT INTO outbox_events (tenant_id, aggregate_id, event_type) VALUES ('t', 'a1', 'MetricsTest');",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+         SELECT 't', 'e', 'expired-' || i, '\\x00', 'completed', now() - interval '1 hour' FROM generate_series(1, 7) i;
+         INSERT INTO outbox_events (tenant_id, aggregate_id, event_type) VALUES ('t', 'a1', 'MetricsTest');",
+    )
+    .await;
     let cleanup = Cleanup::new(pg.store.clone()).batch_size(3);
     assert_eq!(cleanup.refresh_gauges().await.unwrap().cleanup_backlog, 7);
     assert_eq!(cleanup.run_once().await.unwrap(), 7);
@@ -208,14 +209,11 @@ async fn metrics_count_every_outcome() {
     );
 
     let values = snapshot(&installed.snapshotter);
-    let counter =
-        |name: &str, pairs: &[(&str, &str)]| match values.get(&(name.to_owned(), labels(pairs))) {
-            Some(DebugValue::Counter(n)) => *n,
-            other => panic!("{name} {pairs:?}: {other:?}"),
-        };
-    let samples = |name: &str, pairs: &[(&str, &str)]| match values
-        .get(&(name.to_owned(), labels(pairs)))
-    {
+    let counter = |name: &str, pairs: &[(&str, &str)]| match metric(&values, name, pairs) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{name} {pairs:?}: {other:?}"),
+    };
+    let samples = |name: &str, pairs: &[(&str, &str)]| match metric(&values, name, pairs) {
         Some(DebugValue::Histogram(samples)) => samples.iter().map(|s| s.0).collect::<Vec<f64>>(),
         other => panic!("{name} {pairs:?}: {other:?}"),
     };
@@ -254,7 +252,7 @@ async fn metrics_count_every_outcome() {
     .is_empty());
     assert_eq!(counter("idempotency_expired_removed_total", &[]), 7);
     assert_eq!(
-        values.get(&("idempotency_cleanup_backlog".into(), vec![])),
+        metric(&values, "idempotency_cleanup_backlog", &[]),
         Some(&DebugValue::Gauge(7.0.into())),
         "the backlog gauge as refreshed before the cleanup"
     );
@@ -276,7 +274,7 @@ async fn logs_carry_no_body_and_no_raw_key() {
     const KEY: &str = "raw-key-SECRET-9f8e";
     const BODY: &str = r#"{"card_number":"4242-SECRET-BODY","amount":1}"#;
     let store = MemoryStore::new();
-    let layer = IdempotencyLayer::new(store, "POST /logs-test v1", JsonFingerprinter::new("v1"));
+    let layer = v1_layer(store, "POST /logs-test v1");
     let ok = layer.clone().layer(status_handler(StatusCode::CREATED));
     send(ok.clone(), post(Some("t"), Some(KEY), BODY)).await;
     send(ok.clone(), post(Some("t"), Some(KEY), BODY)).await;
@@ -334,24 +332,12 @@ async fn a_request_that_waits_twice_is_counted_once() {
     let store = MemoryStore::new();
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     // Process A holds the key.
-    let process_a = IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"))
-        .layer(tower::service_fn({
-            let (started, release) = (started.clone(), release.clone());
-            move |request: Request<RequestBody>| {
-                let (started, release) = (started.clone(), release.clone());
-                async move {
-                    let _tx = request.extensions().get::<MemoryTx>().cloned();
-                    started.notify_one();
-                    release.notified().await;
-                    Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
-                }
-            }
-        }));
+    let process_a = v1_layer(store.clone(), ENDPOINT).layer(held(started.clone(), release.clone()));
     let holder = spawn_send(process_a, post(Some("t"), Some("k"), "{}"));
     started.notified().await;
     // Process B: its first request leads and gives up after 100 ms; the
     // second follows it in memory, then leads and waits in the store.
-    let process_b = IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("v1"));
+    let process_b = v1_layer(store.clone(), ENDPOINT);
     let short = process_b
         .clone()
         .wait(Duration::from_millis(100))
@@ -369,19 +355,17 @@ async fn a_request_that_waits_twice_is_counted_once() {
     holder.await.unwrap();
 
     let values = snapshot(&installed.snapshotter);
-    let waits = match values.get(&(
-        "idempotency_duplicate_wait_seconds".to_owned(),
-        labels(&[("endpoint", ENDPOINT)]),
-    )) {
+    let waits = match metric(
+        &values,
+        "idempotency_duplicate_wait_seconds",
+        &[("endpoint", ENDPOINT)],
+    ) {
         Some(DebugValue::Histogram(samples)) => samples.len(),
         other => panic!("{other:?}"),
     };
     assert_eq!(waits, 2, "one wait per waiting request");
     assert_eq!(
-        values.get(&(
-            "idempotency_requests_total".to_owned(),
-            labels(&[("endpoint", ENDPOINT), ("outcome", "in_progress")]),
-        )),
+        outcome(&values, ENDPOINT, "in_progress"),
         Some(&DebugValue::Counter(2))
     );
 }
@@ -402,18 +386,17 @@ fn a_request_cut_by_a_runtime_shutdown_is_counted() {
         .build()
         .unwrap();
     let started = Arc::new(Notify::new());
-    let service = IdempotencyLayer::new(MemoryStore::new(), ENDPOINT, JsonFingerprinter::new("v1"))
-        .layer(tower::service_fn({
+    let service = v1_layer(MemoryStore::new(), ENDPOINT).layer(tower::service_fn({
+        let started = started.clone();
+        move |_: Request<RequestBody>| {
             let started = started.clone();
-            move |_: Request<RequestBody>| {
-                let started = started.clone();
-                async move {
-                    started.notify_one();
-                    std::future::pending::<()>().await;
-                    Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
-                }
+            async move {
+                started.notify_one();
+                std::future::pending::<()>().await;
+                Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
             }
-        }));
+        }
+    }));
     let owner_handle = owner.handle().clone();
     let answer = driver.block_on(async move {
         let mut request = Box::pin(send(service, post(Some("t"), Some("k"), "{}")));
@@ -431,10 +414,7 @@ fn a_request_cut_by_a_runtime_shutdown_is_counted() {
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     let values = snapshot(&installed.snapshotter);
     assert_eq!(
-        values.get(&(
-            "idempotency_requests_total".to_owned(),
-            labels(&[("endpoint", ENDPOINT), ("outcome", "store_unavailable")]),
-        )),
+        outcome(&values, ENDPOINT, "store_unavailable"),
         Some(&DebugValue::Counter(1))
     );
 }

@@ -13,6 +13,7 @@ use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
     process::{Child, Command},
 };
+use tokio_postgres::types::FromSql;
 use tower_idempotency::{outbox::derive_key, testing::TestDatabase};
 
 const TOKEN_A: &str = "demo-token-a";
@@ -42,6 +43,14 @@ impl Answer {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
+    }
+    /// The status and the problem code of the answer.
+    fn status_and_code(&self) -> (StatusCode, Value) {
+        (self.status, self.json()["code"].clone())
+    }
+    /// The id of the order in the body.
+    fn order_id(&self) -> String {
+        self.json()["id"].as_str().unwrap().to_owned()
     }
 }
 
@@ -133,11 +142,42 @@ impl Server {
         self.call(Method::POST, "/orders", &headers, body).await
     }
 
-    async fn count(&self, sql: &str) -> i64 {
-        self.sql.query_one(sql, &[]).await.unwrap().get(0)
+    /// Posts `order(checkout)` as tenant A under `key`.
+    async fn place_order(&self, key: &str, checkout: &str) -> Answer {
+        self.post_order(TOKEN_A, Some(key), &order(checkout)).await
     }
 
-    async fn stop(mut self) -> std::process::ExitStatus {
+    /// GETs `path` with `headers`.
+    async fn get(&self, path: &str, headers: &[(&str, &str)]) -> Answer {
+        self.call(Method::GET, path, headers, "").await
+    }
+
+    /// The text of `/metrics`.
+    async fn metrics(&self) -> String {
+        String::from_utf8(self.get("/metrics", &[]).await.body.to_vec()).unwrap()
+    }
+
+    /// Runs `sql` (one or more statements) on the test's own connection.
+    async fn exec(&self, sql: &str) {
+        self.sql.batch_execute(sql).await.unwrap();
+    }
+
+    /// The one row `sql` selects.
+    async fn row(&self, sql: &str) -> tokio_postgres::Row {
+        self.sql.query_one(sql, &[]).await.unwrap()
+    }
+
+    /// The single value `sql` selects.
+    async fn value<T: for<'a> FromSql<'a>>(&self, sql: &str) -> T {
+        self.row(sql).await.get(0)
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.value(sql).await
+    }
+
+    /// Sends the server SIGTERM.
+    async fn terminate(&self) {
         let pid = self.child.id().expect("running").to_string();
         let killed = Command::new("kill")
             .args(["-TERM", &pid])
@@ -145,10 +185,19 @@ impl Server {
             .await
             .unwrap();
         assert!(killed.success());
-        tokio::time::timeout(Duration::from_secs(20), self.child.wait())
+    }
+
+    /// Waits (bounded by `limit`) for the server process to exit.
+    async fn exit_status(&mut self, limit: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(limit, self.child.wait())
             .await
             .expect("the server exits after SIGTERM")
             .unwrap()
+    }
+
+    async fn stop(mut self) -> std::process::ExitStatus {
+        self.terminate().await;
+        self.exit_status(Duration::from_secs(20)).await
     }
 }
 
@@ -167,12 +216,10 @@ async fn serves_the_contract_table() {
     let server = Server::start(&[]).await;
 
     // New order: 201, Location, the order body; order + outbox event + memory in the database.
-    let created = server
-        .post_order(TOKEN_A, Some("key-1"), &order("chk_123"))
-        .await;
+    let created = server.place_order("key-1", "chk_123").await;
     assert_eq!(created.status, StatusCode::CREATED);
     let body = created.json();
-    let id = body["id"].as_str().unwrap().to_owned();
+    let id = created.order_id();
     assert_eq!(created.headers["location"], format!("/orders/{id}"));
     assert_eq!(created.headers["content-type"], "application/json");
     assert_eq!(body["checkout_id"], "chk_123");
@@ -185,21 +232,12 @@ async fn serves_the_contract_table() {
     assert!(body["created_at"].as_str().unwrap().ends_with('Z'));
     assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
     let event = server
-        .sql
-        .query_one(
-            "SELECT tenant_id, aggregate_id::text, event_type FROM outbox_events",
-            &[],
-        )
-        .await
-        .unwrap();
+        .row("SELECT tenant_id, aggregate_id::text, event_type FROM outbox_events")
+        .await;
     assert_eq!(event.get::<_, &str>(0), "tenant-a");
     assert_eq!(event.get::<_, &str>(1), id);
     assert_eq!(event.get::<_, &str>(2), "OrderCreated");
-    let record = server
-        .sql
-        .query_one("SELECT tenant_id, endpoint, idempotency_key, response_status, expires_at > created_at + interval '23 hours' FROM idempotency_requests WHERE endpoint = 'POST /orders v1'", &[])
-        .await
-        .unwrap();
+    let record = server.row("SELECT tenant_id, endpoint, idempotency_key, response_status, expires_at > created_at + interval '23 hours' FROM idempotency_requests WHERE endpoint = 'POST /orders v1'").await;
     assert_eq!(record.get::<_, &str>(0), "tenant-a");
     assert_eq!(record.get::<_, &str>(2), "key-1");
     assert_eq!(record.get::<_, i16>(3), 201);
@@ -215,9 +253,7 @@ async fn serves_the_contract_table() {
     assert_eq!(replay.headers["location"], created.headers["location"]);
 
     // Same key, different request: 409, nothing changes.
-    let reused = server
-        .post_order(TOKEN_A, Some("key-1"), &order("chk_other"))
-        .await;
+    let reused = server.place_order("key-1", "chk_other").await;
     assert_eq!(reused.status, StatusCode::CONFLICT);
     assert_eq!(reused.json()["code"], "idempotency_key_reused");
     assert_eq!(reused.headers["content-type"], "application/problem+json");
@@ -225,20 +261,18 @@ async fn serves_the_contract_table() {
     // Bad input: clear answers, nothing remembered.
     let missing = server.post_order(TOKEN_A, None, &order("chk_2")).await;
     assert_eq!(
-        (missing.status, missing.json()["code"].clone()),
+        missing.status_and_code(),
         (StatusCode::BAD_REQUEST, json!("idempotency_key_missing"))
     );
-    let malformed = server
-        .post_order(TOKEN_A, Some("bad key"), &order("chk_2"))
-        .await;
+    let malformed = server.place_order("bad key", "chk_2").await;
     assert_eq!(
-        (malformed.status, malformed.json()["code"].clone()),
+        malformed.status_and_code(),
         (StatusCode::BAD_REQUEST, json!("idempotency_key_invalid"))
     );
     let huge = format!("{{\"checkout_id\":\"{}\"}}", "x".repeat(1024 * 1024 + 1));
     let too_large = server.post_order(TOKEN_A, Some("key-huge"), &huge).await;
     assert_eq!(
-        (too_large.status, too_large.json()["code"].clone()),
+        too_large.status_and_code(),
         (StatusCode::PAYLOAD_TOO_LARGE, json!("payload_too_large"))
     );
     let invalid = r#"{"checkout_id":"","currency":"yen","items":[],"shipping_address_id":"a"}"#;
@@ -257,7 +291,7 @@ async fn serves_the_contract_table() {
         .post_order("wrong-token", Some("key-3"), &order("chk_3"))
         .await;
     assert_eq!(
-        (unauthorized.status, unauthorized.json()["code"].clone()),
+        unauthorized.status_and_code(),
         (StatusCode::UNAUTHORIZED, json!("unauthorized"))
     );
     assert_eq!(
@@ -268,9 +302,7 @@ async fn serves_the_contract_table() {
         "none of these is remembered"
     );
     // A corrected body may reuse the key of the invalid one.
-    let corrected = server
-        .post_order(TOKEN_A, Some("key-2"), &order("chk_2"))
-        .await;
+    let corrected = server.place_order("key-2", "chk_2").await;
     assert_eq!(corrected.status, StatusCode::CREATED);
 
     // Deterministic business rejections are remembered and replayed.
@@ -282,7 +314,7 @@ async fn serves_the_contract_table() {
         .post_order(TOKEN_A, Some("key-coupon"), &expired)
         .await;
     assert_eq!(
-        (coupon.status, coupon.json()["code"].clone()),
+        coupon.status_and_code(),
         (StatusCode::UNPROCESSABLE_ENTITY, json!("coupon_expired"))
     );
     let coupon_again = server
@@ -290,15 +322,11 @@ async fn serves_the_contract_table() {
         .await;
     assert!(coupon_again.replayed());
     assert_eq!(coupon_again.body, coupon.body);
-    let again = server
-        .post_order(TOKEN_A, Some("key-again"), &order("chk_123"))
-        .await;
+    let again = server.place_order("key-again", "chk_123").await;
     assert_eq!(again.status, StatusCode::CONFLICT);
     assert_eq!(again.json()["code"], "checkout_already_ordered");
     assert_eq!(again.json()["order_id"], id.as_str());
-    let again_replay = server
-        .post_order(TOKEN_A, Some("key-again"), &order("chk_123"))
-        .await;
+    let again_replay = server.place_order("key-again", "chk_123").await;
     assert!(again_replay.replayed());
     let statuses: Vec<i16> = server
         .sql
@@ -327,36 +355,20 @@ async fn serves_the_contract_table() {
     // Reads are scoped by tenant.
     let auth_a = [("authorization", "Bearer demo-token-a")];
     let auth_b = [("authorization", "Bearer demo-token-b")];
-    let own = server
-        .call(Method::GET, &format!("/orders/{id}"), &auth_a, "")
-        .await;
+    let own = server.get(&format!("/orders/{id}"), &auth_a).await;
     assert_eq!(own.status, StatusCode::OK);
     assert_eq!(own.json(), body);
-    let foreign = server
-        .call(Method::GET, &format!("/orders/{id}"), &auth_b, "")
-        .await;
+    let foreign = server.get(&format!("/orders/{id}"), &auth_b).await;
     assert_eq!(
-        (foreign.status, foreign.json()["code"].clone()),
+        foreign.status_and_code(),
         (StatusCode::NOT_FOUND, json!("not_found"))
     );
-    let unknown = server
-        .call(Method::GET, "/orders/not-a-uuid", &auth_a, "")
-        .await;
+    let unknown = server.get("/orders/not-a-uuid", &auth_a).await;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
 
     // Health and metrics need no token.
-    assert_eq!(
-        server.call(Method::GET, "/healthz", &[], "").await.status,
-        StatusCode::OK
-    );
-    let metrics = String::from_utf8(
-        server
-            .call(Method::GET, "/metrics", &[], "")
-            .await
-            .body
-            .to_vec(),
-    )
-    .unwrap();
+    assert_eq!(server.get("/healthz", &[]).await.status, StatusCode::OK);
+    let metrics = server.metrics().await;
     for name in [
         "idempotency_claim_duration_seconds",
         "idempotency_key_held_seconds",
@@ -426,12 +438,7 @@ async fn client_that_disconnects_after_sending_gets_its_order_on_retry() {
         1,
         "exactly one order"
     );
-    let order_id: String = server
-        .sql
-        .query_one("SELECT id::text FROM orders", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let order_id: String = server.value("SELECT id::text FROM orders").await;
     assert_eq!(
         retry.json()["id"],
         order_id.as_str(),
@@ -458,84 +465,53 @@ async fn wait_for_blocked_insert(server: &Server) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_abandoned_mid_flight_commits_and_its_retry_replays() {
-    let server = Server::start(&[]).await;
-    let mut blocker = server.db.client().await;
-    let lock = blocker.transaction().await.unwrap();
-    lock.batch_execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
-        .await
-        .unwrap();
+    let server = std::sync::Arc::new(Server::start(&[]).await);
+    let lock = server.lock_orders().await;
     let body = order("chk_abandoned");
-    let stream = server.send_raw("abandoned", &body).await;
-    wait_for_blocked_insert(&server).await;
     // The client goes away while its request owns the key.
-    drop(stream);
+    server.abandon_while_blocked("abandoned", &body).await;
     let retry = tokio::spawn({
-        let (base, body) = (server.base.clone(), body.clone());
-        let http = server.http.clone();
+        let server = server.clone();
         async move {
-            let request = Request::post(format!("{base}/orders"))
-                .header("authorization", format!("Bearer {TOKEN_A}"))
-                .header("idempotency-key", "abandoned")
-                .body(Full::new(Bytes::from(body)))
-                .unwrap();
-            let response = http.request(request).await.unwrap();
-            let replayed = response.headers().contains_key("idempotent-replayed");
-            (
-                response.status(),
-                replayed,
-                response.into_body().collect().await.unwrap().to_bytes(),
-            )
+            let auth = format!("Bearer {TOKEN_A}");
+            let headers = [
+                ("authorization", auth.as_str()),
+                ("idempotency-key", "abandoned"),
+            ];
+            server.call(Method::POST, "/orders", &headers, &body).await
         }
     });
-    lock.rollback().await.unwrap();
-    let (status, replayed, retry_body) = retry.await.unwrap();
-    assert_eq!(status, StatusCode::CREATED);
+    lock.release().await;
+    let retry = retry.await.unwrap();
+    assert_eq!(retry.status, StatusCode::CREATED);
     assert!(
-        replayed,
+        retry.headers.contains_key("idempotent-replayed"),
         "the abandoned request committed; the retry waited for it and replays it"
     );
     assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
-    let order_id: String = server
-        .sql
-        .query_one("SELECT id::text FROM orders", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let retry_json: Value = serde_json::from_slice(&retry_body).unwrap();
-    assert_eq!(retry_json["id"], order_id.as_str());
+    let order_id: String = server.value("SELECT id::text FROM orders").await;
+    assert_eq!(retry.json()["id"], order_id.as_str());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_of_a_running_request_is_told_in_progress() {
     let server = std::sync::Arc::new(Server::start(&[("IDEMPOTENCY_WAIT", "300ms")]).await);
     // Hold the orders table so the first request stops inside its transaction.
-    let mut blocker = server.db.client().await;
-    let lock = blocker.transaction().await.unwrap();
-    lock.batch_execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
-        .await
-        .unwrap();
+    let lock = server.lock_orders().await;
     let first = tokio::spawn({
         let server = server.clone();
-        async move {
-            server
-                .post_order(TOKEN_A, Some("slow-key"), &order("chk_slow"))
-                .await
-        }
+        async move { server.place_order("slow-key", "chk_slow").await }
     });
     // Synchronise on the database: the first request is waiting for our lock.
     wait_for_blocked_insert(&server).await;
-    let duplicate = server
-        .post_order(TOKEN_A, Some("slow-key"), &order("chk_slow"))
-        .await;
+    let duplicate = server.place_order("slow-key", "chk_slow").await;
     assert_eq!(duplicate.status, StatusCode::CONFLICT);
     assert_eq!(duplicate.json()["code"], "idempotency_in_progress");
     assert!(duplicate.headers.contains_key("retry-after"));
-    lock.rollback().await.unwrap();
+    lock.release().await;
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
-    let later = server
-        .post_order(TOKEN_A, Some("slow-key"), &order("chk_slow"))
-        .await;
+    let later = server.place_order("slow-key", "chk_slow").await;
     assert!(later.replayed());
     assert_eq!(later.body, first.body);
     assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
@@ -545,10 +521,7 @@ async fn duplicate_of_a_running_request_is_told_in_progress() {
 async fn database_outage_answers_503_and_the_retry_starts_afresh() {
     let server = Server::start(&[]).await;
     assert_eq!(
-        server
-            .post_order(TOKEN_A, Some("warm"), &order("chk_warm"))
-            .await
-            .status,
+        server.place_order("warm", "chk_warm").await.status,
         StatusCode::CREATED
     );
     let name = server.db.name().to_owned();
@@ -572,23 +545,19 @@ async fn database_outage_answers_503_and_the_retry_starts_afresh() {
         )
         .await
         .unwrap();
-    let down = server
-        .post_order(TOKEN_A, Some("during-outage"), &order("chk_down"))
-        .await;
+    let down = server.place_order("during-outage", "chk_down").await;
     assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(down.json()["code"], "store_unavailable");
     assert!(down.headers.contains_key("retry-after"));
     assert_eq!(
-        server.call(Method::GET, "/healthz", &[], "").await.status,
+        server.get("/healthz", &[]).await.status,
         StatusCode::SERVICE_UNAVAILABLE
     );
     admin
         .batch_execute(&format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS true"))
         .await
         .unwrap();
-    let retry = server
-        .post_order(TOKEN_A, Some("during-outage"), &order("chk_down"))
-        .await;
+    let retry = server.place_order("during-outage", "chk_down").await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed());
     let sql = server.db.client().await;
@@ -600,7 +569,35 @@ async fn database_outage_answers_503_and_the_retry_starts_afresh() {
     assert_eq!(orders, 2);
 }
 
+/// A transaction of the test's own that holds `orders` locked until released.
+struct OrdersLock(tokio_postgres::Client);
+
+impl OrdersLock {
+    /// Rolls the locking transaction back, letting the blocked inserts through.
+    async fn release(self) {
+        self.0.batch_execute("ROLLBACK").await.unwrap();
+    }
+}
+
 impl Server {
+    /// Locks `orders`, so that a request stops inside its transaction at its insert.
+    async fn lock_orders(&self) -> OrdersLock {
+        let blocker = self.db.client().await;
+        blocker
+            .batch_execute("BEGIN; LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        OrdersLock(blocker)
+    }
+
+    /// Sends a POST /orders on a raw connection, waits until it is blocked on
+    /// the test's lock (so it owns its key), then goes away like a client.
+    async fn abandon_while_blocked(&self, key: &str, body: &str) {
+        let stream = self.send_raw(key, body).await;
+        wait_for_blocked_insert(self).await;
+        drop(stream);
+    }
+
     /// Writes a whole POST /orders on a raw connection and hands the
     /// connection back, so the test can drop it: a client that goes away.
     async fn send_raw(&self, key: &str, body: &str) -> tokio::net::TcpStream {
@@ -637,14 +634,10 @@ async fn each_order_is_charged_once_whatever_the_deliveries() {
     let mut orders = Vec::new();
     for i in 0..3 {
         let created = server
-            .post_order(
-                TOKEN_A,
-                Some(&format!("pay-{i}")),
-                &order(&format!("chk_pay_{i}")),
-            )
+            .place_order(&format!("pay-{i}"), &format!("chk_pay_{i}"))
             .await;
         assert_eq!(created.status, StatusCode::CREATED);
-        orders.push(created.json()["id"].as_str().unwrap().to_owned());
+        orders.push(created.order_id());
     }
     server.wait_published(3).await;
     let check = |expected_attempts: i32| {
@@ -699,10 +692,8 @@ async fn each_order_is_charged_once_whatever_the_deliveries() {
     check(1).await;
     // An operator forces redelivery of everything.
     server
-        .sql
-        .execute("UPDATE outbox_events SET published_at = NULL", &[])
-        .await
-        .unwrap();
+        .exec("UPDATE outbox_events SET published_at = NULL")
+        .await;
     server.wait_published(3).await;
     check(2).await;
     assert_eq!(
@@ -719,33 +710,20 @@ async fn each_order_is_charged_once_whatever_the_deliveries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands() {
     let server = Server::start(&[("IDEMPOTENCY_RETENTION", "1h")]).await;
-    let first = server
-        .post_order(TOKEN_A, Some("retained"), &order("chk_retained"))
-        .await;
+    let first = server.place_order("retained", "chk_retained").await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let window: f64 = server
-        .sql
-        .query_one("SELECT extract(epoch from expires_at - completed_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let window: f64 = server.value("SELECT extract(epoch from expires_at - completed_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'").await;
     assert_eq!(window, 3600.0, "IDEMPOTENCY_RETENTION sets expires_at");
     assert!(
         server
-            .post_order(TOKEN_A, Some("retained"), &order("chk_retained"))
+            .place_order("retained", "chk_retained")
             .await
             .replayed(),
         "not yet expired: replay"
     );
     // The retention passes.
-    server
-        .sql
-        .execute("UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE idempotency_key = 'retained'", &[])
-        .await
-        .unwrap();
-    let after = server
-        .post_order(TOKEN_A, Some("retained"), &order("chk_retained"))
-        .await;
+    server.exec("UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE idempotency_key = 'retained'").await;
+    let after = server.place_order("retained", "chk_retained").await;
     assert!(!after.replayed(), "an expired key is a new operation");
     assert_eq!(after.status, StatusCode::CONFLICT);
     assert_eq!(
@@ -755,40 +733,27 @@ async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands() {
     );
     assert_eq!(after.json()["order_id"], first.json()["id"]);
     assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
-    let row = server
-        .sql
-        .query_one("SELECT attempt_token, response_status FROM idempotency_requests WHERE idempotency_key = 'retained'", &[])
-        .await
-        .unwrap();
+    let row = server.row("SELECT attempt_token, response_status FROM idempotency_requests WHERE idempotency_key = 'retained'").await;
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i16>(1)), (2, 409));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redelivery_after_the_providers_keys_expired_still_charges_once() {
     let server = Server::start(&[]).await;
-    let created = server
-        .post_order(TOKEN_A, Some("late"), &order("chk_late"))
-        .await;
-    let order_id = created.json()["id"].as_str().unwrap().to_owned();
+    let created = server.place_order("late", "chk_late").await;
+    let order_id = created.order_id();
     server.wait_published(1).await;
     // A day later the providers' keys have expired; then an operator re-drives.
     server
-        .sql
-        .batch_execute(
+        .exec(
             "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE endpoint <> 'POST /orders v1';
              UPDATE outbox_events SET published_at = NULL;",
         )
-        .await
-        .unwrap();
+        .await;
     server.wait_published(1).await;
     let row = server
-        .sql
-        .query_one(
-            "SELECT attempts, last_error IS NULL FROM outbox_events",
-            &[],
-        )
-        .await
-        .unwrap();
+        .row("SELECT attempts, last_error IS NULL FROM outbox_events")
+        .await;
     assert_eq!(
         (row.get::<_, i32>(0), row.get::<_, bool>(1)),
         (2, true),
@@ -798,86 +763,48 @@ async fn redelivery_after_the_providers_keys_expired_still_charges_once() {
         server.count("SELECT count(*) FROM payment_charges").await,
         1
     );
-    let charged: String = server
-        .sql
-        .query_one("SELECT order_id FROM payment_charges", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let charged: String = server.value("SELECT order_id FROM payment_charges").await;
     assert_eq!(charged, order_id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_an_abandoned_request_commit() {
-    let server = Server::start(&[]).await;
-    let mut blocker = server.db.client().await;
-    let lock = blocker.transaction().await.unwrap();
-    lock.batch_execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
-        .await
-        .unwrap();
-    let body = order("chk_shutdown");
-    let stream = server.send_raw("at-shutdown", &body).await;
-    wait_for_blocked_insert(&server).await;
-    drop(stream);
-    let pid = server.child.id().unwrap().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .await
-        .unwrap()
-        .success());
-    lock.rollback().await.unwrap();
-    let mut server = server;
-    let status = tokio::time::timeout(Duration::from_secs(30), server.child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let mut server = Server::start(&[]).await;
+    let lock = server.lock_orders().await;
+    server
+        .abandon_while_blocked("at-shutdown", &order("chk_shutdown"))
+        .await;
+    server.terminate().await;
+    lock.release().await;
+    let status = server.exit_status(Duration::from_secs(30)).await;
     assert!(status.success());
-    let orders: i64 = server
-        .sql
-        .query_one("SELECT count(*) FROM orders", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let orders = server.count("SELECT count(*) FROM orders").await;
     assert_eq!(
         orders, 1,
         "the request owned its key, so it committed before the server exited"
     );
     let state: String = server
-        .sql
-        .query_one(
-            "SELECT state FROM idempotency_requests WHERE idempotency_key = 'at-shutdown'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+        .value("SELECT state FROM idempotency_requests WHERE idempotency_key = 'at-shutdown'")
+        .await;
     assert_eq!(state, "completed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_route_but_health_and_metrics_needs_a_token() {
     let server = Server::start(&[]).await;
-    let unknown = server.call(Method::GET, "/nope", &[], "").await;
+    let unknown = server.get("/nope", &[]).await;
     assert_eq!(
-        (unknown.status, unknown.json()["code"].clone()),
+        unknown.status_and_code(),
         (StatusCode::UNAUTHORIZED, json!("unauthorized"))
     );
     let known = server
-        .call(
-            Method::GET,
-            "/nope",
-            &[("authorization", "Bearer demo-token-a")],
-            "",
-        )
+        .get("/nope", &[("authorization", "Bearer demo-token-a")])
         .await;
     assert_eq!(
-        (known.status, known.json()["code"].clone()),
+        known.status_and_code(),
         (StatusCode::NOT_FOUND, json!("not_found"))
     );
-    let lower = server
-        .post_order(TOKEN_A, Some("lower"), &order("chk_lower"))
-        .await;
+    let lower = server.place_order("lower", "chk_lower").await;
     assert_eq!(lower.status, StatusCode::CREATED);
     let scheme = server
         .call(
@@ -895,14 +822,7 @@ async fn every_route_but_health_and_metrics_needs_a_token() {
         StatusCode::CREATED,
         "the auth scheme is case-insensitive"
     );
-    let metrics = String::from_utf8(
-        server
-            .call(Method::GET, "/metrics", &[], "")
-            .await
-            .body
-            .to_vec(),
-    )
-    .unwrap();
+    let metrics = server.metrics().await;
     assert!(
         metrics.contains(
             "idempotency_requests_total{endpoint=\"POST /orders v1\",outcome=\"in_progress\"} 0"

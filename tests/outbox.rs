@@ -10,25 +10,21 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
 use common::*;
-use http::{Request, Response, StatusCode};
-use http_body_util::Full;
+use http::StatusCode;
 use serde_json::json;
 use tokio::sync::Notify;
 use tower::Layer;
 use tower_idempotency::{
     outbox::{self, inbox, DeliveryError, OutboxEvent, Relay, Sink},
-    PgTx, RequestBody,
+    postgres::PgTx,
 };
-
-const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
 
 /// A downstream payment API that is idempotent on the derived key: one
 /// `charges` row per key, however often it is called.
 #[derive(Clone)]
 struct Payments {
-    store: tower_idempotency::PgStore,
+    store: tower_idempotency::postgres::PgStore,
     calls: Arc<Mutex<Vec<(String, String)>>>,
     in_flight: Arc<Mutex<HashSet<String>>>,
     overlaps: Arc<Mutex<usize>>,
@@ -41,7 +37,7 @@ struct Payments {
 }
 
 impl Payments {
-    fn new(store: tower_idempotency::PgStore) -> Self {
+    fn new(store: tower_idempotency::postgres::PgStore) -> Self {
         Payments {
             store,
             calls: Default::default(),
@@ -98,50 +94,47 @@ impl Sink for Payments {
 
 async fn setup() -> Postgres {
     let pg = Postgres::new().await;
-    pg.client
-        .batch_execute(
-            "CREATE TABLE charges (idempotency_key text PRIMARY KEY, order_id text NOT NULL)",
-        )
-        .await
-        .unwrap();
+    pg.exec("CREATE TABLE charges (idempotency_key text PRIMARY KEY, order_id text NOT NULL)")
+        .await;
     pg
 }
 
 /// The order handler of these tests: an order row and its event, through the layer.
-fn ordering(
-    status: StatusCode,
-) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
-    tower::util::BoxCloneService::new(tower::service_fn(
-        move |request: Request<RequestBody>| async move {
-            let tx = request.extensions().get::<PgTx>().cloned().unwrap();
-            let id = new_order_id();
-            tx.execute(
-                "INSERT INTO orders (id, tenant_id) VALUES ($1, $2)",
-                &[&id, &tx.tenant()],
-            )
-            .await?;
-            outbox::enqueue(&tx, &id, "OrderCreated", &json!({"order_id": id})).await?;
-            let mut response = Response::new(Full::new(Bytes::from(id)));
-            *response.status_mut() = status;
-            Ok::<_, BoxError>(response)
-        },
-    ))
+fn ordering(status: StatusCode) -> Handler {
+    handler(move |tx: PgTx| async move {
+        let id = new_order_id();
+        tx.execute(
+            "INSERT INTO orders (id, tenant_id) VALUES ($1, $2)",
+            &[&id, &tx.tenant()],
+        )
+        .await?;
+        outbox::enqueue(&tx, &id, "OrderCreated", &json!({"order_id": id})).await?;
+        Ok(response(status, id))
+    })
 }
 
 async fn place_orders(pg: &Postgres, n: usize) {
     let service = layer(pg.store.clone()).layer(ordering(StatusCode::CREATED));
     for i in 0..n {
-        let answer = send(
-            service.clone(),
-            post(Some("tenant-a"), Some(&format!("k{i}")), BODY),
-        )
-        .await;
+        let answer = send(service.clone(), tenant_a_post(&format!("k{i}"))).await;
         assert_eq!(answer.status, StatusCode::CREATED);
     }
 }
 
-async fn count(pg: &Postgres, sql: &str) -> i64 {
-    pg.client.query_one(sql, &[]).await.unwrap().get(0)
+/// Polls (bounded) the sessions listening for the outbox until `done` holds of
+/// their number, and returns the last number seen.
+async fn wait_for_listeners(pg: &Postgres, done: impl Fn(i64) -> bool) -> i64 {
+    let listening =
+        "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN tower_idempotency_outbox'";
+    let mut seen = 0;
+    for _ in 0..500 {
+        seen = pg.count(listening).await;
+        if done(seen) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    seen
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -158,32 +151,29 @@ async fn each_committed_event_is_delivered_once_and_charges_once() {
         "nothing left to deliver"
     );
     assert_eq!(
-        count(
-            &pg,
+        pg.count(
             "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL AND attempts = 1"
         )
         .await,
         3
     );
-    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 3);
-    let charged: i64 = count(
-        &pg,
-        "SELECT count(*) FROM charges c JOIN orders o ON o.id = c.order_id",
-    )
-    .await;
+    assert_eq!(pg.count("SELECT count(*) FROM charges").await, 3);
+    let charged: i64 = pg
+        .count("SELECT count(*) FROM charges c JOIN orders o ON o.id = c.order_id")
+        .await;
     assert_eq!(charged, 3, "one charge per order");
-    let (backlog, lag) = relay.refresh_backlog().await.unwrap();
-    assert_eq!((backlog, lag), (0, Duration::ZERO));
+    let status = relay.refresh_backlog().await.unwrap();
+    assert_eq!((status.backlog, status.lag), (0, Duration::ZERO));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolled_back_order_leaves_no_event() {
     let pg = setup().await;
     let service = layer(pg.store.clone()).layer(ordering(StatusCode::INTERNAL_SERVER_ERROR));
-    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(service, tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(count(&pg, "SELECT count(*) FROM outbox_events").await, 0);
-    assert_eq!(count(&pg, "SELECT count(*) FROM orders").await, 0);
+    assert_eq!(pg.count("SELECT count(*) FROM outbox_events").await, 0);
+    assert_eq!(pg.count("SELECT count(*) FROM orders").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,10 +183,8 @@ async fn forced_redelivery_carries_the_same_key_and_charges_once() {
     let payments = Payments::new(pg.store.clone());
     let relay = Relay::new(pg.store.clone(), payments.clone());
     relay.run_once().await.unwrap();
-    pg.client
-        .execute("UPDATE outbox_events SET published_at = NULL", &[])
-        .await
-        .unwrap();
+    pg.exec("UPDATE outbox_events SET published_at = NULL")
+        .await;
     assert_eq!(
         relay.run_once().await.unwrap().delivered,
         2,
@@ -217,7 +205,7 @@ async fn forced_redelivery_carries_the_same_key_and_charges_once() {
         );
     }
     assert_eq!(
-        count(&pg, "SELECT count(*) FROM charges").await,
+        pg.count("SELECT count(*) FROM charges").await,
         2,
         "still one charge per order"
     );
@@ -247,14 +235,11 @@ async fn relay_that_dies_after_delivering_redelivers_without_double_charging() {
     }
     assert_eq!(redelivered, 1);
     assert_eq!(
-        count(
-            &pg,
-            "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL"
-        )
-        .await,
+        pg.count("SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL")
+            .await,
         1
     );
-    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+    assert_eq!(pg.count("SELECT count(*) FROM charges").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,7 +279,7 @@ async fn racing_relays_never_deliver_one_event_at_the_same_moment() {
         (40, 40),
         "each event delivered once"
     );
-    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 40);
+    assert_eq!(pg.count("SELECT count(*) FROM charges").await, 40);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,11 +291,7 @@ async fn failing_sink_is_retried_with_backoff_and_attempts_are_recorded() {
     let relay = Relay::new(pg.store.clone(), flaky.clone());
     let first = relay.run_once().await.unwrap();
     assert_eq!((first.claimed, first.retried), (1, 1));
-    let row = pg
-        .client
-        .query_one("SELECT attempts, last_error, next_attempt_at > now(), published_at IS NULL FROM outbox_events", &[])
-        .await
-        .unwrap();
+    let row = pg.row("SELECT attempts, last_error, next_attempt_at > now(), published_at IS NULL FROM outbox_events").await;
     assert_eq!(row.get::<_, i32>(0), 1);
     assert_eq!(row.get::<_, &str>(1), "provider said 503 (failure 1)");
     assert!(row.get::<_, bool>(2), "the retry waits for its backoff");
@@ -318,20 +299,13 @@ async fn failing_sink_is_retried_with_backoff_and_attempts_are_recorded() {
     assert_eq!(relay.run_once().await.unwrap().claimed, 0, "not due yet");
     // Without waiting for the backoff: a relay with no delay retries at once.
     let eager = Relay::new(pg.store.clone(), flaky.clone()).backoff(Duration::ZERO, Duration::ZERO);
-    pg.client
-        .execute("UPDATE outbox_events SET next_attempt_at = now()", &[])
-        .await
-        .unwrap();
+    pg.exec("UPDATE outbox_events SET next_attempt_at = now()")
+        .await;
     assert_eq!(eager.run_once().await.unwrap().retried, 1);
     assert_eq!(eager.run_once().await.unwrap().delivered, 1);
     let row = pg
-        .client
-        .query_one(
-            "SELECT attempts, last_error IS NULL, published_at IS NOT NULL FROM outbox_events",
-            &[],
-        )
-        .await
-        .unwrap();
+        .row("SELECT attempts, last_error IS NULL, published_at IS NOT NULL FROM outbox_events")
+        .await;
     assert_eq!(
         (
             row.get::<_, i32>(0),
@@ -340,7 +314,7 @@ async fn failing_sink_is_retried_with_backoff_and_attempts_are_recorded() {
         ),
         (3, true, true)
     );
-    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+    assert_eq!(pg.count("SELECT count(*) FROM charges").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -366,11 +340,7 @@ async fn always_failing_sink_parks_the_event_and_leaves_the_order() {
         0,
         "a parked event is not retried"
     );
-    let row = pg
-        .client
-        .query_one("SELECT attempts, parked_at IS NOT NULL, published_at IS NULL, last_error FROM outbox_events", &[])
-        .await
-        .unwrap();
+    let row = pg.row("SELECT attempts, parked_at IS NOT NULL, published_at IS NULL, last_error FROM outbox_events").await;
     assert_eq!(
         (
             row.get::<_, i32>(0),
@@ -381,18 +351,15 @@ async fn always_failing_sink_parks_the_event_and_leaves_the_order() {
     );
     assert_eq!(row.get::<_, &str>(3), "provider said 503 (failure 3)");
     assert_eq!(
-        count(&pg, "SELECT count(*) FROM orders").await,
+        pg.count("SELECT count(*) FROM orders").await,
         1,
         "the order is untouched"
     );
     // An operator re-drives it once the provider is fixed.
-    pg.client
-        .execute("UPDATE outbox_events SET parked_at = NULL", &[])
-        .await
-        .unwrap();
+    pg.exec("UPDATE outbox_events SET parked_at = NULL").await;
     let fixed = Relay::new(pg.store.clone(), Payments::new(pg.store.clone()));
     assert_eq!(fixed.run_once().await.unwrap().delivered, 1);
-    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+    assert_eq!(pg.count("SELECT count(*) FROM charges").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -408,25 +375,14 @@ async fn relay_wakes_on_notify_without_polling() {
         async move { relay.run(async move { stop.notified().await }).await }
     });
     // Wait until the listener is subscribed, so the first NOTIFY is not missed.
-    for _ in 0..500 {
-        if count(
-            &pg,
-            "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN tower_idempotency_outbox'",
-        )
-        .await
-            > 0
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_listeners(&pg, |n| n > 0).await;
     place_orders(&pg, 1).await;
     tokio::time::timeout(Duration::from_secs(10), payments.charged.notified())
         .await
         .expect("the relay delivered after the commit's NOTIFY");
     stop.notify_one();
     running.await.unwrap().unwrap();
-    assert_eq!(count(&pg, "SELECT count(*) FROM charges").await, 1);
+    assert_eq!(pg.count("SELECT count(*) FROM charges").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -460,7 +416,7 @@ async fn inbox_processes_each_event_once_and_only_with_its_effect() {
         .await
         .unwrap());
     tx.commit().await.unwrap();
-    assert_eq!(count(&pg, "SELECT count(*) FROM inbox_events").await, 2);
+    assert_eq!(pg.count("SELECT count(*) FROM inbox_events").await, 2);
 }
 
 /// A sink whose error message holds a NUL byte (a downstream can say
@@ -479,33 +435,23 @@ async fn any_error_message_is_recorded_without_poisoning_the_batch() {
         }
     }
     let pg = setup().await;
-    pg.client
-        .batch_execute(
-            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type) VALUES ('t', 'good', 'E'), ('t', 'bad', 'E')",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type) VALUES ('t', 'good', 'E'), ('t', 'bad', 'E')",
+    )
+    .await;
     let report = Relay::new(pg.store.clone(), Picky)
         .run_once()
         .await
         .unwrap();
     assert_eq!((report.delivered, report.retried), (1, 1));
     let row = pg
-        .client
-        .query_one(
-            "SELECT attempts, last_error FROM outbox_events WHERE aggregate_id = 'bad'",
-            &[],
-        )
-        .await
-        .unwrap();
+        .row("SELECT attempts, last_error FROM outbox_events WHERE aggregate_id = 'bad'")
+        .await;
     assert_eq!(row.get::<_, i32>(0), 1);
     assert_eq!(row.get::<_, &str>(1), "upstream said \u{fffd} and more");
     assert_eq!(
-        count(
-            &pg,
-            "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL"
-        )
-        .await,
+        pg.count("SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL")
+            .await,
         1
     );
 }
@@ -516,26 +462,11 @@ async fn dropped_relay_closes_its_listener() {
     let pg = setup().await;
     let relay = Relay::new(pg.store.clone(), Payments::new(pg.store.clone()));
     let running = tokio::spawn(async move { relay.run(std::future::pending()).await });
-    let listening =
-        "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN tower_idempotency_outbox'";
-    let mut seen = 0;
-    for _ in 0..500 {
-        seen = count(&pg, listening).await;
-        if seen > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let seen = wait_for_listeners(&pg, |n| n > 0).await;
     assert_eq!(seen, 1, "the relay listens");
     running.abort();
     let _ = running.await;
-    for _ in 0..500 {
-        seen = count(&pg, listening).await;
-        if seen == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let seen = wait_for_listeners(&pg, |n| n == 0).await;
     assert_eq!(seen, 0, "the listener's connection closed with the relay");
 }
 
@@ -553,15 +484,13 @@ async fn a_hanging_sink_keeps_the_batch_short() {
         }
     }
     let pg = setup().await;
-    pg.client
-        .batch_execute(
-            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, next_attempt_at)
-             VALUES ('t', 'slow', 'E', now() - interval '1 minute');
-             INSERT INTO outbox_events (tenant_id, aggregate_id, event_type)
-             SELECT 't', 'fast-' || i, 'E' FROM generate_series(1, 5) i;",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, next_attempt_at)
+         VALUES ('t', 'slow', 'E', now() - interval '1 minute');
+         INSERT INTO outbox_events (tenant_id, aggregate_id, event_type)
+         SELECT 't', 'fast-' || i, 'E' FROM generate_series(1, 5) i;",
+    )
+    .await;
     let relay = Relay::new(pg.store.clone(), Hangs).delivery_timeout(Duration::from_millis(200));
     let first = relay.run_once().await.unwrap();
     assert_eq!(
@@ -574,8 +503,7 @@ async fn a_hanging_sink_keeps_the_batch_short() {
         (6, 1, 5, 0)
     );
     assert_eq!(
-        count(
-            &pg,
+        pg.count(
             "SELECT count(*) FROM outbox_events WHERE aggregate_id LIKE 'fast-%' AND attempts = 0"
         )
         .await,
@@ -585,13 +513,8 @@ async fn a_hanging_sink_keeps_the_batch_short() {
     let second = relay.run_once().await.unwrap();
     assert_eq!(second.delivered, 5, "the next batch delivers them");
     let row = pg
-        .client
-        .query_one(
-            "SELECT attempts, last_error FROM outbox_events WHERE aggregate_id = 'slow'",
-            &[],
-        )
-        .await
-        .unwrap();
+        .row("SELECT attempts, last_error FROM outbox_events WHERE aggregate_id = 'slow'")
+        .await;
     assert_eq!(
         (row.get::<_, i32>(0), row.get::<_, &str>(1)),
         (1, "delivery timed out")
@@ -623,17 +546,15 @@ async fn a_panicking_sink_counts_as_a_failed_attempt() {
     }
     let pg = setup().await;
     // Distinct due times fix the claim order: two events before the panic, two after.
-    pg.client
-        .batch_execute(
-            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload, next_attempt_at) VALUES
-             ('t', 'before-1', 'E', '{}', now() - interval '5 minutes'),
-             ('t', 'before-2', 'E', '{}', now() - interval '4 minutes'),
-             ('t', 'boom', 'E', '{\"card\": \"4242-SECRET\"}', now() - interval '3 minutes'),
-             ('t', 'after-1', 'E', '{}', now() - interval '2 minutes'),
-             ('t', 'after-2', 'E', '{}', now() - interval '1 minute')",
-        )
-        .await
-        .unwrap();
+    pg.exec(
+        "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload, next_attempt_at) VALUES
+         ('t', 'before-1', 'E', '{}', now() - interval '5 minutes'),
+         ('t', 'before-2', 'E', '{}', now() - interval '4 minutes'),
+         ('t', 'boom', 'E', '{\"card\": \"4242-SECRET\"}', now() - interval '3 minutes'),
+         ('t', 'after-1', 'E', '{}', now() - interval '2 minutes'),
+         ('t', 'after-2', 'E', '{}', now() - interval '1 minute')",
+    )
+    .await;
     let sink = Panics::default();
     let relay = Relay::new(pg.store.clone(), sink.clone()).max_attempts(3);
     let report = relay.run_once().await.unwrap();
@@ -647,8 +568,7 @@ async fn a_panicking_sink_counts_as_a_failed_attempt() {
         (5, 4, 1, 0)
     );
     assert_eq!(
-        count(
-            &pg,
+        pg.count(
             "SELECT count(*) FROM outbox_events WHERE aggregate_id <> 'boom' \
              AND published_at IS NOT NULL AND attempts = 1 AND last_error IS NULL"
         )
@@ -658,7 +578,7 @@ async fn a_panicking_sink_counts_as_a_failed_attempt() {
     );
     let boom = "SELECT attempts, last_error, next_attempt_at > now(), published_at IS NULL, parked_at IS NULL \
                 FROM outbox_events WHERE aggregate_id = 'boom'";
-    let row = pg.client.query_one(boom, &[]).await.unwrap();
+    let row = pg.row(boom).await;
     assert_eq!(row.get::<_, i32>(0), 1);
     assert_eq!(
         row.get::<_, &str>(1),
@@ -672,10 +592,8 @@ async fn a_panicking_sink_counts_as_a_failed_attempt() {
     let eager = Relay::new(pg.store.clone(), sink.clone())
         .max_attempts(3)
         .backoff(Duration::ZERO, Duration::ZERO);
-    pg.client
-        .execute("UPDATE outbox_events SET next_attempt_at = now()", &[])
-        .await
-        .unwrap();
+    pg.exec("UPDATE outbox_events SET next_attempt_at = now()")
+        .await;
     let reports = [
         eager.run_once().await.unwrap(),
         eager.run_once().await.unwrap(),
@@ -687,14 +605,11 @@ async fn a_panicking_sink_counts_as_a_failed_attempt() {
         "parked after its third attempt, then left alone"
     );
     let row = pg
-        .client
-        .query_one(
+        .row(
             "SELECT attempts, last_error, parked_at IS NOT NULL, published_at IS NULL \
              FROM outbox_events WHERE aggregate_id = 'boom'",
-            &[],
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(
         (
             row.get::<_, i32>(0),

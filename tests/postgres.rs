@@ -5,38 +5,14 @@ mod common;
 
 use std::{sync::Arc, time::Duration};
 
-use bytes::Bytes;
 use common::*;
-use http::{Request, Response, StatusCode};
-use http_body_util::Full;
-use tokio::sync::{oneshot, Notify};
+use http::StatusCode;
+use tokio::sync::Notify;
 use tower::Layer;
-use tower_idempotency::{testing::conformance, PgStore, PgTx, RequestBody, TxErrorKind};
-
-const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
-
-fn handler<F, Fut>(
-    f: F,
-) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError>
-where
-    F: Fn(PgTx) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<Response<Full<Bytes>>, BoxError>> + Send + 'static,
-{
-    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
-        let tx = request
-            .extensions()
-            .get::<PgTx>()
-            .cloned()
-            .expect("the layer passes a PgTx");
-        f(tx)
-    }))
-}
-
-fn created(body: String) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = StatusCode::CREATED;
-    response
-}
+use tower_idempotency::{
+    postgres::{PgStore, PgTx, TxErrorKind},
+    testing::conformance,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_store_passes_the_conformance_suite() {
@@ -46,7 +22,7 @@ async fn pg_store_passes_the_conformance_suite() {
 
 #[tokio::test]
 async fn memory_store_passes_the_conformance_suite() {
-    conformance::run_all(tower_idempotency::MemoryStore::new()).await;
+    conformance::run_all(tower_idempotency::memory::MemoryStore::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -87,17 +63,14 @@ async fn migrations_are_idempotent_under_concurrency() {
 async fn stores_the_response_and_its_metadata() {
     let pg = Postgres::new().await;
     let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
-    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(service, tenant_a_post("k1")).await;
     let row = pg
-        .client
-        .query_one(
+        .row(
             "SELECT tenant_id, endpoint, idempotency_key, request_fingerprint, state, attempt_token, response_status, \
                     response_headers, response_body, extract(epoch from expires_at - completed_at)::float8, completed_at IS NOT NULL \
              FROM idempotency_requests",
-            &[],
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(row.get::<_, &str>(0), "tenant-a");
     assert_eq!(row.get::<_, &str>(1), "POST /orders v1");
     assert_eq!(row.get::<_, &str>(2), "k1");
@@ -117,28 +90,20 @@ async fn stores_the_response_and_its_metadata() {
 async fn backdated_record_is_taken_over_with_a_new_attempt_token() {
     let pg = Postgres::new().await;
     let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
-    let first = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
-    let replay = send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let first = send(service.clone(), tenant_a_post("k1")).await;
+    let replay = send(service.clone(), tenant_a_post("k1")).await;
     assert!(replay.replayed(), "before expiry the key replays");
     // Time passes: the retention ends.
-    pg.client
-        .execute(
-            "UPDATE idempotency_requests SET expires_at = now() - interval '1 second'",
-            &[],
-        )
-        .await
-        .unwrap();
+    pg.exec("UPDATE idempotency_requests SET expires_at = now() - interval '1 second'")
+        .await;
     let other_body = r#"{"checkout_id":"chk_2","amount":1}"#;
     let again = send(service, post(Some("tenant-a"), Some("k1"), other_body)).await;
     assert!(!again.replayed());
     assert_ne!(again.body, first.body);
     assert_eq!(pg.orders().await.len(), 2);
     let token: i64 = pg
-        .client
-        .query_one("SELECT attempt_token FROM idempotency_requests", &[])
-        .await
-        .unwrap()
-        .get(0);
+        .value("SELECT attempt_token FROM idempotency_requests")
+        .await;
     assert_eq!(token, 2);
 }
 
@@ -155,13 +120,13 @@ async fn panicking_handler_rolls_back_and_never_leaks_its_transaction() {
         .await?;
         panic!("handler bug");
     }));
-    let outcome = spawn_send(panicking, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let outcome = spawn_send(panicking, tenant_a_post("k1")).await;
     assert!(
         outcome.unwrap_err().is_panic(),
         "the panic propagates like without the layer"
     );
     let working = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
-    let retry = send(working, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let retry = send(working, tenant_a_post("k1")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     let orders = pg.orders().await;
     assert_eq!(orders.len(), 1);
@@ -172,8 +137,7 @@ async fn panicking_handler_rolls_back_and_never_leaks_its_transaction() {
 async fn handle_kept_by_a_spawned_task_is_finished_after_the_response() {
     let pg = Postgres::new().await;
     let release = Arc::new(Notify::new());
-    let (late_tx, late_rx) = oneshot::channel();
-    let late_tx = Arc::new(std::sync::Mutex::new(Some(late_tx)));
+    let (late_tx, late_rx) = Report::channel();
     let service = layer(pg.store.clone()).layer(handler({
         let release = release.clone();
         move |tx: PgTx| {
@@ -193,18 +157,13 @@ async fn handle_kept_by_a_spawned_task_is_finished_after_the_response() {
                             &[],
                         )
                         .await;
-                    let _ = late_tx
-                        .lock()
-                        .unwrap()
-                        .take()
-                        .unwrap()
-                        .send(late.map_err(|e| e.kind()));
+                    late_tx.send(late.map_err(|e| e.kind()));
                 });
-                Ok(created("{}".into()))
+                Ok(created("{}"))
             }
         }
     }));
-    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(service, tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::CREATED);
     release.notify_one();
     assert_eq!(late_rx.await.unwrap(), Err(TxErrorKind::Finished));
@@ -231,9 +190,9 @@ async fn swallowed_database_error_cannot_commit() {
                 &[],
             )
             .await;
-        Ok(created("{}".into()))
+        Ok(created("{}"))
     }));
-    let answer = send(careless, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(careless, tenant_a_post("k1")).await;
     // Not "unavailable": a retry runs into the same handler bug.
     assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(answer.json()["code"], "commit_rejected");
@@ -242,9 +201,7 @@ async fn swallowed_database_error_cannot_commit() {
     assert!(pg.records().await.is_empty(), "the key stays free");
     let working = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
     assert_eq!(
-        send(working, post(Some("tenant-a"), Some("k1"), BODY))
-            .await
-            .status,
+        send(working, tenant_a_post("k1")).await.status,
         StatusCode::CREATED
     );
 }
@@ -252,8 +209,7 @@ async fn swallowed_database_error_cannot_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_control_through_the_handle_is_refused() {
     let pg = Postgres::new().await;
-    let (seen_tx, seen_rx) = oneshot::channel();
-    let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
+    let (seen_tx, seen_rx) = Report::channel();
     let service = layer(pg.store.clone()).layer(handler(move |tx: PgTx| {
         let seen_tx = seen_tx.clone();
         async move {
@@ -285,14 +241,12 @@ async fn transaction_control_through_the_handle_is_refused() {
                 .map(|_| ())
                 .map_err(|e| e.kind());
             let seen = (commit, hidden_commit, session_set, savepoint, quoted);
-            let _ = seen_tx.lock().unwrap().take().unwrap().send(seen);
-            Ok(created("{}".into()))
+            seen_tx.send(seen);
+            Ok(created("{}"))
         }
     }));
     assert_eq!(
-        send(service, post(Some("tenant-a"), Some("k1"), BODY))
-            .await
-            .status,
+        send(service, tenant_a_post("k1")).await.status,
         StatusCode::CREATED
     );
     let (commit, hidden_commit, session_set, savepoint, quoted) = seen_rx.await.unwrap();
@@ -311,19 +265,10 @@ async fn transaction_control_through_the_handle_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_database_answers_503_and_writes_nothing() {
-    let mut config = tokio_postgres::Config::new();
-    config
-        .host_path("/nonexistent-socket-dir")
-        .port(1)
-        .user("nobody")
-        .dbname("none");
-    let store = PgStore::builder(config)
-        .connect_timeout(Duration::from_millis(200))
-        .build()
-        .unwrap();
+    let store = unreachable_store(Duration::from_millis(200));
     let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let service = layer(store).layer(order_handler::<Postgres>(calls.clone()));
-    let answer = send(service, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let answer = send(service, tenant_a_post("k1")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.json()["code"], "store_unavailable");
     assert_eq!(answer.headers["retry-after"], "1");
@@ -332,40 +277,34 @@ async fn unreachable_database_answers_503_and_writes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exhausted_pool_answers_503_without_touching_other_keys() {
-    let db = tower_idempotency::testing::TestDatabase::create().await;
-    let store = PgStore::builder(db.config())
-        .max_connections(1)
-        .acquire_timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    store.migrate().await.unwrap();
+    let pg = Postgres::with_store(|builder| {
+        builder
+            .max_connections(1)
+            .acquire_timeout(Duration::from_millis(100))
+    })
+    .await;
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let service = layer(store).layer(handler({
+    let service = layer(pg.store.clone()).layer(handler({
         let (started, release) = (started.clone(), release.clone());
         move |_tx: PgTx| {
             let (started, release) = (started.clone(), release.clone());
             async move {
                 started.notify_one();
                 release.notified().await;
-                Ok(created("{\"first\":true}".into()))
+                Ok(created("{\"first\":true}"))
             }
         }
     }));
-    let holder = spawn_send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY));
+    let holder = spawn_send(service.clone(), tenant_a_post("k1"));
     started.notified().await;
-    let starved = send(service.clone(), post(Some("tenant-a"), Some("k2"), BODY)).await;
+    let starved = send(service.clone(), tenant_a_post("k2")).await;
     assert_eq!(starved.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(starved.json()["code"], "store_unavailable");
     release.notify_one();
     assert_eq!(holder.await.unwrap().status, StatusCode::CREATED);
-    let client = db.client().await;
-    let keys: Vec<String> = client
-        .query("SELECT idempotency_key FROM idempotency_requests", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let keys: Vec<String> = pg
+        .column("SELECT idempotency_key FROM idempotency_requests")
+        .await;
     assert_eq!(keys, ["k1"], "the starved request left no row");
 }
 
@@ -373,20 +312,10 @@ async fn exhausted_pool_answers_503_without_touching_other_keys() {
 /// row lock) must not hand its open transaction to the next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_claim_never_leaks_its_transaction() {
-    use tower_idempotency::{
-        Claim, ClaimRequest, Fingerprint, IdempotencyKey, Scope, Store, StoredResponse, TenantId,
-    };
+    use tower_idempotency::store::{Claim, Store};
     let pg = Postgres::with_pool(2).await;
     let store = pg.store.clone();
-    let request = |key: &str| {
-        ClaimRequest::new(
-            Scope::new(TenantId::new("t"), "POST /x"),
-            IdempotencyKey::parse(key.as_bytes()).unwrap(),
-            Fingerprint::from_bytes([1; 32]),
-            Duration::from_secs(60),
-            Duration::from_secs(30),
-        )
-    };
+    let request = |key: &str| claim_request(key, Duration::from_secs(30));
     let Ok(Claim::Owned(owner)) = store.claim(&request("k")).await else {
         panic!("owner")
     };
@@ -397,11 +326,7 @@ async fn cancelled_claim_never_leaks_its_transaction() {
         "the second claim was still waiting when it was dropped"
     );
     store.abort(owner).await.unwrap();
-    let response = StoredResponse {
-        status: StatusCode::OK,
-        headers: vec![],
-        body: Bytes::from_static(b"x"),
-    };
+    let response = stored(b"x");
     for key in ["x1", "x2", "x3"] {
         let Ok(Claim::Owned(tx)) = store.claim(&request(key)).await else {
             panic!("{key}")
@@ -432,21 +357,13 @@ async fn hot_key_duplicates_do_not_starve_other_keys() {
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let hot_service =
         layer(pg.store.clone()).layer(gated::<Postgres>(started.clone(), release.clone()));
-    let first = spawn_send(
-        hot_service.clone(),
-        post(Some("tenant-a"), Some("hot"), BODY),
-    );
+    let first = spawn_send(hot_service.clone(), tenant_a_post("hot"));
     started.notified().await;
     let duplicates: Vec<_> = (0..10)
-        .map(|_| {
-            spawn_send(
-                hot_service.clone(),
-                post(Some("tenant-a"), Some("hot"), BODY),
-            )
-        })
+        .map(|_| spawn_send(hot_service.clone(), tenant_a_post("hot")))
         .collect();
     let cold_service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
-    let cold = send(cold_service, post(Some("tenant-a"), Some("cold"), BODY)).await;
+    let cold = send(cold_service, tenant_a_post("cold")).await;
     assert_eq!(
         cold.status,
         StatusCode::CREATED,
@@ -473,19 +390,18 @@ async fn duplicate_from_another_process_waits_on_the_row_lock() {
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let process_a = layer(store.clone()).layer(gated::<Postgres>(started.clone(), release.clone()));
     let process_b = layer(store.clone()).layer(order_handler::<Postgres>(Default::default()));
-    let first = spawn_send(process_a, post(Some("tenant-a"), Some("k1"), BODY));
+    let first = spawn_send(process_a, tenant_a_post("k1"));
     started.notified().await;
     let short = layer(store.clone())
         .wait(WAIT_SHORT)
         .layer(order_handler::<Postgres>(Default::default()));
-    let timed_out = send(short, post(Some("tenant-a"), Some("k1"), BODY)).await;
+    let timed_out = send(short, tenant_a_post("k1")).await;
     assert_eq!(timed_out.json()["code"], "idempotency_in_progress");
-    let duplicate = spawn_send(process_b, post(Some("tenant-a"), Some("k1"), BODY));
+    let duplicate = spawn_send(process_b, tenant_a_post("k1"));
     // Synchronise on the database: the duplicate is waiting for the key's lock.
     let waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
     for _ in 0..500 {
-        let n: i64 = pg.client.query_one(waiting, &[]).await.unwrap().get(0);
-        if n > 0 {
+        if pg.count(waiting).await > 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -506,8 +422,7 @@ async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
     let pg = Postgres::new().await;
     // The database's own default for its sessions.
     let store = pg.store_with_database_setting("lock_timeout", "7s").await;
-    let (seen_tx, seen_rx) = oneshot::channel();
-    let seen_tx = Arc::new(std::sync::Mutex::new(Some(seen_tx)));
+    let (seen_tx, seen_rx) = Report::channel();
     let service = layer(store)
         .wait(WAIT_SHORT)
         .layer(handler(move |tx: PgTx| {
@@ -516,19 +431,12 @@ async fn handler_statements_are_not_bound_by_the_duplicate_wait() {
                 let row = tx
                     .query_one("SELECT current_setting('lock_timeout')", &[])
                     .await?;
-                let _ = seen_tx
-                    .lock()
-                    .unwrap()
-                    .take()
-                    .unwrap()
-                    .send(row.get::<_, String>(0));
-                Ok(created("{}".into()))
+                seen_tx.send(row.get::<_, String>(0));
+                Ok(created("{}"))
             }
         }));
     assert_eq!(
-        send(service, post(Some("tenant-a"), Some("k1"), BODY))
-            .await
-            .status,
+        send(service, tenant_a_post("k1")).await.status,
         StatusCode::CREATED
     );
     assert_eq!(
@@ -553,16 +461,14 @@ async fn table_lock_is_bounded_by_the_wait() {
         .layer(order_handler::<Postgres>(Default::default()));
     let answer = tokio::time::timeout(
         Duration::from_secs(10),
-        send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY)),
+        send(service.clone(), tenant_a_post("k1")),
     )
     .await
     .expect("the claim gave up after its wait");
     assert_eq!(answer.json()["code"], "idempotency_in_progress");
     lock.rollback().await.unwrap();
     assert_eq!(
-        send(service, post(Some("tenant-a"), Some("k1"), BODY))
-            .await
-            .status,
+        send(service, tenant_a_post("k1")).await.status,
         StatusCode::CREATED
     );
 }
@@ -575,9 +481,7 @@ async fn a_wait_beyond_postgres_limit_is_clamped() {
         .retention(Duration::from_secs(u64::MAX / 4))
         .layer(order_handler::<Postgres>(Default::default()));
     assert_eq!(
-        send(service, post(Some("tenant-a"), Some("k1"), BODY))
-            .await
-            .status,
+        send(service, tenant_a_post("k1")).await.status,
         StatusCode::CREATED
     );
     assert_eq!(pg.orders().await.len(), 1);
@@ -587,18 +491,13 @@ async fn a_wait_beyond_postgres_limit_is_clamped() {
 /// duplicates leads next; the others keep waiting without connections.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_of_a_rolled_back_leader_do_not_stampede() {
-    let db = tower_idempotency::testing::TestDatabase::create().await;
-    let store = PgStore::builder(db.config())
-        .max_connections(3)
-        .acquire_timeout(Duration::from_millis(500))
-        .build()
-        .unwrap();
-    store.migrate().await.unwrap();
-    let client = db.client().await;
-    client
-        .batch_execute("CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL)")
-        .await
-        .unwrap();
+    let pg = Postgres::with_store(|builder| {
+        builder
+            .max_connections(3)
+            .acquire_timeout(Duration::from_millis(500))
+    })
+    .await;
+    let store = pg.store.clone();
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let gates: Arc<[Notify; 4]> = Arc::new(Default::default());
     // gates: 0 first call started, 1 let it fail, 2 second call started, 3 let it succeed
@@ -611,9 +510,7 @@ async fn duplicates_of_a_rolled_back_leader_do_not_stampede() {
                     0 => {
                         gates[0].notify_one();
                         gates[1].notified().await;
-                        let mut failed = Response::new(Full::new(Bytes::new()));
-                        *failed.status_mut() = StatusCode::BAD_GATEWAY;
-                        Ok(failed)
+                        Ok(response(StatusCode::BAD_GATEWAY, ""))
                     }
                     1 => {
                         tx.execute(
@@ -623,17 +520,17 @@ async fn duplicates_of_a_rolled_back_leader_do_not_stampede() {
                         .await?;
                         gates[2].notify_one();
                         gates[3].notified().await;
-                        Ok(created("{\"id\":\"second\"}".into()))
+                        Ok(created("{\"id\":\"second\"}"))
                     }
                     n => Err(format!("the handler ran a {}th time", n + 1).into()),
                 }
             }
         }
     }));
-    let leader = spawn_send(service.clone(), post(Some("tenant-a"), Some("hot"), BODY));
+    let leader = spawn_send(service.clone(), tenant_a_post("hot"));
     gates[0].notified().await;
     let duplicates: Vec<_> = (0..7)
-        .map(|_| spawn_send(service.clone(), post(Some("tenant-a"), Some("hot"), BODY)))
+        .map(|_| spawn_send(service.clone(), tenant_a_post("hot")))
         .collect();
     // Let the duplicates line up behind the leader before it fails.
     tokio::task::yield_now().await;
@@ -641,7 +538,7 @@ async fn duplicates_of_a_rolled_back_leader_do_not_stampede() {
     assert_eq!(leader.await.unwrap().status, StatusCode::BAD_GATEWAY);
     gates[2].notified().await;
     let other = layer(store.clone()).layer(order_handler::<Postgres>(Default::default()));
-    let unrelated = send(other, post(Some("tenant-a"), Some("cold"), BODY)).await;
+    let unrelated = send(other, tenant_a_post("cold")).await;
     assert_eq!(
         unrelated.status,
         StatusCode::CREATED,
@@ -679,31 +576,21 @@ async fn connections_the_server_closed_are_replaced_transparently() {
     let pg = Postgres::with_pool(1).await;
     let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
     assert_eq!(
-        send(service.clone(), post(Some("tenant-a"), Some("k1"), BODY))
-            .await
-            .status,
+        send(service.clone(), tenant_a_post("k1")).await.status,
         StatusCode::CREATED
     );
     for round in 2..5 {
-        let terminated: i64 = pg
-            .client
-            .query_one(
+        let terminated = pg
+            .count(
                 "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                  WHERE datname = current_database() AND pid <> pg_backend_pid()) t",
-                &[],
             )
-            .await
-            .unwrap()
-            .get(0);
+            .await;
         assert_eq!(
             terminated, 1,
             "the pool's one connection was closed by the server"
         );
-        let answer = send(
-            service.clone(),
-            post(Some("tenant-a"), Some(&format!("k{round}")), BODY),
-        )
-        .await;
+        let answer = send(service.clone(), tenant_a_post(&format!("k{round}"))).await;
         assert_eq!(
             answer.status,
             StatusCode::CREATED,

@@ -202,7 +202,9 @@ impl PgTx {
     /// running through a clone right now.
     pub(super) fn try_take(&self) -> Take {
         match self.inner.conn.try_lock() {
-            Ok(mut conn) => conn.take().map_or(Take::Finished, |c| Take::Taken(Box::new(c))),
+            Ok(mut conn) => conn
+                .take()
+                .map_or(Take::Finished, |c| Take::Taken(Box::new(c))),
             Err(_) => Take::Busy,
         }
     }

@@ -2,13 +2,13 @@
 //! both stores through the `Backend` trait.
 #![allow(dead_code)]
 
-pub mod proxy;
+pub(crate) mod proxy;
 
 use std::{
     future::Future,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc,
+        Arc, Mutex,
     },
     time::Duration,
 };
@@ -17,17 +17,32 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify};
+use tokio_postgres::types::FromSql;
 use tower::{Service, ServiceExt};
 use tower_idempotency::{
-    testing::TestDatabase, Idempotency, IdempotencyLayer, JsonFingerprinter, MemoryStore, MemoryTx,
-    PgStore, PgTx, RequestBody, ResponseBody, Store, TenantId,
+    fingerprint::{Fingerprint, JsonFingerprinter},
+    key::IdempotencyKey,
+    memory::{MemoryStore, MemoryTx},
+    postgres::{PgStore, PgStoreBuilder, PgTx},
+    record::StoredResponse,
+    scope::{Scope, TenantId},
+    store::{Claim, ClaimRequest, Store},
+    testing::TestDatabase,
+    Idempotency, IdempotencyLayer, RequestBody, ResponseBody,
 };
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The boxed inner service the tests put behind a layer.
+pub(crate) type Handler =
+    tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError>;
+
+/// The order body most requests of the tests carry.
+pub(crate) const BODY: &str = r#"{"checkout_id":"chk_1","amount":1200}"#;
 
 /// A store plus the business table its handler writes through the transaction.
-pub trait Backend: Send + Sync + 'static {
+pub(crate) trait Backend: Send + Sync + 'static {
     type Store: Store;
     fn store(&self) -> Self::Store;
     /// Inserts one order row through the owner's transaction.
@@ -42,10 +57,10 @@ pub trait Backend: Send + Sync + 'static {
     fn remembered(&self) -> impl Future<Output = usize> + Send;
 }
 
-pub struct Memory(pub MemoryStore);
+pub(crate) struct Memory(pub(crate) MemoryStore);
 
 impl Memory {
-    pub async fn new() -> Self {
+    pub(crate) async fn new() -> Self {
         Memory(MemoryStore::new())
     }
 }
@@ -76,21 +91,27 @@ impl Backend for Memory {
     }
 }
 
-pub struct Postgres {
-    pub db: TestDatabase,
-    pub store: PgStore,
-    pub client: tokio_postgres::Client,
+pub(crate) struct Postgres {
+    pub(crate) db: TestDatabase,
+    pub(crate) store: PgStore,
+    pub(crate) client: tokio_postgres::Client,
 }
 
 impl Postgres {
-    pub async fn new() -> Self {
+    pub(crate) async fn new() -> Self {
         Self::with_pool(16).await
     }
 
-    pub async fn with_pool(max_connections: usize) -> Self {
+    pub(crate) async fn with_pool(max_connections: usize) -> Self {
+        Self::with_store(|builder| builder.max_connections(max_connections)).await
+    }
+
+    /// A fresh database with the store that `configure` makes of the default builder.
+    pub(crate) async fn with_store(
+        configure: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+    ) -> Self {
         let db = TestDatabase::create().await;
-        let store = PgStore::builder(db.config())
-            .max_connections(max_connections)
+        let store = configure(PgStore::builder(db.config()))
             .build()
             .expect("store builds");
         store.migrate().await.expect("migrations apply");
@@ -103,7 +124,7 @@ impl Postgres {
     }
 
     /// Rows of idempotency_requests as (tenant, key, state, status).
-    pub async fn records(&self) -> Vec<(String, String, String, Option<i16>)> {
+    pub(crate) async fn records(&self) -> Vec<(String, String, String, Option<i16>)> {
         self.client
             .query(
                 "SELECT tenant_id, idempotency_key, state, response_status FROM idempotency_requests ORDER BY 1, 2",
@@ -117,7 +138,7 @@ impl Postgres {
     }
 
     /// A new store whose sessions get `name = value` as their database default.
-    pub async fn store_with_database_setting(&self, name: &str, value: &str) -> PgStore {
+    pub(crate) async fn store_with_database_setting(&self, name: &str, value: &str) -> PgStore {
         self.client
             .batch_execute(&format!(
                 "ALTER DATABASE \"{}\" SET {name} = '{value}'",
@@ -129,15 +150,45 @@ impl Postgres {
     }
 
     /// Sessions of this database left inside a transaction.
-    pub async fn idle_in_transaction(&self) -> i64 {
-        self.client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0)
+    pub(crate) async fn idle_in_transaction(&self) -> i64 {
+        self.count(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+        )
+        .await
+    }
+
+    /// Runs `sql` (one or more statements) on the test's own connection.
+    pub(crate) async fn exec(&self, sql: &str) {
+        self.client.batch_execute(sql).await.unwrap();
+    }
+
+    /// The one row `sql` selects.
+    pub(crate) async fn row(&self, sql: &str) -> tokio_postgres::Row {
+        self.client.query_one(sql, &[]).await.unwrap()
+    }
+
+    /// The single value `sql` selects.
+    pub(crate) async fn value<T: for<'a> FromSql<'a>>(&self, sql: &str) -> T {
+        self.row(sql).await.get(0)
+    }
+
+    /// The count `sql` selects.
+    pub(crate) async fn count(&self, sql: &str) -> i64 {
+        self.value(sql).await
+    }
+
+    /// The first column of every row `sql` selects.
+    pub(crate) async fn column<T: for<'a> FromSql<'a>>(&self, sql: &str) -> Vec<T> {
+        let rows = self.client.query(sql, &[]).await.unwrap();
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
+    /// Claims `request` and returns the owner's handle; any other outcome panics with `expected`.
+    pub(crate) async fn own(&self, request: &ClaimRequest, expected: &str) -> PgTx {
+        let Claim::Owned(tx) = self.store.claim(request).await.unwrap() else {
+            panic!("{expected}")
+        };
+        tx
     }
 }
 
@@ -165,21 +216,13 @@ impl Backend for Postgres {
             .collect()
     }
     async fn remembered(&self) -> usize {
-        let n: i64 = self
-            .client
-            .query_one(
-                "SELECT count(*) FROM idempotency_requests WHERE state = 'completed'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        n as usize
+        self.count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await as usize
     }
 }
 
 /// A fresh, unique order id (so two executions never produce the same body).
-pub fn new_order_id() -> String {
+pub(crate) fn new_order_id() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -188,14 +231,10 @@ pub fn new_order_id() -> String {
     format!("ord_{nanos:x}_{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
-pub type TestService<St> = Idempotency<
-    tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError>,
-    St,
-    JsonFingerprinter,
->;
+pub(crate) type TestService<St> = Idempotency<Handler, St, JsonFingerprinter>;
 
 /// The default test layer for `POST /orders v1`.
-pub fn layer<St: Store>(store: St) -> IdempotencyLayer<St, JsonFingerprinter> {
+pub(crate) fn layer<St: Store>(store: St) -> IdempotencyLayer<St, JsonFingerprinter> {
     IdempotencyLayer::new(
         store,
         "POST /orders v1",
@@ -203,20 +242,50 @@ pub fn layer<St: Store>(store: St) -> IdempotencyLayer<St, JsonFingerprinter> {
     )
 }
 
+/// The backend's transaction handle the layer passed along with `request`.
+pub(crate) fn tx_of<B: Backend>(request: &Request<RequestBody>) -> Option<<B::Store as Store>::Tx> {
+    request
+        .extensions()
+        .get::<<B::Store as Store>::Tx>()
+        .cloned()
+}
+
+/// A response with `status` and `body`.
+pub(crate) fn response(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    response
+}
+
+/// A 201 response with `body`.
+pub(crate) fn created(body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    response(StatusCode::CREATED, body)
+}
+
+/// A handler that runs `f` on the `PgTx` the layer passes.
+pub(crate) fn handler<F, Fut>(f: F) -> Handler
+where
+    F: Fn(PgTx) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<Full<Bytes>>, BoxError>> + Send + 'static,
+{
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let tx = request
+            .extensions()
+            .get::<PgTx>()
+            .cloned()
+            .expect("the layer passes a PgTx");
+        f(tx)
+    }))
+}
+
 /// A handler that writes one order through the transaction and answers 201
 /// with the order, counting its calls.
-pub fn order_handler<B: Backend>(
-    calls: Arc<AtomicU64>,
-) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+pub(crate) fn order_handler<B: Backend>(calls: Arc<AtomicU64>) -> Handler {
     tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
         let calls = calls.clone();
         async move {
             calls.fetch_add(1, Ordering::SeqCst);
-            let tx = request
-                .extensions()
-                .get::<<B::Store as Store>::Tx>()
-                .cloned()
-                .ok_or("no transaction handle")?;
+            let tx = tx_of::<B>(&request).ok_or("no transaction handle")?;
             let tenant = request
                 .extensions()
                 .get::<TenantId>()
@@ -240,7 +309,7 @@ pub fn order_handler<B: Backend>(
     }))
 }
 
-pub fn post(tenant: Option<&str>, key: Option<&str>, body: &str) -> Request<Full<Bytes>> {
+pub(crate) fn post(tenant: Option<&str>, key: Option<&str>, body: &str) -> Request<Full<Bytes>> {
     let mut builder = Request::post("/orders").header("content-type", "application/json");
     if let Some(key) = key {
         builder = builder.header("idempotency-key", key);
@@ -254,26 +323,31 @@ pub fn post(tenant: Option<&str>, key: Option<&str>, body: &str) -> Request<Full
     request
 }
 
+/// The usual request: tenant-a posts [`BODY`] under the idempotency key `key`.
+pub(crate) fn tenant_a_post(key: &str) -> Request<Full<Bytes>> {
+    post(Some("tenant-a"), Some(key), BODY)
+}
+
 /// Status, headers and body of an answer.
 #[derive(Debug)]
-pub struct Answer {
-    pub status: StatusCode,
-    pub headers: http::HeaderMap,
-    pub body: Bytes,
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: http::HeaderMap,
+    pub(crate) body: Bytes,
 }
 
 impl Answer {
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body).expect("JSON body")
     }
-    pub fn replayed(&self) -> bool {
+    pub(crate) fn replayed(&self) -> bool {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
     }
 }
 
-pub async fn send<S, B>(service: S, request: Request<Full<Bytes>>) -> Answer
+pub(crate) async fn send<S, B>(service: S, request: Request<Full<Bytes>>) -> Answer
 where
     S: Service<Request<Full<Bytes>>, Response = Response<ResponseBody<B>>> + Send,
     S::Future: Send,
@@ -291,11 +365,11 @@ where
     }
 }
 
-pub const WAIT_SHORT: Duration = Duration::from_millis(200);
+pub(crate) const WAIT_SHORT: Duration = Duration::from_millis(200);
 
 /// [`send`] on a task of its own. (Spawning here, with explicit bounds, keeps
 /// generic callers clear of rustc's auto-trait inference limits.)
-pub fn spawn_send<S, B>(
+pub(crate) fn spawn_send<S, B>(
     service: S,
     request: Request<Full<Bytes>>,
 ) -> tokio::task::JoinHandle<Answer>
@@ -310,26 +384,73 @@ where
 }
 
 /// A handler that writes, tells the test it started, and waits for `release`.
-pub fn gated<B: Backend>(
-    started: Arc<Notify>,
-    release: Arc<Notify>,
-) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Full<Bytes>>, BoxError> {
+pub(crate) fn gated<B: Backend>(started: Arc<Notify>, release: Arc<Notify>) -> Handler {
     tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
         let (started, release) = (started.clone(), release.clone());
         async move {
-            let tx = request
-                .extensions()
-                .get::<<B::Store as Store>::Tx>()
-                .cloned()
-                .unwrap();
+            let tx = tx_of::<B>(&request).unwrap();
             let id = new_order_id();
             B::insert_order(&tx, &id, "tenant-a").await?;
             started.notify_one();
             release.notified().await;
-            let mut response =
-                Response::new(Full::new(Bytes::from(format!("{{\"id\":\"{id}\"}}"))));
-            *response.status_mut() = StatusCode::CREATED;
-            Ok::<_, BoxError>(response)
+            Ok::<_, BoxError>(created(format!("{{\"id\":\"{id}\"}}")))
         }
     }))
+}
+
+/// The sending half of a oneshot channel that the clones of a handler share.
+pub(crate) struct Report<T>(Arc<Mutex<Option<oneshot::Sender<T>>>>);
+
+impl<T> Clone for Report<T> {
+    fn clone(&self) -> Self {
+        Report(self.0.clone())
+    }
+}
+
+impl<T> Report<T> {
+    /// A report and the receiver that gets what it sends.
+    pub(crate) fn channel() -> (Report<T>, oneshot::Receiver<T>) {
+        let (sender, receiver) = oneshot::channel();
+        (Report(Arc::new(Mutex::new(Some(sender)))), receiver)
+    }
+
+    /// Sends `value`; a report is made once.
+    pub(crate) fn send(&self, value: T) {
+        let sender = self.0.lock().unwrap().take().expect("reported once");
+        let _ = sender.send(value);
+    }
+}
+
+/// A store whose database cannot be reached; connecting gives up after `connect_timeout`.
+pub(crate) fn unreachable_store(connect_timeout: Duration) -> PgStore {
+    let mut config = tokio_postgres::Config::new();
+    config
+        .host_path("/nonexistent-socket-dir")
+        .port(1)
+        .user("nobody")
+        .dbname("none");
+    PgStore::builder(config)
+        .connect_timeout(connect_timeout)
+        .build()
+        .unwrap()
+}
+
+/// A claim by tenant `t` on `key` of `POST /x`, kept a minute, waiting at most `wait`.
+pub(crate) fn claim_request(key: &str, wait: Duration) -> ClaimRequest {
+    ClaimRequest::new(
+        Scope::new(TenantId::new("t"), "POST /x"),
+        IdempotencyKey::parse(key.as_bytes()).unwrap(),
+        Fingerprint::from_bytes([1; 32]),
+    )
+    .with_retention(Duration::from_secs(60))
+    .with_wait(wait)
+}
+
+/// A stored 200 answer with `body`.
+pub(crate) fn stored(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from_static(body),
+    }
 }

@@ -17,14 +17,14 @@ use tokio_postgres::config::Host;
 
 /// Forwards every connection to the database of `target`; each chunk the
 /// server sends is held back by the current delay first.
-pub struct SlowProxy {
+pub(crate) struct SlowProxy {
     port: u16,
     delay_ms: Arc<AtomicU64>,
     target: tokio_postgres::Config,
 }
 
 impl SlowProxy {
-    pub async fn start(target: tokio_postgres::Config) -> SlowProxy {
+    pub(crate) async fn start(target: tokio_postgres::Config) -> SlowProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let delay_ms = Arc::new(AtomicU64::new(0));
@@ -63,7 +63,7 @@ impl SlowProxy {
     }
 
     /// Connection settings that go through the proxy.
-    pub fn config(&self) -> tokio_postgres::Config {
+    pub(crate) fn config(&self) -> tokio_postgres::Config {
         let mut config = tokio_postgres::Config::new();
         config.host("127.0.0.1").port(self.port);
         if let Some(user) = self.target.get_user() {
@@ -79,7 +79,7 @@ impl SlowProxy {
     }
 
     /// From now on the server's answers arrive `delay` late.
-    pub fn set_delay(&self, delay: Duration) {
+    pub(crate) fn set_delay(&self, delay: Duration) {
         self.delay_ms
             .store(delay.as_millis() as u64, Ordering::SeqCst);
     }
