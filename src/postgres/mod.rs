@@ -40,7 +40,7 @@
 // end (`finish.rs`); the connection guard and the application's connection
 // (`conn.rs`); the pool (`pool.rs`); row decoding (`decode.rs`); error
 // mapping (`error.rs`); the handler's transaction (`tx.rs`) and the SQL lexer
-// guarding it (`lexer.rs`); the operator API (`admin.rs`); migrations
+// guarding it (`lexer/`); the operator API (`admin.rs`); migrations
 // (`migrations.rs`); and `Session` (`session.rs`), the one way the rest of
 // the crate (the outbox relay, retention) runs statements on the pool.
 

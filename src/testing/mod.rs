@@ -1,7 +1,9 @@
 //! Test utilities (feature `test-util`): a throwaway PostgreSQL for tests and
 //! demos, and the conformance suite for custom [`Store`](crate::store::Store)s.
 
+mod cluster;
 pub mod conformance;
-mod postgres;
+mod database;
 
-pub use postgres::{HarnessError, TempPostgres, TempPostgresBuilder, TestDatabase};
+pub use cluster::{HarnessError, TempPostgres, TempPostgresBuilder};
+pub use database::TestDatabase;
