@@ -443,9 +443,10 @@ COMMIT;
 
 /// The layered SQL plus the session reset that follows every owner's
 /// `COMMIT` (`SESSION_RESET` in the store), as one message (`\;` joins the
-/// statements). An upper bound of its cost: pgbench waits for each command,
-/// so the reset costs it a round trip that the store, which pipelines the
-/// reset behind the `COMMIT`, does not pay.
+/// statements; both scripts then run with the simple protocol). An upper
+/// bound of its cost: pgbench waits for each command, so the reset costs it
+/// a round trip that the store, which pipelines the reset behind the
+/// `COMMIT`, does not pay.
 const PGBENCH_LAYERED_RESET: &str = r#"\set k random(1, 9000000000000000)
 SELECT state FROM idempotency_requests WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = 'r' || (:k)::text AND expires_at > now();
 BEGIN;
@@ -460,6 +461,18 @@ SET SESSION AUTHORIZATION DEFAULT\; RESET ALL\; CLOSE ALL\; UNLISTEN *\; SELECT 
 /// `pgbench` with the same SQL, same connection count: what the database
 /// itself reaches on this machine.
 fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<f64> {
+    pgbench_with(pg, name, script, seconds, "prepared")
+}
+
+/// [`pgbench`] with a query protocol of choice (`simple` runs compound
+/// `\;` commands, which `prepared` cannot).
+fn pgbench_with(
+    pg: &TempPostgres,
+    name: &str,
+    script: &str,
+    seconds: u64,
+    protocol: &str,
+) -> Option<f64> {
     let file = std::env::temp_dir().join(format!(
         "tower-idempotency-{name}-{}.sql",
         std::process::id()
@@ -474,7 +487,7 @@ fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<
         .args([
             "-n",
             "-M",
-            "prepared",
+            protocol,
             "-c",
             &POOL.to_string(),
             "-j",
@@ -698,8 +711,8 @@ async fn run(duration: Duration, rounds: usize) {
     // rounds of each so that drift does not pass for it.
     let mut reset_rounds = Vec::new();
     for _ in 0..2 {
-        let without = pgbench(&pg, "layered", PGBENCH_LAYERED, pgbench_seconds);
-        let with = pgbench(&pg, "reset", PGBENCH_LAYERED_RESET, pgbench_seconds);
+        let without = pgbench_with(&pg, "layered", PGBENCH_LAYERED, pgbench_seconds, "simple");
+        let with = pgbench_with(&pg, "reset", PGBENCH_LAYERED_RESET, pgbench_seconds, "simple");
         if let (Some(without), Some(with)) = (without, with) {
             reset_rounds.push((without, with));
         }
