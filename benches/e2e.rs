@@ -712,7 +712,13 @@ async fn run(duration: Duration, rounds: usize) {
     let mut reset_rounds = Vec::new();
     for _ in 0..2 {
         let without = pgbench_with(&pg, "layered", PGBENCH_LAYERED, pgbench_seconds, "simple");
-        let with = pgbench_with(&pg, "reset", PGBENCH_LAYERED_RESET, pgbench_seconds, "simple");
+        let with = pgbench_with(
+            &pg,
+            "reset",
+            PGBENCH_LAYERED_RESET,
+            pgbench_seconds,
+            "simple",
+        );
         if let (Some(without), Some(with)) = (without, with) {
             reset_rounds.push((without, with));
         }

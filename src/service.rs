@@ -32,7 +32,7 @@ use crate::{
     future::ResponseFuture,
     record::{FinalResponse, StoredResponse},
     scope::{ResolveTenant, TenantFromExtension},
-    settled::{Answer, Rollback, Settled, Timings},
+    settled::{MiddlewareResult, Rollback, Settled, Timings},
     store::{Claim, Store},
 };
 
@@ -146,7 +146,7 @@ async fn handle<S, St, F, R, ReqB, ResB>(
     endpoint: Endpoint<St, F, R>,
     inner: S,
     request: Request<ReqB>,
-) -> Answer<ResB, S::Error>
+) -> MiddlewareResult<ResB, S::Error>
 where
     S: Inner<ResB>,
     St: Store,
@@ -178,7 +178,7 @@ where
     // From the claim on, a connection may be inside a transaction: run to the
     // end on a task of our own, whether or not the client is still waiting.
     let running = endpoint.runtime.operations.start();
-    let work = own(endpoint, inner, admitted).instrument(span.clone());
+    let work = settle(endpoint, inner, admitted).instrument(span.clone());
     let (settled, timings) = match tokio::spawn(async move {
         let _running = running;
         work.await
@@ -193,8 +193,9 @@ where
     settled.answer(&config)
 }
 
-/// Phases 2 to 5: the work of a request that may own its key.
-async fn own<S, St, F, R, ResB>(
+/// Phases 2 to 5 for a request that may own its key: coalesce, claim, run
+/// the owner, remember. Says how the request settled.
+async fn settle<S, St, F, R, ResB>(
     endpoint: Endpoint<St, F, R>,
     inner: S,
     admitted: Admitted,
@@ -344,7 +345,10 @@ where
     }
 }
 
-async fn pass_through<S, ReqB, ResB>(inner: S, request: Request<ReqB>) -> Answer<ResB, S::Error>
+async fn pass_through<S, ReqB, ResB>(
+    inner: S,
+    request: Request<ReqB>,
+) -> MiddlewareResult<ResB, S::Error>
 where
     S: Service<Request<RequestBody>, Response = Response<ResB>>,
     ReqB: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,

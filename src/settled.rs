@@ -19,8 +19,8 @@ use crate::{
     store::{StoreError, StoreErrorKind},
 };
 
-/// The answer of the middleware: the inner service's error type is kept.
-pub(crate) type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+/// What the middleware returns: the inner service's error type is kept.
+pub(crate) type MiddlewareResult<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 /// How an idempotent request ended.
 pub(crate) enum Settled<B, E> {
@@ -189,7 +189,7 @@ impl<B, E> Settled<B, E> {
     }
 
     /// The response the client gets.
-    pub(crate) fn answer(self, config: &Config) -> Answer<B, E> {
+    pub(crate) fn answer(self, config: &Config) -> MiddlewareResult<B, E> {
         let problem = match self {
             Settled::Replayed(stored) => return Ok(stored.to_replay().map(ResponseBody::buffered)),
             Settled::Committed(parts, body) => {
