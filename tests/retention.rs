@@ -14,7 +14,7 @@ use tower_idempotency::{
     postgres::KeyState,
     retention::Cleanup,
     scope::{Scope, TenantId},
-    store::{ClaimRequest, Store},
+    store::{Claim, ClaimRequest, Store},
 };
 
 /// A claim by tenant `t` on `key` of endpoint `e`, kept for `retention`.
@@ -84,8 +84,9 @@ async fn cleanup_removes_expired_rows_nobody_holds_concurrently_in_batches() {
         0,
         "expired orphans are removed"
     );
+    // The 306 rows inserted above drew tokens 1 to 306; the takeover a later one.
     assert_eq!(
-        pg.count("SELECT count(*) FROM idempotency_requests WHERE idempotency_key = 'taken-over' AND attempt_token = 2 AND expires_at > now()").await,
+        pg.count("SELECT count(*) FROM idempotency_requests WHERE idempotency_key = 'taken-over' AND attempt_token > 306 AND expires_at > now()").await,
         1,
         "the row being taken over was skipped, and lives on as the new operation"
     );
@@ -159,4 +160,41 @@ async fn operator_inspects_and_removes_a_key() {
     assert!(!again.replayed(), "a removed key is a new operation");
     assert_ne!(again.body, first.body);
     assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// A key's attempt token only ever grows, also once its row is gone (removed
+/// by cleanup or an operator): a worker holding an old token can never be
+/// mistaken for the newest attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_token_keeps_growing_after_the_row_is_removed() {
+    let pg = Postgres::new().await;
+    let scope = Scope::new(TenantId::new("t"), "e");
+    let key = IdempotencyKey::parse(b"k").unwrap();
+    let mut tokens = Vec::new();
+    for round in 0..3 {
+        let Claim::Owned(tx) = pg
+            .store
+            .claim(&claim_request("k", Duration::ZERO))
+            .await
+            .unwrap()
+        else {
+            panic!("round {round}: the key is free")
+        };
+        tokens.push(tx.attempt_token());
+        pg.store.complete(tx, &stored(b"done")).await.unwrap();
+        match round {
+            // Expired, then removed by cleanup.
+            0 => assert_eq!(Cleanup::new(pg.store.clone()).run_once().await.unwrap(), 1),
+            // Removed by an operator.
+            _ => assert!(pg.store.remove_key(&scope, &key, "test").await.unwrap()),
+        }
+        assert_eq!(
+            pg.count("SELECT count(*) FROM idempotency_requests").await,
+            0
+        );
+    }
+    assert!(
+        tokens.windows(2).all(|pair| pair[1] > pair[0]),
+        "tokens {tokens:?}"
+    );
 }

@@ -26,13 +26,15 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
 // sees a committed row: an expired record, or an `in_progress` row whose
 // transaction is over without completing it (an owner in this mode only ever
 // commits `completed`, so such a row is an orphan: a crash of an older
-// version, a manual edit). Both are taken over as a new attempt.
+// version, a manual edit). Both are taken over as a new attempt, with the
+// token the proposed row drew from the sequence (EXCLUDED): larger than every
+// token handed out before, also for a key whose row was removed meanwhile.
 const CLAIM_KEY: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
      VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
-         attempt_token = r.attempt_token + 1, response_status = NULL, response_headers = NULL, \
+         attempt_token = EXCLUDED.attempt_token, response_status = NULL, response_headers = NULL, \
          response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
      WHERE r.expires_at <= now() OR r.state = 'in_progress' \
      RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";

@@ -19,6 +19,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("schema/0002_outbox_and_inbox.sql"),
     ),
     (3, "retention", include_str!("schema/0003_retention.sql")),
+    (
+        4,
+        "attempt_token_sequence",
+        include_str!("schema/0004_attempt_token_sequence.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.

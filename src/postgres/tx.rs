@@ -105,8 +105,10 @@ impl PgTx {
         &self.inner.scope
     }
 
-    /// The attempt number of this operation under its key: 1 for the first,
-    /// higher after an expired key was taken over.
+    /// This attempt's token: a new owner of the key (the first, or one that
+    /// took over an expired record) always gets a larger one than every
+    /// owner before it, even after the key's row was removed. Tokens come
+    /// from one sequence, so they are not consecutive per key.
     pub fn attempt_token(&self) -> i64 {
         self.inner.token
     }
