@@ -474,14 +474,7 @@ mod tests {
     use std::str::FromStr;
 
     use super::*;
-    use crate::testing::database::connect;
-
-    async fn query_one<T>(client: &tokio_postgres::Client, sql: &str) -> T
-    where
-        T: for<'a> tokio_postgres::types::FromSql<'a>,
-    {
-        client.query_one(sql, &[]).await.unwrap().get(0)
-    }
+    use crate::testing::database::{connect, tests::query_one};
 
     fn block_on<F: std::future::Future>(future: F) -> F::Output {
         let rt = tokio::runtime::Builder::new_current_thread()

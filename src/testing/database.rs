@@ -153,10 +153,11 @@ async fn drop_stale_databases(client: &tokio_postgres::Client) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    async fn query_one<T>(client: &tokio_postgres::Client, sql: &str) -> T
+    /// The first column of the one row `sql` returns.
+    pub(in crate::testing) async fn query_one<T>(client: &tokio_postgres::Client, sql: &str) -> T
     where
         T: for<'a> tokio_postgres::types::FromSql<'a>,
     {
