@@ -43,6 +43,8 @@ pub(crate) struct Config {
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) key_reuse: KeyReuseStatus,
     pub(crate) tenant_label: bool,
+    /// Set in the long-running mode.
+    pub(crate) lease: Option<crate::lease::LeaseConfig>,
 }
 
 impl Config {
@@ -67,6 +69,7 @@ impl Config {
             ],
             key_reuse: KeyReuseStatus::Conflict,
             tenant_label: false,
+            lease: None,
         }
     }
 }

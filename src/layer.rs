@@ -1,6 +1,6 @@
 //! [`IdempotencyLayer`]: configuration and builder methods.
 
-use std::{sync::Arc, time::Duration};
+use std::{marker::PhantomData, sync::Arc, time::Duration};
 
 use http::HeaderName;
 use tower_layer::Layer;
@@ -8,13 +8,14 @@ use tower_layer::Layer;
 use crate::{
     endpoint::{Config, Endpoint, KeyReuseStatus, Runtime},
     fingerprint::Fingerprinter,
+    lease::{LeaseConfig, LongRunning, OperationStatus, Recovery, ShortTransaction},
     scope::{ResolveTenant, TenantFromExtension},
     service::Idempotency,
-    store::Store,
+    store::{LeaseStore, Store},
 };
 
 /// PostgreSQL takes at most `i32::MAX` milliseconds for its timeouts.
-const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
+pub(crate) const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
 /// The largest body limit: a quarter of PostgreSQL's 1 GiB field and message limits.
 const MAX_BODY: usize = 256 * 1024 * 1024;
 const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
@@ -40,15 +41,22 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 ///     .retention(Duration::from_secs(7 * 24 * 3600))
 ///     .replay_header(http::header::CACHE_CONTROL);
 /// ```
+///
+/// `M` is the mode: [`ShortTransaction`] (the default: the handler writes
+/// through the claim's transaction) or [`LongRunning`] (set by
+/// [`long_running`](Self::long_running): a committed record with a lease and a
+/// fencing token).
 #[derive(Debug)]
-pub struct IdempotencyLayer<St, F, R = TenantFromExtension> {
+pub struct IdempotencyLayer<St, F, R = TenantFromExtension, M = ShortTransaction> {
     endpoint: Endpoint<St, F, R>,
+    mode: PhantomData<fn() -> M>,
 }
 
-impl<St: Clone, F, R> Clone for IdempotencyLayer<St, F, R> {
+impl<St: Clone, F, R, M> Clone for IdempotencyLayer<St, F, R, M> {
     fn clone(&self) -> Self {
         IdempotencyLayer {
             endpoint: self.endpoint.clone(),
+            mode: PhantomData,
         }
     }
 }
@@ -91,11 +99,61 @@ where
                 config: Arc::new(Config::new(endpoint)),
                 runtime: Runtime::default(),
             },
+            mode: PhantomData,
         }
     }
 }
 
-impl<St, F, R> IdempotencyLayer<St, F, R> {
+impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction>
+where
+    St: LeaseStore,
+{
+    /// Switches the endpoint to the long-running mode (see [`lease`](crate::lease)):
+    /// the first short transaction commits an `in_progress` record with a
+    /// lease and an attempt token, the work runs outside any claim
+    /// transaction with heartbeats renewing the lease, its writes go through
+    /// fenced transactions, and a request whose work takes longer than
+    /// [`LeaseConfig::respond_within`] is answered `202 Accepted` with the
+    /// operation's status resource.
+    ///
+    /// The handler finds the store's lease handle (for [`PgStore`](crate::postgres::PgStore):
+    /// [`PgLease`](crate::postgres::PgLease)) in its request extensions, instead of a
+    /// transaction. [`handler_timeout`](Self::handler_timeout) bounds the
+    /// whole work; raise it for work that takes longer than 30 s.
+    pub fn long_running(self, config: LeaseConfig) -> IdempotencyLayer<St, F, R, LongRunning> {
+        crate::metrics::register_long_running(&self.endpoint.config.endpoint);
+        let mut layer = IdempotencyLayer {
+            endpoint: self.endpoint,
+            mode: PhantomData,
+        };
+        layer.config_mut().lease = Some(config);
+        layer
+    }
+}
+
+impl<St, F, R> IdempotencyLayer<St, F, R, LongRunning>
+where
+    St: LeaseStore,
+    F: Fingerprinter,
+    R: ResolveTenant,
+{
+    /// The status resource of this endpoint's operations, to mount at the
+    /// configured [`status_path`](LeaseConfig::status_path) (e.g.
+    /// `GET /operations/{id}`). It resolves tenants as this layer does, and
+    /// answers `404 not_found` for other tenants' and unknown operations.
+    pub fn status_service(&self) -> OperationStatus<St, R> {
+        OperationStatus::new(self.endpoint.store.clone(), self.endpoint.resolver.clone())
+    }
+
+    /// A worker that re-drives this endpoint's operations whose lease
+    /// expired with nobody retrying, through `inner`: the service this
+    /// layer wraps, without the layer (see [`Recovery`]).
+    pub fn recovery<S>(&self, inner: S) -> Recovery<S, St, F, R> {
+        Recovery::new(inner, self.endpoint.clone())
+    }
+}
+
+impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     fn config_mut(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.endpoint.config)
     }
@@ -122,7 +180,10 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
 
     /// Resolves tenants with `resolver` instead (a [`ResolveTenant`] or a
     /// closure over the request parts).
-    pub fn tenant_resolver<R2: ResolveTenant>(self, resolver: R2) -> IdempotencyLayer<St, F, R2> {
+    pub fn tenant_resolver<R2: ResolveTenant>(
+        self,
+        resolver: R2,
+    ) -> IdempotencyLayer<St, F, R2, M> {
         let Endpoint {
             store,
             fingerprinter,
@@ -138,6 +199,7 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
                 config,
                 runtime,
             },
+            mode: PhantomData,
         }
     }
 
@@ -248,8 +310,8 @@ impl<St, F, R> IdempotencyLayer<St, F, R> {
     }
 }
 
-impl<S, St: Clone, F, R> Layer<S> for IdempotencyLayer<St, F, R> {
-    type Service = Idempotency<S, St, F, R>;
+impl<S, St: Clone, F, R, M> Layer<S> for IdempotencyLayer<St, F, R, M> {
+    type Service = Idempotency<S, St, F, R, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::new(inner, self.endpoint.clone())

@@ -103,6 +103,7 @@ mod endpoint;
 pub mod fingerprint;
 mod future;
 pub mod key;
+pub mod lease;
 mod layer;
 pub mod memory;
 pub mod metrics;

@@ -29,6 +29,27 @@ pub const DUPLICATE_WAIT_SECONDS: &str = "idempotency_duplicate_wait_seconds";
 /// Counter: owners stopped and rolled back at the layer's handler timeout, by `endpoint`.
 pub const HANDLER_TIMEOUTS_TOTAL: &str = "idempotency_handler_timeouts_total";
 
+/// Gauge: long-running operations whose work runs in this process right
+/// now, by `endpoint`.
+pub const OPERATIONS_RUNNING: &str = "idempotency_operations_running";
+/// Counter: long-running operations taken over after their lease expired,
+/// by `endpoint` and `by` (`request`: a duplicate; `recovery`: the
+/// recovery worker).
+pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
+/// Counter: writes, completions and heartbeats of a stale owner refused
+/// because another owner holds a larger token, by `endpoint` and `at`
+/// (`write`, `completion`, `heartbeat`).
+pub const FENCED_TOTAL: &str = "idempotency_fenced_total";
+/// Counter: operations the recovery worker re-drove with nobody retrying,
+/// by `endpoint`.
+pub const RECOVERIES_TOTAL: &str = "idempotency_recoveries_total";
+/// Gauge (seconds): age of the oldest long-running operation still in
+/// progress, across every process sharing the database; 0 when none.
+pub const OLDEST_LEASE_SECONDS: &str = "idempotency_oldest_lease_seconds";
+/// Gauge: long-running operations whose lease expired and that nobody has
+/// taken over yet (a recovery worker keeps it near 0).
+pub const EXPIRED_LEASES: &str = "idempotency_expired_leases";
+
 /// Gauge: undelivered, unparked outbox events (refreshed by the relay).
 pub const OUTBOX_BACKLOG: &str = "outbox_backlog_events";
 /// Gauge (seconds): age of the oldest undelivered outbox event; 0 when none.
@@ -140,6 +161,76 @@ pub(crate) fn expired_removed(rows: u64) {
 pub(crate) fn retention_gauges(backlog: f64, oldest_in_progress_seconds: f64) {
     metrics::gauge!(CLEANUP_BACKLOG).set(backlog);
     metrics::gauge!(OLDEST_IN_PROGRESS_SECONDS).set(oldest_in_progress_seconds);
+}
+
+/// Who took a long-running operation over.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum TakeoverBy {
+    Request,
+    Recovery,
+}
+
+pub(crate) fn lease_takeover(endpoint: &str, by: TakeoverBy) {
+    let by = match by {
+        TakeoverBy::Request => "request",
+        TakeoverBy::Recovery => "recovery",
+    };
+    metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by).increment(1);
+}
+
+/// What a stale owner tried when it was fenced.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum FencedAt {
+    Write,
+    Completion,
+    Heartbeat,
+}
+
+pub(crate) fn fenced(endpoint: &str, at: FencedAt) {
+    let at = match at {
+        FencedAt::Write => "write",
+        FencedAt::Completion => "completion",
+        FencedAt::Heartbeat => "heartbeat",
+    };
+    metrics::counter!(FENCED_TOTAL, "endpoint" => endpoint.to_owned(), "at" => at).increment(1);
+}
+
+pub(crate) fn recovered(endpoint: &str) {
+    metrics::counter!(RECOVERIES_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
+}
+
+pub(crate) fn lease_gauges(oldest_seconds: f64, expired: f64) {
+    metrics::gauge!(OLDEST_LEASE_SECONDS).set(oldest_seconds);
+    metrics::gauge!(EXPIRED_LEASES).set(expired);
+}
+
+/// One long-running operation's work in this process, counted in
+/// [`OPERATIONS_RUNNING`] until dropped.
+pub(crate) struct OperationRunning(String);
+
+impl OperationRunning {
+    pub(crate) fn start(endpoint: &str) -> Self {
+        metrics::gauge!(OPERATIONS_RUNNING, "endpoint" => endpoint.to_owned()).increment(1.0);
+        OperationRunning(endpoint.to_owned())
+    }
+}
+
+impl Drop for OperationRunning {
+    fn drop(&mut self) {
+        metrics::gauge!(OPERATIONS_RUNNING, "endpoint" => self.0.clone()).decrement(1.0);
+    }
+}
+
+/// Creates a long-running endpoint's series at zero.
+pub(crate) fn register_long_running(endpoint: &str) {
+    metrics::gauge!(OPERATIONS_RUNNING, "endpoint" => endpoint.to_owned()).increment(0.0);
+    for by in ["request", "recovery"] {
+        metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by).increment(0);
+    }
+    for at in ["write", "completion", "heartbeat"] {
+        metrics::counter!(FENCED_TOTAL, "endpoint" => endpoint.to_owned(), "at" => at).increment(0);
+    }
+    metrics::counter!(RECOVERIES_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
 }
 
 pub(crate) fn duplicate_wait(endpoint: &str, seconds: f64) {

@@ -165,6 +165,11 @@ pub mod codes {
     pub const COMMIT_REJECTED: &str = "commit_rejected";
     /// The request body failed the endpoint's validation (422).
     pub const VALIDATION_FAILED: &str = "validation_failed";
+    /// No such operation for this tenant: an unknown or malformed id, or
+    /// another tenant's operation (404).
+    pub const NOT_FOUND: &str = "not_found";
+    /// The status resource answers `GET` and `HEAD` only (405).
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
 }
 
 #[cfg(test)]

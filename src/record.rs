@@ -86,30 +86,40 @@ impl StoredResponse {
     /// Header values cannot contain CR or LF, so the encoding is unambiguous
     /// and keeps non-UTF-8 values byte for byte.
     pub fn encode_headers(&self) -> Vec<u8> {
-        let mut out = Vec::new();
-        for (name, value) in &self.headers {
-            out.extend_from_slice(name.as_str().as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value.as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-        out
+        encode_headers(&self.headers)
     }
 
     /// Decodes a block written by [`encode_headers`](Self::encode_headers).
     pub fn decode_headers(block: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
-        block
-            .split(|b| *b == b'\n')
-            .filter(|line| !line.is_empty())
-            .map(|line| {
-                let line = line.strip_suffix(b"\r")?;
-                let colon = line.iter().position(|b| *b == b':')?;
-                let name = HeaderName::from_bytes(&line[..colon]).ok()?;
-                let value = line[colon + 1..].strip_prefix(b" ")?;
-                Some((name, HeaderValue::from_bytes(value).ok()?))
-            })
-            .collect()
+        decode_headers(block)
     }
+}
+
+/// Headers as an HTTP/1-style block (`name: value\r\n`).
+pub(crate) fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// Reads a block written by [`encode_headers`].
+pub(crate) fn decode_headers(block: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
+    block
+        .split(|b| *b == b'\n')
+        .filter(|line| !line.is_empty())
+        .map(|line| {
+            let line = line.strip_suffix(b"\r")?;
+            let colon = line.iter().position(|b| *b == b':')?;
+            let name = HeaderName::from_bytes(&line[..colon]).ok()?;
+            let value = line[colon + 1..].strip_prefix(b" ")?;
+            Some((name, HeaderValue::from_bytes(value).ok()?))
+        })
+        .collect()
 }
 
 #[cfg(test)]

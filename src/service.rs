@@ -11,7 +11,8 @@
 
 use std::{
     fmt,
-    future::poll_fn,
+    future::{poll_fn, Future},
+    marker::PhantomData,
     task::{Context, Poll},
     time::Instant,
 };
@@ -30,10 +31,11 @@ use crate::{
     endpoint::Endpoint,
     fingerprint::Fingerprinter,
     future::ResponseFuture,
+    lease::{settle_long, LongRunning, ShortTransaction},
     record::{FinalResponse, StoredResponse},
     scope::{ResolveTenant, TenantFromExtension},
     settled::{MiddlewareResult, Rollback, Settled, Timings},
-    store::{Claim, Store},
+    store::{Claim, LeaseStore, Store},
 };
 
 /// The middleware [`IdempotencyLayer`](crate::IdempotencyLayer) produces.
@@ -41,14 +43,22 @@ use crate::{
 /// The inner service receives `Request<`[`RequestBody`]`>` and must run on a
 /// tokio runtime: once a request owns its key, its work is spawned so that it
 /// finishes even if the client goes away.
-pub struct Idempotency<S, St, F, R = TenantFromExtension> {
+///
+/// `M` is the mode: [`ShortTransaction`] (the default) or
+/// [`LongRunning`](crate::lease::LongRunning).
+pub struct Idempotency<S, St, F, R = TenantFromExtension, M = ShortTransaction> {
     inner: S,
     endpoint: Endpoint<St, F, R>,
+    mode: PhantomData<fn() -> M>,
 }
 
-impl<S, St, F, R> Idempotency<S, St, F, R> {
+impl<S, St, F, R, M> Idempotency<S, St, F, R, M> {
     pub(crate) fn new(inner: S, endpoint: Endpoint<St, F, R>) -> Self {
-        Idempotency { inner, endpoint }
+        Idempotency {
+            inner,
+            endpoint,
+            mode: PhantomData,
+        }
     }
 
     /// The inner service.
@@ -67,14 +77,14 @@ impl<S, St, F, R> Idempotency<S, St, F, R> {
     }
 }
 
-impl<S: Clone, St: Clone, F, R> Clone for Idempotency<S, St, F, R> {
+impl<S: Clone, St: Clone, F, R, M> Clone for Idempotency<S, St, F, R, M> {
     fn clone(&self) -> Self {
         Idempotency::new(self.inner.clone(), self.endpoint.clone())
     }
 }
 
-impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug> fmt::Debug
-    for Idempotency<S, St, F, R>
+impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug, M> fmt::Debug
+    for Idempotency<S, St, F, R, M>
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
@@ -84,7 +94,8 @@ impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug> fmt::Debug
     }
 }
 
-impl<S, St, F, R, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St, F, R>
+impl<S, St, F, R, ReqB, ResB> Service<Request<ReqB>>
+    for Idempotency<S, St, F, R, ShortTransaction>
 where
     S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
@@ -106,16 +117,50 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        // Keep the service that was driven to readiness; leave a fresh clone behind.
+        let (endpoint, inner) = self.take_ready();
+        ResponseFuture::new(Box::pin(handle(endpoint, inner, request, settle)))
+    }
+}
+
+impl<S, St, F, R, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St, F, R, LongRunning>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: LeaseStore,
+    F: Fingerprinter,
+    R: ResolveTenant,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let (endpoint, inner) = self.take_ready();
+        ResponseFuture::new(Box::pin(handle(endpoint, inner, request, settle_long)))
+    }
+}
+
+impl<S: Clone, St: Clone, F, R, M> Idempotency<S, St, F, R, M> {
+    /// The service that was driven to readiness, with a fresh clone left
+    /// behind, and the endpoint.
+    fn take_ready(&mut self) -> (Endpoint<St, F, R>, S) {
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let endpoint = self.endpoint.clone();
-        ResponseFuture::new(Box::pin(handle(endpoint, inner, request)))
+        (self.endpoint.clone(), inner)
     }
 }
 
 /// The inner services the middleware wraps (an alias for their bounds).
-trait Inner<ResB>:
+pub(crate) trait Inner<ResB>:
     Service<
         Request<RequestBody>,
         Response = Response<ResB>,
@@ -138,14 +183,17 @@ impl<T, ResB> Inner<ResB> for T where
 }
 
 /// Response bodies of the inner service (an alias for their bounds).
-trait ReplyBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+pub(crate) trait ReplyBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
 
 impl<T> ReplyBody for T where T: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
 
-async fn handle<S, St, F, R, ReqB, ResB>(
+/// Phase 1 (admission), then the mode's `settle` (phases 2 to 5) on a task
+/// of its own, then the answer.
+async fn handle<S, St, F, R, ReqB, ResB, G, Fut>(
     endpoint: Endpoint<St, F, R>,
     inner: S,
     request: Request<ReqB>,
+    settle: G,
 ) -> MiddlewareResult<ResB, S::Error>
 where
     S: Inner<ResB>,
@@ -154,6 +202,8 @@ where
     R: ResolveTenant,
     ReqB: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
     ResB: ReplyBody,
+    G: FnOnce(Endpoint<St, F, R>, S, Admitted) -> Fut,
+    Fut: Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static,
 {
     if is_safe(request.method()) {
         return pass_through(inner, request).await;
@@ -295,7 +345,7 @@ const HOLD_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
 /// `Some((lead, followed))` once this request may go to the store (as the
 /// key's leader here, or without leading once the key has a record); `None`
 /// if the wait ran out first.
-async fn coalesce<St, F, R>(
+pub(crate) async fn coalesce<St, F, R>(
     endpoint: &Endpoint<St, F, R>,
     claim: &crate::store::ClaimRequest,
     deadline: tokio::time::Instant,
@@ -320,7 +370,7 @@ async fn coalesce<St, F, R>(
 
 /// Calls the inner service and buffers a response to remember: the part of
 /// the owner's work the handler timeout bounds.
-async fn run_owner<S, ResB>(
+pub(crate) async fn run_owner<S, ResB>(
     inner: S,
     request: Request<RequestBody>,
     body_limit: usize,

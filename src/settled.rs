@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{response, Response, StatusCode};
+use http::{header, response, HeaderValue, Response, StatusCode};
 use tracing::Span;
 
 use crate::{
@@ -15,7 +15,8 @@ use crate::{
     endpoint::Config,
     metrics::{self, Outcome},
     problem::{codes, Problem},
-    record::StoredResponse,
+    lease::{accepted_body, status_location, OperationId},
+    record::{StoredResponse, IDEMPOTENT_REPLAYED},
     store::{StoreError, StoreErrorKind},
 };
 
@@ -42,6 +43,12 @@ pub(crate) enum Settled<B, E> {
     CompletionFailed(StoreError),
     /// The runtime shut down under the owned work.
     Cancelled,
+    /// A long-running operation was started (or taken over) and did not
+    /// finish within `respond_within`: `202 Accepted`.
+    Accepted(OperationId),
+    /// A duplicate of a long-running operation that still runs: the same
+    /// `202`, marked replayed.
+    StillRunning(OperationId),
 }
 
 /// Why an owner's work was rolled back, with what the client gets.
@@ -92,7 +99,8 @@ impl<B, E> Settled<B, E> {
             Settled::KeyReused => Outcome::KeyReused,
             Settled::InProgress => Outcome::InProgress,
             Settled::ClaimFailed(_) | Settled::Cancelled => Outcome::StoreUnavailable,
-            Settled::Committed(..) => Outcome::New,
+            Settled::Committed(..) | Settled::Accepted(_) => Outcome::New,
+            Settled::StillRunning(_) => Outcome::Replayed,
             Settled::RolledBack(_) => Outcome::RolledBack,
             Settled::CompletionFailed(e) => match e.kind() {
                 StoreErrorKind::TransactionAborted | StoreErrorKind::Conflict => {
@@ -106,7 +114,10 @@ impl<B, E> Settled<B, E> {
     /// What the claim itself answered, for the claim-duration histogram.
     fn claim_outcome(&self) -> Outcome {
         match self {
-            Settled::Committed(..) | Settled::RolledBack(_) | Settled::CompletionFailed(_) => {
+            Settled::Committed(..)
+            | Settled::RolledBack(_)
+            | Settled::CompletionFailed(_)
+            | Settled::Accepted(_) => {
                 Outcome::New
             }
             other => other.outcome(),
@@ -171,6 +182,10 @@ impl<B, E> Settled<B, E> {
                 }
             },
             Settled::Cancelled => tracing::warn!("the runtime shut down under an owned request"),
+            Settled::Accepted(id) => tracing::info!(operation_id = %id, "accepted; the operation runs on"),
+            Settled::StillRunning(id) => {
+                tracing::info!(operation_id = %id, "the operation still runs; answered 202 again")
+            }
         }
         metrics::request(endpoint, outcome, tenant);
         if let Some(claimed) = timings.claimed {
@@ -213,9 +228,30 @@ impl<B, E> Settled<B, E> {
             Settled::Cancelled => {
                 store_unavailable("the request was cancelled by a runtime shutdown")
             }
+            Settled::Accepted(id) => return Ok(accepted(config, id, false)),
+            Settled::StillRunning(id) => return Ok(accepted(config, id, true)),
         };
         Ok(problem.to_response().map(ResponseBody::buffered))
     }
+}
+
+/// `202 Accepted` for a long-running operation: the same status, `Location`
+/// and body for the first answer and every duplicate while it runs.
+fn accepted<B>(config: &Config, id: OperationId, replayed: bool) -> Response<ResponseBody<B>> {
+    let mut response = Response::new(ResponseBody::buffered(accepted_body(id)));
+    *response.status_mut() = StatusCode::ACCEPTED;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(location) = config.lease.as_ref().and_then(|l| status_location(l, id)) {
+        headers.insert(header::LOCATION, location);
+    }
+    if replayed {
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    response
 }
 
 fn key_reused(config: &Config) -> Problem {

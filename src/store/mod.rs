@@ -17,10 +17,18 @@
 //! 5. **Expiry.** A record whose retention has passed is taken over by the next
 //!    claim as a new operation.
 //!
+//! Long-running operations (leases and fencing tokens) add [`LeaseStore`].
+//!
 //! With the `test-util` feature, `tower_idempotency::testing::conformance`
 //! checks these against any store.
 
 use std::{fmt, future::Future, time::Duration};
+
+mod lease;
+
+pub use lease::{
+    Acquired, LeaseRequest, LeaseStore, Operation, OperationState, Owned, Recovered, StoredRequest,
+};
 
 use crate::{
     fingerprint::Fingerprint,
@@ -165,6 +173,10 @@ pub enum StoreErrorKind {
     /// The connection was lost while committing: the commit may or may not
     /// have happened. A retry with the same key finds out.
     OutcomeUnknown,
+    /// A long-running operation's lease no longer holds this owner's token:
+    /// another owner took the operation over. Nothing was changed; the
+    /// stale owner must stop.
+    Fenced,
     /// A stored record could not be decoded.
     Corrupt,
     /// The schema is missing or from an unknown version.
@@ -181,6 +193,7 @@ impl StoreErrorKind {
             StoreErrorKind::TransactionAborted => "transaction_aborted",
             StoreErrorKind::Conflict => "transaction_conflict",
             StoreErrorKind::OutcomeUnknown => "commit_outcome_unknown",
+            StoreErrorKind::Fenced => "lease_fenced",
             StoreErrorKind::Corrupt => "record_corrupt",
             StoreErrorKind::Schema => "schema_mismatch",
             StoreErrorKind::Backend => "store_error",

@@ -1,0 +1,257 @@
+//! The long-running mode's request flow (phases 3 to 5; admission and
+//! coalescing are the short mode's), and [`drive`]: the owner's work under
+//! its lease, shared by requests and the recovery worker.
+
+use std::{sync::Arc, time::Instant};
+
+use bytes::Bytes;
+use http::{header, request::Parts, HeaderValue, Request};
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use super::{LeaseConfig, OperationId};
+use crate::{
+    admit::Admitted,
+    body::RequestBody,
+    endpoint::{Config, Endpoint},
+    metrics,
+    record::StoredResponse,
+    service::{coalesce, run_owner, Inner, ReplyBody},
+    settled::{Rollback, Settled, Timings},
+    store::{Acquired, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoredRequest},
+};
+
+/// How the owner's work under a lease ended.
+pub(crate) enum Driven<B, E> {
+    /// Its answer is stored (the compare-and-swap on the token held).
+    Completed(http::response::Parts, Bytes),
+    /// It ended without an answer to remember; the key is free again.
+    RolledBack(Rollback<B, E>),
+    /// Another owner took the operation over; this one stopped.
+    Fenced,
+    /// Its answer could not be stored: the lease lapses, and a takeover
+    /// runs the work again.
+    Unfinished(StoreError),
+}
+
+/// Phases 3 to 5 in the long-running mode: acquire the operation (or say
+/// where it stands), start its work on a task of its own, and wait for it
+/// up to `respond_within` before answering `202 Accepted`.
+pub(crate) async fn settle_long<S, St, F, R, ResB>(
+    endpoint: Endpoint<St, F, R>,
+    inner: S,
+    admitted: Admitted,
+) -> (Settled<ResB, S::Error>, Timings)
+where
+    S: Inner<ResB>,
+    St: LeaseStore,
+    ResB: ReplyBody,
+{
+    let Admitted {
+        mut parts,
+        body,
+        mut claim,
+    } = admitted;
+    let config = endpoint.config.clone();
+    let mut timings = Timings::start();
+    let Some(lease_config) = config.lease.clone() else {
+        let e = StoreError::new(StoreErrorKind::Backend, "the endpoint has no lease settings");
+        return (Settled::ClaimFailed(e), timings);
+    };
+    let deadline = tokio::time::Instant::now() + config.wait;
+
+    // 2. Coalesce, as in the short mode.
+    let Some((lead, followed)) = coalesce(&endpoint, &claim, deadline).await else {
+        timings.waited = Some(timings.since_arrival());
+        timings.claimed = timings.waited;
+        return (Settled::InProgress, timings);
+    };
+
+    // 3. Acquire: a committed record, whoever owns it.
+    claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let request = LeaseRequest::new(
+        lease_config.lease,
+        OperationId::random(),
+        stored_request(&parts, &body),
+    );
+    let acquired = endpoint.store.acquire(&claim, &request).await;
+    timings.claimed = Some(timings.since_arrival());
+    if followed || matches!(acquired, Ok(Acquired::InProgress)) {
+        timings.waited = timings.claimed;
+    }
+    if matches!(
+        acquired,
+        Ok(Acquired::Owned(_) | Acquired::Running { .. } | Acquired::Completed(_))
+    ) {
+        // The key has a committed record: duplicates here may read it.
+        if let Some(lead) = &lead {
+            lead.settled();
+        }
+    }
+    let owned = match acquired {
+        Ok(Acquired::Owned(owned)) => owned,
+        Ok(Acquired::Running {
+            operation_id,
+            fingerprint,
+        }) if fingerprint == claim.fingerprint => {
+            return (Settled::StillRunning(operation_id), timings)
+        }
+        Ok(Acquired::Completed(record)) if record.fingerprint == claim.fingerprint => {
+            return (Settled::Replayed(record.response), timings)
+        }
+        Ok(Acquired::Running { .. } | Acquired::Completed(_)) => {
+            return (Settled::KeyReused, timings)
+        }
+        Ok(Acquired::InProgress) => return (Settled::InProgress, timings),
+        Err(e) => return (Settled::ClaimFailed(e), timings),
+    };
+    let operation_id = owned.operation_id;
+    if owned.taken_over {
+        tracing::info!(%operation_id, token = owned.token, "took over an operation whose lease expired");
+        metrics::lease_takeover(&config.endpoint, metrics::TakeoverBy::Request);
+    }
+
+    // 4. Start the work; it outlives this request if it must.
+    parts.extensions.insert(owned.lease.clone());
+    let request = Request::from_parts(parts, RequestBody::buffered(body));
+    let (ended, done) = oneshot::channel();
+    let running = endpoint.runtime.operations.start();
+    let work = drive(endpoint.store.clone(), config.clone(), inner, request, owned.lease);
+    tokio::spawn(
+        async move {
+            let _running = running;
+            let _ = ended.send(work.await);
+        }
+        .in_current_span(),
+    );
+
+    // 5. Answer with its result if it comes in time, else 202.
+    match tokio::time::timeout(lease_config.respond_within, done).await {
+        Ok(Ok(Driven::Completed(parts, body))) => (Settled::Committed(parts, body), timings),
+        Ok(Ok(Driven::RolledBack(rollback))) => (Settled::RolledBack(rollback), timings),
+        // Fenced, unfinished (taken over later), or still running: the
+        // operation exists; its status resource tells how it ends.
+        _ => (Settled::Accepted(operation_id), timings),
+    }
+}
+
+/// Runs the owner's work under `lease`: the handler (bounded by the handler
+/// timeout), with heartbeats renewing the lease until it returns, then its
+/// answer stored by a compare-and-swap on the token, or the key released.
+/// A heartbeat that finds the token changed stops the work: it was fenced.
+pub(crate) async fn drive<S, St, ResB>(
+    store: St,
+    config: Arc<Config>,
+    inner: S,
+    request: Request<RequestBody>,
+    lease: St::Lease,
+) -> Driven<ResB, S::Error>
+where
+    S: Inner<ResB>,
+    St: LeaseStore,
+    ResB: ReplyBody,
+{
+    let endpoint = &*config.endpoint;
+    let Some(lease_config) = config.lease.as_ref() else {
+        let e = StoreError::new(StoreErrorKind::Backend, "the endpoint has no lease settings");
+        return Driven::Unfinished(e);
+    };
+    let _running = metrics::OperationRunning::start(endpoint);
+    let started = Instant::now();
+    let work = tokio::time::timeout(
+        config.handler_timeout,
+        run_owner(inner, request, config.response_body_limit),
+    );
+    let ran = tokio::select! {
+        biased;
+        ran = work => ran.unwrap_or(Err(Rollback::TimedOut)),
+        () = keep_alive(&store, &lease, lease_config) => {
+            metrics::fenced(endpoint, metrics::FencedAt::Heartbeat);
+            tracing::warn!("the operation was taken over by another owner; stopped its work");
+            return Driven::Fenced;
+        }
+    };
+    let driven = match ran {
+        Ok((parts, body)) => {
+            let stored = StoredResponse::new(parts.status, &parts.headers, &config.replay_headers, body);
+            match store.finish(&lease, &stored).await {
+                Ok(()) => {
+                    tracing::info!(status = parts.status.as_u16(), "operation completed; its answer is stored");
+                    Driven::Completed(parts, stored.body)
+                }
+                Err(e) if e.kind() == StoreErrorKind::Fenced => {
+                    metrics::fenced(endpoint, metrics::FencedAt::Completion);
+                    tracing::warn!("the operation was taken over before it completed; its answer was refused");
+                    Driven::Fenced
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "could not store the operation's answer; it will be taken over once its lease expires");
+                    Driven::Unfinished(e)
+                }
+            }
+        }
+        Err(rollback) => match store.release(&lease).await {
+            Err(e) if e.kind() == StoreErrorKind::Fenced => {
+                metrics::fenced(endpoint, metrics::FencedAt::Completion);
+                Driven::Fenced
+            }
+            released => {
+                if let Err(e) = released {
+                    tracing::warn!(error = %e, "could not release the operation; it will be taken over once its lease expires");
+                }
+                if matches!(rollback, Rollback::TimedOut) {
+                    metrics::handler_timeout(endpoint);
+                }
+                tracing::info!("the operation ended without an answer to remember; the key is free again");
+                Driven::RolledBack(rollback)
+            }
+        },
+    };
+    metrics::key_held(endpoint, started.elapsed().as_secs_f64());
+    driven
+}
+
+/// Renews the lease every heartbeat; returns only once a heartbeat finds
+/// the lease fenced. A heartbeat that fails otherwise (the database
+/// unreachable) is tried again at the next beat: the lease only lapses if
+/// none gets through for the whole lease.
+async fn keep_alive<St: LeaseStore>(store: &St, lease: &St::Lease, config: &LeaseConfig) {
+    let mut beats = tokio::time::interval_at(
+        tokio::time::Instant::now() + config.heartbeat,
+        config.heartbeat,
+    );
+    beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        beats.tick().await;
+        match tokio::time::timeout(config.heartbeat, store.heartbeat(lease, config.lease)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.kind() == StoreErrorKind::Fenced => return,
+            Ok(Err(e)) => tracing::warn!(error = %e, "heartbeat failed; trying again at the next one"),
+            Err(_) => tracing::warn!("heartbeat timed out; trying again at the next one"),
+        }
+    }
+}
+
+/// What is stored to re-drive the request: method, target, `Content-Type`
+/// and body (never credentials).
+fn stored_request(parts: &Parts, body: &Bytes) -> StoredRequest {
+    let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
+    let headers = parts
+        .headers
+        .get_all(header::CONTENT_TYPE)
+        .iter()
+        .map(|value| (header::CONTENT_TYPE, value.clone()))
+        .collect();
+    StoredRequest::new(parts.method.clone(), target, headers, body.clone())
+}
+
+/// The body of a `202 Accepted`: the same bytes for the first answer and
+/// every duplicate while the operation runs.
+pub(crate) fn accepted_body(id: OperationId) -> Bytes {
+    Bytes::from(format!(r#"{{"operation_id":"{id}","state":"running"}}"#))
+}
+
+/// The `Location` of an operation's status resource.
+pub(crate) fn status_location(config: &LeaseConfig, id: OperationId) -> Option<HeaderValue> {
+    HeaderValue::try_from(format!("{}/{id}", config.status_path)).ok()
+}

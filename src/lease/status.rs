@@ -1,0 +1,168 @@
+//! [`OperationStatus`]: the status resource of long-running operations.
+
+use std::{
+    convert::Infallible,
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use serde_json::{json, Value};
+use tower_service::Service;
+
+use super::OperationId;
+use crate::{
+    body::ResponseBody,
+    problem::{codes, Problem},
+    scope::ResolveTenant,
+    store::{LeaseStore, OperationState},
+};
+
+/// The status resource of long-running operations, from
+/// [`IdempotencyLayer::status_service`](crate::IdempotencyLayer::status_service):
+/// mount it at `GET /operations/{id}` (the last path segment is the id).
+///
+/// For the tenant that started the operation it answers `200` with
+/// `{"operation_id": "…", "state": "running"}`, or once completed
+/// `{"operation_id": "…", "state": "completed", "result": {"status": 200,
+/// "body": …}}` (the body as JSON when it is JSON, else as a string). Every
+/// other tenant, an unknown id and a malformed one get the same `404
+/// not_found`, so ids cannot be probed across tenants. No tenant: `401`.
+/// The store unreachable: `503 store_unavailable` with `Retry-After`.
+pub struct OperationStatus<St, R> {
+    store: St,
+    resolver: Arc<R>,
+}
+
+impl<St: Clone, R> Clone for OperationStatus<St, R> {
+    fn clone(&self) -> Self {
+        OperationStatus {
+            store: self.store.clone(),
+            resolver: self.resolver.clone(),
+        }
+    }
+}
+
+impl<St: fmt::Debug, R> fmt::Debug for OperationStatus<St, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OperationStatus")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St, R> OperationStatus<St, R> {
+    pub(crate) fn new(store: St, resolver: Arc<R>) -> Self {
+        OperationStatus { store, resolver }
+    }
+}
+
+impl<St, R, B> Service<Request<B>> for OperationStatus<St, R>
+where
+    St: LeaseStore,
+    R: ResolveTenant,
+{
+    type Response = Response<ResponseBody<String>>;
+    type Error = Infallible;
+    type Future = OperationStatusFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let (parts, _body) = request.into_parts();
+        let tenant = self.resolver.resolve(&parts);
+        let store = self.store.clone();
+        OperationStatusFuture(Box::pin(async move {
+            if parts.method != Method::GET && parts.method != Method::HEAD {
+                let problem = Problem::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    codes::METHOD_NOT_ALLOWED,
+                    "The operation status answers GET only",
+                );
+                return Ok(respond(&problem));
+            }
+            let Some(tenant) = tenant else {
+                let problem = Problem::new(
+                    StatusCode::UNAUTHORIZED,
+                    codes::UNAUTHORIZED,
+                    "No authenticated tenant",
+                );
+                return Ok(respond(&problem));
+            };
+            let id = parts.uri.path().rsplit('/').next().unwrap_or_default();
+            let Ok(id) = id.parse::<OperationId>() else {
+                return Ok(respond(&not_found()));
+            };
+            let operation = match store.operation(&tenant, id).await {
+                Ok(Some(operation)) => operation,
+                Ok(None) => return Ok(respond(&not_found())),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot read an operation's status");
+                    let problem = Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        codes::STORE_UNAVAILABLE,
+                        "The idempotency store is unavailable; retry",
+                    )
+                    .with_retry_after(1);
+                    return Ok(respond(&problem));
+                }
+            };
+            let body = match operation.state {
+                OperationState::Running => json!({"operation_id": id.to_string(), "state": "running"}),
+                OperationState::Completed(response) => json!({
+                    "operation_id": id.to_string(),
+                    "state": "completed",
+                    "result": {"status": response.status.as_u16(), "body": body_value(&response.body)},
+                }),
+            };
+            let mut response = Response::new(ResponseBody::buffered(Bytes::from(body.to_string())));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            Ok(response)
+        }))
+    }
+}
+
+/// A remembered body as the status shows it: JSON when it is JSON.
+fn body_value(body: &Bytes) -> Value {
+    if body.is_empty() {
+        return Value::Null;
+    }
+    serde_json::from_slice(body)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()))
+}
+
+fn not_found() -> Problem {
+    Problem::new(StatusCode::NOT_FOUND, codes::NOT_FOUND, "No such operation")
+}
+
+fn respond(problem: &Problem) -> Response<ResponseBody<String>> {
+    problem.to_response().map(ResponseBody::buffered)
+}
+
+/// The future [`OperationStatus`] returns.
+pub struct OperationStatusFuture(
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<String>>, Infallible>> + Send>>,
+);
+
+impl Future for OperationStatusFuture {
+    type Output = Result<Response<ResponseBody<String>>, Infallible>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.0.as_mut().poll(cx)
+    }
+}
+
+impl fmt::Debug for OperationStatusFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OperationStatusFuture").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,289 @@
+//! [`LeaseStore`]: what a store adds for long-running operations.
+//!
+//! In the long-running mode an operation does not live in one open
+//! transaction. Its record is **committed** `in_progress` with a lease
+//! (`lease_expires_at`) and an attempt token, the work runs outside any
+//! transaction of the claim, and ownership is proven by the token:
+//!
+//! ```text
+//! acquire ──(short tx, COMMIT)──▶ in_progress {lease, token T}
+//!   owner: heartbeat        extends the lease  WHERE token = T   (no row: fenced)
+//!   owner: fenced tx        locks the row      WHERE token = T, writes, COMMIT
+//!   owner: finish           stores the answer  WHERE token = T   (no row: fenced)
+//!   lease expired: acquire / recover  CAS T → T' > T, the work runs again
+//! ```
+//!
+//! A store implementing this trait owes, beyond the [`Store`] guarantees:
+//!
+//! 1. **One owner.** However many [`acquire`](LeaseStore::acquire) and
+//!    [`recover`](LeaseStore::recover) calls race for a key, at most one gets
+//!    [`Acquired::Owned`] per token, and a live lease is never taken over.
+//! 2. **Tokens only grow.** A new owner of a key gets a token larger than
+//!    every token handed out for it before, also after the record was
+//!    removed (a sequence, not a per-record counter).
+//! 3. **Fencing.** [`heartbeat`](LeaseStore::heartbeat),
+//!    [`fenced`](LeaseStore::fenced), [`commit_fenced`](LeaseStore::commit_fenced),
+//!    [`finish`](LeaseStore::finish) and [`release`](LeaseStore::release)
+//!    succeed only while the lease's token is the record's token, and answer
+//!    [`StoreErrorKind::Fenced`](super::StoreErrorKind::Fenced) otherwise,
+//!    changing nothing. A fenced transaction holds the record so that no
+//!    takeover can happen between its check and its commit.
+//! 4. **Recovery.** [`recover`](LeaseStore::recover) takes over one
+//!    operation whose lease expired, skipping those another worker is taking
+//!    over right now, and returns the request stored with it.
+//!
+//! `tower_idempotency::testing::conformance::run_leases` (feature
+//! `test-util`) checks these against any store.
+
+use std::{future::Future, time::Duration};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method};
+
+use super::{ClaimRequest, Store, StoreError};
+use crate::{
+    fingerprint::Fingerprint,
+    lease::OperationId,
+    record::{Record, StoredResponse},
+    scope::{Scope, TenantId},
+};
+
+/// What the layer asks for besides the [`ClaimRequest`] when a long-running
+/// operation arrives.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct LeaseRequest {
+    /// How long the lease lasts before another request or a recovery worker
+    /// may take the operation over.
+    pub lease: Duration,
+    /// The id a new operation gets (a takeover keeps the operation's id).
+    pub operation_id: OperationId,
+    /// The request, stored so that a recovery worker can re-drive it.
+    pub request: StoredRequest,
+}
+
+impl LeaseRequest {
+    /// A request for a lease of `lease` on a new operation `operation_id`.
+    pub fn new(lease: Duration, operation_id: OperationId, request: StoredRequest) -> Self {
+        LeaseRequest {
+            lease,
+            operation_id,
+            request,
+        }
+    }
+}
+
+/// The validated request of a long-running operation, as stored with its
+/// record: what a recovery worker needs to run it again without its client.
+///
+/// Only the headers the layer keeps (`Content-Type`) are stored; credentials
+/// never are. The tenant is part of the record's scope.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoredRequest {
+    /// The method.
+    pub method: Method,
+    /// The path and query.
+    pub target: String,
+    /// The kept headers, in order.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The body, byte for byte.
+    pub body: Bytes,
+}
+
+impl StoredRequest {
+    /// A stored request.
+    pub fn new(
+        method: Method,
+        target: impl Into<String>,
+        headers: Vec<(HeaderName, HeaderValue)>,
+        body: Bytes,
+    ) -> Self {
+        StoredRequest {
+            method,
+            target: target.into(),
+            headers,
+            body,
+        }
+    }
+
+    /// The headers in the encoding [`StoredResponse`] uses for its own.
+    pub fn encode_headers(&self) -> Vec<u8> {
+        crate::record::encode_headers(&self.headers)
+    }
+
+    /// Reads headers written by [`encode_headers`](Self::encode_headers).
+    pub fn decode_headers(bytes: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
+        crate::record::decode_headers(bytes)
+    }
+}
+
+/// The answer to [`LeaseStore::acquire`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Acquired<L> {
+    /// This request owns the operation, under a lease it must keep alive
+    /// with heartbeats.
+    Owned(Owned<L>),
+    /// The operation runs under another owner's live lease (or its lease
+    /// expired but the request differs: the layer refuses it).
+    Running {
+        /// The operation's id.
+        operation_id: OperationId,
+        /// The fingerprint of the request that started it.
+        fingerprint: Fingerprint,
+    },
+    /// The operation completed; here is its record.
+    Completed(Record),
+    /// The record was held (by a short transaction, a fenced write) for
+    /// longer than the request's wait.
+    InProgress,
+}
+
+/// A lease just acquired, by a new operation or by a takeover.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Owned<L> {
+    /// The handle the owner's work proves its ownership with.
+    pub lease: L,
+    /// The operation's id (kept across takeovers).
+    pub operation_id: OperationId,
+    /// The attempt token: larger than every token before it for this key.
+    pub token: i64,
+    /// The operation existed and its lease had expired: this is a takeover.
+    pub taken_over: bool,
+}
+
+impl<L> Owned<L> {
+    /// An acquired lease.
+    pub fn new(lease: L, operation_id: OperationId, token: i64, taken_over: bool) -> Self {
+        Owned {
+            lease,
+            operation_id,
+            token,
+            taken_over,
+        }
+    }
+}
+
+/// An operation as the status resource shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Operation {
+    /// Its id.
+    pub id: OperationId,
+    /// Where it stands.
+    pub state: OperationState,
+}
+
+impl Operation {
+    /// An operation.
+    pub fn new(id: OperationId, state: OperationState) -> Self {
+        Operation { id, state }
+    }
+}
+
+/// Where an operation stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OperationState {
+    /// Its work is running (or waiting to be taken over).
+    Running,
+    /// It completed with this response.
+    Completed(StoredResponse),
+}
+
+/// An operation a recovery worker took over, with what it needs to run it again.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Recovered<L> {
+    /// The new lease.
+    pub owned: Owned<L>,
+    /// The operation's tenant and endpoint.
+    pub scope: Scope,
+    /// The stored request.
+    pub request: StoredRequest,
+}
+
+impl<L> Recovered<L> {
+    /// A recovered operation.
+    pub fn new(owned: Owned<L>, scope: Scope, request: StoredRequest) -> Self {
+        Recovered {
+            owned,
+            scope,
+            request,
+        }
+    }
+}
+
+/// A [`Store`] that can also run long-running operations; see the
+/// [module docs](self) for the guarantees.
+///
+/// The lease handle is what the owner's handler finds in its request
+/// extensions: [`PgLease`](crate::postgres::PgLease) for
+/// [`PgStore`](crate::postgres::PgStore).
+pub trait LeaseStore: Store {
+    /// The owner's proof of ownership: the key and the token.
+    type Lease: Clone + Send + Sync + 'static;
+
+    /// Arbitrates a long-running operation: a new operation or a takeover of
+    /// one whose lease expired (the same request only) commits an
+    /// `in_progress` record under a new, larger token and returns the
+    /// lease; otherwise says where the operation stands. Waits at most
+    /// [`ClaimRequest::wait`] for a record held by someone else.
+    fn acquire(
+        &self,
+        claim: &ClaimRequest,
+        lease: &LeaseRequest,
+    ) -> impl Future<Output = Result<Acquired<Self::Lease>, StoreError>> + Send;
+
+    /// Extends the lease to `lease` from now. `Fenced` if the token is no
+    /// longer the record's.
+    fn heartbeat(
+        &self,
+        lease: &Self::Lease,
+        extend: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Opens a fenced transaction: the record is held at the lease's token
+    /// until [`commit_fenced`](Self::commit_fenced) or [`Store::abort`], so
+    /// no takeover can come between the check and the commit. `Fenced` if
+    /// the token is no longer the record's.
+    fn fenced(
+        &self,
+        lease: &Self::Lease,
+    ) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Commits a transaction from [`fenced`](Self::fenced).
+    fn commit_fenced(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Completes the operation with `response`, remembered for the claim's
+    /// retention, if the lease's token is still the record's (`Fenced`
+    /// otherwise): a compare-and-swap.
+    fn finish(
+        &self,
+        lease: &Self::Lease,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Ends the operation without an answer to remember: its record is
+    /// removed and the key is free, if the token is still the record's.
+    fn release(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The operation `id` of `tenant`, if it exists and is unexpired. Another
+    /// tenant's operation is `None`, as an unknown id is.
+    fn operation(
+        &self,
+        tenant: &TenantId,
+        id: OperationId,
+    ) -> impl Future<Output = Result<Option<Operation>, StoreError>> + Send;
+
+    /// Takes over one operation of `endpoint` whose lease expired, under a
+    /// new token and a lease of `lease`; `None` if there is none (or every
+    /// one is being taken over by someone else right now).
+    fn recover(
+        &self,
+        endpoint: &str,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Option<Recovered<Self::Lease>>, StoreError>> + Send;
+}
