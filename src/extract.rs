@@ -6,7 +6,11 @@ use axum_core::{
 };
 use http::{request::Parts, StatusCode};
 
-use crate::{fingerprint::Validated, postgres::PgTx, problem::Problem};
+use crate::{
+    fingerprint::Validated,
+    postgres::{PgLease, PgTx},
+    problem::Problem,
+};
 
 /// The rejection when a handler asks for something the layer did not provide:
 /// the route is not behind [`IdempotencyLayer`](crate::IdempotencyLayer) (or
@@ -39,6 +43,18 @@ impl<S: Send + Sync> FromRequestParts<S> for PgTx {
             .get::<PgTx>()
             .cloned()
             .ok_or(MissingFromLayer("PgTx"))
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for PgLease {
+    type Rejection = MissingFromLayer;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<PgLease>()
+            .cloned()
+            .ok_or(MissingFromLayer("PgLease"))
     }
 }
 

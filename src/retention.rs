@@ -44,6 +44,14 @@ const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
      (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 FROM idempotency_requests \
       WHERE state = 'in_progress' AND expires_at > now()))";
 
+// Long-running operations: the oldest one still in progress, and how many
+// wait for a takeover (lease expired, record not).
+const LEASES: &str = "SELECT \
+     COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8, \
+     count(*) FILTER (WHERE lease_expires_at <= now()) \
+     FROM idempotency_requests \
+     WHERE state = 'in_progress' AND lease_expires_at IS NOT NULL AND expires_at > now()";
+
 /// Removes expired idempotency records in batches and refreshes the
 /// retention and in-progress gauges.
 ///
@@ -83,8 +91,15 @@ impl fmt::Debug for Cleanup {
 pub struct RetentionStatus {
     /// Expired rows not yet removed.
     pub cleanup_backlog: u64,
-    /// Age of the oldest operation still holding its key (zero when none).
+    /// Age of the oldest operation still holding its key (zero when none),
+    /// long-running operations included.
     pub oldest_in_progress: Duration,
+    /// Age of the oldest long-running operation still in progress (zero
+    /// when none).
+    pub oldest_lease: Duration,
+    /// Long-running operations whose lease expired and that nobody has
+    /// taken over yet.
+    pub expired_leases: u64,
 }
 
 impl Cleanup {
@@ -143,20 +158,25 @@ impl Cleanup {
         }
     }
 
-    /// Reads the cleanup backlog and the oldest in-progress age, and sets
-    /// their gauges.
+    /// Reads the cleanup backlog, the oldest in-progress age and the
+    /// long-running operations' gauges, and sets them.
     pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
         let session = self.store.session().await?;
-        let (backlog, oldest) = tokio::try_join!(
+        let (backlog, oldest, leases) = tokio::try_join!(
             session.query_one(CLEANUP_BACKLOG, &[]),
-            session.query_one(OLDEST_IN_PROGRESS, &[])
+            session.query_one(OLDEST_IN_PROGRESS, &[]),
+            session.query_one(LEASES, &[])
         )?;
         let backlog: i64 = backlog.get(0);
         let oldest: f64 = oldest.get(0);
+        let (oldest_lease, expired_leases): (f64, i64) = (leases.get(0), leases.get(1));
         metrics::retention_gauges(backlog as f64, oldest);
+        metrics::lease_gauges(oldest_lease, expired_leases as f64);
         Ok(RetentionStatus {
             cleanup_backlog: backlog.max(0) as u64,
             oldest_in_progress: Duration::from_secs_f64(oldest.max(0.0)),
+            oldest_lease: Duration::from_secs_f64(oldest_lease.max(0.0)),
+            expired_leases: expired_leases.max(0) as u64,
         })
     }
 

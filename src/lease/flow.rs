@@ -29,9 +29,9 @@ pub(crate) enum Driven<B, E> {
     RolledBack(Rollback<B, E>),
     /// Another owner took the operation over; this one stopped.
     Fenced,
-    /// Its answer could not be stored: the lease lapses, and a takeover
-    /// runs the work again.
-    Unfinished(StoreError),
+    /// Its answer could not be stored (the error is logged): the lease
+    /// lapses, and a takeover runs the work again.
+    Unfinished,
 }
 
 /// Phases 3 to 5 in the long-running mode: acquire the operation (or say
@@ -153,8 +153,8 @@ where
 {
     let endpoint = &*config.endpoint;
     let Some(lease_config) = config.lease.as_ref() else {
-        let e = StoreError::new(StoreErrorKind::Backend, "the endpoint has no lease settings");
-        return Driven::Unfinished(e);
+        tracing::error!("a long-running operation on an endpoint without lease settings");
+        return Driven::Unfinished;
     };
     let _running = metrics::OperationRunning::start(endpoint);
     let started = Instant::now();
@@ -186,7 +186,7 @@ where
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "could not store the operation's answer; it will be taken over once its lease expires");
-                    Driven::Unfinished(e)
+                    Driven::Unfinished
                 }
             }
         }

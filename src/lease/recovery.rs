@@ -130,7 +130,11 @@ where
             .map_or(std::time::Duration::from_secs(10), |l| l.lease);
         self.endpoint
             .store
-            .recover(&self.endpoint.config.endpoint, lease)
+            .recover(
+                &self.endpoint.config.endpoint,
+                lease,
+                self.endpoint.config.retention,
+            )
             .await
     }
 

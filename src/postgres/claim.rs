@@ -26,7 +26,9 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
 // sees a committed row: an expired record, or an `in_progress` row whose
 // transaction is over without completing it (an owner in this mode only ever
 // commits `completed`, so such a row is an orphan: a crash of an older
-// version, a manual edit). Both are taken over as a new attempt, with the
+// version, a manual edit); a long-running operation's row is committed
+// in_progress too, and is only taken over once its lease expired. All are
+// taken over as a new attempt, with the
 // token the proposed row drew from the sequence (EXCLUDED): larger than every
 // token handed out before, also for a key whose row was removed meanwhile.
 const CLAIM_KEY: &str = "INSERT INTO idempotency_requests AS r \
@@ -36,7 +38,8 @@ const CLAIM_KEY: &str = "INSERT INTO idempotency_requests AS r \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          attempt_token = EXCLUDED.attempt_token, response_status = NULL, response_headers = NULL, \
          response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
-     WHERE r.expires_at <= now() OR r.state = 'in_progress' \
+     WHERE r.expires_at <= now() \
+         OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())) \
      RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";
 
 /// How much longer than its wait a claim may take before the store gives up
@@ -127,7 +130,14 @@ async fn claim_once(
         // Cut off mid-statement: `conn` is marked dirty, so it is closed,
         // and PostgreSQL rolls back once the statement ends.
         Err(_) => Err(timed_out()),
-        Ok(Ok(Some((token, xid)))) => Ok(Claim::Owned(PgTx::new(conn, request, token, xid))),
+        Ok(Ok(Some((token, xid)))) => Ok(Claim::Owned(PgTx::new(
+            conn,
+            request.scope.clone(),
+            request.key.clone(),
+            token,
+            xid,
+            request.retention,
+        ))),
         Ok(Ok(None)) => {
             // Committed by another owner while we waited: read it with a
             // fresh snapshot, then let go.

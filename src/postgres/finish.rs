@@ -69,6 +69,40 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
         .map_err(completion_error)
 }
 
+// A fenced transaction's commit, guarded like the completion: the check
+// fails (aborting the transaction, so the pipelined COMMIT rolls back) if
+// the handler let a statement fail and went on, if it ended the
+// transaction itself, or if the record is no longer at this token (it
+// cannot be while the row is held FOR SHARE; the check costs nothing).
+const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM idempotency_requests \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+         AND attempt_token = $4::int8 AND state = 'in_progress' \
+         AND pg_current_xact_id() = $5::text::xid8)";
+
+/// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)
+/// for [`PgStore`](super::PgStore).
+pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
+    let Some(conn) = tx.take().await else {
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "the transaction has already finished",
+        ));
+    };
+    let statement = match conn.prepare_cached(FENCED_CHECK).await {
+        Ok(statement) => statement,
+        Err(e) => {
+            let _ = finish(conn, None, "ROLLBACK").await;
+            return Err(map_error(e));
+        }
+    };
+    let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
+    let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
+    let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &xid];
+    finish(conn, Some((&statement, &params)), "COMMIT")
+        .await
+        .map_err(completion_error)
+}
+
 /// [`Store::abort`](crate::store::Store::abort) for [`PgStore`](super::PgStore).
 pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
     // Busy: a statement still runs through a clone of the handle (a task
@@ -108,7 +142,7 @@ pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
 /// pipelined behind `update` when there is one, with the session reset
 /// behind it: one round trip. The connection goes back to the pool only
 /// if all of it is known to have worked.
-async fn finish(
+pub(super) async fn finish(
     mut conn: Conn,
     update: Option<(&tokio_postgres::Statement, &[&(dyn ToSql + Sync)])>,
     end: &'static str,
@@ -145,7 +179,7 @@ async fn cancel_running(tx: &PgTx) {
 }
 
 /// Which part of ending a transaction failed.
-enum Finished {
+pub(super) enum Finished {
     /// The statement before the end (the completion's UPDATE).
     Update(tokio_postgres::Error),
     /// The `COMMIT` or `ROLLBACK` itself.

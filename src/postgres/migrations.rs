@@ -24,6 +24,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "attempt_token_sequence",
         include_str!("schema/0004_attempt_token_sequence.sql"),
     ),
+    (
+        5,
+        "long_running_operations",
+        include_str!("schema/0005_long_running_operations.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.

@@ -50,7 +50,12 @@ use deadpool_postgres::Pool;
 use tokio_postgres::NoTls;
 
 use crate::record::StoredResponse;
-use crate::store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind};
+use crate::lease::OperationId;
+use crate::scope::TenantId;
+use crate::store::{
+    Acquired, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered, Store,
+    StoreError, StoreErrorKind,
+};
 
 mod admin;
 mod claim;
@@ -58,6 +63,7 @@ mod conn;
 mod decode;
 mod error;
 mod finish;
+mod lease;
 mod lexer;
 mod migrations;
 mod pool;
@@ -66,6 +72,7 @@ mod tx;
 
 pub use admin::{KeyRecord, KeyState};
 pub use conn::PooledClient;
+pub use lease::{FencedTx, PgLease};
 pub use pool::PgStoreBuilder;
 pub use tx::{PgTx, TxError, TxErrorKind};
 
@@ -166,5 +173,55 @@ impl Store for PgStore {
 
     async fn abort(&self, tx: PgTx) -> Result<(), StoreError> {
         finish::abort(tx).await
+    }
+}
+
+/// Long-running operations; see [`lease`](crate::lease) and [`PgLease`].
+impl LeaseStore for PgStore {
+    type Lease = PgLease;
+
+    async fn acquire(
+        &self,
+        claim: &ClaimRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Acquired<PgLease>, StoreError> {
+        lease::protocol::acquire(self, claim, lease).await
+    }
+
+    async fn heartbeat(&self, lease: &PgLease, extend: std::time::Duration) -> Result<(), StoreError> {
+        lease::protocol::heartbeat(lease, extend).await
+    }
+
+    async fn fenced(&self, lease: &PgLease) -> Result<PgTx, StoreError> {
+        lease::protocol::open_fenced(lease).await
+    }
+
+    async fn commit_fenced(&self, tx: PgTx) -> Result<(), StoreError> {
+        finish::commit_fenced(tx).await
+    }
+
+    async fn finish(&self, lease: &PgLease, response: &StoredResponse) -> Result<(), StoreError> {
+        lease::protocol::finish(lease, response).await
+    }
+
+    async fn release(&self, lease: &PgLease) -> Result<(), StoreError> {
+        lease::protocol::release(lease).await
+    }
+
+    async fn operation(
+        &self,
+        tenant: &TenantId,
+        id: OperationId,
+    ) -> Result<Option<Operation>, StoreError> {
+        lease::protocol::operation(self, tenant, id).await
+    }
+
+    async fn recover(
+        &self,
+        endpoint: &str,
+        lease: std::time::Duration,
+        retention: std::time::Duration,
+    ) -> Result<Option<Recovered<PgLease>>, StoreError> {
+        lease::protocol::recover(self, endpoint, lease, retention).await
     }
 }

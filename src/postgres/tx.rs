@@ -78,19 +78,21 @@ struct Shared {
 impl PgTx {
     pub(super) fn new(
         conn: Conn,
-        claim: &crate::store::ClaimRequest,
+        scope: Scope,
+        key: crate::key::IdempotencyKey,
         token: i64,
         xid: String,
+        retention: Duration,
     ) -> Self {
         PgTx {
             inner: Arc::new(Shared {
                 cancel: conn.cancel_token(),
                 conn: Mutex::new(Some(conn)),
-                scope: claim.scope.clone(),
-                key: claim.key.clone(),
+                scope,
+                key,
                 token,
                 xid,
-                retention: claim.retention,
+                retention,
             }),
         }
     }
@@ -285,13 +287,26 @@ pub enum TxErrorKind {
     SessionState,
     /// PostgreSQL answered with an error; see [`TxError::code`].
     Database,
+    /// A long-running operation's fenced transaction was refused (or its
+    /// commit was): another owner took the operation over with a larger
+    /// token. Nothing was written; stop the work.
+    Fenced,
+    /// The store could not open or commit a fenced transaction (see
+    /// [`TxError::store_error`]).
+    Store,
 }
 
 /// An error from a statement run through [`PgTx`].
 #[derive(Debug)]
 pub struct TxError {
     kind: TxErrorKind,
-    source: Option<tokio_postgres::Error>,
+    source: Option<Source>,
+}
+
+#[derive(Debug)]
+enum Source {
+    Postgres(tokio_postgres::Error),
+    Store(crate::store::StoreError),
 }
 
 impl TxError {
@@ -310,12 +325,23 @@ impl TxError {
     /// The SQLSTATE, when PostgreSQL answered with an error
     /// (e.g. [`SqlState::UNIQUE_VIOLATION`]).
     pub fn code(&self) -> Option<&SqlState> {
-        self.source.as_ref().and_then(|e| e.code())
+        self.as_postgres().and_then(|e| e.code())
     }
 
     /// The underlying driver error.
     pub fn as_postgres(&self) -> Option<&tokio_postgres::Error> {
-        self.source.as_ref()
+        match &self.source {
+            Some(Source::Postgres(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The store's error, for [`TxErrorKind::Store`] and [`TxErrorKind::Fenced`].
+    pub fn store_error(&self) -> Option<&crate::store::StoreError> {
+        match &self.source {
+            Some(Source::Store(e)) => Some(e),
+            _ => None,
+        }
     }
 }
 
@@ -323,7 +349,20 @@ impl From<tokio_postgres::Error> for TxError {
     fn from(e: tokio_postgres::Error) -> Self {
         TxError {
             kind: TxErrorKind::Database,
-            source: Some(e),
+            source: Some(Source::Postgres(e)),
+        }
+    }
+}
+
+impl From<crate::store::StoreError> for TxError {
+    fn from(e: crate::store::StoreError) -> Self {
+        let kind = match e.kind() {
+            crate::store::StoreErrorKind::Fenced => TxErrorKind::Fenced,
+            _ => TxErrorKind::Store,
+        };
+        TxError {
+            kind,
+            source: Some(Source::Store(e)),
         }
     }
 }
@@ -338,7 +377,11 @@ impl fmt::Display for TxError {
             (TxErrorKind::SessionState, _) => f.write_str(
                 "the statement would change the pooled session beyond this request; use SET LOCAL, pg_advisory_xact_lock or transaction-scoped objects",
             ),
-            (_, Some(e)) => write!(f, "database error: {e}"),
+            (TxErrorKind::Fenced, _) => f.write_str(
+                "fenced: another owner took the operation over with a larger attempt token; nothing was written",
+            ),
+            (_, Some(Source::Store(e))) => write!(f, "store error: {e}"),
+            (_, Some(Source::Postgres(e))) => write!(f, "database error: {e}"),
             (_, None) => f.write_str("database error"),
         }
     }
@@ -346,6 +389,10 @@ impl fmt::Display for TxError {
 
 impl std::error::Error for TxError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_ref().map(|e| e as _)
+        match &self.source {
+            Some(Source::Postgres(e)) => Some(e),
+            Some(Source::Store(e)) => Some(e),
+            None => None,
+        }
     }
 }

@@ -280,10 +280,12 @@ pub trait LeaseStore: Store {
 
     /// Takes over one operation of `endpoint` whose lease expired, under a
     /// new token and a lease of `lease`; `None` if there is none (or every
-    /// one is being taken over by someone else right now).
+    /// one is being taken over by someone else right now). Its answer, once
+    /// finished, is remembered for `retention`.
     fn recover(
         &self,
         endpoint: &str,
         lease: Duration,
+        retention: Duration,
     ) -> impl Future<Output = Result<Option<Recovered<Self::Lease>>, StoreError>> + Send;
 }

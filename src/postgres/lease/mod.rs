@@ -1,0 +1,213 @@
+//! Long-running operations on PostgreSQL: [`PgLease`], the owner's proof of
+//! ownership, and [`FencedTx`], the transaction its writes go through.
+//! The protocol's statements are in `protocol.rs`.
+
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use super::{PgStore, PgTx, TxError};
+use crate::{key::IdempotencyKey, lease::OperationId, scope::Scope, store::StoreErrorKind};
+
+pub(super) mod protocol;
+
+/// The lease of a long-running operation's owner, in the handler's request
+/// extensions (with the `axum` feature also an extractor).
+///
+/// It proves ownership by its attempt token: every write of the work goes
+/// through [`transaction`](Self::transaction), which holds the operation's
+/// record at this token until the commit, so a takeover by a newer owner
+/// cannot slip in between; a stale owner gets [`TxErrorKind::Fenced`](super::TxErrorKind::Fenced)
+/// and must stop. The layer renews the lease with heartbeats while the
+/// handler runs, and stores the handler's answer by a compare-and-swap on
+/// the token.
+///
+/// Pass [`operation_id`](Self::operation_id) (stable across takeovers) to
+/// downstream calls as their idempotency key, through
+/// [`derive_key`](crate::outbox::derive_key), and
+/// [`attempt_token`](Self::attempt_token) as a fencing token, so a
+/// downstream service can refuse calls from a stale attempt.
+///
+/// ```no_run
+/// # async fn handler(lease: tower_idempotency::postgres::PgLease) -> Result<(), tower_idempotency::postgres::TxError> {
+/// use tower_idempotency::outbox::derive_key;
+///
+/// let shipment_key = derive_key(&lease.operation_id().to_string(), "warehouse.ship");
+/// // … the slow call, carrying `shipment_key` and `lease.attempt_token()` …
+/// let tx = lease.transaction().await?; // Fenced if another owner took over
+/// tx.execute("UPDATE orders SET fulfilment = 'shipped' WHERE tenant_id = $1", &[&lease.tenant()])
+///     .await?;
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgLease {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    store: PgStore,
+    scope: Scope,
+    key: IdempotencyKey,
+    token: i64,
+    operation_id: OperationId,
+    retention: Duration,
+    lease: Duration,
+    fenced: AtomicBool,
+}
+
+impl PgLease {
+    pub(super) fn new(
+        store: PgStore,
+        scope: Scope,
+        key: IdempotencyKey,
+        token: i64,
+        operation_id: OperationId,
+        retention: Duration,
+        lease: Duration,
+    ) -> Self {
+        PgLease {
+            inner: Arc::new(Shared {
+                store,
+                scope,
+                key,
+                token,
+                operation_id,
+                retention,
+                lease,
+                fenced: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The operation's id: the same for every attempt, so the key for
+    /// downstream calls.
+    pub fn operation_id(&self) -> OperationId {
+        self.inner.operation_id
+    }
+
+    /// This attempt's fencing token: larger than every earlier attempt's
+    /// for this key, even after its record was removed.
+    pub fn attempt_token(&self) -> i64 {
+        self.inner.token
+    }
+
+    /// The tenant the operation acts for.
+    pub fn tenant(&self) -> &str {
+        self.inner.scope.tenant().as_str()
+    }
+
+    /// The scope (tenant and endpoint) of the operation.
+    pub fn scope(&self) -> &Scope {
+        &self.inner.scope
+    }
+
+    /// The client's idempotency key; keep it out of logs.
+    pub fn idempotency_key(&self) -> &str {
+        self.inner.key.as_str()
+    }
+
+    /// Whether the store has told this owner it was fenced (a heartbeat, a
+    /// fenced transaction or the completion found a newer token). Once
+    /// `true`, every write is refused; stop early.
+    pub fn is_fenced(&self) -> bool {
+        self.inner.fenced.load(Ordering::Relaxed)
+    }
+
+    /// Opens a fenced transaction: the operation's record is held (`FOR
+    /// SHARE`) at this lease's token until [`FencedTx::commit`], so the
+    /// writes commit only if no newer owner exists, and none can appear
+    /// before they do.
+    ///
+    /// Keep it short: while it is open, heartbeats and takeovers wait for
+    /// it. Never hold one across a slow external call; PostgreSQL ends one
+    /// left idle for longer than the lease.
+    ///
+    /// [`TxErrorKind::Fenced`](super::TxErrorKind::Fenced) if another owner
+    /// took the operation over.
+    pub async fn transaction(&self) -> Result<FencedTx, TxError> {
+        let tx = protocol::open_fenced(self).await?;
+        Ok(FencedTx { tx })
+    }
+
+    pub(super) fn store(&self) -> &PgStore {
+        &self.inner.store
+    }
+
+    pub(super) fn key(&self) -> &IdempotencyKey {
+        &self.inner.key
+    }
+
+    pub(super) fn retention(&self) -> Duration {
+        self.inner.retention
+    }
+
+    pub(super) fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
+    /// Remembers that the store refused this owner, and counts it.
+    pub(super) fn mark_fenced(&self, at: crate::metrics::FencedAt) {
+        self.inner.fenced.store(true, Ordering::Relaxed);
+        crate::metrics::fenced(self.inner.scope.endpoint(), at);
+    }
+}
+
+impl fmt::Debug for PgLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgLease")
+            .field("scope", &self.inner.scope)
+            .field("key", &self.inner.key)
+            .field("operation_id", &self.inner.operation_id)
+            .field("attempt_token", &self.inner.token)
+            .field("fenced", &self.is_fenced())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A fenced transaction of a long-running operation's owner, from
+/// [`PgLease::transaction`]: a [`PgTx`] (it dereferences to one) that the
+/// handler commits itself.
+///
+/// [`commit`](Self::commit) commits only if the transaction is intact (no
+/// statement failed) and the lease still holds the newest token. Dropped
+/// without a commit, it rolls back (its connection is closed).
+#[derive(Debug)]
+pub struct FencedTx {
+    tx: PgTx,
+}
+
+impl FencedTx {
+    /// Commits the writes. [`TxErrorKind::Store`](super::TxErrorKind::Store)
+    /// with [`StoreErrorKind::OutcomeUnknown`] if the connection was lost
+    /// during the commit.
+    pub async fn commit(self) -> Result<(), TxError> {
+        Ok(super::finish::commit_fenced(self.tx).await?)
+    }
+
+    /// Rolls the writes back.
+    pub async fn rollback(self) -> Result<(), TxError> {
+        Ok(super::finish::abort(self.tx).await?)
+    }
+}
+
+impl std::ops::Deref for FencedTx {
+    type Target = PgTx;
+
+    fn deref(&self) -> &PgTx {
+        &self.tx
+    }
+}
+
+/// `Fenced` from the store, as the lease's owner sees it.
+pub(super) fn fenced_error() -> crate::store::StoreError {
+    crate::store::StoreError::new(
+        StoreErrorKind::Fenced,
+        "another owner took the operation over with a larger attempt token",
+    )
+}
