@@ -175,7 +175,8 @@ pub(crate) fn lease_takeover(endpoint: &str, by: TakeoverBy) {
         TakeoverBy::Request => "request",
         TakeoverBy::Recovery => "recovery",
     };
-    metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by).increment(1);
+    metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
+        .increment(1);
 }
 
 /// What a stale owner tried when it was fenced.
@@ -225,7 +226,8 @@ impl Drop for OperationRunning {
 pub(crate) fn register_long_running(endpoint: &str) {
     metrics::gauge!(OPERATIONS_RUNNING, "endpoint" => endpoint.to_owned()).increment(0.0);
     for by in ["request", "recovery"] {
-        metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by).increment(0);
+        metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
+            .increment(0);
     }
     for at in ["write", "completion", "heartbeat"] {
         metrics::counter!(FENCED_TOTAL, "endpoint" => endpoint.to_owned(), "at" => at).increment(0);

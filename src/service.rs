@@ -94,8 +94,7 @@ impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug, M> fmt::Debug
     }
 }
 
-impl<S, St, F, R, ReqB, ResB> Service<Request<ReqB>>
-    for Idempotency<S, St, F, R, ShortTransaction>
+impl<S, St, F, R, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St, F, R, ShortTransaction>
 where
     S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
@@ -183,7 +182,10 @@ impl<T, ResB> Inner<ResB> for T where
 }
 
 /// Response bodies of the inner service (an alias for their bounds).
-pub(crate) trait ReplyBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+pub(crate) trait ReplyBody:
+    Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
 
 impl<T> ReplyBody for T where T: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
 

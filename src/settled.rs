@@ -13,9 +13,9 @@ use tracing::Span;
 use crate::{
     body::ResponseBody,
     endpoint::Config,
+    lease::{accepted_body, status_location, OperationId},
     metrics::{self, Outcome},
     problem::{codes, Problem},
-    lease::{accepted_body, status_location, OperationId},
     record::{StoredResponse, IDEMPOTENT_REPLAYED},
     store::{StoreError, StoreErrorKind},
 };
@@ -117,9 +117,7 @@ impl<B, E> Settled<B, E> {
             Settled::Committed(..)
             | Settled::RolledBack(_)
             | Settled::CompletionFailed(_)
-            | Settled::Accepted(_) => {
-                Outcome::New
-            }
+            | Settled::Accepted(_) => Outcome::New,
             other => other.outcome(),
         }
     }
@@ -182,7 +180,9 @@ impl<B, E> Settled<B, E> {
                 }
             },
             Settled::Cancelled => tracing::warn!("the runtime shut down under an owned request"),
-            Settled::Accepted(id) => tracing::info!(operation_id = %id, "accepted; the operation runs on"),
+            Settled::Accepted(id) => {
+                tracing::info!(operation_id = %id, "accepted; the operation runs on")
+            }
             Settled::StillRunning(id) => {
                 tracing::info!(operation_id = %id, "the operation still runs; answered 202 again")
             }

@@ -55,7 +55,10 @@ where
     let config = endpoint.config.clone();
     let mut timings = Timings::start();
     let Some(lease_config) = config.lease.clone() else {
-        let e = StoreError::new(StoreErrorKind::Backend, "the endpoint has no lease settings");
+        let e = StoreError::new(
+            StoreErrorKind::Backend,
+            "the endpoint has no lease settings",
+        );
         return (Settled::ClaimFailed(e), timings);
     };
     let deadline = tokio::time::Instant::now() + config.wait;
@@ -116,7 +119,13 @@ where
     let request = Request::from_parts(parts, RequestBody::buffered(body));
     let (ended, done) = oneshot::channel();
     let running = endpoint.runtime.operations.start();
-    let work = drive(endpoint.store.clone(), config.clone(), inner, request, owned.lease);
+    let work = drive(
+        endpoint.store.clone(),
+        config.clone(),
+        inner,
+        request,
+        owned.lease,
+    );
     tokio::spawn(
         async move {
             let _running = running;
@@ -173,15 +182,21 @@ where
     };
     let driven = match ran {
         Ok((parts, body)) => {
-            let stored = StoredResponse::new(parts.status, &parts.headers, &config.replay_headers, body);
+            let stored =
+                StoredResponse::new(parts.status, &parts.headers, &config.replay_headers, body);
             match store.finish(&lease, &stored).await {
                 Ok(()) => {
-                    tracing::info!(status = parts.status.as_u16(), "operation completed; its answer is stored");
+                    tracing::info!(
+                        status = parts.status.as_u16(),
+                        "operation completed; its answer is stored"
+                    );
                     Driven::Completed(parts, stored.body)
                 }
                 Err(e) if e.kind() == StoreErrorKind::Fenced => {
                     metrics::fenced(endpoint, metrics::FencedAt::Completion);
-                    tracing::warn!("the operation was taken over before it completed; its answer was refused");
+                    tracing::warn!(
+                        "the operation was taken over before it completed; its answer was refused"
+                    );
                     Driven::Fenced
                 }
                 Err(e) => {
@@ -202,7 +217,9 @@ where
                 if matches!(rollback, Rollback::TimedOut) {
                     metrics::handler_timeout(endpoint);
                 }
-                tracing::info!("the operation ended without an answer to remember; the key is free again");
+                tracing::info!(
+                    "the operation ended without an answer to remember; the key is free again"
+                );
                 Driven::RolledBack(rollback)
             }
         },
@@ -226,7 +243,9 @@ async fn keep_alive<St: LeaseStore>(store: &St, lease: &St::Lease, config: &Leas
         match tokio::time::timeout(config.heartbeat, store.heartbeat(lease, config.lease)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) if e.kind() == StoreErrorKind::Fenced => return,
-            Ok(Err(e)) => tracing::warn!(error = %e, "heartbeat failed; trying again at the next one"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "heartbeat failed; trying again at the next one")
+            }
             Err(_) => tracing::warn!("heartbeat timed out; trying again at the next one"),
         }
     }

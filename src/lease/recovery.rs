@@ -169,7 +169,11 @@ where
             .and_then(|rebuilt| {
                 let (mut parts, body) = rebuilt.into_parts();
                 parts.extensions.insert(scope.tenant().clone());
-                match self.endpoint.fingerprinter.fingerprint(&mut parts, &request.body) {
+                match self
+                    .endpoint
+                    .fingerprinter
+                    .fingerprint(&mut parts, &request.body)
+                {
                     Ok(_) => Ok(Request::from_parts(parts, body)),
                     Err(problem) => Err(format!(
                         "the stored request no longer validates ({})",

@@ -114,7 +114,9 @@ where
                 }
             };
             let body = match operation.state {
-                OperationState::Running => json!({"operation_id": id.to_string(), "state": "running"}),
+                OperationState::Running => {
+                    json!({"operation_id": id.to_string(), "state": "running"})
+                }
                 OperationState::Completed(response) => json!({
                     "operation_id": id.to_string(),
                     "state": "completed",
@@ -163,6 +165,7 @@ impl Future for OperationStatusFuture {
 
 impl fmt::Debug for OperationStatusFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OperationStatusFuture").finish_non_exhaustive()
+        f.debug_struct("OperationStatusFuture")
+            .finish_non_exhaustive()
     }
 }

@@ -49,8 +49,8 @@ use std::{fmt, str::FromStr};
 use deadpool_postgres::Pool;
 use tokio_postgres::NoTls;
 
-use crate::record::StoredResponse;
 use crate::lease::OperationId;
+use crate::record::StoredResponse;
 use crate::scope::TenantId;
 use crate::store::{
     Acquired, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered, Store,
@@ -188,7 +188,11 @@ impl LeaseStore for PgStore {
         lease::protocol::acquire(self, claim, lease).await
     }
 
-    async fn heartbeat(&self, lease: &PgLease, extend: std::time::Duration) -> Result<(), StoreError> {
+    async fn heartbeat(
+        &self,
+        lease: &PgLease,
+        extend: std::time::Duration,
+    ) -> Result<(), StoreError> {
         lease::protocol::heartbeat(lease, extend).await
     }
 

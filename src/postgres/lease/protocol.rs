@@ -365,7 +365,10 @@ pub(in crate::postgres) async fn operation(
             .ok_or_else(|| corrupt("stored record has an invalid header block"))?,
         body: Bytes::copy_from_slice(body),
     };
-    Ok(Some(Operation::new(id, OperationState::Completed(response))))
+    Ok(Some(Operation::new(
+        id,
+        OperationState::Completed(response),
+    )))
 }
 
 /// [`LeaseStore::recover`](crate::store::LeaseStore::recover).
@@ -497,7 +500,10 @@ async fn read_one(
         // connection busy: it is closed rather than returned.
         conn.mark_dirty();
         let statement = conn.prepare_cached(sql).await.map_err(map_error)?;
-        let row = conn.query_opt(&statement, params).await.map_err(map_error)?;
+        let row = conn
+            .query_opt(&statement, params)
+            .await
+            .map_err(map_error)?;
         conn.mark_clean();
         Ok(row)
     })
