@@ -78,6 +78,10 @@
 //!
 //! # Beyond the request
 //!
+//! - [`lease`]: long-running operations, for work too slow for one
+//!   transaction: a committed in-progress record with a lease, heartbeats,
+//!   takeover by compare-and-swap, fencing tokens, `202 Accepted` with a
+//!   status resource, and a recovery worker.
 //! - [`outbox`]: side effects after commit, at least once, never twice in
 //!   effect (`enqueue` in the handler's transaction, a [`outbox::Relay`],
 //!   derived downstream keys, a consumer inbox).
