@@ -150,13 +150,13 @@ fn respond(problem: &Problem) -> Response<ResponseBody<String>> {
     problem.to_response().map(ResponseBody::buffered)
 }
 
+type StatusResult = Result<Response<ResponseBody<String>>, Infallible>;
+
 /// The future [`OperationStatus`] returns.
-pub struct OperationStatusFuture(
-    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<String>>, Infallible>> + Send>>,
-);
+pub struct OperationStatusFuture(Pin<Box<dyn Future<Output = StatusResult> + Send>>);
 
 impl Future for OperationStatusFuture {
-    type Output = Result<Response<ResponseBody<String>>, Infallible>;
+    type Output = StatusResult;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.0.as_mut().poll(cx)
