@@ -418,3 +418,175 @@ fn a_request_cut_by_a_runtime_shutdown_is_counted() {
         Some(&DebugValue::Counter(1))
     );
 }
+
+/// The long-running mode's metrics: operations running, takeovers by a
+/// request and by the recovery worker, fenced writes, recoveries, and the
+/// lease gauges' readings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_running_operations_are_observable() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tower_idempotency::{
+        fingerprint::Fingerprint,
+        lease::{LeaseConfig, OperationId},
+        postgres::{PgLease, TxErrorKind},
+        scope::{Scope, TenantId},
+        store::{Acquired, ClaimRequest, LeaseRequest, LeaseStore, StoredRequest},
+    };
+    let installed = installed();
+    const ENDPOINT: &str = "POST /lease-metrics v1";
+    const LEASE: Duration = Duration::from_millis(300);
+    let pg = Postgres::new().await;
+    // Panics on its first call (the owner dies: no heartbeat, no answer),
+    // holds on the second until released, answers at once after that.
+    let calls = Arc::new(AtomicU64::new(0));
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = {
+        let (calls, started, release) = (calls.clone(), started.clone(), release.clone());
+        tower::util::BoxCloneService::new(tower::service_fn(
+            move |request: Request<RequestBody>| {
+                let (calls, started, release) = (calls.clone(), started.clone(), release.clone());
+                async move {
+                    let call = calls.fetch_add(1, Ordering::SeqCst);
+                    assert!(request.extensions().get::<PgLease>().is_some());
+                    match call {
+                        0 => panic!("the owner dies"),
+                        1 => {
+                            started.notify_one();
+                            release.notified().await;
+                        }
+                        _ => {}
+                    }
+                    Ok::<_, BoxError>(response(StatusCode::OK, "{}"))
+                }
+            },
+        ))
+    };
+    let layer = v1_layer(pg.store.clone(), ENDPOINT).long_running(
+        LeaseConfig::new(LEASE)
+            .heartbeat(Duration::from_millis(50))
+            .respond_within(Duration::from_millis(50)),
+    );
+    let until_expired = |key: &'static str| {
+        let client = &pg.client;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let row = client
+                    .query_one(
+                        "SELECT COALESCE(bool_and(lease_expires_at <= now()), false) FROM idempotency_requests WHERE idempotency_key = $1",
+                        &[&key],
+                    )
+                    .await
+                    .unwrap();
+                if row.get::<_, bool>(0) {
+                    return;
+                }
+                assert!(tokio::time::Instant::now() < deadline);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // A dead owner taken over by its client's retry, which then runs on.
+    let died = send(
+        layer.clone().layer(handler.clone()),
+        post(Some("t"), Some("k1"), "{}"),
+    )
+    .await;
+    assert_eq!(died.status, StatusCode::ACCEPTED);
+    until_expired("k1").await;
+    let retry = spawn_send(
+        layer.clone().layer(handler.clone()),
+        post(Some("t"), Some("k1"), "{}"),
+    );
+    started.notified().await;
+    let running = snapshot(&installed.snapshotter);
+    assert_eq!(
+        metric(
+            &running,
+            "idempotency_operations_running",
+            &[("endpoint", ENDPOINT)]
+        ),
+        Some(&DebugValue::Gauge(1.0.into()))
+    );
+    let gauges = Cleanup::new(pg.store.clone())
+        .refresh_gauges()
+        .await
+        .unwrap();
+    assert!(gauges.oldest_lease >= LEASE, "{:?}", gauges.oldest_lease);
+    assert!(
+        gauges.oldest_in_progress >= LEASE,
+        "committed in-progress rows count: {:?}",
+        gauges.oldest_in_progress
+    );
+    assert_eq!(gauges.expired_leases, 0);
+    release.notify_one();
+    // 202 or, had the work ended within respond_within, its 200.
+    assert!(retry.await.unwrap().status.is_success());
+    layer.drained().await;
+
+    // A dead owner nobody retries: seen as an expired lease, then recovered.
+    let claim = ClaimRequest::new(
+        Scope::new(TenantId::new("t"), ENDPOINT),
+        IdempotencyKey::parse(b"k2").unwrap(),
+        Fingerprint::from_bytes([2; 32]),
+    );
+    let stored = StoredRequest::new(http::Method::POST, "/x", vec![], Bytes::from_static(b"{}"));
+    let acquired = pg
+        .store
+        .acquire(
+            &claim,
+            &LeaseRequest::new(LEASE, OperationId::random(), stored),
+        )
+        .await
+        .unwrap();
+    let Acquired::Owned(dead) = acquired else {
+        panic!("owned: {acquired:?}")
+    };
+    until_expired("k2").await;
+    let gauges = Cleanup::new(pg.store.clone())
+        .refresh_gauges()
+        .await
+        .unwrap();
+    assert_eq!(gauges.expired_leases, 1);
+    assert_eq!(layer.recovery(handler).run_once().await.unwrap(), 1);
+    // The dead owner wakes up: its write is refused.
+    let refused = dead.lease.transaction().await.expect_err("fenced");
+    assert_eq!(refused.kind(), TxErrorKind::Fenced);
+
+    let values = snapshot(&installed.snapshotter);
+    let counter = |name: &str, pairs: &[(&str, &str)]| match metric(&values, name, pairs) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{name} {pairs:?}: {other:?}"),
+    };
+    let endpoint = ("endpoint", ENDPOINT);
+    assert_eq!(
+        counter(
+            "idempotency_lease_takeovers_total",
+            &[endpoint, ("by", "request")]
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            "idempotency_lease_takeovers_total",
+            &[endpoint, ("by", "recovery")]
+        ),
+        1
+    );
+    assert_eq!(counter("idempotency_recoveries_total", &[endpoint]), 1);
+    assert_eq!(
+        counter("idempotency_fenced_total", &[endpoint, ("at", "write")]),
+        1
+    );
+    assert_eq!(
+        counter("idempotency_fenced_total", &[endpoint, ("at", "heartbeat")]),
+        0
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await,
+        2
+    );
+}

@@ -117,7 +117,6 @@ where
     // 4. Start the work; it outlives this request if it must.
     parts.extensions.insert(owned.lease.clone());
     let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let (ended, done) = oneshot::channel();
     let running = endpoint.runtime.operations.start();
     let work = drive(
         endpoint.store.clone(),
@@ -126,13 +125,7 @@ where
         request,
         owned.lease,
     );
-    tokio::spawn(
-        async move {
-            let _running = running;
-            let _ = ended.send(work.await);
-        }
-        .in_current_span(),
-    );
+    let done = spawn_work(work, running);
 
     // 5. Answer with its result if it comes in time, else 202.
     match tokio::time::timeout(lease_config.respond_within, done).await {
@@ -142,6 +135,39 @@ where
         // operation exists; its status resource tells how it ends.
         _ => (Settled::Accepted(operation_id), timings),
     }
+}
+
+/// Runs `work` on a task of its own, counted as running until it ends.
+/// A panic is logged (never its message, which may quote request data): the
+/// lease then lapses, and the operation is taken over.
+pub(crate) fn spawn_work<B, E>(
+    work: impl std::future::Future<Output = Driven<B, E>> + Send + 'static,
+    running: crate::operations::Running,
+) -> oneshot::Receiver<Driven<B, E>>
+where
+    B: Send + 'static,
+    E: Send + 'static,
+{
+    let (ended, done) = oneshot::channel();
+    let task = tokio::spawn(work.in_current_span());
+    tokio::spawn(
+        async move {
+            let _running = running;
+            match task.await {
+                Ok(driven) => {
+                    let _ = ended.send(driven);
+                }
+                Err(e) if e.is_panic() => tracing::error!(
+                    "the operation's work panicked; its lease will lapse and it will be taken over"
+                ),
+                Err(_) => {
+                    tracing::warn!("the operation's work was cancelled by a runtime shutdown")
+                }
+            }
+        }
+        .in_current_span(),
+    );
+    done
 }
 
 /// Runs the owner's work under `lease`: the handler (bounded by the handler

@@ -85,7 +85,7 @@ pub use id::{OperationId, OperationIdError};
 pub use recovery::Recovery;
 pub use status::{OperationStatus, OperationStatusFuture};
 
-pub(crate) use flow::{accepted_body, drive, settle_long, status_location, Driven};
+pub(crate) use flow::{accepted_body, drive, settle_long, spawn_work, status_location, Driven};
 
 /// The layer's mode: one short transaction per request (the default).
 ///

@@ -6,7 +6,7 @@ use http::{Request, Response};
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::{drive, Driven};
+use super::{drive, spawn_work, Driven};
 use crate::{
     body::{BoxError, RequestBody},
     endpoint::Endpoint,
@@ -201,10 +201,10 @@ where
         let running = self.endpoint.runtime.operations.start();
         let endpoint = config.endpoint.clone();
         let work = drive(store, config, self.inner.clone(), rebuilt, owned.lease);
+        let done = spawn_work(work.instrument(span.clone()), running);
         Box::pin(
             async move {
-                let _running = running;
-                if let Driven::Completed(..) = work.await {
+                if let Ok(Driven::Completed(..)) = done.await {
                     metrics::recovered(&endpoint);
                 }
             }
