@@ -1,39 +1,6 @@
 //! [`LeaseStore`]: what a store adds for long-running operations.
 //!
-//! In the long-running mode an operation does not live in one open
-//! transaction. Its record is **committed** `in_progress` with a lease
-//! (`lease_expires_at`) and an attempt token, the work runs outside any
-//! transaction of the claim, and ownership is proven by the token:
-//!
-//! ```text
-//! acquire ──(short tx, COMMIT)──▶ in_progress {lease, token T}
-//!   owner: heartbeat        extends the lease  WHERE token = T   (no row: fenced)
-//!   owner: fenced tx        locks the row      WHERE token = T, writes, COMMIT
-//!   owner: finish           stores the answer  WHERE token = T   (no row: fenced)
-//!   lease expired: acquire / recover  CAS T → T' > T, the work runs again
-//! ```
-//!
-//! A store implementing this trait owes, beyond the [`Store`] guarantees:
-//!
-//! 1. **One owner.** However many [`acquire`](LeaseStore::acquire) and
-//!    [`recover`](LeaseStore::recover) calls race for a key, at most one gets
-//!    [`Acquired::Owned`] per token, and a live lease is never taken over.
-//! 2. **Tokens only grow.** A new owner of a key gets a token larger than
-//!    every token handed out for it before, also after the record was
-//!    removed (a sequence, not a per-record counter).
-//! 3. **Fencing.** [`heartbeat`](LeaseStore::heartbeat),
-//!    [`fenced`](LeaseStore::fenced), [`commit_fenced`](LeaseStore::commit_fenced),
-//!    [`finish`](LeaseStore::finish) and [`release`](LeaseStore::release)
-//!    succeed only while the lease's token is the record's token, and answer
-//!    [`StoreErrorKind::Fenced`](super::StoreErrorKind::Fenced) otherwise,
-//!    changing nothing. A fenced transaction holds the record so that no
-//!    takeover can happen between its check and its commit.
-//! 4. **Recovery.** [`recover`](LeaseStore::recover) takes over one
-//!    operation whose lease expired, skipping those another worker is taking
-//!    over right now, and returns the request stored with it.
-//!
-//! `tower_idempotency::testing::conformance::run_leases` (feature
-//! `test-util`) checks these against any store.
+//! The trait's docs say what a store owes.
 
 use std::{future::Future, time::Duration};
 
@@ -216,8 +183,42 @@ impl<L> Recovered<L> {
     }
 }
 
-/// A [`Store`] that can also run long-running operations; see the
-/// [module docs](self) for the guarantees.
+/// A [`Store`] that can also run long-running operations.
+///
+/// In the long-running mode an operation does not live in one open
+/// transaction. Its record is **committed** `in_progress` with a lease
+/// (`lease_expires_at`) and an attempt token, the work runs outside any
+/// transaction of the claim, and ownership is proven by the token:
+///
+/// ```text
+/// acquire ──(short tx, COMMIT)──▶ in_progress {lease, token T}
+///   owner: heartbeat        extends the lease  WHERE token = T   (no row: fenced)
+///   owner: fenced tx        locks the row      WHERE token = T, writes, COMMIT
+///   owner: finish           stores the answer  WHERE token = T   (no row: fenced)
+///   lease expired: acquire / recover  CAS T → T' > T, the work runs again
+/// ```
+///
+/// A store implementing this trait owes, beyond the [`Store`] guarantees:
+///
+/// 1. **One owner.** However many [`acquire`](LeaseStore::acquire) and
+///    [`recover`](LeaseStore::recover) calls race for a key, at most one gets
+///    [`Acquired::Owned`] per token, and a live lease is never taken over.
+/// 2. **Tokens only grow.** A new owner of a key gets a token larger than
+///    every token handed out for it before, also after the record was
+///    removed (a sequence, not a per-record counter).
+/// 3. **Fencing.** [`heartbeat`](LeaseStore::heartbeat),
+///    [`fenced`](LeaseStore::fenced), [`commit_fenced`](LeaseStore::commit_fenced),
+///    [`finish`](LeaseStore::finish) and [`release`](LeaseStore::release)
+///    succeed only while the lease's token is the record's token, and answer
+///    [`StoreErrorKind::Fenced`](super::StoreErrorKind::Fenced) otherwise,
+///    changing nothing. A fenced transaction holds the record so that no
+///    takeover can happen between its check and its commit.
+/// 4. **Recovery.** [`recover`](LeaseStore::recover) takes over one
+///    operation whose lease expired, skipping those another worker is taking
+///    over right now, and returns the request stored with it.
+///
+/// `tower_idempotency::testing::conformance::run_leases` (feature
+/// `test-util`) checks these against any store.
 ///
 /// The lease handle is what the owner's handler finds in its request
 /// extensions: [`PgLease`](crate::postgres::PgLease) for

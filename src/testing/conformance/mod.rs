@@ -12,6 +12,51 @@
 //! tower_idempotency::testing::conformance::run_all(tower_idempotency::memory::MemoryStore::new()).await;
 //! # }
 //! ```
+//!
+//! # Long-running operations
+//!
+//! A store that also implements [`LeaseStore`](crate::store::LeaseStore)
+//! runs [`run_leases`] too. Its checks, each named by the guarantee a
+//! failure message starts with:
+//!
+//! - **one owner** ([`concurrent_acquires_have_one_owner`],
+//!   [`duplicate_during_a_lease_is_running`]): of 20 concurrent acquires of a
+//!   new key exactly one owns the operation, and every other one, like any
+//!   duplicate while the lease is valid, gets `Running` with its id;
+//! - **takeover** ([`expired_lease_is_taken_over_once`]): once the lease
+//!   expired, of 20 concurrent acquires by the same request exactly one
+//!   takes the operation over, keeping its id, under a larger token; another
+//!   request gets `Running`;
+//! - **fencing** ([`stale_owner_is_fenced`]): after a takeover, the old
+//!   lease's fenced transaction, heartbeat, finish and release are `Fenced`
+//!   and change nothing (the operation still runs under its new owner);
+//!   the new owner's succeed;
+//! - **monotonic token** ([`tokens_only_grow`]): after a release, and after
+//!   the record's retention ended, the next owner's token is larger than
+//!   every earlier one;
+//! - **heartbeat** ([`heartbeats_keep_the_lease`]): a lease renewed past its
+//!   first end is not taken over;
+//! - **finish** and **status**
+//!   ([`finished_operation_replays_and_has_a_status`]): a finished operation
+//!   replays its answer byte for byte with the first request's fingerprint,
+//!   and [`operation`](crate::store::LeaseStore::operation) shows it
+//!   `Completed` to its tenant and to no other, and nothing for an unknown id;
+//! - **recovery** ([`expired_lease_is_recovered_once`]): an expired
+//!   operation is recovered by one of two concurrent workers, under a larger
+//!   token, with its stored request intact; a live or just recovered one is not.
+//!
+//! The checks sleep past leases of a few hundred milliseconds (the
+//! behaviour under test), about two seconds in all. What a fenced
+//! transaction writes is store-specific: the suite only checks that the
+//! current owner's commits and a stale owner's cannot be opened; test that
+//! your `commit_fenced` commits the writes at the current token only.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! tower_idempotency::testing::conformance::run_leases(tower_idempotency::memory::MemoryStore::new()).await;
+//! # }
+//! ```
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
@@ -26,10 +71,20 @@ use crate::{
     scope::TenantId, store::Claim, store::ClaimRequest, store::Store,
 };
 
+mod leases;
+
+pub use leases::{
+    concurrent_acquires_have_one_owner, duplicate_during_a_lease_is_running,
+    expired_lease_is_recovered_once, expired_lease_is_taken_over_once,
+    finished_operation_replays_and_has_a_status, heartbeats_keep_the_lease, run_leases,
+    stale_owner_is_fenced, tokens_only_grow,
+};
+
 const WAIT: Duration = Duration::from_secs(5);
 const DAY: Duration = Duration::from_secs(86_400);
 
-/// Runs every check in this module.
+/// Runs every check of the [`Store`] guarantees (the short-transaction
+/// mode); [`run_leases`] runs those of the long-running mode.
 pub async fn run_all<St: Store>(store: St) {
     completed_record_replays_byte_for_byte(&store).await;
     fingerprint_is_returned_for_comparison(&store).await;

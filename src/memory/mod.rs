@@ -1,0 +1,458 @@
+//! [`MemoryStore`]: the store contract in memory.
+//!
+//! For unit tests of services behind the layer, demos, and as the reference a
+//! custom store can be read against. Nothing survives the process. Time is
+//! `tokio::time`, so tests can pause and advance it to exercise expiry.
+//!
+//! Both modes are implemented: [`Store`] for the short transaction, with
+//! [`MemoryTx`] as the handle the handler writes through, and [`LeaseStore`]
+//! for long-running operations, with [`MemoryLease`] as the lease handle and
+//! fenced [`MemoryTx`]s for the owner's writes.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
+};
+
+use serde_json::Value;
+use tokio::{sync::watch, time::Instant};
+
+use crate::store::{
+    Acquired, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState, Owned,
+    Recovered, Store, StoreError, StoreErrorKind, StoredRequest,
+};
+use crate::{
+    fingerprint::Fingerprint,
+    key::IdempotencyKey,
+    lease::OperationId,
+    record::{Record, StoredResponse},
+    scope::{Scope, TenantId},
+};
+
+mod lease;
+#[cfg(test)]
+mod tests;
+
+pub use lease::MemoryLease;
+
+type EntryKey = (Scope, IdempotencyKey);
+
+/// An in-memory [`Store`] and [`LeaseStore`].
+///
+/// In the short mode its transaction handle, [`MemoryTx`], stages JSON rows
+/// that become visible only when the operation completes. In the
+/// long-running mode the owner's handler finds a [`MemoryLease`] in its
+/// request extensions; rows it stages in a fenced transaction
+/// ([`MemoryLease::transaction`]) become visible at
+/// [`commit_fenced`](LeaseStore::commit_fenced), and only while the lease's
+/// attempt token is still the record's.
+///
+/// ```
+/// use tower_idempotency::memory::MemoryStore;
+///
+/// let store = MemoryStore::new();
+/// assert!(store.rows("orders").is_empty());
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct MemoryStore {
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Debug)]
+struct State {
+    entries: HashMap<EntryKey, Entry>,
+    tables: HashMap<String, Vec<Value>>,
+    // One counter for every key and both modes, never reset: a token handed
+    // out is larger than every earlier one, also after its record was removed.
+    next_token: i64,
+    // Sent whenever a leased record is finished or released or stops being
+    // held by a fenced transaction: what a claim or acquire that waits on a
+    // leased record waits for. Receivers subscribe under the state lock, so
+    // none misses a change made after it looked.
+    lease_changes: watch::Sender<()>,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State {
+            entries: HashMap::new(),
+            tables: HashMap::new(),
+            next_token: 0,
+            lease_changes: watch::Sender::new(()),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Entry {
+    /// A short-mode owner's open transaction.
+    InProgress {
+        token: i64,
+        // Dropped when the owner finishes, which wakes every waiter.
+        _done: watch::Sender<()>,
+        done_rx: watch::Receiver<()>,
+    },
+    /// A long-running operation, committed with a lease.
+    Leased(Leased),
+    Completed {
+        record: Record,
+        expires_at: Instant,
+        // Set when a long-running operation completed, so that its status
+        // resource can still find it.
+        operation_id: Option<OperationId>,
+    },
+}
+
+#[derive(Debug)]
+struct Leased {
+    token: i64,
+    operation_id: OperationId,
+    fingerprint: Fingerprint,
+    // What a recovery worker re-drives.
+    request: StoredRequest,
+    lease_expires_at: Instant,
+    // The record itself is forgotten after this (never before the lease
+    // runs out).
+    expires_at: Instant,
+    // How long the answer is remembered once finished.
+    retention: Duration,
+    // Fenced transactions open at `token`. While any is open, no takeover:
+    // a fenced transaction's check and its commit must see the same owner.
+    holds: usize,
+}
+
+impl Leased {
+    /// Moves the record to a new owner under `token`, leased for `lease`.
+    fn take_over(&mut self, token: i64, lease: Duration, retention: Duration, now: Instant) {
+        debug_assert_eq!(self.holds, 0, "a held record is never taken over");
+        self.token = token;
+        self.lease_expires_at = now + lease;
+        self.expires_at = self.expires_at.max(self.lease_expires_at);
+        self.retention = retention;
+    }
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The committed rows of `table`, in commit order.
+    pub fn rows(&self, table: &str) -> Vec<Value> {
+        lock(&self.state)
+            .tables
+            .get(table)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// How many completed records the store remembers (expired ones included
+    /// until they are taken over).
+    pub fn completed_records(&self) -> usize {
+        lock(&self.state)
+            .entries
+            .values()
+            .filter(|e| matches!(e, Entry::Completed { .. }))
+            .count()
+    }
+
+    /// Refuses a lease or fenced transaction of another `MemoryStore`: its
+    /// token could equal one of ours by chance, as every store counts from 1.
+    fn check_same(&self, state: &Arc<Mutex<State>>) -> Result<(), StoreError> {
+        if Arc::ptr_eq(&self.state, state) {
+            Ok(())
+        } else {
+            Err(StoreError::new(
+                StoreErrorKind::Backend,
+                "the lease belongs to another MemoryStore",
+            ))
+        }
+    }
+
+    fn owned(&self, entry_key: EntryKey, leased: &Leased, taken_over: bool) -> Owned<MemoryLease> {
+        let lease = MemoryLease::new(self.state.clone(), entry_key, leased);
+        Owned::new(lease, leased.operation_id, leased.token, taken_over)
+    }
+}
+
+// A poisoned lock only means another test thread panicked; the map itself is
+// always left consistent, so keep going.
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn issue_token(next_token: &mut i64) -> i64 {
+    *next_token += 1;
+    *next_token
+}
+
+/// The leased record `token` still owns.
+fn leased_mut<'a>(
+    entries: &'a mut HashMap<EntryKey, Entry>,
+    entry_key: &EntryKey,
+    token: i64,
+) -> Result<&'a mut Leased, StoreError> {
+    match entries.get_mut(entry_key) {
+        Some(Entry::Leased(leased)) if leased.token == token => Ok(leased),
+        _ => Err(fenced()),
+    }
+}
+
+fn fenced() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Fenced,
+        "the lease's token is no longer the record's (taken over, finished or released)",
+    )
+}
+
+impl Store for MemoryStore {
+    type Tx = MemoryTx;
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<MemoryTx>, StoreError> {
+        let entry_key = (request.scope.clone(), request.key.clone());
+        let deadline = Instant::now() + request.wait;
+        loop {
+            // When to look again without being told: a lease running out.
+            let mut recheck = deadline;
+            let mut changed = {
+                let mut state = lock(&self.state);
+                let now = Instant::now();
+                match state.entries.get(&entry_key) {
+                    Some(Entry::Completed {
+                        record, expires_at, ..
+                    }) if *expires_at > now => {
+                        return Ok(Claim::Completed(record.clone()));
+                    }
+                    Some(Entry::InProgress { done_rx, .. }) => done_rx.clone(),
+                    // A long-running operation under a live lease is never
+                    // taken over here: wait for it to finish or be released,
+                    // as for a short owner. One held by a fenced write waits
+                    // for the write.
+                    Some(Entry::Leased(leased))
+                        if leased.holds > 0 || leased.lease_expires_at > now =>
+                    {
+                        recheck = recheck.min(leased.lease_expires_at);
+                        state.lease_changes.subscribe()
+                    }
+                    // Absent or expired, or a long-running operation whose
+                    // lease expired: a new operation. The abandoned one is
+                    // taken over as PgStore does, so that an endpoint moved
+                    // back to the short mode finds its keys usable before
+                    // their retention ends; its stale owner is fenced.
+                    _ => {
+                        let token = issue_token(&mut state.next_token);
+                        let (done, done_rx) = watch::channel(());
+                        state.entries.insert(
+                            entry_key.clone(),
+                            Entry::InProgress {
+                                token,
+                                _done: done,
+                                done_rx,
+                            },
+                        );
+                        return Ok(Claim::Owned(MemoryTx::new(
+                            self.state.clone(),
+                            entry_key,
+                            token,
+                            TxKind::Claim {
+                                fingerprint: request.fingerprint,
+                                retention: request.retention,
+                            },
+                        )));
+                    }
+                }
+            };
+            // `changed` answers when a leased record changed, or fails once
+            // a short owner's sender is dropped: either way, look again.
+            let woken = tokio::time::timeout_at(recheck, changed.changed()).await;
+            if woken.is_err() && Instant::now() >= deadline {
+                return Ok(Claim::InProgress);
+            }
+        }
+    }
+
+    async fn complete(&self, tx: MemoryTx, response: &StoredResponse) -> Result<(), StoreError> {
+        let TxKind::Claim {
+            fingerprint,
+            retention,
+        } = tx.inner.kind
+        else {
+            // Left unfinished: dropping it releases its hold, as an abort would.
+            return Err(StoreError::new(
+                StoreErrorKind::TransactionAborted,
+                "a fenced transaction commits with LeaseStore::commit_fenced",
+            ));
+        };
+        let staged = tx.take_staged()?;
+        let mut state = lock(&self.state);
+        let inner = &tx.inner;
+        match state.entries.get(&inner.entry_key) {
+            Some(Entry::InProgress { token, .. }) if *token == inner.token => {}
+            _ => {
+                return Err(StoreError::new(
+                    StoreErrorKind::TransactionAborted,
+                    "the key is no longer owned by this transaction",
+                ))
+            }
+        }
+        for (table, row) in staged {
+            state.tables.entry(table).or_default().push(row);
+        }
+        let expires_at = Instant::now() + retention;
+        let record = Record {
+            fingerprint,
+            response: response.clone(),
+        };
+        state.entries.insert(
+            inner.entry_key.clone(),
+            Entry::Completed {
+                record,
+                expires_at,
+                operation_id: None,
+            },
+        );
+        Ok(())
+    }
+
+    async fn abort(&self, tx: MemoryTx) -> Result<(), StoreError> {
+        // Aborting a finished transaction is a no-op, as with PostgreSQL.
+        if tx.take_staged().is_ok() {
+            tx.inner.roll_back();
+        }
+        Ok(())
+    }
+}
+
+/// The transaction handle of a [`MemoryStore`] owner.
+///
+/// Rows staged with [`insert`](Self::insert) become visible in
+/// [`MemoryStore::rows`] only when the transaction commits, all together.
+///
+/// - A claim's transaction (the short mode) commits with
+///   [`Store::complete`]; an abort, or dropping every clone of the handle
+///   unfinished, discards its rows and frees the key.
+/// - A fenced transaction ([`MemoryLease::transaction`],
+///   [`LeaseStore::fenced`]) commits with
+///   [`LeaseStore::commit_fenced`], only if its lease's token is still the
+///   record's. While it is open, the record is held: no takeover happens. An
+///   abort, or dropping it unfinished, discards its rows and ends the hold;
+///   the lease stays its owner's.
+#[derive(Clone, Debug)]
+pub struct MemoryTx {
+    inner: Arc<TxInner>,
+}
+
+#[derive(Debug)]
+struct TxInner {
+    state: Arc<Mutex<State>>,
+    entry_key: EntryKey,
+    token: i64,
+    kind: TxKind,
+    staged: Mutex<Option<Vec<(String, Value)>>>,
+}
+
+#[derive(Debug)]
+enum TxKind {
+    /// A short-mode owner: the key is held by this transaction itself.
+    Claim {
+        fingerprint: Fingerprint,
+        retention: Duration,
+    },
+    /// A long-running owner's write: the key is held by its lease.
+    Fenced,
+}
+
+impl MemoryTx {
+    fn new(state: Arc<Mutex<State>>, entry_key: EntryKey, token: i64, kind: TxKind) -> Self {
+        MemoryTx {
+            inner: Arc::new(TxInner {
+                state,
+                entry_key,
+                token,
+                kind,
+                staged: Mutex::new(Some(Vec::new())),
+            }),
+        }
+    }
+
+    /// Stages a row for `table`, committed with the remembered response.
+    pub fn insert(&self, table: &str, row: Value) -> Result<(), StoreError> {
+        let mut staged = self.inner.staged.lock().unwrap_or_else(|p| p.into_inner());
+        match staged.as_mut() {
+            Some(rows) => {
+                rows.push((table.to_owned(), row));
+                Ok(())
+            }
+            None => Err(finished()),
+        }
+    }
+
+    /// The rows staged for `table` so far, as this transaction sees them.
+    pub fn staged_rows(&self, table: &str) -> Vec<Value> {
+        let staged = self.inner.staged.lock().unwrap_or_else(|p| p.into_inner());
+        staged
+            .iter()
+            .flatten()
+            .filter(|(t, _)| t == table)
+            .map(|(_, row)| row.clone())
+            .collect()
+    }
+
+    fn take_staged(&self) -> Result<Vec<(String, Value)>, StoreError> {
+        let mut staged = self.inner.staged.lock().unwrap_or_else(|p| p.into_inner());
+        staged.take().ok_or_else(finished)
+    }
+}
+
+fn finished() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::TransactionAborted,
+        "the transaction has already finished",
+    )
+}
+
+impl TxInner {
+    /// Ends this unfinished transaction without committing: a claim frees
+    /// its key; a fenced transaction only ends its hold.
+    fn roll_back(&self) {
+        let mut state = lock(&self.state);
+        match self.kind {
+            TxKind::Claim { .. } => {
+                if matches!(state.entries.get(&self.entry_key), Some(Entry::InProgress { token, .. }) if *token == self.token)
+                {
+                    state.entries.remove(&self.entry_key);
+                }
+            }
+            TxKind::Fenced => {
+                let State {
+                    entries,
+                    lease_changes,
+                    ..
+                } = &mut *state;
+                // Gone or another token: the owner finished or released the
+                // operation meanwhile, and the hold went with the record.
+                if let Ok(leased) = leased_mut(entries, &self.entry_key, self.token) {
+                    leased.holds = leased.holds.saturating_sub(1);
+                    lease_changes.send_replace(());
+                }
+            }
+        }
+    }
+}
+
+impl Drop for TxInner {
+    fn drop(&mut self) {
+        // Every handle is gone without being finished (a panicking handler,
+        // a leaked clone): roll back, like PostgreSQL does for a closed
+        // connection.
+        let unfinished = self.staged.get_mut().map(|s| s.is_some()).unwrap_or(true);
+        if unfinished {
+            self.roll_back();
+        }
+    }
+}
