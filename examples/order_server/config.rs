@@ -10,6 +10,12 @@ pub(crate) struct Settings {
     pub(crate) tokens: HashMap<String, TenantId>,
     pub(crate) retention: Duration,
     pub(crate) wait: Duration,
+    /// The lease of a long-running fulfilment: how long an owner that stops
+    /// heart-beating keeps its claim before a retry or the recovery worker
+    /// takes the operation over.
+    pub(crate) lease: Duration,
+    /// How long the fake warehouse takes to ship.
+    pub(crate) fulfilment_delay: Duration,
 }
 
 impl Settings {
@@ -32,6 +38,14 @@ impl Settings {
             wait: parse_duration(
                 "IDEMPOTENCY_WAIT",
                 &var("IDEMPOTENCY_WAIT").unwrap_or_else(|| "5s".into()),
+            )?,
+            lease: parse_duration(
+                "IDEMPOTENCY_LEASE",
+                &var("IDEMPOTENCY_LEASE").unwrap_or_else(|| "10s".into()),
+            )?,
+            fulfilment_delay: parse_duration(
+                "FULFILMENT_DELAY",
+                &var("FULFILMENT_DELAY").unwrap_or_else(|| "2s".into()),
             )?,
         })
     }

@@ -1,6 +1,7 @@
 //! The example order server: `POST /orders` with every guarantee of
-//! tower-idempotency, run as a real server. Its HTTP contract is in the
-//! README ("The example order server").
+//! tower-idempotency, and `POST /orders/{id}/fulfilment`, a long-running
+//! operation (leases, fencing tokens, takeover and recovery), run as a real
+//! server. Its HTTP contract is in the README ("The example order server").
 //!
 //!     cargo run --release --example order_server
 //!
@@ -10,8 +11,10 @@
 mod auth;
 mod config;
 mod downstream;
+mod fulfilment;
 mod orders;
 mod schema;
+mod warehouse;
 
 use std::{sync::Arc, time::Duration};
 
@@ -26,8 +29,8 @@ use http::StatusCode;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 use tower_idempotency::{
-    metrics::OUTBOX_RELAY_RESTARTS_TOTAL, outbox::Relay, postgres::PgStore, problem::Problem,
-    retention::Cleanup, testing::TempPostgres, IdempotencyLayer,
+    lease::LeaseConfig, metrics::OUTBOX_RELAY_RESTARTS_TOTAL, outbox::Relay, postgres::PgStore,
+    problem::Problem, retention::Cleanup, testing::TempPostgres, IdempotencyLayer,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -97,10 +100,31 @@ async fn run() -> Result<(), String> {
         IdempotencyLayer::new(store.clone(), "POST /orders v1", orders::fingerprinter())
             .retention(settings.retention)
             .wait(settings.wait);
+    let warehouse = warehouse::WarehouseClient::new(store.clone(), settings.fulfilment_delay);
+    let fulfilment = IdempotencyLayer::new(
+        store.clone(),
+        fulfilment::ENDPOINT,
+        fulfilment::fingerprinter(),
+    )
+    .retention(settings.retention)
+    .wait(settings.wait)
+    // The whole work includes the warehouse's delay: a slow warehouse must
+    // not turn every fulfilment into a handler timeout.
+    .handler_timeout(
+        settings
+            .fulfilment_delay
+            .saturating_add(Duration::from_secs(30)),
+    )
+    .long_running(LeaseConfig::new(settings.lease).respond_within(Duration::from_secs(1)));
     // Everything but /healthz and /metrics needs a token, unknown routes included.
     let protected = Router::new()
         .route("/orders", post(orders::create).layer(idempotency.clone()))
         .route("/orders/{id}", get(orders::get))
+        .route(
+            "/orders/{id}/fulfilment",
+            fulfilment::routes(warehouse.clone()).layer(fulfilment.clone()),
+        )
+        .route_service("/operations/{id}", fulfilment.status_service())
         .fallback(|| async {
             problem(Problem::new(
                 StatusCode::NOT_FOUND,
@@ -132,6 +156,14 @@ async fn run() -> Result<(), String> {
     ));
     let relay = tokio::spawn(supervise_relay(relay, stopped.clone()));
 
+    // Fulfilments whose owner died or stalled with nobody retrying are
+    // re-driven here. The handler runs without the idempotency layer (the
+    // worker owns the lease) but under the same path, so it extracts the
+    // same order id as for a client.
+    let recovery = fulfilment
+        .recovery(Router::new().route("/orders/{id}/fulfilment", fulfilment::routes(warehouse)));
+    let recovery = tokio::spawn(recovery.run(until_stopped(stopped.clone())));
+
     // Expired keys go in small batches; the gauges an operator watches
     // (cleanup backlog, oldest in-progress age) refresh on the same beat.
     let cleanup = Cleanup::new(store.clone()).interval(Duration::from_secs(15));
@@ -141,17 +173,29 @@ async fn run() -> Result<(), String> {
     });
 
     println!("listening on http://{addr}");
-    tracing::info!(%addr, retention = ?settings.retention, wait = ?settings.wait, "order server started; outbox relay running");
+    tracing::info!(%addr, retention = ?settings.retention, wait = ?settings.wait, lease = ?settings.lease, fulfilment_delay = ?settings.fulfilment_delay, "order server started; outbox relay and fulfilment recovery running");
     axum::serve(listener, app)
         .with_graceful_shutdown(until_stopped(stopped))
         .await
         .map_err(|e| format!("server error: {e}"))?;
-    // Requests whose clients left run on; let them commit before the database goes.
-    if tokio::time::timeout(Duration::from_secs(30), idempotency.drained())
-        .await
-        .is_err()
+    if recovery.await.is_err() {
+        tracing::error!("fulfilment recovery worker failed");
+    }
+    // Requests whose clients left, and fulfilments (whose work always runs
+    // on a task of its own), run on; let them commit before the database goes.
+    let drained = async {
+        tokio::join!(idempotency.drained(), fulfilment.drained());
+    };
+    if tokio::time::timeout(
+        settings
+            .fulfilment_delay
+            .saturating_add(Duration::from_secs(30)),
+        drained,
+    )
+    .await
+    .is_err()
     {
-        tracing::warn!("requests still running 30 s after shutdown; exiting anyway");
+        tracing::warn!("requests still running past the shutdown grace period; exiting anyway");
     }
     if let Err(e) = cleanup.await {
         tracing::error!(error = %e, "cleanup task failed");
@@ -159,7 +203,7 @@ async fn run() -> Result<(), String> {
     if relay.await.is_err() {
         tracing::error!("outbox relay supervisor failed");
     }
-    tracing::info!("shut down; in-flight requests and the relay's batch finished");
+    tracing::info!("shut down; in-flight requests, fulfilments and the relay's batch finished");
     Ok(())
 }
 

@@ -114,6 +114,11 @@ struct OrderBody {
     items: Vec<Item>,
     total: i64,
     created_at: String,
+    /// `"shipped"` once a fulfilment shipped it; absent before (and always
+    /// absent in the POST /orders answer and the `OrderCreated` payload,
+    /// which stay as they were).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fulfilment: Option<String>,
 }
 
 fn order_body(row: &tokio_postgres::Row) -> Result<OrderBody, String> {
@@ -126,6 +131,7 @@ fn order_body(row: &tokio_postgres::Row) -> Result<OrderBody, String> {
         items: serde_json::from_value(items).map_err(|e| e.to_string())?,
         total: row.try_get(5).map_err(|e| e.to_string())?,
         created_at: row.try_get(6).map_err(|e| e.to_string())?,
+        fulfilment: None,
     })
 }
 
@@ -241,10 +247,16 @@ pub(crate) async fn get(
             return crate::unavailable();
         }
     };
-    let sql =
-        format!("SELECT {ORDER_COLUMNS} FROM orders WHERE id = $1::text::uuid AND tenant_id = $2");
+    let sql = format!(
+        "SELECT {ORDER_COLUMNS}, fulfilment FROM orders WHERE id = $1::text::uuid AND tenant_id = $2"
+    );
+    let read = |row: &tokio_postgres::Row| -> Result<OrderBody, String> {
+        let mut body = order_body(row)?;
+        body.fulfilment = row.try_get(7).map_err(|e| e.to_string())?;
+        Ok(body)
+    };
     match client.query_opt(&sql, &[&id, &tenant.as_str()]).await {
-        Ok(Some(row)) => match order_body(&row) {
+        Ok(Some(row)) => match read(&row) {
             Ok(body) => axum::Json(body).into_response(),
             Err(e) => {
                 tracing::error!(error = %e, "cannot read the order");
@@ -259,7 +271,7 @@ pub(crate) async fn get(
     }
 }
 
-fn is_uuid(id: &str) -> bool {
+pub(crate) fn is_uuid(id: &str) -> bool {
     id.len() == 36
         && id.char_indices().all(|(i, c)| match i {
             8 | 13 | 18 | 23 => c == '-',

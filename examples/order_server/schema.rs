@@ -39,6 +39,33 @@ CREATE TABLE IF NOT EXISTS inventory_reservations (
     items            jsonb       NOT NULL,
     created_at       timestamptz NOT NULL DEFAULT now()
 );
+-- The order side of a fulfilment, written by the operation that shipped it
+-- (its derived warehouse key), so that a re-driven attempt recognises its
+-- own earlier work and answers another operation with already_fulfilled.
+ALTER TABLE orders
+    ADD COLUMN IF NOT EXISTS fulfilment     text,
+    ADD COLUMN IF NOT EXISTS shipment_id    text,
+    ADD COLUMN IF NOT EXISTS fulfilment_key text;
+-- What the fake warehouse shipped: at most one shipment per order, whatever
+-- the attempts, takeovers and stale workers. The warehouse is another
+-- system: it knows the order id as the text it was sent, not as our uuid.
+CREATE TABLE IF NOT EXISTS warehouse_shipments (
+    shipment_id      text        PRIMARY KEY
+                                 DEFAULT 'shp_' || replace(gen_random_uuid()::text, '-', ''),
+    order_id         text        NOT NULL UNIQUE,
+    idempotency_key  text        NOT NULL,
+    fencing_token    bigint      NOT NULL,
+    warehouse        text        NOT NULL,
+    tenant_id        text        NOT NULL,
+    created_at       timestamptz NOT NULL DEFAULT now()
+);
+-- The highest fencing token the warehouse has seen per order: a call that
+-- carries a lower one comes from an attempt that was taken over.
+CREATE TABLE IF NOT EXISTS warehouse_tokens (
+    order_id         text        PRIMARY KEY,
+    highest_token    bigint      NOT NULL,
+    updated_at       timestamptz NOT NULL DEFAULT now()
+);
 "#;
 
 pub(crate) async fn migrate(store: &PgStore) -> Result<(), String> {

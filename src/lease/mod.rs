@@ -35,7 +35,11 @@
 //! 4. The layer heartbeats every [`LeaseConfig::heartbeat`]. Should the owner
 //!    die or stall, its lease runs out and the next duplicate (or the
 //!    [`Recovery`] worker) takes the operation over under a larger token.
-//! 5. Every write the work makes goes through a fenced transaction
+//! 5. Work that ends without an answer to remember (a 5xx, an error, the
+//!    handler timeout) frees the key, as a rollback does in the short mode:
+//!    its record is removed, the status resource answers `404` for its id,
+//!    and the client's retry with the same key starts afresh.
+//! 6. Every write the work makes goes through a fenced transaction
 //!    ([`PgLease::transaction`](crate::postgres::PgLease::transaction)),
 //!    which holds the record at the owner's token until it commits, and the
 //!    final answer is stored by a compare-and-swap on the token. A stale

@@ -11,7 +11,7 @@ use std::{
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tower_service::Service;
 
 use super::OperationId;
@@ -113,17 +113,8 @@ where
                     return Ok(respond(&problem));
                 }
             };
-            let body = match operation.state {
-                OperationState::Running => {
-                    json!({"operation_id": id.to_string(), "state": "running"})
-                }
-                OperationState::Completed(response) => json!({
-                    "operation_id": id.to_string(),
-                    "state": "completed",
-                    "result": {"status": response.status.as_u16(), "body": body_value(&response.body)},
-                }),
-            };
-            let mut response = Response::new(ResponseBody::buffered(Bytes::from(body.to_string())));
+            let body = status_body(id, &operation.state);
+            let mut response = Response::new(ResponseBody::buffered(body));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
@@ -133,13 +124,30 @@ where
     }
 }
 
-/// A remembered body as the status shows it: JSON when it is JSON.
-fn body_value(body: &Bytes) -> Value {
-    if body.is_empty() {
-        return Value::Null;
+/// The status document, members in the documented order: `operation_id`,
+/// `state`, then `result` once completed. A remembered JSON body is embedded
+/// byte for byte; any other body as a JSON string.
+fn status_body(id: OperationId, state: &OperationState) -> Bytes {
+    let mut out = format!(r#"{{"operation_id":"{id}","state":"#).into_bytes();
+    match state {
+        OperationState::Running => out.extend_from_slice(br#""running"}"#),
+        OperationState::Completed(response) => {
+            out.extend_from_slice(br#""completed","result":{"status":"#);
+            out.extend_from_slice(response.status.as_u16().to_string().as_bytes());
+            out.extend_from_slice(br#","body":"#);
+            let body = &response.body;
+            if body.is_empty() {
+                out.extend_from_slice(b"null");
+            } else if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
+                out.extend_from_slice(body);
+            } else {
+                let text = Value::String(String::from_utf8_lossy(body).into_owned());
+                out.extend_from_slice(text.to_string().as_bytes());
+            }
+            out.extend_from_slice(b"}}");
+        }
     }
-    serde_json::from_slice(body)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()))
+    Bytes::from(out)
 }
 
 fn not_found() -> Problem {

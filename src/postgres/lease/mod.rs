@@ -126,7 +126,8 @@ impl PgLease {
     ///
     /// Keep it short: while it is open, heartbeats and takeovers wait for
     /// it. Never hold one across a slow external call; PostgreSQL ends one
-    /// left idle for longer than the lease.
+    /// left idle for longer than the lease, and a lock wait inside it gives
+    /// up after half the lease (at most 5 s) with `55P03`.
     ///
     /// [`TxErrorKind::Fenced`](super::TxErrorKind::Fenced) if another owner
     /// took the operation over.
@@ -151,10 +152,14 @@ impl PgLease {
         self.inner.lease
     }
 
-    /// Remembers that the store refused this owner, and counts it.
-    pub(super) fn mark_fenced(&self, at: crate::metrics::FencedAt) {
+    /// Remembers that the store refused this owner. A refused write is
+    /// counted here; heartbeats and completions are counted by the layer,
+    /// whatever the store.
+    pub(super) fn mark_fenced(&self, write: Option<crate::metrics::FencedAt>) {
         self.inner.fenced.store(true, Ordering::Relaxed);
-        crate::metrics::fenced(self.inner.scope.endpoint(), at);
+        if let Some(at) = write {
+            crate::metrics::fenced(self.inner.scope.endpoint(), at);
+        }
     }
 }
 

@@ -71,10 +71,9 @@ const HEARTBEAT: &str = "UPDATE idempotency_requests SET \
 
 // FOR SHARE: concurrent fenced transactions of the owner do not wait for
 // each other, but a takeover (an UPDATE of the row) waits until they end,
-// and then finds the lease renewed or not, never half of a write.
-// RETURNING-like tail: the transaction id (the commit checks it) and the
-// session's lock_timeout restored for the handler's statements.
-const HOLD: &str = "SELECT pg_current_xact_id()::text, set_config('lock_timeout', NULL, true) \
+// and then finds the lease renewed or not, never half of a write. Also
+// returns the transaction id, which the commit checks.
+const HOLD: &str = "SELECT pg_current_xact_id()::text \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' \
@@ -234,7 +233,7 @@ pub(in crate::postgres) async fn heartbeat(
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &extend];
     let rows = short_execute(lease.store(), HEARTBEAT, &params).await?;
     if rows == 0 {
-        lease.mark_fenced(FencedAt::Heartbeat);
+        lease.mark_fenced(None);
         return Err(fenced_error());
     }
     Ok(())
@@ -259,15 +258,18 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
     let token = lease.attempt_token();
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
-    // Should the owner's process stall with the row held, PostgreSQL ends
-    // the transaction once it idles for a lease, so takeovers are not
-    // blocked for longer than the lease they wait for anyway.
+    // While the row is held, the owner's own heartbeats wait too. So no
+    // lock wait in the transaction may outlast half a lease (the rest of
+    // the lease is the margin for the next heartbeat), and should the
+    // owner's process stall with the row held, PostgreSQL ends the
+    // transaction once it idles for a lease: takeovers are not blocked for
+    // longer than the lease they wait for anyway.
     let begin = format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
          SET LOCAL lock_timeout = '{}ms'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
          SET LOCAL application_name = 'tower-idempotency'",
-        millis(ROW_WAIT),
+        millis(ROW_WAIT.min(lease.lease() / 2)),
         millis(lease.lease()),
     );
     conn.mark_dirty();
@@ -290,7 +292,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     };
     let Some(row) = row else {
         let _ = rollback(conn).await;
-        lease.mark_fenced(FencedAt::Write);
+        lease.mark_fenced(Some(FencedAt::Write));
         return Err(fenced_error());
     };
     let xid: String = row.get(0);
@@ -320,7 +322,7 @@ pub(in crate::postgres) async fn finish(
     ];
     let rows = short_execute(lease.store(), FINISH, &params).await?;
     if rows == 0 {
-        lease.mark_fenced(FencedAt::Completion);
+        lease.mark_fenced(None);
         return Err(fenced_error());
     }
     Ok(())
@@ -333,7 +335,7 @@ pub(in crate::postgres) async fn release(lease: &PgLease) -> Result<(), StoreErr
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
     let rows = short_execute(lease.store(), RELEASE, &params).await?;
     if rows == 0 {
-        lease.mark_fenced(FencedAt::Completion);
+        lease.mark_fenced(None);
         return Err(fenced_error());
     }
     Ok(())
