@@ -143,7 +143,9 @@ async fn committed_in_progress_row_is_taken_over_not_waited_for() {
         .row("SELECT state, attempt_token FROM idempotency_requests")
         .await;
     assert_eq!(row.get::<_, &str>(0), "completed");
-    assert_eq!(row.get::<_, i64>(1), 2, "taken over as a new attempt");
+    // Tokens come from one sequence that every claim draws from (a
+    // conflicting insert too): larger, not necessarily next.
+    assert!(row.get::<_, i64>(1) > 1, "taken over as a new attempt");
     assert_eq!(pg.orders().await.len(), 1);
 }
 

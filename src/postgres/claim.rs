@@ -16,7 +16,34 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
 
-// The claim. Its transaction was begun by `claim_begin`, which set the wait
+// The claim, claim first: no read before the insert decides the owner. One
+// statement either inserts the key's row (we own it; RETURNING puts
+// lock_timeout back to the session's default for the handler) or, without
+// taking a row lock, returns the key's committed record as this
+// statement's snapshot sees it, with whether it may be taken over (its
+// retention ended, or an orphan: see CLAIM_KEY). ON CONFLICT DO NOTHING
+// waits for a transaction that holds the key's row, within lock_timeout;
+// a record committed during that wait is not in the snapshot: no row comes
+// back, and the caller reads it with a fresh one. Columns: owned, token,
+// xid, then the record as LOOKUP reads it (from 3), then "may take over".
+const CLAIM: &str = "WITH claimed AS ( \
+         INSERT INTO idempotency_requests AS r \
+             (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+         VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
+         ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING \
+         RETURNING attempt_token, pg_current_xact_id()::text AS xid, set_config('lock_timeout', NULL, true)) \
+     SELECT true, attempt_token, xid, NULL::bytea, NULL::text, NULL::int2, NULL::bytea, NULL::bytea, false \
+     FROM claimed \
+     UNION ALL \
+     SELECT false, NULL::int8, NULL::text, request_fingerprint, state, response_status, response_headers, \
+         response_body, \
+         expires_at <= now() OR (state = 'in_progress' AND (lease_expires_at IS NULL OR lease_expires_at <= now())) \
+     FROM idempotency_requests \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+         AND NOT EXISTS (SELECT FROM claimed)";
+
+// The takeover of an expired or orphaned record, in the claim's
+// transaction. Its transaction was begun by `claim_begin`, which set the wait
 // limit; RETURNING runs once we own the key and puts lock_timeout back to the
 // session's default for the handler (`set_config` with NULL is `SET LOCAL …
 // TO DEFAULT`: the value from the server, database, role or connection
@@ -71,85 +98,37 @@ async fn claim_once(
     let retried = deadline.is_some();
     let deadline =
         deadline.unwrap_or_else(|| tokio::time::Instant::now() + request.wait.max(MIN_WAIT));
-    // Outside the claim's transaction no lock_timeout applies, so the
-    // deadline bounds the lookup and the first PREPARE of the claim
-    // statement on this connection. A statement cut off that way leaves
-    // its connection busy, so the connection is closed rather than
-    // returned.
-    let mut looked_up = false;
-    let prepared = tokio::time::timeout_at(deadline, async {
-        let record = match lookup(&conn, request).await? {
-            Some(row) => decode::record(&row)?,
-            None => None,
-        };
-        looked_up = true;
-        let claim = conn.prepare_cached(CLAIM_KEY).await.map_err(map_error)?;
-        Ok::<_, StoreError>((record, claim))
-    })
+    let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+    // Cut off mid-statement, `conn` stays marked dirty: it is closed, and
+    // PostgreSQL rolls back once the statement ends.
+    let claimed = tokio::time::timeout_at(
+        deadline + CLAIM_GRACE,
+        try_claim(&mut conn, request, wait),
+    )
     .await;
-    let claim = match prepared {
-        Ok(Ok((Some(record), _))) => return Ok(Claim::Completed(record)),
-        Ok(Ok((None, claim))) => claim,
+    let found = match claimed {
+        Err(_) => return Err(timed_out()),
+        Ok(Ok(Claimed::Owned(token, xid))) => {
+            return Ok(Claim::Owned(PgTx::new(
+                conn,
+                request.scope.clone(),
+                request.key.clone(),
+                token,
+                xid,
+                request.retention,
+            )))
+        }
+        Ok(Ok(Claimed::Found(found))) => found,
         // A pooled connection the server closed (a restart, a terminated
         // backend), or whose session is not what we left, is only found
-        // out when used. Nothing has happened on it yet: drop it and start
+        // out when used. Nothing was committed on it: drop it and start
         // over once on a fresh one, rather than answer 503 for a database
         // that is fine.
         Ok(Err(e))
             if (e.kind() == StoreErrorKind::Unavailable || is_session_fault(&e)) && !retried =>
         {
-            conn.mark_dirty();
             drop(conn);
             return Box::pin(claim_once(store, request, Some(deadline))).await;
-        }
-        Ok(Err(e)) => {
-            if is_session_fault(&e) {
-                conn.mark_dirty();
-            }
-            return Err(e);
-        }
-        // The server answered the lookup, but preparing the INSERT waits
-        // for a lock on the key table (a migration, a `LOCK TABLE`): the
-        // same wait as the claim's own lock timeout, answered the same way.
-        Err(_) if looked_up => {
-            conn.mark_dirty();
-            return Ok(Claim::InProgress);
-        }
-        Err(_) => {
-            conn.mark_dirty();
-            return Err(timed_out());
-        }
-    };
-    let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
-    let claimed = tokio::time::timeout_at(
-        deadline + CLAIM_GRACE,
-        try_claim(&mut conn, &claim, request, wait),
-    )
-    .await;
-    match claimed {
-        // Cut off mid-statement: `conn` is marked dirty, so it is closed,
-        // and PostgreSQL rolls back once the statement ends.
-        Err(_) => Err(timed_out()),
-        Ok(Ok(Some((token, xid)))) => Ok(Claim::Owned(PgTx::new(
-            conn,
-            request.scope.clone(),
-            request.key.clone(),
-            token,
-            xid,
-            request.retention,
-        ))),
-        Ok(Ok(None)) => {
-            // Committed by another owner while we waited: read it with a
-            // fresh snapshot, then let go.
-            let row = tokio::time::timeout_at(deadline + CLAIM_GRACE, lookup(&conn, request))
-                .await
-                .unwrap_or_else(|_| Err(timed_out()));
-            rollback(conn).await?;
-            let record = match row? {
-                Some(row) => decode::record(&row)?,
-                None => None,
-            };
-            Ok(record.map_or(Claim::InProgress, Claim::Completed))
         }
         Ok(Err(e)) => {
             let lock_timeout = e.sql_state() == Some(SqlState::LOCK_NOT_AVAILABLE.code());
@@ -157,13 +136,57 @@ async fn claim_once(
                 // A failed rollback leaves `conn` marked dirty: it is closed.
                 let _ = rollback(conn).await;
             }
-            if lock_timeout {
+            // A lock wait past the wait (a duplicate's row, or the whole
+            // table locked by a migration): in progress.
+            return if lock_timeout {
                 Ok(Claim::InProgress)
             } else {
                 Err(e)
+            };
+        }
+    };
+    let answer = match found {
+        // The common replay: nothing to wait for. The transaction wrote
+        // nothing; it ends behind the answer.
+        Found::Existing(Some(record)) => {
+            tokio::spawn(rollback_quietly(conn));
+            return Ok(Claim::Completed(record));
+        }
+        Found::Existing(None) => Ok(Claim::InProgress),
+        // Committed by another owner while we waited on its row (or a row
+        // to take over, taken by someone else): read it with a fresh
+        // snapshot, then let go.
+        Found::Unseen => {
+            let row = tokio::time::timeout_at(deadline + CLAIM_GRACE, lookup(&conn, request))
+                .await
+                .unwrap_or_else(|_| Err(timed_out()));
+            match row {
+                Ok(Some(row)) => decode::record(&row).map(|r| r.map_or(Claim::InProgress, Claim::Completed)),
+                Ok(None) => Ok(Claim::InProgress),
+                Err(e) => Err(e),
             }
         }
-    }
+    };
+    rollback(conn).await?;
+    answer
+}
+
+/// What the claim's transaction found.
+enum Claimed {
+    /// Inserted (or took over): this request owns the key.
+    Owned(i64, String),
+    /// Someone else's record.
+    Found(Found),
+}
+
+/// Someone else's record, as the claim found it.
+enum Found {
+    /// The key's committed record, as the claim's snapshot saw it:
+    /// completed (`Some`), or in progress under a live lease.
+    Existing(Option<crate::record::Record>),
+    /// The key is taken, but by a row the claim's snapshot does not show
+    /// (committed while the claim waited for it).
+    Unseen,
 }
 
 /// Reads the record of `request`'s key, if any (READ COMMITTED: a fresh snapshot).
@@ -175,27 +198,61 @@ async fn lookup(conn: &Conn, request: &ClaimRequest) -> Result<Option<Row>, Stor
         .map_err(map_error)
 }
 
-/// Begins and claims in one round trip: `Some((token, xid))` if we own the key.
+/// Begins and claims in one round trip, and takes over a record that may
+/// be taken over in a second statement of the same transaction.
+///
+/// The claim statement is prepared on first use on this connection; its
+/// `Parse` then goes out behind the `BEGIN` batch, so that a lock on the
+/// whole table met while planning it is bounded by the wait too.
 async fn try_claim(
     conn: &mut Conn,
-    claim: &tokio_postgres::Statement,
     request: &ClaimRequest,
     wait: Duration,
-) -> Result<Option<(i64, String)>, StoreError> {
+) -> Result<Claimed, StoreError> {
     let retention = request.retention.as_secs_f64();
     let fingerprint = request.fingerprint.as_bytes().as_slice();
     let (tenant, endpoint, key) = key_columns(request);
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &fingerprint, &retention];
     let begin = claim_begin(wait, request.hold_limit);
     conn.mark_dirty();
-    // One round trip: the begin batch and the claim are pipelined, in this order.
-    let (_, claimed) = tokio::try_join!(
+    let (_, rows) = tokio::try_join!(
         biased;
         conn.batch_execute(&begin),
-        conn.query_opt(claim, &params),
+        async {
+            // Cached after the first use: no round trip, and the claim is
+            // pipelined with the begin batch.
+            let claim = conn.prepare_cached(CLAIM).await?;
+            conn.query(&claim, &params).await
+        },
     )
     .map_err(map_error)?;
-    Ok(claimed.map(|row| (row.get(0), row.get(1))))
+    let Some(row) = rows.first() else {
+        return Ok(Claimed::Found(Found::Unseen));
+    };
+    if row.get::<_, bool>(0) {
+        return Ok(Claimed::Owned(row.get(1), row.get(2)));
+    }
+    if !row.get::<_, bool>(8) {
+        return Ok(Claimed::Found(Found::Existing(decode::record_at(row, 3)?)));
+    }
+    // Expired, or an orphan: take it over, as a second step of the same
+    // transaction (rare: once per key per retention period).
+    let take_over = conn.prepare_cached(CLAIM_KEY).await.map_err(map_error)?;
+    let taken = conn
+        .query_opt(&take_over, &params)
+        .await
+        .map_err(map_error)?;
+    Ok(match taken {
+        Some(row) => Claimed::Owned(row.get(0), row.get(1)),
+        None => Claimed::Found(Found::Unseen),
+    })
+}
+
+/// A replay's transaction wrote nothing: end it off the request's path.
+async fn rollback_quietly(conn: Conn) {
+    if let Err(e) = rollback(conn).await {
+        tracing::debug!(error = %e, "ending a replay's transaction failed; the connection was closed");
+    }
 }
 
 /// Rolls back; the connection goes back to the pool only if that worked.

@@ -18,14 +18,19 @@ use crate::{
 /// response_status, response_headers, response_body`); `None` for a row that
 /// is not completed (a committed in-progress row).
 pub(super) fn record(row: &Row) -> Result<Option<Record>, StoreError> {
-    let state: &str = row.try_get(1).map_err(|_| corrupt("state"))?;
+    record_at(row, 0)
+}
+
+/// [`record`], for the same five columns starting at column `at`.
+pub(super) fn record_at(row: &Row, at: usize) -> Result<Option<Record>, StoreError> {
+    let state: &str = row.try_get(at + 1).map_err(|_| corrupt("state"))?;
     if state_of(state) != KeyState::Completed {
         return Ok(None);
     }
-    let fingerprint: &[u8] = row.try_get(0).map_err(|_| corrupt("fingerprint"))?;
-    let status: i16 = row.try_get(2).map_err(|_| corrupt("status"))?;
-    let headers: &[u8] = row.try_get(3).map_err(|_| corrupt("header block"))?;
-    let body: &[u8] = row.try_get(4).map_err(|_| corrupt("body"))?;
+    let fingerprint: &[u8] = row.try_get(at).map_err(|_| corrupt("fingerprint"))?;
+    let status: i16 = row.try_get(at + 2).map_err(|_| corrupt("status"))?;
+    let headers: &[u8] = row.try_get(at + 3).map_err(|_| corrupt("header block"))?;
+    let body: &[u8] = row.try_get(at + 4).map_err(|_| corrupt("body"))?;
     Ok(Some(Record {
         fingerprint: fingerprint_of(fingerprint)?,
         response: StoredResponse {

@@ -3,17 +3,20 @@
 //!
 //! The protocol, per request:
 //!
-//! 1. A plain indexed read finds a completed, unexpired record: replay it
-//!    (no transaction, no write, no lock).
-//! 2. Otherwise, in one round trip: `BEGIN ISOLATION LEVEL READ COMMITTED`
-//!    (the "not owned" read below needs a fresh snapshot) with `lock_timeout`
-//!    set to the wait, and `INSERT … ON CONFLICT ON CONSTRAINT
-//!    idempotency_requests_pkey DO UPDATE … WHERE expired RETURNING
-//!    attempt_token, (the session's lock_timeout restored for the handler)`. A returned row means this
-//!    request owns the key (new, or an expired record taken over). If another
-//!    transaction holds the key, the insert waits on it; `55P03` after the wait
-//!    means in progress. No row means a record committed meanwhile: read it in
-//!    the same transaction and roll back.
+//! 1. Claim first, in one round trip: `BEGIN ISOLATION LEVEL READ COMMITTED`
+//!    with `lock_timeout` set to the wait, pipelined with one statement that
+//!    either inserts the key's row (`INSERT … ON CONFLICT ON CONSTRAINT
+//!    idempotency_requests_pkey DO NOTHING RETURNING attempt_token, …`: this
+//!    request owns the key) or returns the key's committed record without a
+//!    lock. No `SELECT` before the insert decides the owner: the unique index
+//!    does. If another transaction holds the key, the insert waits on it;
+//!    `55P03` after the wait means in progress.
+//! 2. Not owned: a completed record is replayed, and the transaction, which
+//!    wrote nothing, ends behind the answer. A record committed while the
+//!    claim waited is read with a fresh snapshot. An expired record (or an
+//!    orphaned in-progress row) is taken over by a second statement in the
+//!    same transaction, `… ON CONFLICT DO UPDATE … WHERE expired`, as a new
+//!    attempt under a larger token.
 //! 3. The handler writes through [`PgTx`].
 //! 4. In one round trip: `UPDATE` the row with the response (its retention
 //!    counts from now, the completion), `COMMIT`, and a session reset. The
@@ -23,8 +26,10 @@
 //!    from being sent.
 //!
 //! One deadline (the request's wait) bounds steps 1 and 2: lock waits by
-//! `lock_timeout`, everything else (a slow server, a lost network) by the
-//! client, which then closes the connection.
+//! `lock_timeout` (a lock on the whole table too: the claim statement is
+//! prepared inside the transaction on its first use), everything else (a
+//! slow server, a lost network) by the client, which then closes the
+//! connection.
 //!
 //! Every pooled connection that may be inside a transaction is held in a
 //! guard that closes it, rather than returning it to the pool, if it is
