@@ -14,13 +14,31 @@ use std::{
 
 use tokio::sync::watch;
 
-use crate::{key::IdempotencyKey, scope::Scope};
+use crate::{key::IdempotencyKey, record::Record, scope::Scope};
 
 type Key = (Scope, IdempotencyKey);
 
+/// What a leader has made known about its key so far.
+#[derive(Debug, Clone, Default)]
+enum Settlement {
+    /// Nothing yet (or it finished without a record: rolled back).
+    #[default]
+    Pending,
+    /// The key has a record in the store.
+    Known,
+    /// The key's completed record, as the leader committed or read it.
+    Answer(Arc<Record>),
+}
+
+/// A key's leader as its followers find it: what it made known, and the
+/// token each follower holds a clone of.
+type Leader = (watch::Receiver<Settlement>, Arc<()>);
+
 #[derive(Debug, Default)]
 pub(crate) struct InFlight {
-    leaders: Mutex<HashMap<Key, watch::Receiver<bool>>>,
+    /// Per key: what its leader made known, and a token each follower
+    /// holds a clone of (so that tests can see who waits).
+    leaders: Mutex<HashMap<Key, Leader>>,
 }
 
 pub(crate) enum Turn {
@@ -33,17 +51,23 @@ pub(crate) enum Turn {
 pub(crate) struct LeadGuard {
     in_flight: Arc<InFlight>,
     key: Key,
-    // Dropping the sender wakes every follower; the value says whether the
-    // key now has a record.
-    done: watch::Sender<bool>,
+    // Dropping the sender wakes every follower; the value says what the
+    // key now has.
+    done: watch::Sender<Settlement>,
 }
 
 /// Waits for a leader.
-pub(crate) struct Follower(watch::Receiver<bool>);
+pub(crate) struct Follower {
+    done: watch::Receiver<Settlement>,
+    /// Counts this follower while it waits.
+    _waiting: Arc<()>,
+}
 
 /// How a wait for the leader ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Woken {
+    /// The key's completed record, from the leader: no store needed.
+    Answer(Arc<Record>),
     /// The key has a record now: every follower may read it at once.
     Settled,
     /// The leader finished without a record (rolled back): one follower
@@ -56,10 +80,13 @@ pub(crate) enum Woken {
 impl Follower {
     pub(crate) async fn wait(mut self, deadline: tokio::time::Instant) -> Woken {
         // `changed` fails once the leader's sender is dropped: it finished.
-        match tokio::time::timeout_at(deadline, self.0.changed()).await {
+        match tokio::time::timeout_at(deadline, self.done.changed()).await {
             Err(_) => Woken::TimedOut,
-            Ok(_) if *self.0.borrow() => Woken::Settled,
-            Ok(_) => Woken::Unsettled,
+            Ok(_) => match &*self.done.borrow() {
+                Settlement::Answer(record) => Woken::Answer(record.clone()),
+                Settlement::Known => Woken::Settled,
+                Settlement::Pending => Woken::Unsettled,
+            },
         }
     }
 }
@@ -68,7 +95,19 @@ impl LeadGuard {
     /// The key has a record (this leader committed, or found one): followers
     /// go straight to it.
     pub(crate) fn settled(&self) {
-        self.done.send_replace(true);
+        self.done.send_if_modified(|s| {
+            let pending = matches!(s, Settlement::Pending);
+            if pending {
+                *s = Settlement::Known;
+            }
+            pending
+        });
+    }
+
+    /// The key's completed record: followers answer from it, without the
+    /// store.
+    pub(crate) fn answered(&self, record: Record) {
+        self.done.send_replace(Settlement::Answer(Arc::new(record)));
     }
 }
 
@@ -76,16 +115,32 @@ impl InFlight {
     pub(crate) fn enter(self: &Arc<Self>, scope: &Scope, key: &IdempotencyKey) -> Turn {
         let key = (scope.clone(), key.clone());
         let mut leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(done) = leaders.get(&key) {
-            return Turn::Follow(Follower(done.clone()));
+        if let Some((done, followers)) = leaders.get(&key) {
+            return Turn::Follow(Follower {
+                done: done.clone(),
+                _waiting: followers.clone(),
+            });
         }
-        let (done, done_rx) = watch::channel(false);
-        leaders.insert(key.clone(), done_rx);
+        let (done, done_rx) = watch::channel(Settlement::Pending);
+        leaders.insert(key.clone(), (done_rx, Arc::new(())));
         Turn::Lead(LeadGuard {
             in_flight: self.clone(),
             key,
             done,
         })
+    }
+}
+
+#[cfg(test)]
+impl InFlight {
+    /// How many requests wait behind the leader of `key` right now.
+    pub(crate) fn waiting(&self, scope: &Scope, key: &IdempotencyKey) -> usize {
+        let leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (scope.clone(), key.clone());
+        // The map holds one receiver itself; the leader holds the sender.
+        leaders
+            .get(&key)
+            .map_or(0, |(_, followers)| Arc::strong_count(followers) - 1)
     }
 }
 

@@ -13,6 +13,7 @@ use std::{
     fmt,
     future::{poll_fn, Future},
     marker::PhantomData,
+    sync::Arc,
     task::{Context, Poll},
     time::Instant,
 };
@@ -27,12 +28,12 @@ use tracing::{field, Instrument};
 use crate::{
     admit::{admit, Admission, Admitted},
     body::{BoxError, RequestBody, ResponseBody},
-    coalesce::{Turn, Woken},
+    coalesce::{LeadGuard, Turn, Woken},
     endpoint::Endpoint,
     fingerprint::Fingerprinter,
     future::ResponseFuture,
     lease::{settle_long, LongRunning, ShortTransaction},
-    record::{FinalResponse, StoredResponse},
+    record::{FinalResponse, Record, StoredResponse},
     scope::{ResolveTenant, TenantFromExtension},
     settled::{MiddlewareResult, Rollback, Settled, Timings},
     store::{Claim, LeaseStore, Store},
@@ -267,12 +268,27 @@ where
     let deadline = tokio::time::Instant::now() + config.wait;
 
     // 2. Coalesce.
-    let Some((lead, followed)) = coalesce(&endpoint, &claim, deadline).await else {
-        timings.waited = Some(timings.since_arrival());
-        timings.claimed = timings.waited;
-        return (Settled::InProgress, timings);
+    let (lead, followed) = match coalesce(&endpoint, &claim, deadline).await {
+        Coalesced::Lead(lead, followed) => (Some(lead), followed),
+        Coalesced::Read => (None, true),
+        Coalesced::Answered(record) => {
+            timings.waited = Some(timings.since_arrival());
+            timings.claimed = timings.waited;
+            return (Coalesced::answer(&record, &claim.fingerprint), timings);
+        }
+        Coalesced::TimedOut => {
+            timings.waited = Some(timings.since_arrival());
+            timings.claimed = timings.waited;
+            return (Settled::InProgress, timings);
+        }
     };
-    let settled = || lead.as_ref().inspect(|lead| lead.settled());
+    // Followers of this process answer from the record this request
+    // commits or finds.
+    let answered = |record: &Record| {
+        if let Some(lead) = &lead {
+            lead.answered(record.clone());
+        }
+    };
 
     // 3. Claim, with what is left of the wait. Should this process freeze
     // past the handler's deadline, the database ends the claim by itself.
@@ -285,13 +301,9 @@ where
     }
     let tx = match claimed {
         Ok(Claim::Owned(tx)) => tx,
-        Ok(Claim::Completed(record)) if record.fingerprint == claim.fingerprint => {
-            settled();
-            return (Settled::Replayed(record.response), timings);
-        }
-        Ok(Claim::Completed(_)) => {
-            settled();
-            return (Settled::KeyReused, timings);
+        Ok(Claim::Completed(record)) => {
+            answered(&record);
+            return (Coalesced::answer(&record, &claim.fingerprint), timings);
         }
         Ok(Claim::InProgress) => return (Settled::InProgress, timings),
         Err(e) => return (Settled::ClaimFailed(e), timings),
@@ -308,8 +320,12 @@ where
 
     // 5. Remember, or roll back.
     let ended = remember(&endpoint, tx, ran).await;
-    if matches!(ended, Settled::Committed(..)) {
-        settled();
+    if let Settled::Committed(parts, body) = &ended {
+        let replayed = &config.replay_headers;
+        answered(&Record {
+            fingerprint: claim.fingerprint,
+            response: StoredResponse::new(parts.status, &parts.headers, replayed, body.clone()),
+        });
     }
     timings.held = Some(held_since.elapsed());
     (ended, timings)
@@ -343,29 +359,56 @@ async fn remember<St: Store, F, R, ResB, E>(
 /// transaction that went silent (its process frozen, its network gone).
 const HOLD_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Waits while another request of this process works on the same key.
-/// `Some((lead, followed))` once this request may go to the store (as the
-/// key's leader here, or without leading once the key has a record); `None`
-/// if the wait ran out first.
+/// Waits while another request of this process works on the same key, and
+/// says how this request goes on.
 pub(crate) async fn coalesce<St, F, R>(
     endpoint: &Endpoint<St, F, R>,
     claim: &crate::store::ClaimRequest,
     deadline: tokio::time::Instant,
-) -> Option<(Option<crate::coalesce::LeadGuard>, bool)> {
+) -> Coalesced {
     let mut followed = false;
     loop {
         match endpoint.runtime.in_flight.enter(&claim.scope, &claim.key) {
-            Turn::Lead(guard) => return Some((Some(guard), followed)),
+            Turn::Lead(guard) => return Coalesced::Lead(guard, followed),
             Turn::Follow(follower) => {
                 followed = true;
                 match follower.wait(deadline).await {
+                    Woken::Answer(record) => return Coalesced::Answered(record),
                     // The key has a record: read it without leading.
-                    Woken::Settled => return Some((None, followed)),
+                    Woken::Settled => return Coalesced::Read,
                     // The leader rolled back: one of us leads next.
                     Woken::Unsettled => {}
-                    Woken::TimedOut => return None,
+                    Woken::TimedOut => return Coalesced::TimedOut,
                 }
             }
+        }
+    }
+}
+
+/// How a request goes on after [`coalesce`].
+pub(crate) enum Coalesced {
+    /// To the store, as the key's leader in this process (`true`: after
+    /// waiting behind another request first).
+    Lead(LeadGuard, bool),
+    /// To the store, after a leader of this process settled the key.
+    Read,
+    /// Answered from the leader's record: no store needed.
+    Answered(Arc<Record>),
+    /// The wait ran out first.
+    TimedOut,
+}
+
+impl Coalesced {
+    /// The record the leader handed over, compared with this request's own
+    /// fingerprint: its replay, or a refusal.
+    pub(crate) fn answer<B, E>(
+        record: &Record,
+        fingerprint: &crate::fingerprint::Fingerprint,
+    ) -> Settled<B, E> {
+        if record.fingerprint == *fingerprint {
+            Settled::Replayed(record.response.clone())
+        } else {
+            Settled::KeyReused
         }
     }
 }

@@ -107,7 +107,10 @@ async fn backdated_record_is_taken_over_with_a_new_attempt_token() {
     let token: i64 = pg
         .value("SELECT attempt_token FROM idempotency_requests")
         .await;
-    assert!(token > first_token, "a new attempt: {token} > {first_token}");
+    assert!(
+        token > first_token,
+        "a new attempt: {token} > {first_token}"
+    );
 }
 
 /// With a pool of one connection, a transaction leaked back to the pool would

@@ -16,7 +16,7 @@ use crate::{
     endpoint::{Config, Endpoint},
     metrics,
     record::StoredResponse,
-    service::{coalesce, run_owner, Inner, ReplyBody},
+    service::{coalesce, run_owner, Coalesced, Inner, ReplyBody},
     settled::{Rollback, Settled, Timings},
     store::{Acquired, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoredRequest},
 };
@@ -64,10 +64,19 @@ where
     let deadline = tokio::time::Instant::now() + config.wait;
 
     // 2. Coalesce, as in the short mode.
-    let Some((lead, followed)) = coalesce(&endpoint, &claim, deadline).await else {
-        timings.waited = Some(timings.since_arrival());
-        timings.claimed = timings.waited;
-        return (Settled::InProgress, timings);
+    let (lead, followed) = match coalesce(&endpoint, &claim, deadline).await {
+        Coalesced::Lead(lead, followed) => (Some(lead), followed),
+        Coalesced::Read => (None, true),
+        Coalesced::Answered(record) => {
+            timings.waited = Some(timings.since_arrival());
+            timings.claimed = timings.waited;
+            return (Coalesced::answer(&record, &claim.fingerprint), timings);
+        }
+        Coalesced::TimedOut => {
+            timings.waited = Some(timings.since_arrival());
+            timings.claimed = timings.waited;
+            return (Settled::InProgress, timings);
+        }
     };
 
     // 3. Acquire: a committed record, whoever owns it.
@@ -82,13 +91,13 @@ where
     if followed || matches!(acquired, Ok(Acquired::InProgress)) {
         timings.waited = timings.claimed;
     }
-    if matches!(
-        acquired,
-        Ok(Acquired::Owned(_) | Acquired::Running { .. } | Acquired::Completed(_))
-    ) {
-        // The key has a committed record: duplicates here may read it.
-        if let Some(lead) = &lead {
-            lead.settled();
+    // The key has a committed record: duplicates here may read it, or take
+    // the completed one from here.
+    if let Some(lead) = &lead {
+        match &acquired {
+            Ok(Acquired::Completed(record)) => lead.answered(record.clone()),
+            Ok(Acquired::Owned(_) | Acquired::Running { .. }) => lead.settled(),
+            _ => {}
         }
     }
     let owned = match acquired {

@@ -101,11 +101,8 @@ async fn claim_once(
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     // Cut off mid-statement, `conn` stays marked dirty: it is closed, and
     // PostgreSQL rolls back once the statement ends.
-    let claimed = tokio::time::timeout_at(
-        deadline + CLAIM_GRACE,
-        try_claim(&mut conn, request, wait),
-    )
-    .await;
+    let claimed =
+        tokio::time::timeout_at(deadline + CLAIM_GRACE, try_claim(&mut conn, request, wait)).await;
     let found = match claimed {
         Err(_) => return Err(timed_out()),
         Ok(Ok(Claimed::Owned(token, xid))) => {
@@ -161,7 +158,9 @@ async fn claim_once(
                 .await
                 .unwrap_or_else(|_| Err(timed_out()));
             match row {
-                Ok(Some(row)) => decode::record(&row).map(|r| r.map_or(Claim::InProgress, Claim::Completed)),
+                Ok(Some(row)) => {
+                    decode::record(&row).map(|r| r.map_or(Claim::InProgress, Claim::Completed))
+                }
                 Ok(None) => Ok(Claim::InProgress),
                 Err(e) => Err(e),
             }
