@@ -180,7 +180,7 @@ impl Scenario {
             Scenario::Bare => "1 bare (no layer)",
             Scenario::Create => "2 layered create",
             Scenario::Replay => "3 replay",
-            Scenario::Mixed => "4 mixed 10% retry, 1% reuse",
+            Scenario::Mixed => "4 mixed 5% retry, 0.1% reuse",
             Scenario::HotKey => "5 hot key (50 duplicates)",
         }
     }
@@ -261,7 +261,8 @@ impl Load {
     }
 
     async fn one(&self, scenario: Scenario, rng: &mut u64) -> (bool, u64) {
-        let roll = xorshift(rng) % 100;
+        // Per mille: 1 key reuse, 50 retries of completed keys, the rest new.
+        let roll = xorshift(rng) % 1000;
         let pick = |rng: &mut u64| {
             let completed = self.completed.lock().unwrap();
             completed[(xorshift(rng) as usize) % completed.len()].clone()
@@ -288,7 +289,7 @@ impl Load {
                     .await;
                 (a.status == StatusCode::CONFLICT, a.micros)
             }
-            Scenario::Mixed if roll <= 10 => {
+            Scenario::Mixed if roll <= 50 => {
                 let (key, body) = pick(rng);
                 let a = self.post(self.layered, Some(&key), body).await;
                 (a.status == StatusCode::CREATED && a.replayed, a.micros)
@@ -457,6 +458,135 @@ UPDATE idempotency_requests SET state = 'completed', response_status = 201, resp
 COMMIT;
 SET SESSION AUTHORIZATION DEFAULT\; RESET ALL\; CLOSE ALL\; UNLISTEN *\; SELECT pg_advisory_unlock_all()\; DISCARD TEMP;
 "#;
+
+// The protocol variants, statement for statement as the store sends them,
+// pipelined where it pipelines. `:k` makes each transaction's key and
+// checkout new; replays read keys `rp1` … `rp20000`, completed at setup.
+const V_BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED;
+SET LOCAL lock_timeout = '5000ms';
+SET LOCAL application_name = 'tower-idempotency';
+SET LOCAL idle_in_transaction_session_timeout = '35000ms';
+";
+const V_LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body FROM idempotency_requests WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key AND expires_at > now();
+";
+const V_CLAIM_OLD: &str = "INSERT INTO idempotency_requests AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) VALUES ('pgb', 'e', :key, '\\x00', 'in_progress', now() + interval '1 day') ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET state = 'in_progress' WHERE r.expires_at <= now() RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true);
+";
+const V_CLAIM_FIRST: &str = "WITH claimed AS (INSERT INTO idempotency_requests AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) VALUES ('pgb', 'e', :key, '\\x00', 'in_progress', now() + interval '1 day') ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING RETURNING attempt_token, pg_current_xact_id()::text AS xid, set_config('lock_timeout', NULL, true)) SELECT true, attempt_token, xid, NULL::bytea, NULL::text, NULL::int2, NULL::bytea, NULL::bytea, false FROM claimed UNION ALL SELECT false, NULL::int8, NULL::text, request_fingerprint, state, response_status, response_headers, response_body, expires_at <= now() FROM idempotency_requests WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key AND NOT EXISTS (SELECT FROM claimed);
+";
+const V_WRITES: &str = "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ('pgb', 'v-' || (:k)::text, 2400) RETURNING id;
+INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ('pgb', 'x', 'OrderCreated', '{}');
+";
+const V_COMPLETE_GUARDED: &str = "WITH done AS (UPDATE idempotency_requests SET state = 'completed', response_status = 201, response_headers = '\\x00', response_body = '\\x00', completed_at = statement_timestamp(), expires_at = statement_timestamp() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key AND state = 'in_progress' AND pg_current_xact_id() = pg_current_xact_id() RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM done);
+";
+const V_COMPLETE_CASE: &str = "UPDATE idempotency_requests SET state = 'completed', response_status = CASE WHEN state = 'in_progress' AND pg_current_xact_id() = pg_current_xact_id() THEN 201 ELSE 1 / 0 END, response_headers = '\\x00', response_body = '\\x00', completed_at = statement_timestamp(), expires_at = statement_timestamp() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key;
+";
+const V_COMPLETE_PLAIN: &str = "UPDATE idempotency_requests SET state = 'completed', response_status = 201, response_headers = '\\x00', response_body = '\\x00', completed_at = statement_timestamp(), expires_at = statement_timestamp() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key AND state = 'in_progress';
+";
+
+/// Item 5's experiment, "claim at commit": the handler's writes first, then
+/// the key row inserted with its response, and `COMMIT`; the unique index
+/// arbitrates at the end (a loser would roll back and replay).
+const PGBENCH_CLAIM_AT_COMMIT: &str = "\\set k random(1, 9000000000000000)
+BEGIN;
+INSERT INTO orders (tenant_id, checkout_id, total) VALUES ('pgb', 'c-' || (:k)::text, 2400) RETURNING id;
+INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ('pgb', 'x', 'OrderCreated', '{}');
+\\startpipeline
+INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, response_headers, response_body, completed_at, expires_at) VALUES ('pgb', 'e', 'c' || (:k)::text, '\\x00', 'completed', 201, '\\x00', '\\x00', now(), now() + interval '1 day');
+COMMIT;
+\\endpipeline
+";
+
+/// A create of one protocol variant: its claim (after an optional lookup),
+/// the handler's writes, its completion and `COMMIT`.
+fn create_script(lookup_first: bool, begin: &str, claim: &str, complete: &str) -> String {
+    let mut script = String::from("\\set k random(1, 9000000000000000)\n");
+    let key = |sql: &str| sql.replace(":key", "'k' || (:k)::text");
+    if lookup_first {
+        script.push_str(&key(V_LOOKUP));
+    }
+    script.push_str("\\startpipeline\n");
+    script.push_str(begin);
+    script.push_str(&key(claim));
+    script.push_str("\\endpipeline\n");
+    script.push_str(V_WRITES);
+    script.push_str("\\startpipeline\n");
+    script.push_str(&key(complete));
+    script.push_str("COMMIT;\n\\endpipeline\n");
+    script
+}
+
+/// A replay of a completed key by one protocol variant.
+fn replay_script(lookup_first: bool) -> String {
+    let key = |sql: &str| sql.replace(":key", "'rp' || (:r)::text");
+    let mut script = String::from("\\set r random(1, 20000)\n");
+    if lookup_first {
+        script.push_str(&key(V_LOOKUP));
+    } else {
+        script.push_str("\\startpipeline\n");
+        script.push_str(V_BEGIN);
+        script.push_str(&key(V_CLAIM_FIRST));
+        script.push_str("\\endpipeline\n");
+        // Off the request's path in the store, but still work for the server.
+        script.push_str("ROLLBACK;\n");
+    }
+    script
+}
+
+/// Every variant in alternating rounds (so that drift is shared), median tx/s each.
+fn pgbench_variants(pg: &TempPostgres, seconds: u64) -> Vec<(&'static str, Option<f64>)> {
+    let one_set = "BEGIN ISOLATION LEVEL READ COMMITTED;\nSET LOCAL lock_timeout = '5000ms';\n";
+    let one_select = "BEGIN ISOLATION LEVEL READ COMMITTED;\nSELECT set_config('lock_timeout', '5000ms', true), set_config('application_name', 'tower-idempotency', true), set_config('idle_in_transaction_session_timeout', '35000ms', true);\n";
+    let scripts: Vec<(&'static str, String)> = vec![
+        (
+            "bare: BEGIN, order, outbox, COMMIT",
+            PGBENCH_BARE.to_owned(),
+        ),
+        (
+            "create, lookup first (before)",
+            create_script(true, V_BEGIN, V_CLAIM_OLD, V_COMPLETE_GUARDED),
+        ),
+        (
+            "create, claim first (default)",
+            create_script(false, V_BEGIN, V_CLAIM_FIRST, V_COMPLETE_GUARDED),
+        ),
+        (
+            "create, claim first, one SET LOCAL",
+            create_script(false, one_set, V_CLAIM_FIRST, V_COMPLETE_GUARDED),
+        ),
+        (
+            "create, claim first, settings in one SELECT set_config",
+            create_script(false, one_select, V_CLAIM_FIRST, V_COMPLETE_GUARDED),
+        ),
+        (
+            "create, claim first, guard in a CASE",
+            create_script(false, V_BEGIN, V_CLAIM_FIRST, V_COMPLETE_CASE),
+        ),
+        (
+            "create, claim at commit (one INSERT with the response, no claim)",
+            PGBENCH_CLAIM_AT_COMMIT.to_owned(),
+        ),
+        (
+            "create, claim first, unguarded UPDATE",
+            create_script(false, V_BEGIN, V_CLAIM_FIRST, V_COMPLETE_PLAIN),
+        ),
+        ("replay, lookup first (before)", replay_script(true)),
+        ("replay, claim first (default)", replay_script(false)),
+    ];
+    let rounds = 2;
+    let mut seen: Vec<Vec<f64>> = vec![Vec::new(); scripts.len()];
+    for _ in 0..rounds {
+        for (i, (_, script)) in scripts.iter().enumerate() {
+            if let Some(tps) = pgbench(pg, "variant", script, seconds) {
+                seen[i].push(tps);
+            }
+        }
+    }
+    scripts
+        .iter()
+        .zip(seen)
+        .map(|((name, _), mut tps)| (*name, (!tps.is_empty()).then(|| median(&mut tps))))
+        .collect()
+}
 
 /// `pgbench` with the same SQL, same connection count: what the database
 /// itself reaches on this machine.
@@ -631,7 +761,12 @@ async fn run(duration: Duration, rounds: usize) {
                                   checkout_id text NOT NULL, total bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
                                   UNIQUE (tenant_id, checkout_id));
              -- No relay runs here: measure the layer, not NOTIFY.
-             DROP TRIGGER outbox_events_notify_insert ON outbox_events;",
+             DROP TRIGGER outbox_events_notify_insert ON outbox_events;
+             -- Completed keys for the pgbench replay variants.
+             INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state,
+                                               response_status, response_headers, response_body, completed_at, expires_at)
+             SELECT 'pgb', 'e', 'rp' || n, '\\x00', 'completed', 201, '', '{}', now(), now() + interval '1 day'
+             FROM generate_series(1, 20000) n;",
         )
         .await
         .expect("schema");
@@ -723,6 +858,7 @@ async fn run(duration: Duration, rounds: usize) {
             reset_rounds.push((without, with));
         }
     }
+    let variants = pgbench_variants(&pg, pgbench_seconds);
     let (memory, body) = memory_per_in_flight_request().await;
 
     println!();
@@ -788,11 +924,26 @@ async fn run(duration: Duration, rounds: usize) {
             reset_rounds.len()
         );
     }
-    let (bare, create, replay) = (medians[0], medians[1], medians[2]);
+    println!();
+    println!("pgbench, {POOL} connections, the statements of each protocol variant with the store's pipelining (\\startpipeline), alternating rounds, median tx/s:");
+    println!();
+    println!("| variant | tx/s | vs bare |");
+    println!("| --- | ---: | ---: |");
+    for (name, tps) in &variants {
+        let ratio = variants[0]
+            .1
+            .map_or(f64::NAN, |bare| tps.unwrap_or(f64::NAN) / bare);
+        match tps {
+            Some(tps) => println!("| {name} | {tps:.0} | {ratio:.2} |"),
+            None => println!("| {name} | – | – |"),
+        }
+    }
+    let (bare, create, replay, mixed) = (medians[0], medians[1], medians[2], medians[3]);
     println!(
-        "RATIOS create_vs_bare={:.2} replay_vs_create={:.2} p99_create_vs_bare={:.2}",
+        "RATIOS create_vs_bare={:.2} replay_vs_create={:.2} p99_create_vs_bare={:.2} mixed_vs_bare={:.2}",
         create.0 / bare.0,
         replay.0 / create.0,
-        create.1 / bare.1
+        create.1 / bare.1,
+        mixed.0 / bare.0
     );
 }

@@ -106,8 +106,8 @@ impl LeadGuard {
 
     /// The key's completed record: followers answer from it, without the
     /// store.
-    pub(crate) fn answered(&self, record: Record) {
-        self.done.send_replace(Settlement::Answer(Arc::new(record)));
+    pub(crate) fn answered(&self, record: Arc<Record>) {
+        self.done.send_replace(Settlement::Answer(record));
     }
 }
 

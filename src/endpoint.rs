@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 
 use http::{header, HeaderName, StatusCode};
 
-use crate::{coalesce::InFlight, operations::Operations};
+use crate::{cache::RecordCache, coalesce::InFlight, operations::Operations};
 
 /// The status answered when a key is reused with a different request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -75,11 +75,26 @@ impl Config {
 }
 
 /// What requests of one layer share while they run: who leads each key in
-/// this process, and which operations still own a key.
-#[derive(Debug, Clone, Default)]
+/// this process, which operations still own a key, and the replay cache.
+#[derive(Debug, Clone)]
 pub(crate) struct Runtime {
     pub(crate) in_flight: Arc<InFlight>,
     pub(crate) operations: Arc<Operations>,
+    pub(crate) cache: Option<RecordCache>,
+}
+
+/// The replay cache's defaults: 10,000 records, each kept at most 60 s.
+pub(crate) const CACHE_CAPACITY: u64 = 10_000;
+pub(crate) const CACHE_TTL: Duration = Duration::from_secs(60);
+
+impl Default for Runtime {
+    fn default() -> Self {
+        Runtime {
+            in_flight: Arc::default(),
+            operations: Arc::default(),
+            cache: Some(RecordCache::new(CACHE_CAPACITY, CACHE_TTL)),
+        }
+    }
 }
 
 /// One endpoint's setup: cheap to clone (handles and `Arc`s).

@@ -6,6 +6,7 @@ use http::HeaderName;
 use tower_layer::Layer;
 
 use crate::{
+    cache::RecordCache,
     endpoint::{Config, Endpoint, KeyReuseStatus, Runtime},
     fingerprint::Fingerprinter,
     lease::{LeaseConfig, LongRunning, OperationStatus, Recovery, ShortTransaction},
@@ -28,7 +29,8 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 ///
 /// Defaults: header `Idempotency-Key`, key required, request body limit 1 MiB,
 /// stored response limit 1 MiB, concurrent-duplicate wait 5 s, handler
-/// timeout 30 s, retention 24 h,
+/// timeout 30 s, retention 24 h, a replay cache of 10,000 records for at
+/// most 60 s,
 /// replayed headers `Content-Type`, `Content-Language`, `Location`, `ETag`,
 /// `Last-Modified`, `Link`, key reuse answered with `409`.
 ///
@@ -300,6 +302,33 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// Clamped to `i32::MAX` milliseconds (about 24.8 days), like the wait.
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.config_mut().handler_timeout = timeout.min(MAX_WAIT);
+        self
+    }
+
+    /// The replay cache (on by default: 10,000 records, each kept at most
+    /// 60 s): the completed records this layer committed, kept in memory so
+    /// that a retry coming back to this process is answered without the
+    /// database. It is never the source of truth: an entry is a copy of a
+    /// committed record, never outlives the record's retention nor `ttl`, a
+    /// different request under the key is still refused, and a miss costs
+    /// only the normal claim.
+    ///
+    /// What it cannot see: a record removed by
+    /// [`PgStore::remove_key`](crate::postgres::PgStore::remove_key) (or by
+    /// another process) is still replayed by a process that cached it, for
+    /// at most `ttl`. An operator who removes a key so that its client may
+    /// run the operation again should wait `ttl` first, or run with the
+    /// cache off ([`without_replay_cache`](Self::without_replay_cache)).
+    /// `capacity` 0 turns it off too.
+    pub fn replay_cache(mut self, capacity: u64, ttl: Duration) -> Self {
+        self.endpoint.runtime.cache =
+            (capacity > 0 && !ttl.is_zero()).then(|| RecordCache::new(capacity, ttl));
+        self
+    }
+
+    /// Turns the replay cache off: every replay reads the store.
+    pub fn without_replay_cache(mut self) -> Self {
+        self.endpoint.runtime.cache = None;
         self
     }
 

@@ -102,6 +102,7 @@
 
 mod admit;
 mod body;
+mod cache;
 mod coalesce;
 mod endpoint;
 pub mod fingerprint;

@@ -267,6 +267,13 @@ where
     let mut timings = Timings::start();
     let deadline = tokio::time::Instant::now() + config.wait;
 
+    // A retry of a record this process committed: answered from memory.
+    let cache = endpoint.runtime.cache.as_ref();
+    if let Some(record) = cache.and_then(|c| c.get(&claim.scope, &claim.key)) {
+        timings.claimed = Some(timings.since_arrival());
+        return (Coalesced::answer(&record, &claim.fingerprint), timings);
+    }
+
     // 2. Coalesce.
     let (lead, followed) = match coalesce(&endpoint, &claim, deadline).await {
         Coalesced::Lead(lead, followed) => (Some(lead), followed),
@@ -284,9 +291,9 @@ where
     };
     // Followers of this process answer from the record this request
     // commits or finds.
-    let answered = |record: &Record| {
+    let answered = |record: Arc<Record>| {
         if let Some(lead) = &lead {
-            lead.answered(record.clone());
+            lead.answered(record);
         }
     };
 
@@ -302,7 +309,8 @@ where
     let tx = match claimed {
         Ok(Claim::Owned(tx)) => tx,
         Ok(Claim::Completed(record)) => {
-            answered(&record);
+            let record = Arc::new(record);
+            answered(record.clone());
             return (Coalesced::answer(&record, &claim.fingerprint), timings);
         }
         Ok(Claim::InProgress) => return (Settled::InProgress, timings),
@@ -318,14 +326,20 @@ where
         .await
         .unwrap_or(Err(Rollback::TimedOut));
 
-    // 5. Remember, or roll back.
+    // 5. Remember, or roll back. The record's retention counts from its
+    // commit, so it ends no sooner than `expires`.
+    let expires = std::time::Instant::now() + config.retention;
     let ended = remember(&endpoint, tx, ran).await;
     if let Settled::Committed(parts, body) = &ended {
         let replayed = &config.replay_headers;
-        answered(&Record {
+        let record = Arc::new(Record {
             fingerprint: claim.fingerprint,
             response: StoredResponse::new(parts.status, &parts.headers, replayed, body.clone()),
         });
+        if let Some(cache) = cache {
+            cache.insert(&claim.scope, &claim.key, record.clone(), expires);
+        }
+        answered(record);
     }
     timings.held = Some(held_since.elapsed());
     (ended, timings)

@@ -89,7 +89,11 @@ async fn stores_the_response_and_its_metadata() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backdated_record_is_taken_over_with_a_new_attempt_token() {
     let pg = Postgres::new().await;
-    let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    // The retention is cut short behind the layer's back, which a replay
+    // cache cannot see (see the replay cache tests).
+    let service = layer(pg.store.clone())
+        .without_replay_cache()
+        .layer(order_handler::<Postgres>(Default::default()));
     let first = send(service.clone(), tenant_a_post("k1")).await;
     let first_token: i64 = pg
         .value("SELECT attempt_token FROM idempotency_requests")
@@ -605,4 +609,90 @@ async fn connections_the_server_closed_are_replaced_transparently() {
         );
     }
     assert_eq!(pg.orders().await.len(), 4);
+}
+
+// The replay cache.
+
+/// A retry of a record this process committed is answered from memory: the
+/// row deleted behind the layer's back proves the database was not asked.
+/// A different request and another tenant are not answered from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_cache_answers_a_retry_from_memory_within_its_scope() {
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    let first = send(service.clone(), tenant_a_post("k1")).await;
+    pg.exec("DELETE FROM idempotency_requests").await;
+    let replay = send(service.clone(), tenant_a_post("k1")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(pg.orders().await.len(), 1);
+    let other = send(
+        service.clone(),
+        post(
+            Some("tenant-a"),
+            Some("k1"),
+            r#"{"checkout_id":"chk_2","amount":1}"#,
+        ),
+    )
+    .await;
+    assert_eq!(other.json()["code"], "idempotency_key_reused");
+    let tenant_b = send(service, post(Some("tenant-b"), Some("k1"), BODY)).await;
+    assert!(
+        !tenant_b.replayed(),
+        "another tenant's key is its own operation"
+    );
+    assert_eq!(pg.orders().await.len(), 2);
+
+    // Without the cache the same retry reads the store, which has no record.
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone())
+        .without_replay_cache()
+        .layer(order_handler::<Postgres>(Default::default()));
+    send(service.clone(), tenant_a_post("k1")).await;
+    pg.exec("DELETE FROM idempotency_requests").await;
+    assert!(!send(service, tenant_a_post("k1")).await.replayed());
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// A cached record never outlives its retention: once it ends, the key is
+/// a new operation even though the cache's own TTL is far off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_cache_never_outlives_the_retention() {
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone())
+        .retention(Duration::from_millis(600))
+        .replay_cache(100, Duration::from_secs(3600))
+        .layer(order_handler::<Postgres>(Default::default()));
+    send(service.clone(), tenant_a_post("k1")).await;
+    assert!(send(service.clone(), tenant_a_post("k1")).await.replayed());
+    // The retention passes (the behaviour under test is time itself).
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let after = send(service, tenant_a_post("k1")).await;
+    assert!(!after.replayed(), "expired: a new operation");
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// What an operator's `remove_key` means with a cache: the process that
+/// cached the record replays it until the cache's TTL, then the key is a
+/// new operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_key_leaves_a_caching_process_after_the_ttl() {
+    let pg = Postgres::new().await;
+    let service = layer(pg.store.clone())
+        .replay_cache(100, Duration::from_millis(400))
+        .layer(order_handler::<Postgres>(Default::default()));
+    send(service.clone(), tenant_a_post("k1")).await;
+    let scope = tower_idempotency::scope::Scope::new(
+        tower_idempotency::scope::TenantId::new("tenant-a"),
+        "POST /orders v1",
+    );
+    let key = tower_idempotency::key::IdempotencyKey::parse(b"k1").unwrap();
+    assert!(pg.store.remove_key(&scope, &key, "test").await.unwrap());
+    assert!(
+        send(service.clone(), tenant_a_post("k1")).await.replayed(),
+        "still cached here"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!send(service, tenant_a_post("k1")).await.replayed());
+    assert_eq!(pg.orders().await.len(), 2);
 }

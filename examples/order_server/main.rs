@@ -99,7 +99,11 @@ async fn run() -> Result<(), String> {
     let idempotency =
         IdempotencyLayer::new(store.clone(), "POST /orders v1", orders::fingerprinter())
             .retention(settings.retention)
-            .wait(settings.wait);
+            .wait(settings.wait)
+            // The contract lets operators (and tests) change
+            // idempotency_requests rows directly; a replay cache would keep
+            // answering from memory for up to its TTL.
+            .without_replay_cache();
     let warehouse = warehouse::WarehouseClient::new(store.clone(), settings.fulfilment_delay);
     let fulfilment = IdempotencyLayer::new(
         store.clone(),

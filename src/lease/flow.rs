@@ -95,7 +95,7 @@ where
     // the completed one from here.
     if let Some(lead) = &lead {
         match &acquired {
-            Ok(Acquired::Completed(record)) => lead.answered(record.clone()),
+            Ok(Acquired::Completed(record)) => lead.answered(std::sync::Arc::new(record.clone())),
             Ok(Acquired::Owned(_) | Acquired::Running { .. }) => lead.settled(),
             _ => {}
         }
