@@ -478,8 +478,6 @@ INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES 
 ";
 const V_COMPLETE_GUARDED: &str = "WITH done AS (UPDATE idempotency_requests SET state = 'completed', response_status = 201, response_headers = '\\x00', response_body = '\\x00', completed_at = statement_timestamp(), expires_at = statement_timestamp() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key AND state = 'in_progress' AND pg_current_xact_id() = pg_current_xact_id() RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM done);
 ";
-const V_COMPLETE_CASE: &str = "UPDATE idempotency_requests SET state = 'completed', response_status = CASE WHEN state = 'in_progress' AND pg_current_xact_id() = pg_current_xact_id() THEN 201 ELSE 1 / 0 END, response_headers = '\\x00', response_body = '\\x00', completed_at = statement_timestamp(), expires_at = statement_timestamp() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key;
-";
 const V_COMPLETE_PLAIN: &str = "UPDATE idempotency_requests SET state = 'completed', response_status = 201, response_headers = '\\x00', response_body = '\\x00', completed_at = statement_timestamp(), expires_at = statement_timestamp() + interval '1 day' WHERE tenant_id = 'pgb' AND endpoint = 'e' AND idempotency_key = :key AND state = 'in_progress';
 ";
 
@@ -556,10 +554,6 @@ fn pgbench_variants(pg: &TempPostgres, seconds: u64) -> Vec<(&'static str, Optio
         (
             "create, claim first, settings in one SELECT set_config",
             create_script(false, one_select, V_CLAIM_FIRST, V_COMPLETE_GUARDED),
-        ),
-        (
-            "create, claim first, guard in a CASE",
-            create_script(false, V_BEGIN, V_CLAIM_FIRST, V_COMPLETE_CASE),
         ),
         (
             "create, claim at commit (one INSERT with the response, no claim)",
