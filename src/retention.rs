@@ -35,12 +35,19 @@ const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
 // Expired rows not yet removed (the cleanup backlog gauge).
 const CLEANUP_BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";
 
-// The oldest operation that holds a key: open claim transactions (tagged by
-// their application_name) and committed in-progress rows not yet expired (an
-// expired one holds nothing: the next claim takes it over).
+// The oldest operation that holds a key: open transactions that wrote to the
+// key table (every claim inserts its row there; what else writes to it, a
+// cleanup batch or a lease's short statement, ends in milliseconds), and
+// committed in-progress rows not yet expired (an expired one holds nothing:
+// the next claim takes it over). Found through the table's lock, so claims
+// need no tag of their own.
 const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
-     (SELECT COALESCE(max(EXTRACT(EPOCH FROM now() - xact_start)), 0)::float8 FROM pg_stat_activity \
-      WHERE application_name = 'tower-idempotency' AND datname = current_database() AND xact_start IS NOT NULL), \
+     (SELECT COALESCE(max(EXTRACT(EPOCH FROM now() - a.xact_start)), 0)::float8 \
+      FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+      WHERE l.locktype = 'relation' AND l.relation = 'idempotency_requests'::regclass \
+        AND l.mode = 'RowExclusiveLock' AND l.granted \
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+        AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()), \
      (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 FROM idempotency_requests \
       WHERE state = 'in_progress' AND expires_at > now()))";
 

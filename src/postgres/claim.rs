@@ -263,8 +263,7 @@ async fn rollback(mut conn: Conn) -> Result<(), StoreError> {
 
 /// Begins the claim's transaction: READ COMMITTED (the "not owned" read needs
 /// a fresh snapshot), the wait limit for every lock the claim may wait on
-/// (including the table lock the INSERT takes first), an `application_name`
-/// tag that `Cleanup` finds in `pg_stat_activity`, and, with a hold limit,
+/// (including the table lock the INSERT takes first), and, with a hold limit,
 /// `idle_in_transaction_session_timeout`: should the owner's process freeze
 /// or lose its network between two statements, the server ends the session
 /// and frees the key by itself. The values are numbers we format, never
@@ -282,8 +281,7 @@ fn claim_begin(wait: Duration, hold_limit: Option<Duration>) -> String {
     // Utility statements only: no planning, one message.
     format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
-         SET LOCAL lock_timeout = '{wait_ms}ms'; \
-         SET LOCAL application_name = 'tower-idempotency'{hold}"
+         SET LOCAL lock_timeout = '{wait_ms}ms'{hold}"
     )
 }
 

@@ -267,8 +267,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     let begin = format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
          SET LOCAL lock_timeout = '{}ms'; \
-         SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
-         SET LOCAL application_name = 'tower-idempotency'",
+         SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
         millis(ROW_WAIT.min(lease.lease() / 2)),
         millis(lease.lease()),
     );
