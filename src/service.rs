@@ -13,6 +13,7 @@ use std::{
     fmt,
     future::{poll_fn, Future},
     marker::PhantomData,
+    ops::ControlFlow,
     sync::Arc,
     task::{Context, Poll},
     time::Instant,
@@ -275,19 +276,10 @@ where
     }
 
     // 2. Coalesce.
-    let (lead, followed) = match coalesce(&endpoint, &claim, deadline).await {
-        Coalesced::Lead(lead, followed) => (Some(lead), followed),
-        Coalesced::Read => (None, true),
-        Coalesced::Answered(record) => {
-            timings.waited = Some(timings.since_arrival());
-            timings.claimed = timings.waited;
-            return (Coalesced::answer(&record, &claim.fingerprint), timings);
-        }
-        Coalesced::TimedOut => {
-            timings.waited = Some(timings.since_arrival());
-            timings.claimed = timings.waited;
-            return (Settled::InProgress, timings);
-        }
+    let in_process = coalesce(&endpoint, &claim, deadline).await;
+    let (lead, followed) = match in_process.go_on(&claim.fingerprint, &mut timings) {
+        std::ops::ControlFlow::Continue(go_on) => go_on,
+        std::ops::ControlFlow::Break(settled) => return (settled, timings),
     };
     // Followers of this process answer from the record this request
     // commits or finds.
@@ -413,6 +405,27 @@ pub(crate) enum Coalesced {
 }
 
 impl Coalesced {
+    /// `Continue((lead, followed))` if the request goes on to the store (as
+    /// the key's leader here, or not), else `Break` with how it settled in
+    /// memory, its wait recorded in `timings`.
+    pub(crate) fn go_on<B, E>(
+        self,
+        fingerprint: &crate::fingerprint::Fingerprint,
+        timings: &mut Timings,
+    ) -> ControlFlow<Settled<B, E>, (Option<LeadGuard>, bool)> {
+        let settled = match self {
+            Coalesced::Lead(lead, followed) => {
+                return ControlFlow::Continue((Some(lead), followed))
+            }
+            Coalesced::Read => return ControlFlow::Continue((None, true)),
+            Coalesced::Answered(record) => Coalesced::answer(&record, fingerprint),
+            Coalesced::TimedOut => Settled::InProgress,
+        };
+        timings.waited = Some(timings.since_arrival());
+        timings.claimed = timings.waited;
+        ControlFlow::Break(settled)
+    }
+
     /// The record the leader handed over, compared with this request's own
     /// fingerprint: its replay, or a refusal.
     pub(crate) fn answer<B, E>(

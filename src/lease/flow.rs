@@ -16,7 +16,7 @@ use crate::{
     endpoint::{Config, Endpoint},
     metrics,
     record::StoredResponse,
-    service::{coalesce, run_owner, Coalesced, Inner, ReplyBody},
+    service::{coalesce, run_owner, Inner, ReplyBody},
     settled::{Rollback, Settled, Timings},
     store::{Acquired, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoredRequest},
 };
@@ -64,19 +64,10 @@ where
     let deadline = tokio::time::Instant::now() + config.wait;
 
     // 2. Coalesce, as in the short mode.
-    let (lead, followed) = match coalesce(&endpoint, &claim, deadline).await {
-        Coalesced::Lead(lead, followed) => (Some(lead), followed),
-        Coalesced::Read => (None, true),
-        Coalesced::Answered(record) => {
-            timings.waited = Some(timings.since_arrival());
-            timings.claimed = timings.waited;
-            return (Coalesced::answer(&record, &claim.fingerprint), timings);
-        }
-        Coalesced::TimedOut => {
-            timings.waited = Some(timings.since_arrival());
-            timings.claimed = timings.waited;
-            return (Settled::InProgress, timings);
-        }
+    let in_process = coalesce(&endpoint, &claim, deadline).await;
+    let (lead, followed) = match in_process.go_on(&claim.fingerprint, &mut timings) {
+        std::ops::ControlFlow::Continue(go_on) => go_on,
+        std::ops::ControlFlow::Break(settled) => return (settled, timings),
     };
 
     // 3. Acquire: a committed record, whoever owns it.
