@@ -7,7 +7,7 @@
 //!
 //! Environment: `E2E_SECONDS` (per scenario run, default 5), `E2E_ROUNDS`
 //! (default 3). The last line is
-//! `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx> p99_create_vs_bare=<x.xx>`.
+//! `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx> p99_create_vs_bare=<x.xx> mixed_vs_bare=<x.xx>`.
 #![allow(unsafe_code)] // the counting allocator below, and nothing else
 
 use std::{
@@ -147,6 +147,99 @@ async fn layered(tx: PgTx, order: Validated<NewOrder>) -> axum::response::Respon
     }
 }
 
+/// Issue 12's item 5 as an end-to-end experiment, written by hand (it is not
+/// a strategy of the layer): "claim at commit". The handler's writes come
+/// first; the key row goes in last, already completed with its response,
+/// pipelined with `COMMIT`, and the unique index arbitrates. The key row is a
+/// plain `INSERT`: a duplicate's unique violation aborts its transaction, so
+/// the pipelined `COMMIT` rolls its order back, and it replays the winner's
+/// record. (No expired-record takeover and no in-process waiting: an upper
+/// bound of what the strategy could reach.)
+async fn at_commit(
+    State(store): State<PgStore>,
+    headers: http::HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
+    use sha2::Digest as _;
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|k| k.to_str().ok())
+        .map(str::to_owned)
+    else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    let Ok(order) = serde_json::from_slice::<NewOrder>(&body) else {
+        return StatusCode::UNPROCESSABLE_ENTITY.into_response();
+    };
+    let fingerprint = sha2::Sha256::digest(&body).to_vec();
+    let Ok(client) = store.client().await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    let result = async {
+        let insert = client.prepare_cached(INSERT_ORDER).await?;
+        let enqueue = client
+            .prepare_cached(
+                "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ($1, $2, 'OrderCreated', $3)",
+            )
+            .await?;
+        let remember = client
+            .prepare_cached(
+                "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, \
+                 response_status, response_headers, response_body, completed_at, expires_at) \
+                 VALUES ('bench', 'at-commit', $1, $2, 'completed', 201, '', $3, now(), now() + interval '1 day')",
+            )
+            .await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&"bench", &order.checkout_id, &order.total];
+        let (_, row) = tokio::try_join!(biased; client.batch_execute("BEGIN"), client.query_one(&insert, &params))?;
+        let id: String = row.get(0);
+        let payload = serde_json::json!({"id": id, "total": order.total});
+        client.execute(&enqueue, &[&"bench", &id, &payload]).await?;
+        let response = serde_json::to_vec(
+            &serde_json::json!({"id": id, "checkout_id": order.checkout_id, "total": order.total}),
+        )
+        .expect("json");
+        let row: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&key, &fingerprint, &response];
+        let (remembered, committed) = tokio::join!(
+            biased;
+            client.execute(&remember, &row),
+            client.batch_execute("COMMIT")
+        );
+        match (remembered, committed) {
+            (Ok(_), Ok(())) => Ok(Ok(id)),
+            (Err(e), _) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
+                // The pipelined COMMIT ended the aborted transaction as a
+                // rollback: replay the winner's record.
+                let row = client
+                    .query_one(
+                        "SELECT response_body FROM idempotency_requests \
+                         WHERE tenant_id = 'bench' AND endpoint = 'at-commit' AND idempotency_key = $1",
+                        &[&key],
+                    )
+                    .await?;
+                Ok(Err(row.get::<_, Vec<u8>>(0)))
+            }
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        }
+    }
+    .await;
+    match result {
+        Ok(Ok(id)) => created(id, &order),
+        Ok(Err(replay)) => (
+            StatusCode::CREATED,
+            [
+                ("content-type", "application/json"),
+                ("idempotent-replayed", "true"),
+            ],
+            replay,
+        )
+            .into_response(),
+        Err(_) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            StatusCode::SERVICE_UNAVAILABLE.into_response()
+        }
+    }
+}
+
 async fn serve(app: Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -165,16 +258,20 @@ enum Scenario {
     Replay,
     Mixed,
     HotKey,
+    AtCommit,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 5] = [
+    const ALL: [Scenario; 6] = [
         Scenario::Bare,
         Scenario::Create,
         Scenario::Replay,
         Scenario::Mixed,
         Scenario::HotKey,
+        Scenario::AtCommit,
     ];
+    /// The scenarios also run open loop, at one fixed rate.
+    const OPEN_LOOP: [Scenario; 3] = [Scenario::Bare, Scenario::Create, Scenario::AtCommit];
     fn name(self) -> &'static str {
         match self {
             Scenario::Bare => "1 bare (no layer)",
@@ -182,6 +279,7 @@ impl Scenario {
             Scenario::Replay => "3 replay",
             Scenario::Mixed => "4 mixed 5% retry, 0.1% reuse",
             Scenario::HotKey => "5 hot key (50 duplicates)",
+            Scenario::AtCommit => "6 create, claim at commit (experiment)",
         }
     }
 }
@@ -218,6 +316,7 @@ struct Load {
     http: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
     bare: SocketAddr,
     layered: SocketAddr,
+    at_commit: SocketAddr,
     /// Completed (key, body) pairs, for replays and retries.
     completed: Mutex<Vec<(String, String)>>,
     next: AtomicUsize,
@@ -272,6 +371,11 @@ impl Load {
                 let (_, body) = self.fresh();
                 let a = self.post(self.bare, None, body).await;
                 (a.status == StatusCode::CREATED, a.micros)
+            }
+            Scenario::AtCommit => {
+                let (key, body) = self.fresh();
+                let a = self.post(self.at_commit, Some(&key), body).await;
+                (a.status == StatusCode::CREATED && !a.replayed, a.micros)
             }
             Scenario::Replay => {
                 let (key, body) = pick(rng);
@@ -780,6 +884,16 @@ async fn run(duration: Duration, rounds: usize) {
         .max_connections(POOL)
         .build()
         .expect("store");
+    let at_commit_store = PgStore::builder(config.clone())
+        .max_connections(POOL)
+        .build()
+        .expect("store");
+    let at_commit_addr = serve(
+        Router::new()
+            .route("/orders", post(at_commit))
+            .with_state(at_commit_store),
+    )
+    .await;
     let bare_addr = serve(
         Router::new()
             .route("/orders", post(bare))
@@ -799,6 +913,7 @@ async fn run(duration: Duration, rounds: usize) {
             .build_http(),
         bare: bare_addr,
         layered: layered_addr,
+        at_commit: at_commit_addr,
         completed: Mutex::new(Vec::new()),
         next: AtomicUsize::new(0),
     });
@@ -826,9 +941,9 @@ async fn run(duration: Duration, rounds: usize) {
     // Latency at equal load: both at half the layered create throughput.
     let create_tput = median(&mut results[1].iter().map(Run::throughput).collect::<Vec<_>>());
     let rate = (create_tput * 0.5).max(1.0);
-    let mut open: [Vec<Run>; 2] = [Vec::new(), Vec::new()];
+    let mut open: Vec<Vec<Run>> = vec![Vec::new(); Scenario::OPEN_LOOP.len()];
     for round in 1..=rounds {
-        for (i, scenario) in [Scenario::Bare, Scenario::Create].into_iter().enumerate() {
+        for (i, scenario) in Scenario::OPEN_LOOP.into_iter().enumerate() {
             let run = load.fixed_rate(scenario, rate, duration).await;
             println!(
                 "round {round} {:<30} at {rate:.0} req/s: p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
@@ -884,7 +999,7 @@ async fn run(duration: Duration, rounds: usize) {
     println!();
     println!("| scenario | p50 ms | p99 ms |");
     println!("| --- | ---: | ---: |");
-    for (i, scenario) in [Scenario::Bare, Scenario::Create].into_iter().enumerate() {
+    for (i, scenario) in Scenario::OPEN_LOOP.into_iter().enumerate() {
         let p50 = median(
             &mut open[i]
                 .iter()
@@ -941,6 +1056,13 @@ async fn run(duration: Duration, rounds: usize) {
         }
     }
     let (bare, create, replay, mixed) = (medians[0], medians[1], medians[2], medians[3]);
+    let at_commit = medians[5];
+    println!();
+    println!(
+        "claim at commit (experiment, end to end): {:.2} of bare, {:.2} of the layered create (ship gate: >= 1.15)",
+        at_commit.0 / bare.0,
+        at_commit.0 / create.0
+    );
     println!(
         "RATIOS create_vs_bare={:.2} replay_vs_create={:.2} p99_create_vs_bare={:.2} mixed_vs_bare={:.2}",
         create.0 / bare.0,
