@@ -105,6 +105,9 @@ mod body;
 mod cache;
 mod coalesce;
 mod endpoint;
+#[cfg(feature = "failpoints")]
+#[cfg_attr(docsrs, doc(cfg(feature = "failpoints")))]
+pub mod failpoints;
 pub mod fingerprint;
 mod future;
 pub mod key;

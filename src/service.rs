@@ -40,6 +40,16 @@ use crate::{
     store::{Claim, LeaseStore, Store},
 };
 
+/// A named fault point of the request flow (feature `failpoints`, for
+/// tests): fires if the request carries an `InjectFault` for it, and
+/// compiles to nothing without the feature.
+macro_rules! fault_point {
+    ($faults:expr, $point:ident) => {
+        #[cfg(feature = "failpoints")]
+        crate::failpoints::InjectFault::hit($faults, crate::failpoints::FaultPoint::$point);
+    };
+}
+
 /// The middleware [`IdempotencyLayer`](crate::IdempotencyLayer) produces.
 ///
 /// The inner service receives `Request<`[`RequestBody`]`>` and must run on a
@@ -267,6 +277,14 @@ where
     let config = &endpoint.config;
     let mut timings = Timings::start();
     let deadline = tokio::time::Instant::now() + config.wait;
+    #[cfg(feature = "failpoints")]
+    let faults: Faults = parts
+        .extensions
+        .get::<crate::failpoints::InjectFault>()
+        .copied();
+    #[cfg(not(feature = "failpoints"))]
+    let faults: Faults = ();
+    fault_point!(faults, BeforeClaim);
 
     // A retry of a record this process committed: answered from memory.
     let cache = endpoint.runtime.cache.as_ref();
@@ -309,6 +327,7 @@ where
         Err(e) => return (Settled::ClaimFailed(e), timings),
     };
     let held_since = Instant::now();
+    fault_point!(faults, AfterClaim);
 
     // 4. Run the owner, under its deadline.
     parts.extensions.insert(tx.clone());
@@ -317,12 +336,16 @@ where
     let ran = tokio::time::timeout(config.handler_timeout, owner)
         .await
         .unwrap_or(Err(Rollback::TimedOut));
+    if ran.is_ok() {
+        fault_point!(faults, AfterHandler);
+    }
 
     // 5. Remember, or roll back. The record's retention counts from its
     // commit, so it ends no sooner than `expires`.
     let expires = std::time::Instant::now() + config.retention;
-    let ended = remember(&endpoint, tx, ran).await;
+    let ended = remember(&endpoint, tx, ran, faults).await;
     if let Settled::Committed(parts, body) = &ended {
+        fault_point!(faults, AfterCommit);
         let replayed = &config.replay_headers;
         let record = Arc::new(Record {
             fingerprint: claim.fingerprint,
@@ -342,11 +365,13 @@ async fn remember<St: Store, F, R, ResB, E>(
     endpoint: &Endpoint<St, F, R>,
     tx: St::Tx,
     ran: Result<(http::response::Parts, Bytes), Rollback<ResB, E>>,
+    #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))] faults: Faults,
 ) -> Settled<ResB, E> {
     match ran {
         Ok((parts, body)) => {
             let replayed = &endpoint.config.replay_headers;
             let stored = StoredResponse::new(parts.status, &parts.headers, replayed, body);
+            fault_point!(faults, BeforeCommit);
             match endpoint.store.complete(tx, &stored).await {
                 Ok(()) => Settled::Committed(parts, stored.body),
                 Err(e) => Settled::CompletionFailed(e),
@@ -360,6 +385,12 @@ async fn remember<St: Store, F, R, ResB, E>(
         }
     }
 }
+
+/// The fault injected into this request, if any (feature `failpoints`).
+#[cfg(feature = "failpoints")]
+type Faults = Option<crate::failpoints::InjectFault>;
+#[cfg(not(feature = "failpoints"))]
+type Faults = ();
 
 /// How long past the handler's deadline the database itself ends an owner's
 /// transaction that went silent (its process frozen, its network gone).

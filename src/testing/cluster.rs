@@ -165,6 +165,8 @@ impl TempPostgresBuilder {
             dir,
             data_dir,
             bin_dir: bin.clone(),
+            owner,
+            server_args: Vec::new(),
             child: None,
             watchdog: None,
         };
@@ -179,8 +181,24 @@ pub struct TempPostgres {
     dir: PathBuf,
     data_dir: PathBuf,
     bin_dir: PathBuf,
+    /// The `postgres` OS user's ids, when running as root.
+    owner: Option<(u32, u32)>,
+    /// The server's command line after the binary, kept for restarts.
+    server_args: Vec<String>,
     child: Option<Child>,
     watchdog: Option<Child>,
+}
+
+/// How [`TempPostgres::stop`] shuts the server down, as `pg_ctl stop -m`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Shutdown {
+    /// `-m fast` (`SIGINT`): sessions are ended, open transactions rolled
+    /// back, and the server shuts down cleanly.
+    Fast,
+    /// `-m immediate` (`SIGQUIT`): every process exits at once, as in a
+    /// crash; the next start replays the WAL.
+    Immediate,
 }
 
 impl TempPostgres {
@@ -262,29 +280,40 @@ impl TempPostgres {
             fixed.push_str(" fsync=off synchronous_commit=off full_page_writes=off");
         }
         let custom = opts.settings.iter().map(|(k, v)| format!("{k}={v}"));
-        let log_path = dir.join("server.log");
-        let log = fs::File::create(&log_path).map_err(io_err("creating server.log"))?;
+        let mut args = vec!["-D".to_owned(), data_dir.to_string_lossy().into_owned()];
+        args.extend(["-k".to_owned(), dir.to_string_lossy().into_owned()]);
+        args.extend(["-p".to_owned(), PORT.to_owned()]);
+        for setting in fixed.split(' ').map(String::from).chain(custom) {
+            args.extend(["-c".to_owned(), setting]);
+        }
+        self.server_args = args;
+        self.launch()
+    }
+
+    /// Starts the server with the command line `init` chose, and waits until
+    /// it accepts connections.
+    fn launch(&mut self) -> Result<(), HarnessError> {
+        let log_path = self.dir.join("server.log");
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(io_err("opening server.log"))?;
         let log_copy = log
             .try_clone()
             .map_err(io_err("duplicating a file handle"))?;
-        let mut server = Command::new(bin.join("postgres"));
-        server
-            .arg("-D")
-            .arg(data_dir)
-            .arg("-k")
-            .arg(dir)
-            .args(["-p", PORT]);
-        for setting in fixed.split(' ').map(String::from).chain(custom) {
-            server.arg("-c").arg(setting);
+        let mut server = Command::new(self.bin_dir.join("postgres"));
+        server.args(&self.server_args).current_dir(&self.dir);
+        if let Some((uid, gid)) = self.owner {
+            server.uid(uid).gid(gid);
         }
-        as_owner(&mut server);
         server.stdin(Stdio::null()).stdout(log_copy).stderr(log);
         let child = server.spawn().map_err(io_err("starting postgres"))?;
         let pg_pid = child.id();
         self.child = Some(child);
         self.watchdog = spawn_watchdog(pg_pid, &self.dir);
 
-        let isready = Some(bin.join("pg_isready")).filter(|p| p.is_file());
+        let isready = Some(self.bin_dir.join("pg_isready")).filter(|p| p.is_file());
         let mut isready = Command::new(isready.unwrap_or_else(|| "pg_isready".into()));
         isready.arg("-h").arg(&self.dir);
         quiet(isready.args(["-p", PORT, "-U", "postgres"]));
@@ -307,16 +336,63 @@ impl TempPostgres {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-}
 
-impl Drop for TempPostgres {
-    fn drop(&mut self) {
-        // Stop the watchdog first: once the server is gone its pid may be reused by an
-        // unrelated process, which the watchdog would otherwise signal when we exit.
+    /// Stops the server as `pg_ctl stop -m fast` or `-m immediate` would
+    /// (the signals those send), and waits until it has exited; blocking.
+    /// Connections fail from then on, until [`start_again`](Self::start_again).
+    pub fn stop(&mut self, mode: Shutdown) -> Result<(), HarnessError> {
+        self.stop_watchdog();
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        let signal = match mode {
+            Shutdown::Fast => "-INT",
+            Shutdown::Immediate => "-QUIT",
+        };
+        let _ = quiet(Command::new("kill").arg(signal).arg(child.id().to_string())).status();
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if !matches!(child.try_wait(), Ok(Some(_))) {
+            let _ = child.kill();
+        }
+        child
+            .wait()
+            .map_err(io_err("waiting for postgres to stop"))?;
+        Ok(())
+    }
+
+    /// Starts a stopped server again on the same data directory and socket
+    /// (after [`Shutdown::Immediate`] it first recovers from its WAL), and
+    /// waits until it accepts connections; blocking.
+    pub fn start_again(&mut self) -> Result<(), HarnessError> {
+        if self.child.is_some() {
+            return Ok(());
+        }
+        self.launch()
+    }
+
+    /// [`stop`](Self::stop) then [`start_again`](Self::start_again): what
+    /// `pg_ctl restart -m …` does; blocking.
+    pub fn restart(&mut self, mode: Shutdown) -> Result<(), HarnessError> {
+        self.stop(mode)?;
+        self.start_again()
+    }
+
+    fn stop_watchdog(&mut self) {
+        // Once the server is gone its pid may be reused by an unrelated
+        // process, which the watchdog would otherwise signal when we exit.
         if let Some(mut watchdog) = self.watchdog.take() {
             let _ = watchdog.kill();
             let _ = watchdog.wait();
         }
+    }
+}
+
+impl Drop for TempPostgres {
+    fn drop(&mut self) {
+        self.stop_watchdog();
         if let Some(mut child) = self.child.take() {
             // SIGINT is a fast but clean shutdown; Child::kill would be SIGKILL.
             signal_int(child.id());

@@ -5,5 +5,5 @@ mod cluster;
 pub mod conformance;
 mod database;
 
-pub use cluster::{HarnessError, TempPostgres, TempPostgresBuilder};
+pub use cluster::{HarnessError, Shutdown, TempPostgres, TempPostgresBuilder};
 pub use database::TestDatabase;
