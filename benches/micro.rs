@@ -98,6 +98,7 @@ fn replay(c: &mut Criterion) {
             ),
         ],
         body: order_body(1024),
+        resource_id: None,
     };
     let block = stored.encode_headers();
     let mut group = c.benchmark_group("replay");
@@ -109,6 +110,7 @@ fn replay(c: &mut Criterion) {
                 status: stored.status,
                 headers,
                 body: stored.body.clone(),
+                resource_id: None,
             }
             .to_replay()
         })

@@ -45,6 +45,8 @@ pub(crate) struct Config {
     pub(crate) tenant_label: bool,
     /// Set in the long-running mode.
     pub(crate) lease: Option<crate::lease::LeaseConfig>,
+    /// Set when replays are rebuilt from the remembered resource.
+    pub(crate) rebuild: Option<crate::replay::Rebuilder>,
 }
 
 impl Config {
@@ -70,6 +72,7 @@ impl Config {
             key_reuse: KeyReuseStatus::Conflict,
             tenant_label: false,
             lease: None,
+            rebuild: None,
         }
     }
 }

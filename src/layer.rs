@@ -332,6 +332,53 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self
     }
 
+    /// Replays by rebuilding instead of replaying the stored bytes: for an
+    /// endpoint whose responses must not be served stale (a signed URL, a
+    /// short-lived payment link).
+    ///
+    /// On every replay of a record whose handler named a
+    /// [`ResourceId`](crate::record::ResourceId), the layer calls `rebuild`
+    /// with the tenant, the endpoint, the resource id and the stored status,
+    /// and answers its representation under the first response's status,
+    /// marked `Idempotent-Replayed: true`. The handler never runs again; a
+    /// different request under the key is still refused; [`Rebuilt::Gone`]
+    /// answers `410 resource_gone`; a failed rebuild (or one that takes
+    /// longer than the handler timeout) answers `503 replay_unavailable`.
+    /// Records without a resource id replay their stored bytes. The
+    /// contract in full is in [`replay`](crate::replay).
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use tower_idempotency::{
+    ///     fingerprint::JsonFingerprinter, memory::MemoryStore,
+    ///     replay::{RebuildRequest, Rebuilt}, IdempotencyLayer,
+    /// };
+    ///
+    /// let rebuild = tower::service_fn(|request: RebuildRequest| async move {
+    ///     // Look the resource up again and sign a fresh URL for it.
+    ///     let url = format!("https://files.example/{}?sig=fresh", request.resource_id);
+    ///     let body = Bytes::from(format!(r#"{{"download_url":"{url}"}}"#));
+    ///     Ok::<_, std::convert::Infallible>(Rebuilt::Current(http::Response::new(body)))
+    /// });
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), "POST /exports v1", JsonFingerprinter::new("exports.v1"))
+    ///     .rebuild_replays(rebuild);
+    /// ```
+    ///
+    /// [`Rebuilt::Gone`]: crate::replay::Rebuilt::Gone
+    pub fn rebuild_replays<Rb>(mut self, rebuild: Rb) -> Self
+    where
+        Rb: tower_service::Service<crate::replay::RebuildRequest, Response = crate::replay::Rebuilt>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        Rb::Error: Into<crate::body::BoxError>,
+        Rb::Future: Send + 'static,
+    {
+        self.config_mut().rebuild = Some(crate::replay::Rebuilder::new(rebuild));
+        self
+    }
+
     /// The status for a key reused with a different request (default `409`).
     pub fn key_reuse_status(mut self, status: KeyReuseStatus) -> Self {
         self.config_mut().key_reuse = status;

@@ -120,6 +120,7 @@ pub mod outbox;
 pub mod postgres;
 pub mod problem;
 pub mod record;
+pub mod replay;
 pub mod retention;
 pub mod scope;
 mod service;

@@ -107,6 +107,13 @@ outcomes! {
     RolledBack => "rolled_back",
     /// The store failed, or the commit's outcome is unknown.
     StoreUnavailable => "store_unavailable",
+    /// A completed record was replayed by rebuilding its resource's current
+    /// representation ([`IdempotencyLayer::rebuild_replays`](crate::IdempotencyLayer::rebuild_replays)).
+    Rebuilt => "rebuilt",
+    /// A replay to rebuild found its resource gone (`410 resource_gone`).
+    ResourceGone => "resource_gone",
+    /// A replay could not be rebuilt (`503 replay_unavailable`).
+    RebuildFailed => "rebuild_failed",
 }
 
 /// `tenant` is only passed when the user opted in to the tenant label.

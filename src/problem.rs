@@ -170,6 +170,12 @@ pub mod codes {
     pub const NOT_FOUND: &str = "not_found";
     /// The status resource answers `GET` and `HEAD` only (405).
     pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+    /// A replay rebuilt from its resource found the resource gone: the
+    /// operation happened, its result no longer exists (410).
+    pub const RESOURCE_GONE: &str = "resource_gone";
+    /// A replay rebuilt from its resource could not be rebuilt (the rebuild
+    /// function failed or timed out); nothing changed (503 with `Retry-After`).
+    pub const REPLAY_UNAVAILABLE: &str = "replay_unavailable";
 }
 
 #[cfg(test)]

@@ -26,7 +26,61 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FinalResponse;
 
-/// A remembered response: status, allow-listed headers and the body bytes.
+/// Names the resource an operation created or changed; remembered with its
+/// response, in the same transaction.
+///
+/// The handler puts it in the response extensions. Operators then see which
+/// resource a key made ([`PgStore::inspect_key`](crate::postgres::PgStore::inspect_key)
+/// and the `resource_id` column), and an endpoint that replays by rebuilding
+/// ([`IdempotencyLayer::rebuild_replays`](crate::IdempotencyLayer::rebuild_replays))
+/// gets it back on every retry to produce the resource's current
+/// representation.
+///
+/// At most [`MAX_RESOURCE_ID_LEN`] bytes, not empty, no control characters:
+/// a response naming another id is not remembered (`500
+/// response_not_storable`, its writes rolled back).
+///
+/// ```
+/// use tower_idempotency::record::ResourceId;
+///
+/// let mut response = http::Response::new(r#"{"id":"ord_1"}"#);
+/// *response.status_mut() = http::StatusCode::CREATED;
+/// response.extensions_mut().insert(ResourceId::new("ord_1"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ResourceId(String);
+
+/// The longest [`ResourceId`] remembered, in bytes.
+pub const MAX_RESOURCE_ID_LEN: usize = 255;
+
+impl ResourceId {
+    /// The id of the resource the operation created or changed.
+    pub fn new(id: impl Into<String>) -> Self {
+        ResourceId(id.into())
+    }
+
+    /// The id as given.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether a store can remember it: not empty, at most
+    /// [`MAX_RESOURCE_ID_LEN`] bytes, no control characters.
+    pub fn is_storable(&self) -> bool {
+        !self.0.is_empty()
+            && self.0.len() <= MAX_RESOURCE_ID_LEN
+            && !self.0.chars().any(char::is_control)
+    }
+}
+
+impl std::fmt::Display for ResourceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A remembered response: status, allow-listed headers and the body bytes,
+/// and the resource the operation named.
 ///
 /// Replay gives back exactly these bytes; multi-valued headers keep every
 /// value in order.
@@ -38,6 +92,9 @@ pub struct StoredResponse {
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The first response's body, byte for byte.
     pub body: Bytes,
+    /// The resource the operation created or changed, if its handler named
+    /// one ([`ResourceId`] in the response extensions).
+    pub resource_id: Option<ResourceId>,
 }
 
 /// A remembered operation as a store returns it.
@@ -66,7 +123,25 @@ impl StoredResponse {
             status,
             headers,
             body,
+            resource_id: None,
         }
+    }
+
+    /// What the layer remembers of a response to store: its allow-listed
+    /// headers, its body, and the [`ResourceId`] its handler named.
+    pub(crate) fn remember(
+        parts: &http::response::Parts,
+        allow: &[HeaderName],
+        body: Bytes,
+    ) -> Self {
+        StoredResponse::new(parts.status, &parts.headers, allow, body)
+            .with_resource_id(parts.extensions.get::<ResourceId>().cloned())
+    }
+
+    /// The same response, naming the resource its operation created or changed.
+    pub fn with_resource_id(mut self, resource_id: Option<ResourceId>) -> Self {
+        self.resource_id = resource_id;
+        self
     }
 
     /// The replay: the stored status, headers and body, plus `Idempotent-Replayed: true`.
@@ -161,10 +236,21 @@ mod tests {
                 (header::LOCATION, HeaderValue::from_static("")),
             ],
             body: Bytes::new(),
+            resource_id: None,
         };
         let decoded = StoredResponse::decode_headers(&stored.encode_headers()).unwrap();
         assert_eq!(decoded, stored.headers);
         assert_eq!(StoredResponse::decode_headers(b"").unwrap(), vec![]);
         assert!(StoredResponse::decode_headers(b"no colon\r\n").is_none());
+    }
+
+    #[test]
+    fn resource_ids_a_store_can_keep() {
+        assert!(ResourceId::new("ord_1").is_storable());
+        assert!(ResourceId::new("é".repeat(127)).is_storable());
+        assert!(!ResourceId::new("").is_storable());
+        assert!(!ResourceId::new("x".repeat(MAX_RESOURCE_ID_LEN + 1)).is_storable());
+        assert!(!ResourceId::new("a\0b").is_storable());
+        assert!(!ResourceId::new("a\nb").is_storable());
     }
 }

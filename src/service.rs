@@ -34,8 +34,9 @@ use crate::{
     fingerprint::Fingerprinter,
     future::ResponseFuture,
     lease::{settle_long, LongRunning, ShortTransaction},
-    record::{FinalResponse, Record, StoredResponse},
-    scope::{ResolveTenant, TenantFromExtension},
+    record::{FinalResponse, Record, ResourceId, StoredResponse, IDEMPOTENT_REPLAYED},
+    replay::{RebuildRequest, Rebuilder, Rebuilt},
+    scope::{ResolveTenant, TenantFromExtension, TenantId},
     settled::{MiddlewareResult, Rollback, Settled, Timings},
     store::{Claim, LeaseStore, Store},
 };
@@ -239,6 +240,10 @@ where
         Admission::Admitted(admitted) => admitted,
     };
     let tenant = (config.tenant_label).then(|| admitted.claim.scope.tenant().as_str().to_owned());
+    let rebuild_for = config
+        .rebuild
+        .is_some()
+        .then(|| admitted.claim.scope.tenant().clone());
     // From the claim on, a connection may be inside a transaction: run to the
     // end on a task of our own, whether or not the client is still waiting.
     let running = endpoint.runtime.operations.start();
@@ -253,8 +258,50 @@ where
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => (Settled::Cancelled, Timings::start()),
     };
+    let settled = match (settled, &config.rebuild, rebuild_for) {
+        (Settled::Replayed(stored), Some(rebuilder), Some(tenant)) => {
+            rebuild(rebuilder, &config, tenant, stored)
+                .instrument(span.clone())
+                .await
+        }
+        (settled, ..) => settled,
+    };
     settled.observe(&config, &span, &timings, tenant.as_deref());
     settled.answer(&config)
+}
+
+/// A replay of a record that names its resource, rebuilt by the
+/// application's function under the first response's status; any other
+/// replay as stored. Bounded by the handler timeout.
+async fn rebuild<B, E>(
+    rebuilder: &Rebuilder,
+    config: &crate::endpoint::Config,
+    tenant: TenantId,
+    stored: StoredResponse,
+) -> Settled<B, E> {
+    let Some(resource_id) = stored.resource_id.clone() else {
+        return Settled::Replayed(stored);
+    };
+    let request = RebuildRequest {
+        tenant,
+        endpoint: config.endpoint.clone(),
+        resource_id: resource_id.clone(),
+        status: stored.status,
+    };
+    match tokio::time::timeout(config.handler_timeout, rebuilder.rebuild(request)).await {
+        Ok(Ok(Rebuilt::Current(mut response))) => {
+            *response.status_mut() = stored.status;
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, http::HeaderValue::from_static("true"));
+            Settled::Rebuilt(response)
+        }
+        Ok(Ok(Rebuilt::Gone)) => Settled::ResourceGone(resource_id),
+        Ok(Err(e)) => Settled::RebuildFailed(e),
+        Err(_) => {
+            Settled::RebuildFailed("the rebuild did not finish within the handler timeout".into())
+        }
+    }
 }
 
 /// Phases 2 to 5 for a request that may own its key: coalesce, claim, run
@@ -349,7 +396,7 @@ where
         let replayed = &config.replay_headers;
         let record = Arc::new(Record {
             fingerprint: claim.fingerprint,
-            response: StoredResponse::new(parts.status, &parts.headers, replayed, body.clone()),
+            response: StoredResponse::remember(parts, replayed, body.clone()),
         });
         if let Some(cache) = cache {
             cache.insert(&claim.scope, &claim.key, record.clone(), expires);
@@ -370,7 +417,7 @@ async fn remember<St: Store, F, R, ResB, E>(
     match ran {
         Ok((parts, body)) => {
             let replayed = &endpoint.config.replay_headers;
-            let stored = StoredResponse::new(parts.status, &parts.headers, replayed, body);
+            let stored = StoredResponse::remember(&parts, replayed, body);
             fault_point!(faults, BeforeCommit);
             match endpoint.store.complete(tx, &stored).await {
                 Ok(()) => Settled::Committed(parts, stored.body),
@@ -489,6 +536,15 @@ where
         return Err(Rollback::NotRemembered(response));
     }
     let (parts, body) = response.into_parts();
+    if parts
+        .extensions
+        .get::<ResourceId>()
+        .is_some_and(|id| !id.is_storable())
+    {
+        return Err(Rollback::Unstorable(
+            "the resource id is empty, longer than 255 bytes or has control characters",
+        ));
+    }
     match Limited::new(body, body_limit).collect().await {
         Ok(collected) => Ok((parts, collected.to_bytes())),
         Err(e) if e.is::<LengthLimitError>() => Err(Rollback::Unstorable(

@@ -11,12 +11,12 @@ use http::{header, response, HeaderValue, Response, StatusCode};
 use tracing::Span;
 
 use crate::{
-    body::ResponseBody,
+    body::{BoxError, ResponseBody},
     endpoint::Config,
     lease::{accepted_body, status_location, OperationId},
     metrics::{self, Outcome},
     problem::{codes, Problem},
-    record::{StoredResponse, IDEMPOTENT_REPLAYED},
+    record::{ResourceId, StoredResponse, IDEMPOTENT_REPLAYED},
     store::{StoreError, StoreErrorKind},
 };
 
@@ -49,6 +49,13 @@ pub(crate) enum Settled<B, E> {
     /// A duplicate of a long-running operation that still runs: the same
     /// `202`, marked replayed.
     StillRunning(OperationId),
+    /// A replay rebuilt from its resource: the current representation under
+    /// the first status, marked replayed.
+    Rebuilt(Response<Bytes>),
+    /// A replay to rebuild whose resource is gone.
+    ResourceGone(ResourceId),
+    /// A replay that could not be rebuilt.
+    RebuildFailed(BoxError),
 }
 
 /// Why an owner's work was rolled back, with what the client gets.
@@ -101,6 +108,9 @@ impl<B, E> Settled<B, E> {
             Settled::ClaimFailed(_) | Settled::Cancelled => Outcome::StoreUnavailable,
             Settled::Committed(..) | Settled::Accepted(_) => Outcome::New,
             Settled::StillRunning(_) => Outcome::Replayed,
+            Settled::Rebuilt(_) => Outcome::Rebuilt,
+            Settled::ResourceGone(_) => Outcome::ResourceGone,
+            Settled::RebuildFailed(_) => Outcome::RebuildFailed,
             Settled::RolledBack(_) => Outcome::RolledBack,
             Settled::CompletionFailed(e) => match e.kind() {
                 StoreErrorKind::TransactionAborted | StoreErrorKind::Conflict => {
@@ -186,6 +196,15 @@ impl<B, E> Settled<B, E> {
             Settled::StillRunning(id) => {
                 tracing::info!(operation_id = %id, "the operation still runs; answered 202 again")
             }
+            Settled::Rebuilt(_) => {
+                tracing::info!("replaying the resource's current representation")
+            }
+            Settled::ResourceGone(id) => {
+                tracing::info!(resource_id = %id, "the replayed operation's resource is gone")
+            }
+            Settled::RebuildFailed(e) => {
+                tracing::warn!(error = %e, "the replay could not be rebuilt")
+            }
         }
         metrics::request(endpoint, outcome, tenant);
         if let Some(claimed) = timings.claimed {
@@ -230,6 +249,20 @@ impl<B, E> Settled<B, E> {
             }
             Settled::Accepted(id) => return Ok(accepted(config, id, false)),
             Settled::StillRunning(id) => return Ok(accepted(config, id, true)),
+            Settled::Rebuilt(response) => return Ok(response.map(ResponseBody::buffered)),
+            Settled::ResourceGone(_) => Problem::new(
+                StatusCode::GONE,
+                codes::RESOURCE_GONE,
+                "The resource this request created no longer exists",
+            )
+            .with_detail("the operation ran once; its result was removed since, and retrying cannot bring it back"),
+            Settled::RebuildFailed(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                codes::REPLAY_UNAVAILABLE,
+                "The first answer could not be rebuilt; retry with the same key",
+            )
+            .with_detail("the operation ran once; nothing was changed now")
+            .with_retry_after(1),
         };
         Ok(problem.to_response().map(ResponseBody::buffered))
     }

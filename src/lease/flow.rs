@@ -208,8 +208,7 @@ where
     };
     let driven = match ran {
         Ok((parts, body)) => {
-            let stored =
-                StoredResponse::new(parts.status, &parts.headers, &config.replay_headers, body);
+            let stored = StoredResponse::remember(&parts, &config.replay_headers, body);
             match store.finish(&lease, &stored).await {
                 Ok(()) => {
                     tracing::info!(

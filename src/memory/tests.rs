@@ -29,6 +29,7 @@ fn response(body: &'static str) -> StoredResponse {
         status: StatusCode::CREATED,
         headers: vec![],
         body: Bytes::from_static(body.as_bytes()),
+        resource_id: None,
     }
 }
 

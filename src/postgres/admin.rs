@@ -5,12 +5,15 @@ use std::time::SystemTime;
 use http::StatusCode;
 
 use super::{decode, PgStore};
-use crate::{fingerprint::Fingerprint, key::IdempotencyKey, scope::Scope, store::StoreError};
+use crate::{
+    fingerprint::Fingerprint, key::IdempotencyKey, record::ResourceId, scope::Scope,
+    store::StoreError,
+};
 
 // Column order as `decode::key_record` reads it.
 const INSPECT_KEY: &str =
     "SELECT tenant_id, endpoint, state, request_fingerprint, response_status, attempt_token, \
-         created_at, completed_at, expires_at \
+         created_at, completed_at, expires_at, resource_id \
      FROM idempotency_requests WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
 
 const REMOVE_KEY: &str =
@@ -41,6 +44,9 @@ pub struct KeyRecord {
     pub fingerprint: Fingerprint,
     /// The remembered status, once completed.
     pub response_status: Option<StatusCode>,
+    /// The resource the operation created or changed, if its handler named
+    /// one ([`ResourceId`]).
+    pub resource_id: Option<ResourceId>,
     /// 1 for the first operation under this key, higher after expiry takeovers.
     pub attempt_token: i64,
     /// When the current operation claimed the key.
@@ -62,6 +68,9 @@ impl PgStore {
     /// let key = IdempotencyKey::parse(b"order-attempt-1")?;
     /// if let Some(record) = store.inspect_key(&scope, &key).await? {
     ///     println!("{:?} {:?} expires {:?}", record.state, record.response_status, record.expires_at);
+    ///     if let Some(order) = &record.resource_id {
+    ///         println!("this key created {order}");
+    ///     }
     /// }
     /// # Ok(()) }
     /// ```

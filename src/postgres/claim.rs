@@ -12,7 +12,7 @@ use crate::store::{Claim, ClaimRequest, StoreError, StoreErrorKind};
 // Parameters carry explicit casts so their types are fixed by the SQL text:
 // binding can then never fail on the client after an earlier pipelined
 // statement was already sent.
-const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body \
+const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body, resource_id \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
 
@@ -32,11 +32,11 @@ const CLAIM: &str = "WITH claimed AS ( \
          VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', now() + make_interval(secs => $5::float8)) \
          ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING \
          RETURNING attempt_token, pg_current_xact_id()::text AS xid, set_config('lock_timeout', NULL, true)) \
-     SELECT true, attempt_token, xid, NULL::bytea, NULL::text, NULL::int2, NULL::bytea, NULL::bytea, false \
+     SELECT true, attempt_token, xid, NULL::bytea, NULL::text, NULL::int2, NULL::bytea, NULL::bytea, NULL::text, false \
      FROM claimed \
      UNION ALL \
      SELECT false, NULL::int8, NULL::text, request_fingerprint, state, response_status, response_headers, \
-         response_body, \
+         response_body, resource_id, \
          expires_at <= now() OR (state = 'in_progress' AND (lease_expires_at IS NULL OR lease_expires_at <= now())) \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
@@ -64,7 +64,8 @@ const CLAIM_KEY: &str = "INSERT INTO idempotency_requests AS r \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          attempt_token = EXCLUDED.attempt_token, response_status = NULL, response_headers = NULL, \
-         response_body = NULL, created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at \
+         response_body = NULL, resource_id = NULL, created_at = now(), completed_at = NULL, \
+         expires_at = EXCLUDED.expires_at \
      WHERE r.expires_at <= now() \
          OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())) \
      RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";
@@ -231,7 +232,7 @@ async fn try_claim(
     if row.get::<_, bool>(0) {
         return Ok(Claimed::Owned(row.get(1), row.get(2)));
     }
-    if !row.get::<_, bool>(8) {
+    if !row.get::<_, bool>(9) {
         return Ok(Claimed::Found(Found::Existing(decode::record_at(row, 3)?)));
     }
     // Expired, or an orphan: take it over, as a second step of the same

@@ -10,18 +10,18 @@ use tokio_postgres::Row;
 use super::admin::{KeyRecord, KeyState};
 use crate::{
     fingerprint::Fingerprint,
-    record::{Record, StoredResponse},
+    record::{Record, ResourceId, StoredResponse},
     store::{StoreError, StoreErrorKind},
 };
 
 /// A row of the claim's lookup (`request_fingerprint, state,
-/// response_status, response_headers, response_body`); `None` for a row that
-/// is not completed (a committed in-progress row).
+/// response_status, response_headers, response_body, resource_id`); `None`
+/// for a row that is not completed (a committed in-progress row).
 pub(super) fn record(row: &Row) -> Result<Option<Record>, StoreError> {
     record_at(row, 0)
 }
 
-/// [`record`], for the same five columns starting at column `at`.
+/// [`record`], for the same six columns starting at column `at`.
 pub(super) fn record_at(row: &Row, at: usize) -> Result<Option<Record>, StoreError> {
     let state: &str = row.try_get(at + 1).map_err(|_| corrupt("state"))?;
     if state_of(state) != KeyState::Completed {
@@ -31,6 +31,7 @@ pub(super) fn record_at(row: &Row, at: usize) -> Result<Option<Record>, StoreErr
     let status: i16 = row.try_get(at + 2).map_err(|_| corrupt("status"))?;
     let headers: &[u8] = row.try_get(at + 3).map_err(|_| corrupt("header block"))?;
     let body: &[u8] = row.try_get(at + 4).map_err(|_| corrupt("body"))?;
+    let resource_id: Option<String> = row.try_get(at + 5).map_err(|_| corrupt("resource id"))?;
     Ok(Some(Record {
         fingerprint: fingerprint_of(fingerprint)?,
         response: StoredResponse {
@@ -38,13 +39,14 @@ pub(super) fn record_at(row: &Row, at: usize) -> Result<Option<Record>, StoreErr
             headers: StoredResponse::decode_headers(headers)
                 .ok_or_else(|| corrupt("header block"))?,
             body: Bytes::copy_from_slice(body),
+            resource_id: resource_id.map(ResourceId::new),
         },
     }))
 }
 
 /// A row of the operator's lookup (`tenant_id, endpoint, state,
 /// request_fingerprint, response_status, attempt_token, created_at,
-/// completed_at, expires_at`).
+/// completed_at, expires_at, resource_id`).
 pub(super) fn key_record(row: &Row) -> Result<KeyRecord, StoreError> {
     let state = state_of(row.get(2));
     let status: Option<i16> = row.get(4);
@@ -58,6 +60,7 @@ pub(super) fn key_record(row: &Row) -> Result<KeyRecord, StoreError> {
         created_at: row.get(6),
         completed_at: row.get(7),
         expires_at: row.get(8),
+        resource_id: row.get::<_, Option<String>>(9).map(ResourceId::new),
     })
 }
 

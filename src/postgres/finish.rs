@@ -24,7 +24,8 @@ use crate::{
 // Retention counts from the completion (one timestamp for both columns).
 const COMPLETE: &str = "WITH done AS ( \
          UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
-             response_headers = $6::bytea, response_body = $7::bytea, completed_at = statement_timestamp(), \
+             response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
+             completed_at = statement_timestamp(), \
              expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
          WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
              AND attempt_token = $4::int8 AND state = 'in_progress' \
@@ -61,8 +62,9 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
     let retention = tx.retention().as_secs_f64();
     let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
     let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
-    let params: [&(dyn ToSql + Sync); 9] = [
-        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid,
+    let resource = response.resource_id.as_ref().map(|id| id.as_str());
+    let params: [&(dyn ToSql + Sync); 10] = [
+        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid, &resource,
     ];
     finish(conn, Some((&statement, &params)), "COMMIT")
         .await

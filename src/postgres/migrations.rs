@@ -29,6 +29,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "long_running_operations",
         include_str!("schema/0005_long_running_operations.sql"),
     ),
+    (
+        6,
+        "resource_id",
+        include_str!("schema/0006_resource_id.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.

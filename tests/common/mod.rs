@@ -453,5 +453,6 @@ pub(crate) fn stored(body: &'static [u8]) -> StoredResponse {
         status: StatusCode::OK,
         headers: vec![],
         body: Bytes::from_static(body),
+        resource_id: None,
     }
 }

@@ -16,7 +16,7 @@ use crate::{
     lease::OperationId,
     metrics::FencedAt,
     postgres::{conn::Conn, decode, error::map_error, PgStore, PgTx},
-    record::StoredResponse,
+    record::{ResourceId, StoredResponse},
     scope::{Scope, TenantId},
     store::{
         Acquired, ClaimRequest, LeaseRequest, Operation, OperationState, Owned, Recovered,
@@ -26,7 +26,7 @@ use crate::{
 
 /// Where a key stands, without a lock or a write.
 const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body, \
-         operation_id::text, lease_expires_at > now() \
+         resource_id, operation_id::text, lease_expires_at > now() \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
 
@@ -52,8 +52,8 @@ const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
          created_at = CASE WHEN r.expires_at > now() AND r.lease_expires_at IS NOT NULL \
              THEN r.created_at ELSE now() END, \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
-         response_status = NULL, response_headers = NULL, response_body = NULL, completed_at = NULL, \
-         expires_at = GREATEST(r.expires_at, EXCLUDED.expires_at), \
+         response_status = NULL, response_headers = NULL, response_body = NULL, resource_id = NULL, \
+         completed_at = NULL, expires_at = GREATEST(r.expires_at, EXCLUDED.expires_at), \
          request_method = EXCLUDED.request_method, request_target = EXCLUDED.request_target, \
          request_headers = EXCLUDED.request_headers, request_body = EXCLUDED.request_body \
      WHERE r.expires_at <= now() \
@@ -81,8 +81,10 @@ const HOLD: &str = "SELECT pg_current_xact_id()::text \
 
 // The completion: a compare-and-swap on the token. The request is no
 // longer needed once the answer is stored.
-const FINISH: &str = "UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
-         response_headers = $6::bytea, response_body = $7::bytea, completed_at = statement_timestamp(), \
+const FINISH: &str =
+    "UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
+         response_headers = $6::bytea, response_body = $7::bytea, resource_id = $9::text, \
+         completed_at = statement_timestamp(), \
          expires_at = statement_timestamp() + make_interval(secs => $8::float8), \
          lease_expires_at = NULL, request_headers = NULL, request_body = NULL \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
@@ -92,7 +94,8 @@ const RELEASE: &str = "DELETE FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress'";
 
-const OPERATION: &str = "SELECT state, response_status, response_headers, response_body \
+const OPERATION: &str =
+    "SELECT state, response_status, response_headers, response_body, resource_id \
      FROM idempotency_requests \
      WHERE operation_id = $1::text::uuid AND tenant_id = $2::text AND expires_at > now()";
 
@@ -205,8 +208,8 @@ async fn lookup(
     if let Some(record) = decode::record(&row)? {
         return Ok(Some(Acquired::Completed(record)));
     }
-    let id: Option<String> = row.get(5);
-    let live: Option<bool> = row.get(6);
+    let id: Option<String> = row.get(6);
+    let live: Option<bool> = row.get(7);
     let fingerprint = Fingerprint::from_slice(row.get(0))
         .ok_or_else(|| corrupt("stored record has an invalid fingerprint"))?;
     let running = |id: &str| -> Result<_, StoreError> {
@@ -316,8 +319,9 @@ pub(in crate::postgres) async fn finish(
     let headers = response.encode_headers();
     let body: &[u8] = &response.body;
     let retention = lease.retention().as_secs_f64();
-    let params: [&(dyn ToSql + Sync); 8] = [
-        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention,
+    let resource = response.resource_id.as_ref().map(|id| id.as_str());
+    let params: [&(dyn ToSql + Sync); 9] = [
+        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &resource,
     ];
     let rows = short_execute(lease.store(), FINISH, &params).await?;
     if rows == 0 {
@@ -365,6 +369,7 @@ pub(in crate::postgres) async fn operation(
         headers: StoredResponse::decode_headers(headers)
             .ok_or_else(|| corrupt("stored record has an invalid header block"))?,
         body: Bytes::copy_from_slice(body),
+        resource_id: row.get::<_, Option<String>>(4).map(ResourceId::new),
     };
     Ok(Some(Operation::new(
         id,

@@ -67,8 +67,8 @@ use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
 
 use crate::{
-    fingerprint::Fingerprint, key::IdempotencyKey, record::StoredResponse, scope::Scope,
-    scope::TenantId, store::Claim, store::ClaimRequest, store::Store,
+    fingerprint::Fingerprint, key::IdempotencyKey, record::ResourceId, record::StoredResponse,
+    scope::Scope, scope::TenantId, store::Claim, store::ClaimRequest, store::Store,
 };
 
 mod leases;
@@ -138,6 +138,8 @@ fn response(body: &'static [u8]) -> StoredResponse {
             (header::LINK, HeaderValue::from_static("<b>")),
         ],
         body: Bytes::from_static(body),
+        // Remembered with the response and given back with it.
+        resource_id: Some(ResourceId::new("thing_1")),
     }
 }
 
