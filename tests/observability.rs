@@ -494,6 +494,17 @@ async fn long_running_operations_are_observable() {
     )
     .await;
     assert_eq!(died.status, StatusCode::ACCEPTED);
+    // The dead owner's handler has run (and died) before its lease is left
+    // to expire: on a loaded machine its task may first run late, and would
+    // then still count as running when the retry's work is counted below.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while calls.load(Ordering::SeqCst) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the first owner never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     until_expired("k1").await;
     let retry = spawn_send(
         layer.clone().layer(handler.clone()),
