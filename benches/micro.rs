@@ -1,5 +1,7 @@
 //! Micro-benchmarks of the layer's CPU work: key parsing, fingerprinting a
-//! 1 KB and a 64 KB order body (typed and JSON), building a replay.
+//! 1 KB and a 64 KB order body (typed and JSON), building a replay, and a
+//! whole replay through the layer (`MemoryStore`), stored bytes against one
+//! rebuilt from the resource id.
 //!
 //!     cargo bench --bench micro
 
@@ -118,5 +120,71 @@ fn replay(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, keys, fingerprints, replay);
+/// A replay through the layer over `MemoryStore`: the stored bytes, or the
+/// response rebuilt by a function that formats a fresh body (no I/O: the
+/// layer's own cost of the rebuild path).
+fn layer_replay(c: &mut Criterion) {
+    use tower::{Layer, ServiceExt};
+    use tower_idempotency::{
+        memory::MemoryStore,
+        record::ResourceId,
+        replay::{RebuildRequest, Rebuilt},
+        scope::{SingleTenant, TenantId},
+        IdempotencyLayer, RequestBody,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let handler = tower::service_fn(|_: http::Request<RequestBody>| async {
+        let mut response = http::Response::new(http_body_util::Full::new(Bytes::from_static(
+            br#"{"id":"ord_1","download_url":"/files/ord_1?sig=first"}"#,
+        )));
+        *response.status_mut() = StatusCode::CREATED;
+        response.extensions_mut().insert(ResourceId::new("ord_1"));
+        Ok::<_, std::convert::Infallible>(response)
+    });
+    let rebuild = tower::service_fn(|request: RebuildRequest| async move {
+        let body = format!(
+            r#"{{"id":"{}","download_url":"/files/{}?sig=fresh"}}"#,
+            request.resource_id, request.resource_id
+        );
+        Ok::<_, std::convert::Infallible>(Rebuilt::Current(http::Response::new(Bytes::from(body))))
+    });
+    let base = || {
+        IdempotencyLayer::new(
+            MemoryStore::new(),
+            "POST /exports v1",
+            JsonFingerprinter::new("exports.v1"),
+        )
+        .tenant_resolver(SingleTenant::new(TenantId::new("bench")))
+    };
+    let request = || {
+        http::Request::post("/exports")
+            .header("idempotency-key", "k-1")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from_static(
+                br#"{"file":"a"}"#,
+            )))
+            .unwrap()
+    };
+    let stored = base().layer(handler);
+    let rebuilt = base().rebuild_replays(rebuild).layer(handler);
+    runtime.block_on(async {
+        stored.clone().oneshot(request()).await.unwrap();
+        rebuilt.clone().oneshot(request()).await.unwrap();
+    });
+    let mut group = c.benchmark_group("layer_replay");
+    group.bench_function("stored", |b| {
+        b.to_async(&runtime)
+            .iter(|| async { stored.clone().oneshot(request()).await.unwrap() })
+    });
+    group.bench_function("rebuilt", |b| {
+        b.to_async(&runtime)
+            .iter(|| async { rebuilt.clone().oneshot(request()).await.unwrap() })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, keys, fingerprints, replay, layer_replay);
 criterion_main!(benches);

@@ -434,6 +434,16 @@ async fn fulfilment_runs_as_a_long_running_operation() {
     assert_eq!(result["status"], 200);
     let shipment_id = result["body"]["shipment_id"].as_str().unwrap().to_owned();
     assert!(shipment_id.starts_with("shp_"));
+    let resource: String = db
+        .value(
+            "SELECT resource_id FROM idempotency_requests WHERE idempotency_key = 'ship-1'",
+            &[],
+        )
+        .await;
+    assert_eq!(
+        resource, shipment_id,
+        "the record names the shipment it created"
+    );
     assert_eq!(
         result["body"],
         json!({"order_id": order_id, "warehouse": "tokyo-1", "shipment_id": shipment_id, "status": "shipped"})

@@ -410,6 +410,13 @@ async fn fifty_concurrent_identical_requests_make_one_order() {
             .await,
         1
     );
+    // The key's record names the order it created.
+    let order_id: String = server.value("SELECT id::text FROM orders").await;
+    let resource: String = server
+        .value("SELECT resource_id FROM idempotency_requests WHERE idempotency_key = 'hot-key'")
+        .await;
+    assert_eq!(resource, order_id);
+    assert_eq!(answers[0].json()["id"], order_id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -29,7 +29,7 @@ use tower_idempotency::{
     outbox::derive_key,
     postgres::{PgLease, TxError, TxErrorKind},
     problem::Problem,
-    record::FinalResponse,
+    record::{FinalResponse, ResourceId},
 };
 use tracing::Instrument;
 
@@ -245,7 +245,12 @@ fn shipped(order_id: &str, warehouse: &str, shipment_id: &str) -> Response {
         shipment_id,
         status: "shipped",
     };
-    (StatusCode::OK, Json(body)).into_response()
+    let mut response = (StatusCode::OK, Json(body)).into_response();
+    // The operation's resource: the shipment it created.
+    response
+        .extensions_mut()
+        .insert(ResourceId::new(shipment_id));
+    response
 }
 
 async fn find(lease: &PgLease, id: &str, key: &str) -> Result<Found, TxError> {

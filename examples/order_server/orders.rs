@@ -13,7 +13,7 @@ use tower_idempotency::{
     outbox,
     postgres::{PgStore, PgTx},
     problem::Problem,
-    record::FinalResponse,
+    record::{FinalResponse, ResourceId},
     scope::TenantId,
 };
 
@@ -217,12 +217,16 @@ pub(crate) async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
         return db_failure(e);
     }
     tracing::info!(order_id, tenant = tx.tenant(), total, "order created");
-    (
+    let mut response = (
         StatusCode::CREATED,
         [(header::LOCATION, format!("/orders/{order_id}"))],
         axum::Json(body),
     )
-        .into_response()
+        .into_response();
+    // Remembered with the response: "which order did key X create?" is one
+    // query on idempotency_requests.resource_id.
+    response.extensions_mut().insert(ResourceId::new(order_id));
+    response
 }
 
 pub(crate) async fn get(
