@@ -29,8 +29,8 @@ pub enum ClientErrorKind {
     /// The call's total time bound passed: an attempt still running at the
     /// deadline was abandoned, or no time was left to wait for another.
     DeadlineExceeded,
-    /// The wrapped service failed before it could take an attempt (its
-    /// `poll_ready`).
+    /// The wrapped service failed outside the retry loop: its `poll_ready`,
+    /// or the call of a safe method (`GET`, …), which passes through once.
     ServiceFailed,
 }
 
@@ -122,7 +122,7 @@ impl fmt::Display for ClientError {
             }
             ClientErrorKind::AttemptsExhausted => "every allowed attempt failed without an answer",
             ClientErrorKind::DeadlineExceeded => "no answer within the call's total time bound",
-            ClientErrorKind::ServiceFailed => "the wrapped service failed before an attempt",
+            ClientErrorKind::ServiceFailed => "the wrapped service failed outside the retry loop",
         };
         write!(f, "{what} ({}; {} attempt(s)", self.code(), self.attempts)?;
         if let Some(key) = &self.key {
