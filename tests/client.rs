@@ -591,3 +591,50 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
     );
     assert_eq!(count(CLIENT_REPLAYED_TOTAL, None), 1);
 }
+
+/// A writer the test's log subscriber appends to.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn logs_show_the_key_only_hashed() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    // This test's thread only (the runtime of the test runs on it).
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let key = "caller-secret-key-42";
+    let script = Script::new(vec![answer(503), Step::Fail, answer(503)]);
+    let layer = IdempotentClientLayer::new().max_attempts(3);
+    let (_, report, _) = send(client(&script, layer), post_with_key(key))
+        .await
+        .unwrap();
+    assert_eq!(report.gave_up(), Some(GiveUp::AttemptsExhausted));
+
+    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let hash = tower_idempotency::key::IdempotencyKey::parse(key.as_bytes())
+        .unwrap()
+        .short_hash();
+    assert!(logs.contains("retrying with the same key"), "{logs}");
+    assert!(logs.contains("giving up"), "{logs}");
+    assert!(logs.contains(&format!("key_hash={hash}")), "{logs}");
+    assert!(
+        !logs.contains(key),
+        "the raw key never reaches the logs: {logs}"
+    );
+}
