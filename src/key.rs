@@ -88,6 +88,14 @@ impl IdempotencyKey {
             .map_err(|_| KeyError::InvalidCharacter)
     }
 
+    /// A new random key (a UUIDv4: 122 random bits), for a client starting
+    /// an operation.
+    #[cfg(feature = "client")]
+    pub(crate) fn new_v4() -> Self {
+        // Hex digits and dashes: visible ASCII, 36 characters.
+        IdempotencyKey(uuid::Uuid::new_v4().to_string().into_boxed_str())
+    }
+
     /// The key as the client sent it (unquoted).
     pub fn as_str(&self) -> &str {
         &self.0

@@ -89,10 +89,14 @@
 //! - [`metrics`]: every metric name the crate emits.
 //! - [`PgStore::inspect_key`](postgres::PgStore::inspect_key) and [`PgStore::remove_key`](postgres::PgStore::remove_key): the operator API.
 //! - [`IdempotencyLayer::drained`]: wait for owned work at shutdown.
+//! - `client` (feature `client`): calling an idempotent API, one key per
+//!   operation, retried by the contract.
 //!
 //! # Feature flags
 //!
 //! - `axum`: [`PgTx`](postgres::PgTx) and [`Validated`](fingerprint::Validated) are axum extractors.
+//! - `client`: [`client`]: the other half of the contract, a tower layer
+//!   for outgoing requests (one key per operation, retries by the contract).
 //! - `test-util`: [`testing`]: a throwaway PostgreSQL cluster and the store
 //!   conformance suite.
 
@@ -103,6 +107,9 @@
 mod admit;
 mod body;
 mod cache;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 mod coalesce;
 mod endpoint;
 #[cfg(feature = "failpoints")]

@@ -65,6 +65,42 @@ pub const OUTBOX_PARKED_TOTAL: &str = "outbox_parked_total";
 /// supervisor increments it, as the example order server does.
 pub const OUTBOX_RELAY_RESTARTS_TOTAL: &str = "outbox_relay_restarts_total";
 
+/// Counter: attempts sent by the client layer (feature `client`), by
+/// `client` (the layer's name).
+pub const CLIENT_ATTEMPTS_TOTAL: &str = "idempotency_client_attempts_total";
+/// Counter: retries made by the client layer, by `client` and `reason`
+/// (`transport`, `timeout`, `unavailable`, `gateway`, `in_progress`).
+pub const CLIENT_RETRIES_TOTAL: &str = "idempotency_client_retries_total";
+/// Counter: calls whose last outcome was worth a retry but the client layer
+/// stopped, by `client` and `reason` (`attempts_exhausted`, `deadline`,
+/// `body_not_replayable`).
+pub const CLIENT_GIVE_UPS_TOTAL: &str = "idempotency_client_give_ups_total";
+/// Counter: answers marked `Idempotent-Replayed: true` that the client layer
+/// received, by `client`.
+pub const CLIENT_REPLAYED_TOTAL: &str = "idempotency_client_replayed_total";
+
+#[cfg(feature = "client")]
+pub(crate) fn client_attempt(client: &str) {
+    metrics::counter!(CLIENT_ATTEMPTS_TOTAL, "client" => client.to_owned()).increment(1);
+}
+
+#[cfg(feature = "client")]
+pub(crate) fn client_retry(client: &str, reason: &'static str) {
+    metrics::counter!(CLIENT_RETRIES_TOTAL, "client" => client.to_owned(), "reason" => reason)
+        .increment(1);
+}
+
+#[cfg(feature = "client")]
+pub(crate) fn client_give_up(client: &str, reason: &'static str) {
+    metrics::counter!(CLIENT_GIVE_UPS_TOTAL, "client" => client.to_owned(), "reason" => reason)
+        .increment(1);
+}
+
+#[cfg(feature = "client")]
+pub(crate) fn client_replayed(client: &str) {
+    metrics::counter!(CLIENT_REPLAYED_TOTAL, "client" => client.to_owned()).increment(1);
+}
+
 /// Defines [`Outcome`] with its label values and the list of all of them,
 /// so that a new outcome cannot be left out of [`register_endpoint`].
 macro_rules! outcomes {

@@ -3,26 +3,28 @@
 //! calls them after the order committed.
 //!
 //! The relay reaches them as a tower service (in-process), exactly as it
-//! would reach a remote API over HTTP: a request with a bearer token (the
-//! provider's tenant is the calling service) and an `Idempotency-Key` derived
-//! from the order id and the operation. However often an `OrderCreated` event
-//! is delivered, the provider charges once.
+//! would reach a remote API over HTTP: through the crate's client layer
+//! (`IdempotentClientLayer`), a request with a bearer token (the provider's
+//! tenant is the calling service) and an `Idempotency-Key` derived from the
+//! order id and the operation, which the layer sends on every retry.
+//! However often an `OrderCreated` event is delivered, the provider charges once.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use axum::{
-    body::Body,
     middleware,
     response::{IntoResponse, Response},
     routing::post,
     Json, Router,
 };
+use bytes::Bytes;
 use http::{Request, StatusCode};
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Full};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tower::ServiceExt;
+use tower::{Layer, ServiceExt};
 use tower_idempotency::{
+    client::{ClientErrorKind, IdempotentClient, IdempotentClientLayer},
     fingerprint::{TypedFingerprinter, Validated},
     outbox::{DeliveryError, OutboxEvent, Sink},
     postgres::{PgStore, PgTx},
@@ -132,29 +134,41 @@ pub(crate) fn providers(store: PgStore) -> Router {
 
 /// Delivers `OrderCreated` to both providers, each call with its own derived key.
 pub(crate) struct Providers {
-    router: Router,
+    client: IdempotentClient<Router>,
 }
 
 impl Providers {
     pub(crate) fn new(store: PgStore) -> Self {
-        Providers {
-            router: providers(store),
-        }
+        // Both calls of a delivery fit in the relay's 10 s per delivery; what
+        // still fails is retried by the relay later, with the same derived keys.
+        let client = IdempotentClientLayer::new()
+            .name("order-relay")
+            .max_attempts(3)
+            .attempt_timeout(Duration::from_secs(3))
+            .total_timeout(Duration::from_secs(4))
+            .backoff(Duration::from_millis(100), Duration::from_secs(1))
+            .layer(providers(store));
+        Providers { client }
     }
 
+    /// One provider call with the derived `key`: the client layer retries
+    /// timeouts, `503` and `idempotency_in_progress` with that key.
     async fn call(&self, path: &str, key: &str, body: Value) -> Result<(), DeliveryError> {
         let request = Request::post(path)
             .header("authorization", format!("Bearer {RELAY_TOKEN}"))
             .header("content-type", "application/json")
             .header("idempotency-key", key)
-            .body(Body::from(body.to_string()))
+            .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| DeliveryError::permanent(e.to_string()))?;
         let response = self
-            .router
+            .client
             .clone()
             .oneshot(request)
             .await
-            .map_err(|e| DeliveryError::retryable(e.to_string()))?;
+            .map_err(|e| match e.kind() {
+                ClientErrorKind::KeyInvalid => DeliveryError::permanent(e.to_string()),
+                _ => DeliveryError::retryable(e.to_string()),
+            })?;
         let status = response.status();
         if status.is_success() {
             return Ok(());

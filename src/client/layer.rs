@@ -1,0 +1,150 @@
+//! `IdempotentClientLayer`: the client side's configuration.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use http::HeaderName;
+use tower_layer::Layer;
+
+use super::IdempotentClient;
+
+/// No duration in the configuration goes past this: deadlines stay far from
+/// the clock's limits, whatever a caller passes.
+const LONGEST: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+/// Attempts allowed at most, whatever a caller passes.
+const MOST_ATTEMPTS: u32 = 100;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) name: String,
+    pub(crate) header: HeaderName,
+    pub(crate) max_attempts: u32,
+    pub(crate) attempt_timeout: Duration,
+    pub(crate) total_timeout: Duration,
+    pub(crate) backoff_base: Duration,
+    pub(crate) backoff_max: Duration,
+}
+
+/// Makes outgoing unsafe requests (`POST`, `PUT`, `PATCH`, `DELETE`, …)
+/// retry-safe under the Idempotency-Key contract the server layer answers:
+/// one key per call, the same on every retry, retries only where the
+/// contract says a retry helps. See the [module docs](super) for the retry
+/// table.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::client::IdempotentClientLayer;
+///
+/// let layer = IdempotentClientLayer::new()
+///     .name("payments")
+///     .max_attempts(4)
+///     .attempt_timeout(Duration::from_secs(5))
+///     .total_timeout(Duration::from_secs(20));
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct IdempotentClientLayer {
+    config: Arc<Config>,
+}
+
+impl Default for IdempotentClientLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl IdempotentClientLayer {
+    /// The defaults: header `Idempotency-Key`, 5 attempts, 15 s per attempt,
+    /// 60 s in total, backoff from 250 ms doubling to at most 10 s (with
+    /// jitter), metrics label `client="default"`.
+    pub fn new() -> Self {
+        IdempotentClientLayer {
+            config: Arc::new(Config {
+                name: "default".to_owned(),
+                header: HeaderName::from_static("idempotency-key"),
+                max_attempts: 5,
+                attempt_timeout: Duration::from_secs(15),
+                total_timeout: Duration::from_secs(60),
+                backoff_base: Duration::from_millis(250),
+                backoff_max: Duration::from_secs(10),
+            }),
+        }
+    }
+
+    fn config(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// The `client` label of this layer's metrics (e.g. the API it calls).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.config().name = name.into();
+        self
+    }
+
+    /// The key header (default `Idempotency-Key`).
+    pub fn header_name(mut self, header: HeaderName) -> Self {
+        self.config().header = header;
+        self
+    }
+
+    /// Attempts per call, the first included (default 5; at least 1, at most 100).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.config().max_attempts = attempts.clamp(1, MOST_ATTEMPTS);
+        self
+    }
+
+    /// How long one attempt may take before it counts as timed out and is
+    /// retried with the same key (default 15 s). Keep it above the server's
+    /// wait for a concurrent duplicate (5 s by default), or its
+    /// `idempotency_in_progress` answer never arrives.
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.config().attempt_timeout = timeout.min(LONGEST);
+        self
+    }
+
+    /// The whole call's time bound, attempts and waits included (default
+    /// 60 s): no wait is started that would end past it, and an attempt still
+    /// running at it is abandoned ([`ClientErrorKind::DeadlineExceeded`](super::ClientErrorKind::DeadlineExceeded)).
+    pub fn total_timeout(mut self, timeout: Duration) -> Self {
+        self.config().total_timeout = timeout.min(LONGEST);
+        self
+    }
+
+    /// The wait before a retry when the answer carries no `Retry-After`:
+    /// `base` doubling per retry up to `max`, of which a random half is
+    /// waited ("equal jitter", so that many clients do not retry in
+    /// lockstep). Defaults: 250 ms, 10 s.
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        let config = self.config();
+        config.backoff_base = base.min(LONGEST);
+        config.backoff_max = max.min(LONGEST).max(config.backoff_base);
+        self
+    }
+}
+
+impl fmt::Debug for IdempotentClientLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.config.fmt(f)
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotentClientLayer")
+            .field("name", &self.name)
+            .field("header", &self.header)
+            .field("max_attempts", &self.max_attempts)
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("total_timeout", &self.total_timeout)
+            .field("backoff_base", &self.backoff_base)
+            .field("backoff_max", &self.backoff_max)
+            .finish()
+    }
+}
+
+impl<S> Layer<S> for IdempotentClientLayer {
+    type Service = IdempotentClient<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotentClient::new(inner, self.config.clone())
+    }
+}

@@ -1,0 +1,657 @@
+//! The client layer against a scripted in-process service, on tokio's paused
+//! clock: which outcomes are retried, with which key, after how long, and
+//! where it stops. (Against the real order server: `tests/client_order_server.rs`.)
+
+use std::{
+    collections::VecDeque,
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
+use tower_idempotency::{
+    client::{
+        CallReport, ClientError, ClientErrorKind, GiveUp, IdempotentClient, IdempotentClientLayer,
+        RetryReason,
+    },
+    outbox::derive_key,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What the scripted server does with one attempt.
+#[derive(Clone)]
+enum Step {
+    /// Answers with a status, headers and a body.
+    Answer(u16, Vec<(&'static str, &'static str)>, &'static str),
+    /// Fails the call, as a refused connection does.
+    Fail,
+    /// Never answers.
+    Hang,
+}
+
+fn answer(status: u16) -> Step {
+    Step::Answer(status, vec![], "")
+}
+
+fn problem(status: u16, code: &'static str, retry_after: Option<&'static str>) -> Step {
+    let body = match code {
+        "idempotency_in_progress" => {
+            r#"{"type":"urn:tower-idempotency:problem:idempotency_in_progress","status":409,"code":"idempotency_in_progress"}"#
+        }
+        "idempotency_key_reused" => {
+            r#"{"type":"urn:tower-idempotency:problem:idempotency_key_reused","status":409,"code":"idempotency_key_reused"}"#
+        }
+        "checkout_already_ordered" => {
+            r#"{"status":409,"code":"checkout_already_ordered","order_id":"o1"}"#
+        }
+        "store_unavailable" => r#"{"status":503,"code":"store_unavailable"}"#,
+        _ => r#"{"code":"other"}"#,
+    };
+    let mut headers = vec![("content-type", "application/problem+json")];
+    if let Some(seconds) = retry_after {
+        headers.push(("retry-after", seconds));
+    }
+    Step::Answer(status, headers, body)
+}
+
+/// One attempt as the scripted server saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: Method,
+    key: Option<String>,
+    headers: http::HeaderMap,
+    at: Duration,
+}
+
+/// A server that plays its steps in order (the last one repeats) and
+/// records every attempt.
+#[derive(Clone)]
+struct Script {
+    steps: Arc<Mutex<VecDeque<Step>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    start: Instant,
+}
+
+impl Script {
+    fn new(steps: Vec<Step>) -> Script {
+        Script {
+            steps: Arc::new(Mutex::new(steps.into())),
+            seen: Arc::default(),
+            start: Instant::now(),
+        }
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// The key of every attempt (all present).
+    fn keys(&self) -> Vec<String> {
+        self.seen()
+            .into_iter()
+            .map(|s| s.key.expect("every attempt carries a key"))
+            .collect()
+    }
+
+    /// When each attempt arrived, since the script was made.
+    fn times(&self) -> Vec<Duration> {
+        self.seen().into_iter().map(|s| s.at).collect()
+    }
+}
+
+impl<B: Send + 'static> Service<Request<B>> for Script {
+    type Response = Response<Full<Bytes>>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        self.seen.lock().unwrap().push(Seen {
+            method: request.method().clone(),
+            key: request
+                .headers()
+                .get("idempotency-key")
+                .map(|v| v.to_str().unwrap().to_owned()),
+            headers: request.headers().clone(),
+            at: self.start.elapsed(),
+        });
+        let step = {
+            let mut steps = self.steps.lock().unwrap();
+            if steps.len() > 1 {
+                steps.pop_front().unwrap()
+            } else {
+                steps.front().cloned().expect("a scripted step")
+            }
+        };
+        Box::pin(async move {
+            match step {
+                Step::Answer(status, headers, body) => {
+                    let mut response = Response::builder().status(status);
+                    for (name, value) in headers {
+                        response = response.header(name, value);
+                    }
+                    Ok(response.body(Full::new(Bytes::from_static(body.as_bytes())))?)
+                }
+                Step::Fail => Err("connection refused".into()),
+                Step::Hang => std::future::pending().await,
+            }
+        })
+    }
+}
+
+fn client(script: &Script, layer: IdempotentClientLayer) -> IdempotentClient<Script> {
+    layer.layer(script.clone())
+}
+
+fn post() -> Request<Full<Bytes>> {
+    Request::post("/orders")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(br#"{"checkout_id":"chk_1"}"#)))
+        .unwrap()
+}
+
+fn post_with_key(key: &str) -> Request<Full<Bytes>> {
+    let mut request = post();
+    request
+        .headers_mut()
+        .insert("idempotency-key", key.parse().unwrap());
+    request
+}
+
+/// Sends `request` through `client`; the answer's status, report and body.
+async fn send<B>(
+    client: IdempotentClient<Script>,
+    request: Request<B>,
+) -> Result<(StatusCode, CallReport, Bytes), ClientError>
+where
+    B: tower_idempotency::client::ReplayBody + Send + 'static,
+{
+    let response = client.oneshot(request).await?;
+    let report = response
+        .extensions()
+        .get::<CallReport>()
+        .cloned()
+        .expect("a report on every answer to an unsafe method");
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    Ok((status, report, body))
+}
+
+#[tokio::test(start_paused = true)]
+async fn sets_one_random_key_and_sends_it_on_every_retry() {
+    let script = Script::new(vec![answer(503), answer(503), answer(201)]);
+    let (status, report, _) = send(client(&script, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(report.attempts(), 3);
+    assert_eq!(
+        report.retries(),
+        [RetryReason::Unavailable, RetryReason::Unavailable]
+    );
+    let keys = script.keys();
+    assert_eq!(keys.len(), 3);
+    assert!(
+        keys.iter().all(|k| *k == keys[0]),
+        "one key per call: {keys:?}"
+    );
+    assert_eq!(report.key().as_str(), keys[0]);
+    let uuid = uuid::Uuid::parse_str(&keys[0]).expect("a UUID");
+    assert_eq!(uuid.get_version_num(), 4);
+
+    // The next call is another operation: another key.
+    let again = Script::new(vec![answer(201)]);
+    send(client(&again, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_ne!(again.keys()[0], keys[0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn keeps_the_callers_key_and_never_shows_it_raw() {
+    let key = derive_key("order-1", "payment.charge");
+    let script = Script::new(vec![Step::Fail, answer(201)]);
+    let (status, report, _) = send(
+        client(&script, IdempotentClientLayer::new()),
+        post_with_key(&key),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(script.keys(), [key.clone(), key.clone()]);
+    assert_eq!(report.retries(), [RetryReason::Transport]);
+    let shown = format!("{report:?}");
+    assert!(!shown.contains(&key), "Debug hashes the key: {shown}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn in_progress_waits_retry_after_then_gets_the_result() {
+    let script = Script::new(vec![
+        problem(409, "idempotency_in_progress", Some("3")),
+        Step::Answer(201, vec![("idempotent-replayed", "true")], r#"{"id":"o1"}"#),
+    ]);
+    let (status, report, body) = send(client(&script, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(&body[..], br#"{"id":"o1"}"#);
+    assert_eq!(
+        script.times(),
+        [Duration::ZERO, Duration::from_secs(3)],
+        "the retry waits exactly Retry-After"
+    );
+    assert_eq!(report.retries(), [RetryReason::InProgress]);
+    assert!(report.replayed(), "the replay is surfaced");
+    assert_eq!(report.gave_up(), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn key_reused_is_returned_at_once() {
+    // Even with a Retry-After, the code decides.
+    let script = Script::new(vec![
+        problem(409, "idempotency_key_reused", Some("1")),
+        answer(201),
+    ]);
+    let started = Instant::now();
+    let (status, report, body) = send(client(&script, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(started.elapsed(), Duration::ZERO, "no wait");
+    assert_eq!(script.seen().len(), 1, "not retried");
+    assert_eq!(report.attempts(), 1);
+    assert_eq!(report.gave_up(), None);
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        problem["code"], "idempotency_key_reused",
+        "the body read for its code reaches the caller whole"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn final_answers_are_not_retried() {
+    for step in [
+        answer(200),
+        answer(201),
+        Step::Answer(201, vec![("idempotent-replayed", "true")], "{}"),
+        answer(400),
+        answer(404),
+        problem(409, "checkout_already_ordered", None),
+        answer(409),
+        answer(422),
+        answer(429),
+        answer(500),
+    ] {
+        let script = Script::new(vec![step, answer(201)]);
+        let (status, report, _) = send(client(&script, IdempotentClientLayer::new()), post())
+            .await
+            .unwrap();
+        assert_eq!(script.seen().len(), 1, "{status} is final");
+        assert_eq!(report.attempts(), 1);
+        assert!(report.retries().is_empty());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn gateway_errors_and_timeouts_are_retried() {
+    let script = Script::new(vec![answer(502), answer(504), Step::Hang, answer(201)]);
+    let layer = IdempotentClientLayer::new()
+        .attempt_timeout(Duration::from_secs(2))
+        .backoff(Duration::from_millis(100), Duration::from_millis(100));
+    let (status, report, _) = send(client(&script, layer), post()).await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(
+        report.retries(),
+        [
+            RetryReason::Gateway,
+            RetryReason::Gateway,
+            RetryReason::Timeout
+        ]
+    );
+    let times = script.times();
+    // The hung attempt was cut at its 2 s bound, then a short backoff.
+    assert!(times[3] - times[2] >= Duration::from_millis(2050));
+    assert!(times[3] - times[2] <= Duration::from_millis(2100));
+    let keys = script.keys();
+    assert!(keys.iter().all(|k| *k == keys[0]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_are_bounded_and_the_last_answer_is_returned() {
+    let script = Script::new(vec![problem(503, "store_unavailable", None)]);
+    let layer = IdempotentClientLayer::new()
+        .max_attempts(4)
+        .backoff(Duration::from_millis(200), Duration::from_secs(10));
+    let (status, report, body) = send(client(&script, layer), post()).await.unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(script.seen().len(), 4);
+    assert_eq!(report.attempts(), 4);
+    assert_eq!(report.gave_up(), Some(GiveUp::AttemptsExhausted));
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["code"], "store_unavailable");
+    // Equal jitter: before retry n, between half and all of 200 ms * 2^(n-1).
+    let times = script.times();
+    for n in 1..4 {
+        let waited = times[n] - times[n - 1];
+        let full = Duration::from_millis(200 * (1 << (n - 1)));
+        assert!(
+            waited >= full / 2 && waited <= full,
+            "retry {n} waited {waited:?}, full backoff {full:?}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_is_started_past_the_total_time_bound() {
+    let script = Script::new(vec![problem(503, "store_unavailable", Some("2"))]);
+    let layer = IdempotentClientLayer::new()
+        .max_attempts(10)
+        .total_timeout(Duration::from_secs(5));
+    let started = Instant::now();
+    let (status, report, _) = send(client(&script, layer), post()).await.unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        script.times(),
+        [
+            Duration::ZERO,
+            Duration::from_secs(2),
+            Duration::from_secs(4)
+        ]
+    );
+    assert_eq!(report.gave_up(), Some(GiveUp::Deadline));
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(4),
+        "gave up at once rather than waiting past 5 s"
+    );
+
+    // A Retry-After longer than the whole bound is not waited for at all.
+    let script = Script::new(vec![problem(409, "idempotency_in_progress", Some("3600"))]);
+    let started = Instant::now();
+    let (status, report, _) = send(client(&script, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(report.gave_up(), Some(GiveUp::Deadline));
+    assert_eq!(started.elapsed(), Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_running_at_the_deadline_is_abandoned() {
+    let script = Script::new(vec![Step::Hang]);
+    let layer = IdempotentClientLayer::new()
+        .attempt_timeout(Duration::from_secs(30))
+        .total_timeout(Duration::from_secs(3));
+    let started = Instant::now();
+    let error = send(client(&script, layer), post()).await.unwrap_err();
+    assert_eq!(error.kind(), ClientErrorKind::DeadlineExceeded);
+    assert_eq!(error.code(), "deadline_exceeded");
+    assert_eq!(error.attempts(), 1);
+    assert_eq!(started.elapsed(), Duration::from_secs(3));
+    assert_eq!(
+        error.key().map(|k| k.as_str().to_owned()),
+        Some(script.keys()[0].clone()),
+        "the caller learns the key to retry the operation with later"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn failing_attempts_end_in_attempts_exhausted() {
+    let script = Script::new(vec![Step::Fail]);
+    let layer = IdempotentClientLayer::new().max_attempts(3);
+    let error = send(client(&script, layer), post()).await.unwrap_err();
+    assert_eq!(error.kind(), ClientErrorKind::AttemptsExhausted);
+    assert_eq!(error.attempts(), 3);
+    assert_eq!(script.seen().len(), 3);
+    let source = std::error::Error::source(&error).expect("the last failure");
+    assert_eq!(source.to_string(), "connection refused");
+    let shown = error.to_string();
+    assert!(shown.contains("attempts_exhausted"), "{shown}");
+    assert!(!shown.contains(&script.keys()[0]), "key hashed: {shown}");
+}
+
+fn streaming_post() -> Request<BoxBody<Bytes, Infallible>> {
+    Request::post("/orders")
+        .body(Full::new(Bytes::from_static(b"{}")).boxed())
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_that_cannot_be_replayed_is_sent_once() {
+    // An answer worth a retry comes back as it is, saying why it was not retried.
+    let script = Script::new(vec![answer(503), answer(201)]);
+    let (status, report, _) = send(
+        client(&script, IdempotentClientLayer::new()),
+        streaming_post(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(script.seen().len(), 1);
+    assert_eq!(report.gave_up(), Some(GiveUp::BodyNotReplayable));
+
+    // No answer at all: a clear error.
+    let script = Script::new(vec![Step::Fail, answer(201)]);
+    let error = send(
+        client(&script, IdempotentClientLayer::new()),
+        streaming_post(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(error.kind(), ClientErrorKind::BodyNotReplayable);
+    assert_eq!(error.code(), "body_not_replayable");
+    assert_eq!(error.attempts(), 1);
+    assert_eq!(script.seen().len(), 1);
+
+    // A final answer is simply returned.
+    let script = Script::new(vec![answer(201)]);
+    let (status, report, _) = send(
+        client(&script, IdempotentClientLayer::new()),
+        streaming_post(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(report.gave_up(), None);
+    assert_eq!(script.keys().len(), 1, "a streaming request gets a key too");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_invalid_key_is_refused_before_anything_is_sent() {
+    let script = Script::new(vec![answer(201)]);
+    let error = send(
+        client(&script, IdempotentClientLayer::new()),
+        post_with_key("has space"),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(error.kind(), ClientErrorKind::KeyInvalid);
+    assert_eq!(error.attempts(), 0);
+
+    let mut twice = post_with_key("a");
+    twice
+        .headers_mut()
+        .append("idempotency-key", "b".parse().unwrap());
+    let error = send(client(&script, IdempotentClientLayer::new()), twice)
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), "idempotency_key_invalid");
+    assert!(script.seen().is_empty(), "nothing was sent");
+}
+
+#[tokio::test(start_paused = true)]
+async fn safe_methods_pass_through_once_without_a_key() {
+    let script = Script::new(vec![answer(503), answer(200)]);
+    let request = Request::get("/orders/1")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let response = client(&script, IdempotentClientLayer::new())
+        .oneshot(request)
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(response.extensions().get::<CallReport>().is_none());
+    let seen = script.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].method, Method::GET);
+    assert_eq!(seen[0].key, None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_custom_header_name_carries_the_key() {
+    let script = Script::new(vec![answer(201)]);
+    let layer =
+        IdempotentClientLayer::new().header_name(http::HeaderName::from_static("x-request-key"));
+    let response = client(&script, layer).oneshot(post()).await.unwrap();
+    let report = response.extensions().get::<CallReport>().unwrap();
+    let seen = &script.seen()[0];
+    assert_eq!(seen.key, None, "not under the default name");
+    assert_eq!(seen.headers["x-request-key"], report.key().as_str());
+}
+
+#[tokio::test(start_paused = true)]
+async fn metrics_count_attempts_retries_give_ups_and_replays() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    // The only test of this binary that installs a recorder and reads it;
+    // its `client` label keeps the other tests' calls out of its counts.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder
+        .install()
+        .expect("the only recorder of this binary");
+
+    let layer = IdempotentClientLayer::new()
+        .name("metrics-test")
+        .max_attempts(3);
+    let script = Script::new(vec![
+        answer(503),
+        problem(409, "idempotency_in_progress", Some("0")),
+        Step::Answer(201, vec![("idempotent-replayed", "true")], "{}"),
+    ]);
+    send(client(&script, layer.clone()), post()).await.unwrap();
+    let script = Script::new(vec![answer(503)]);
+    send(client(&script, layer), post()).await.unwrap();
+
+    let counters: std::collections::HashMap<(String, Vec<(String, String)>), u64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| {
+            let DebugValue::Counter(n) = value else {
+                return None;
+            };
+            let key = key.key();
+            let mut labels: Vec<_> = key
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            labels.sort();
+            Some(((key.name().to_owned(), labels), n))
+        })
+        .collect();
+    let count = |name: &str, extra: Option<(&str, &str)>| {
+        let mut labels = vec![("client".to_owned(), "metrics-test".to_owned())];
+        if let Some((k, v)) = extra {
+            labels.push((k.to_owned(), v.to_owned()));
+        }
+        labels.sort();
+        counters
+            .get(&(name.to_owned(), labels))
+            .copied()
+            .unwrap_or(0)
+    };
+    use tower_idempotency::metrics::*;
+    assert_eq!(count(CLIENT_ATTEMPTS_TOTAL, None), 6);
+    assert_eq!(
+        count(CLIENT_RETRIES_TOTAL, Some(("reason", "unavailable"))),
+        3
+    );
+    assert_eq!(
+        count(CLIENT_RETRIES_TOTAL, Some(("reason", "in_progress"))),
+        1
+    );
+    assert_eq!(
+        count(
+            CLIENT_GIVE_UPS_TOTAL,
+            Some(("reason", "attempts_exhausted"))
+        ),
+        1
+    );
+    assert_eq!(count(CLIENT_REPLAYED_TOTAL, None), 1);
+}
+
+/// A writer the test's log subscriber appends to.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Everything this test binary logs (one global subscriber: a scoped one
+/// misses events when other threads settle the callsites' interest first).
+fn logs() -> &'static Captured {
+    static LOGS: std::sync::OnceLock<Captured> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Captured::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("the only subscriber of this binary");
+        logs
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn logs_show_the_key_only_hashed() {
+    let logs = logs();
+    let key = "caller-secret-key-42";
+    let script = Script::new(vec![answer(503), Step::Fail, answer(503)]);
+    let layer = IdempotentClientLayer::new().max_attempts(3);
+    let (_, report, _) = send(client(&script, layer), post_with_key(key))
+        .await
+        .unwrap();
+    assert_eq!(report.gave_up(), Some(GiveUp::AttemptsExhausted));
+
+    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    // Other tests log too: only this call's lines (its hash) count.
+    let hash = tower_idempotency::key::IdempotencyKey::parse(key.as_bytes())
+        .unwrap()
+        .short_hash();
+    let ours: Vec<&str> = logs
+        .lines()
+        .filter(|line| line.contains(&format!("key_hash={hash}")))
+        .collect();
+    assert!(
+        ours.iter()
+            .any(|l| l.contains("retrying with the same key")),
+        "{logs}"
+    );
+    assert!(ours.iter().any(|l| l.contains("giving up")), "{logs}");
+    assert!(
+        !logs.contains(key),
+        "the raw key never reaches the logs: {logs}"
+    );
+}
