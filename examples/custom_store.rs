@@ -69,11 +69,15 @@ async fn main() {
         inner: MemoryStore::new(),
         counts: Arc::default(),
     };
-    // Every guarantee the layer relies on, checked against our store.
-    conformance::run_all(store.clone()).await;
+    // Every guarantee the layer relies on, checked against our store. The
+    // handler's writes go through `MemoryTx`, so the inner store says how to
+    // write and where to look.
+    let report = conformance::run_all_with(store.clone(), store.inner.clone()).await;
+    println!("{report}");
+    report.assert_passed();
     let c = &store.counts;
     println!(
-        "conformance passed: {} claims owned, {} found completed, {} in progress; {} commits, {} aborts",
+        "{} claims owned, {} found completed, {} in progress; {} commits, {} aborts",
         c.owned.load(Ordering::Relaxed),
         c.completed.load(Ordering::Relaxed),
         c.in_progress.load(Ordering::Relaxed),
