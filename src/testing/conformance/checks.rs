@@ -84,7 +84,8 @@ pub async fn fingerprint_is_returned_for_comparison<St: Store>(
 pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneOwner;
     enum Answer {
-        Owned(usize),
+        // The racer, and whether its complete failed (and how).
+        Owned(usize, Option<String>),
         Completed(Bytes),
     }
     let key = unique_key();
@@ -98,11 +99,8 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
             match claim_bounded(&store, &req, G, "a concurrent claim").await? {
                 Claim::Owned(tx) => {
                     let body = Bytes::from(format!("racer {racer}"));
-                    store
-                        .complete(tx, &response_with(body))
-                        .await
-                        .or_fail(G, &format!("the owner (racer {racer}) could not complete"))?;
-                    Ok(Answer::Owned(racer))
+                    let completed = store.complete(tx, &response_with(body)).await;
+                    Ok(Answer::Owned(racer, completed.err().map(|e| e.to_string())))
                 }
                 Claim::Completed(record) => Ok(Answer::Completed(record.response.body)),
                 Claim::InProgress => fail!(
@@ -113,10 +111,10 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
         });
     }
     let answers = join_all(racers, G).await?;
-    let owners: Vec<usize> = answers
+    let owners: Vec<(usize, &Option<String>)> = answers
         .iter()
         .filter_map(|a| match a {
-            Answer::Owned(racer) => Some(*racer),
+            Answer::Owned(racer, error) => Some((*racer, error)),
             Answer::Completed(_) => None,
         })
         .collect();
@@ -126,7 +124,13 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
         "{} of {RACERS} concurrent claims owned the same new key (exactly one may)",
         owners.len()
     );
-    let winner = Bytes::from(format!("racer {}", owners[0]));
+    if let (racer, Some(error)) = owners[0] {
+        fail!(
+            G,
+            "the only owner (racer {racer}) could not complete: {error}"
+        );
+    }
+    let winner = Bytes::from(format!("racer {}", owners[0].0));
     for answer in &answers {
         if let Answer::Completed(body) = answer {
             ensure!(
