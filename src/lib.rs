@@ -95,6 +95,8 @@
 //! - `axum`: [`PgTx`](postgres::PgTx) and [`Validated`](fingerprint::Validated) are axum extractors.
 //! - `test-util`: [`testing`]: a throwaway PostgreSQL cluster and the store
 //!   conformance suite.
+//! - `sqlx`: [`sqlx::SqlxStore`], the store on a `sqlx::PgPool`, whose
+//!   handlers write through the claim's `sqlx` transaction.
 
 // The other lints are configured in Cargo.toml (`[lints]`).
 #![forbid(unsafe_code)]
@@ -121,6 +123,9 @@ pub mod retention;
 pub mod scope;
 mod service;
 mod settled;
+#[cfg(feature = "sqlx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
+pub mod sqlx;
 pub mod store;
 
 #[cfg(feature = "axum")]

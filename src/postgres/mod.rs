@@ -70,7 +70,7 @@ mod error;
 mod finish;
 mod lease;
 mod lexer;
-mod migrations;
+pub(crate) mod migrations;
 mod pool;
 mod session;
 mod tx;
