@@ -1,4 +1,4 @@
-//! [`SqlxStore`]: the store on a [`sqlx::PgPool`](::sqlx::PgPool) (feature `sqlx`).
+//! [`SqlxStore`]: the store on a [`sqlx::PgPool`] (feature `sqlx`).
 //!
 //! Most Rust web services on PostgreSQL already hold a `sqlx::PgPool`.
 //! With this store the layer claims keys on that pool, and the handler
@@ -7,12 +7,16 @@
 //! remembered response commit together, or not at all.
 //!
 //! ```no_run
-//! use axum::{routing::post, Extension, Router};
+//! use axum::{routing::post, Router};
 //! use tower_idempotency::{
-//!     fingerprint::JsonFingerprinter, sqlx::{SqlxStore, SqlxTx}, IdempotencyLayer,
+//!     fingerprint::JsonFingerprinter,
+//!     sqlx::{SqlxStore, SqlxTx},
+//!     IdempotencyLayer,
 //! };
 //!
-//! async fn create_order(Extension(tx): Extension<SqlxTx>) -> Result<String, String> {
+//! // With the `axum` feature `SqlxTx` is an extractor; without it, take
+//! // `Extension<SqlxTx>` (or read the request extensions in any service).
+//! async fn create_order(tx: SqlxTx) -> Result<String, String> {
 //!     let mut conn = tx.conn().await.map_err(|e| e.to_string())?;
 //!     let (id,): (i64,) =
 //!         sqlx::query_as("INSERT INTO orders (tenant_id) VALUES ($1) RETURNING id")
@@ -26,9 +30,10 @@
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://app@localhost/app").await?;
 //! let store = SqlxStore::new(pool);
-//! store.migrate().await?;
-//! let layer = IdempotencyLayer::new(store, "POST /orders v1", JsonFingerprinter::new());
+//! store.migrate().await?; // the same schema as PgStore's
+//! let layer = IdempotencyLayer::new(store, "POST /orders v1", JsonFingerprinter::new("orders.v1"));
 //! let app: Router = Router::new().route("/orders", post(create_order).layer(layer));
+//! // Your auth layer, outside this one, inserts a `tower_idempotency::scope::TenantId`.
 //! # Ok(()) }
 //! ```
 //!
@@ -52,7 +57,7 @@
 //!    dropped transaction before its connection is lent again).
 //! 4. **Bounded waiting.** `SET LOCAL lock_timeout` to the claim's wait: a
 //!    claim that meets an owner's row waits at most that long (`55P03`),
-//!    then answers [`Claim::InProgress`](crate::store::Claim::InProgress);
+//!    then answers [`Claim::InProgress`];
 //!    the whole claim is also cut off on the client shortly after.
 //! 5. **Expiry.** A record whose retention ended (or a committed
 //!    in-progress row no transaction holds) is taken over by a second
