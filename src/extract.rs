@@ -82,3 +82,16 @@ impl<S: Send + Sync> FromRequestParts<S> for crate::sqlx::SqlxTx {
             .ok_or(MissingFromLayer("SqlxTx"))
     }
 }
+
+#[cfg(feature = "sqlx")]
+impl<S: Send + Sync> FromRequestParts<S> for crate::sqlx::SqlxLease {
+    type Rejection = MissingFromLayer;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<crate::sqlx::SqlxLease>()
+            .cloned()
+            .ok_or(MissingFromLayer("SqlxLease"))
+    }
+}

@@ -92,7 +92,7 @@
 //!
 //! # Feature flags
 //!
-//! - `axum`: [`PgTx`](postgres::PgTx), [`PgLease`](postgres::PgLease) and [`Validated`](fingerprint::Validated) (and `SqlxTx` with `sqlx`) are axum extractors.
+//! - `axum`: [`PgTx`](postgres::PgTx), [`PgLease`](postgres::PgLease) and [`Validated`](fingerprint::Validated) (and `SqlxTx`, `SqlxLease` with `sqlx`) are axum extractors.
 //! - `test-util`: [`testing`]: a throwaway PostgreSQL cluster and the store
 //!   conformance suite.
 //! - `sqlx`: [`sqlx::SqlxStore`], the store on a `sqlx::PgPool`, whose

@@ -1,17 +1,21 @@
-//! `SqlxStore` against a real PostgreSQL: the conformance suite with the
-//! handler's writes, the shared schema with `PgStore`, what the handler's
-//! connection looks like, and transactions that never stay open. (The
+//! `SqlxStore` against a real PostgreSQL: the conformance suites (with the
+//! handler's writes, and of the long-running mode), fenced writes, the
+//! shared schema with `PgStore`, what the handler's connection looks like,
+//! and transactions that never stay open. (The
 //! layer's behaviour scenarios run against it in `tests/behaviour.rs`.)
 
 mod common;
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use common::*;
+use http::Method;
 use tower_idempotency::{
+    lease::OperationId,
     postgres::PgStore,
     sqlx::{SqlxStore, SqlxTx},
-    store::{Claim, Store, StoreErrorKind},
+    store::{Acquired, Claim, LeaseRequest, LeaseStore, Store, StoreErrorKind, StoredRequest},
     testing::conformance::{self, BoxError, Outcome, Writes},
 };
 
@@ -235,4 +239,125 @@ async fn migrate_runs_from_a_spawned_task_and_concurrently() {
     for run in runs {
         run.await.unwrap().expect("concurrent migrations succeed");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_passes_the_lease_conformance_suite() {
+    let backend = Sqlx::new().await;
+    let report = conformance::run_leases(backend.store.clone()).await;
+    println!("{report}");
+    report.assert_passed();
+    assert_eq!(
+        idle_in_transaction(&backend).await,
+        0,
+        "no transaction left open"
+    );
+}
+
+#[tokio::test]
+async fn fenced_writes_commit_at_the_current_token_only() {
+    let backend = Sqlx::new().await;
+    let store = backend.store.clone();
+    let claim = claim_request("op-1", Duration::from_secs(2));
+    let lease = |ms| {
+        LeaseRequest::new(
+            Duration::from_millis(ms),
+            OperationId::random(),
+            StoredRequest::new(Method::POST, "/x", vec![], Bytes::new()),
+        )
+    };
+    let Acquired::Owned(first) = store.acquire(&claim, &lease(300)).await.unwrap() else {
+        panic!("a new operation is owned");
+    };
+    // The owner's fenced write commits.
+    let tx = first.lease.transaction().await.unwrap();
+    Sqlx::insert_order(&tx, "o1", "t").await.unwrap();
+    first.lease.commit(tx).await.unwrap();
+    // A write rolled back leaves nothing.
+    let tx = first.lease.transaction().await.unwrap();
+    Sqlx::insert_order(&tx, "o2", "t").await.unwrap();
+    store.abort(tx).await.unwrap();
+    assert_eq!(backend.orders().await, vec![("o1".into(), "t".into())]);
+    // Sleeping past the lease is the behaviour under test: it expires.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let Acquired::Owned(second) = store.acquire(&claim, &lease(60_000)).await.unwrap() else {
+        panic!("the expired operation is taken over");
+    };
+    assert!(second.taken_over && second.token > first.token);
+    let stale = first.lease.transaction().await.unwrap_err();
+    assert_eq!(stale.kind(), StoreErrorKind::Fenced);
+    assert!(first.lease.is_fenced());
+    let tx = second.lease.transaction().await.unwrap();
+    Sqlx::insert_order(&tx, "o3", "t").await.unwrap();
+    second.lease.commit(tx).await.unwrap();
+    assert_eq!(backend.orders().await.len(), 2, "o1 and o3");
+    // A fenced transaction is no claim: complete refuses it and rolls back.
+    let tx = second.lease.transaction().await.unwrap();
+    Sqlx::insert_order(&tx, "o4", "t").await.unwrap();
+    let err = store.complete(tx, &stored(b"no")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::TransactionAborted);
+    assert_eq!(backend.orders().await.len(), 2);
+    store.release(&second.lease).await.unwrap();
+    assert_eq!(idle_in_transaction(&backend).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_long_running_mode_runs_on_sqlx_store() {
+    use http::{Request, Response, StatusCode};
+    use http_body_util::Full;
+    use tower::Layer;
+    use tower_idempotency::{
+        fingerprint::JsonFingerprinter, lease::LeaseConfig, sqlx::SqlxLease, IdempotencyLayer,
+        RequestBody,
+    };
+
+    let backend = Sqlx::new().await;
+    let layer = IdempotencyLayer::new(
+        backend.store.clone(),
+        "POST /orders v1",
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .long_running(
+        LeaseConfig::new(Duration::from_secs(10))
+            .heartbeat(Duration::from_millis(100))
+            .respond_within(Duration::from_secs(5)),
+    );
+    let handler = tower::util::BoxCloneService::new(tower::service_fn(
+        |request: Request<RequestBody>| async move {
+            let lease = request
+                .extensions()
+                .get::<SqlxLease>()
+                .cloned()
+                .ok_or("no lease")?;
+            let id = format!("ord-{}", lease.operation_id());
+            let tx = lease.transaction().await?;
+            Sqlx::insert_order(&tx, &id, lease.tenant()).await?;
+            lease.commit(tx).await?;
+            let mut response = Response::new(Full::new(Bytes::from(id)));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, BoxError>(response)
+        },
+    ));
+    let service = layer.layer(handler);
+    let first = send(service.clone(), tenant_a_post("k-long")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    let retry = send(service.clone(), tenant_a_post("k-long")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body, "the first answer, byte for byte");
+    let orders = backend.orders().await;
+    assert_eq!(orders.len(), 1, "one fenced write committed");
+    assert_eq!(orders[0].0.as_bytes(), &first.body[..]);
+    assert_eq!(
+        backend
+            .count(
+                "SELECT count(*) FROM idempotency_requests WHERE state = 'completed' \
+                 AND lease_expires_at IS NULL AND operation_id IS NOT NULL"
+            )
+            .await,
+        1,
+        "the operation's record, finished by compare-and-swap"
+    );
+    assert_eq!(idle_in_transaction(&backend).await, 0);
 }

@@ -113,6 +113,7 @@ pub(super) async fn claim(
             token,
             xid,
             request.retention,
+            false,
         ))),
         Found::Completed(record) => {
             rollback(tx).await;
@@ -139,20 +140,9 @@ async fn arbitrate(
     request: &ClaimRequest,
     wait: Duration,
 ) -> Result<Found, ::sqlx::Error> {
-    // `0` would mean no limit, and PostgreSQL takes at most i32::MAX ms.
-    let ms = |d: Duration| format!("{}ms", d.as_millis().clamp(1, i32::MAX as u128));
     // Should the owner's process freeze between two statements, the
     // server ends the session (and frees the key) after the hold limit.
-    let hold = request.hold_limit.map(ms);
-    ::sqlx::query(
-        "SELECT set_config('lock_timeout', $1, true), \
-             CASE WHEN $2::text IS NOT NULL \
-                 THEN set_config('idle_in_transaction_session_timeout', $2, true) END",
-    )
-    .bind(ms(wait))
-    .bind(hold)
-    .execute(&mut *conn)
-    .await?;
+    set_waits(&mut *conn, wait, request.hold_limit).await?;
     loop {
         if let Some(row) = bind(::sqlx::query(INSERT), request)
             .fetch_optional(&mut *conn)
@@ -185,6 +175,28 @@ async fn arbitrate(
         }
         // Another claim took it over first and has finished with it: look again.
     }
+}
+
+/// Sets, for the rest of the transaction, how long a lock wait may last
+/// and (if given) how long the session may sit idle in it before the server
+/// ends it. Parameters, never formatted SQL.
+pub(super) async fn set_waits(
+    conn: &mut PgConnection,
+    wait: Duration,
+    idle: Option<Duration>,
+) -> Result<(), ::sqlx::Error> {
+    // `0` would mean no limit, and PostgreSQL takes at most i32::MAX ms.
+    let ms = |d: Duration| format!("{}ms", d.as_millis().clamp(1, i32::MAX as u128));
+    ::sqlx::query(
+        "SELECT set_config('lock_timeout', $1, true), \
+             CASE WHEN $2::text IS NOT NULL \
+                 THEN set_config('idle_in_transaction_session_timeout', $2, true) END",
+    )
+    .bind(ms(wait))
+    .bind(idle.map(ms))
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 fn bind<'q>(

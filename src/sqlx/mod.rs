@@ -67,16 +67,25 @@
 //! `tests/sqlx_store.rs` runs the [conformance
 //! suite](crate::testing::conformance) against it on a real PostgreSQL.
 //!
+//! # Long-running operations
+//!
+//! `SqlxStore` implements [`LeaseStore`](crate::store::LeaseStore) with
+//! the statements of `PgStore`'s lease protocol: an operation's record is
+//! committed `in_progress` with a lease and an attempt token, the handler
+//! finds a [`SqlxLease`] in its request extensions, writes through fenced
+//! transactions ([`SqlxLease::transaction`], holding the record `FOR SHARE`
+//! at its token until [`SqlxLease::commit`]), and the layer stores the
+//! answer by a compare-and-swap on the token. Both stores can serve the same
+//! table. `tests/sqlx_store.rs` runs the lease conformance suite against it.
+//!
 //! # Compared with `PgStore`
 //!
 //! `PgStore` pipelines the claim behind `BEGIN` and the `COMMIT` behind the
 //! response (two round trips per created resource, where this store takes
-//! five), guards the handle against transaction control statements, cancels
-//! a statement still running when the layer ends the transaction, and runs
-//! long-running operations: it implements
-//! [`LeaseStore`](crate::store::LeaseStore), which this store does not
-//! (yet). This store's worth is the pool and the transaction type your code
-//! already uses.
+//! five), guards the handle against transaction control statements, and
+//! cancels a statement still running through a clone of the handle when the
+//! layer ends the transaction (this store waits for it). This store's worth
+//! is the pool and the transaction type your code already uses.
 
 use std::fmt;
 
@@ -90,8 +99,10 @@ use crate::{
 
 mod claim;
 mod error;
+mod lease;
 mod tx;
 
+pub use lease::SqlxLease;
 pub use tx::{SqlxConn, SqlxTx};
 
 use error::map_error;

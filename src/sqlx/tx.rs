@@ -76,6 +76,9 @@ struct Shared {
     token: i64,
     xid: String,
     retention: Duration,
+    // A long-running owner's fenced transaction (LeaseStore::fenced), not
+    // a claim's.
+    fenced: bool,
 }
 
 /// The claim's connection, borrowed from a [`SqlxTx`] for the handler's
@@ -113,6 +116,7 @@ impl SqlxTx {
         token: i64,
         xid: String,
         retention: Duration,
+        fenced: bool,
     ) -> Self {
         SqlxTx {
             inner: Arc::new(Shared {
@@ -122,6 +126,7 @@ impl SqlxTx {
                 token,
                 xid,
                 retention,
+                fenced,
             }),
         }
     }
@@ -202,6 +207,15 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
     let Some(mut transaction) = tx.take().await else {
         return Err(finished());
     };
+    if tx.inner.fenced {
+        if let Err(e) = transaction.rollback().await {
+            tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
+        }
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
+        ));
+    }
     let shared = &tx.inner;
     let remembered = ::sqlx::query(COMPLETE)
         .bind(shared.scope.tenant().as_str())
@@ -221,6 +235,39 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
         // queues one that the pool sends before reusing the connection.
         if let Err(rollback) = transaction.rollback().await {
             tracing::debug!(error = %rollback, "rolling back a failed completion failed");
+        }
+        return Err(error);
+    }
+    transaction.commit().await.map_err(map_commit_error)
+}
+
+/// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced):
+/// the check that the transaction is intact and still holds the record at
+/// its token (it cannot have lost it while holding the row `FOR SHARE`,
+/// unless the handler ended the transaction), then `COMMIT`.
+pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
+    if !tx.inner.fenced {
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a claim's transaction commits with Store::complete",
+        ));
+    }
+    let Some(mut transaction) = tx.take().await else {
+        return Err(finished());
+    };
+    let shared = &tx.inner;
+    let checked = ::sqlx::query(crate::postgres::finish::FENCED_CHECK)
+        .bind(shared.scope.tenant().as_str())
+        .bind(shared.scope.endpoint())
+        .bind(shared.key.as_str())
+        .bind(shared.token)
+        .bind(shared.xid.as_str())
+        .execute(&mut *transaction)
+        .await;
+    if let Err(e) = checked {
+        let error = map_error(e);
+        if let Err(rollback) = transaction.rollback().await {
+            tracing::debug!(error = %rollback, "rolling back a failed fenced commit failed");
         }
         return Err(error);
     }

@@ -35,7 +35,8 @@
 //! [`src/sqlx/`](https://github.com/tower-idempotency/tower-idempotency/tree/main/src/sqlx)
 //! (a store for another driver: claims by `INSERT … ON CONFLICT`, the
 //! handler's writes and the response in one `sqlx` transaction, bounded
-//! waits by `lock_timeout`, expiry takeover). `tests/conformance_catches_broken_stores.rs`
+//! waits by `lock_timeout`, expiry takeover, and [`LeaseStore`] with
+//! fenced transactions). `tests/conformance_catches_broken_stores.rs`
 //! holds a store in memory written from these docs, and one variant per
 //! way of getting it wrong.
 //!
