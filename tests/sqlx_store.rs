@@ -361,3 +361,51 @@ async fn the_long_running_mode_runs_on_sqlx_store() {
     );
     assert_eq!(idle_in_transaction(&backend).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_cancels_a_statement_left_running_on_the_connection() {
+    let backend = Sqlx::new().await;
+    let store = backend.store.clone();
+    let request = claim_request("k1", Duration::from_secs(2));
+    let Claim::Owned(tx) = store.claim(&request).await.unwrap() else {
+        panic!("a new key is owned");
+    };
+    // A handler cut off at its deadline in the middle of a long statement:
+    // its future (and with it the borrowed connection) is dropped, the
+    // statement still runs on the server.
+    let handler = {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut conn = tx.conn().await.unwrap();
+            sqlx::query("SELECT pg_sleep(60)")
+                .execute(&mut *conn)
+                .await
+                .map(|_| ())
+        })
+    };
+    let sleeping = "SELECT count(*) FROM pg_stat_activity \
+                    WHERE query = 'SELECT pg_sleep(60)' AND state = 'active'";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while backend.count(sleeping).await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the statement never started"
+        );
+        tokio::task::yield_now().await;
+    }
+    handler.abort();
+    let _ = handler.await;
+    let started = std::time::Instant::now();
+    store.abort(tx).await.expect("the rollback succeeds");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the statement was cancelled, not waited for ({:?})",
+        started.elapsed()
+    );
+    assert_eq!(backend.count(sleeping).await, 0, "nothing runs any more");
+    let Claim::Owned(tx) = store.claim(&request).await.unwrap() else {
+        panic!("the key is free again");
+    };
+    store.abort(tx).await.unwrap();
+    assert_eq!(idle_in_transaction(&backend).await, 0);
+}

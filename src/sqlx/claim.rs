@@ -68,8 +68,8 @@ const GRACE: Duration = Duration::from_millis(250);
 
 /// What one pass of the claim found.
 enum Found {
-    /// We own the key: (token, transaction id).
-    Owned(i64, String),
+    /// We own the key: (token, transaction id, the session's process id).
+    Owned(i64, String, i32),
     /// A completed, unexpired record.
     Completed(Record),
     /// A long-running operation under a live lease.
@@ -106,8 +106,10 @@ pub(super) async fn claim(
         Ok(Ok(found)) => found,
     };
     match found {
-        Found::Owned(token, xid) => Ok(Claim::Owned(SqlxTx::new(
+        Found::Owned(token, xid, pid) => Ok(Claim::Owned(SqlxTx::new(
             tx,
+            store.pool.clone(),
+            pid,
             request.scope.clone(),
             request.key.clone(),
             token,
@@ -142,13 +144,13 @@ async fn arbitrate(
 ) -> Result<Found, ::sqlx::Error> {
     // Should the owner's process freeze between two statements, the
     // server ends the session (and frees the key) after the hold limit.
-    set_waits(&mut *conn, wait, request.hold_limit).await?;
+    let pid = set_waits(&mut *conn, wait, request.hold_limit).await?;
     loop {
         if let Some(row) = bind(::sqlx::query(INSERT), request)
             .fetch_optional(&mut *conn)
             .await?
         {
-            return Ok(Found::Owned(row.try_get(0)?, row.try_get(1)?));
+            return Ok(Found::Owned(row.try_get(0)?, row.try_get(1)?, pid));
         }
         let Some(row) = ::sqlx::query(LOOKUP)
             .bind(request.scope.tenant().as_str())
@@ -171,7 +173,7 @@ async fn arbitrate(
             .fetch_optional(&mut *conn)
             .await?
         {
-            return Ok(Found::Owned(row.try_get(0)?, row.try_get(1)?));
+            return Ok(Found::Owned(row.try_get(0)?, row.try_get(1)?, pid));
         }
         // Another claim took it over first and has finished with it: look again.
     }
@@ -179,24 +181,25 @@ async fn arbitrate(
 
 /// Sets, for the rest of the transaction, how long a lock wait may last
 /// and (if given) how long the session may sit idle in it before the server
-/// ends it. Parameters, never formatted SQL.
+/// ends it (parameters, never formatted SQL); returns the session's process
+/// id, which a cancel request names.
 pub(super) async fn set_waits(
     conn: &mut PgConnection,
     wait: Duration,
     idle: Option<Duration>,
-) -> Result<(), ::sqlx::Error> {
+) -> Result<i32, ::sqlx::Error> {
     // `0` would mean no limit, and PostgreSQL takes at most i32::MAX ms.
     let ms = |d: Duration| format!("{}ms", d.as_millis().clamp(1, i32::MAX as u128));
-    ::sqlx::query(
-        "SELECT set_config('lock_timeout', $1, true), \
+    let row = ::sqlx::query(
+        "SELECT pg_backend_pid(), set_config('lock_timeout', $1, true), \
              CASE WHEN $2::text IS NOT NULL \
                  THEN set_config('idle_in_transaction_session_timeout', $2, true) END",
     )
     .bind(ms(wait))
     .bind(idle.map(ms))
-    .execute(conn)
+    .fetch_one(conn)
     .await?;
-    Ok(())
+    row.try_get(0)
 }
 
 fn bind<'q>(

@@ -492,19 +492,20 @@ async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
     let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
         // A lock wait inside gives up after half a lease (at most the row
         // wait); left idle for a whole lease, the server ends it.
-        set_waits(
+        let pid = set_waits(
             &mut tx,
             ROW_WAIT.min(lease.inner.lease / 2),
             Some(lease.inner.lease),
         )
         .await?;
-        ::sqlx::query(HOLD)
+        let row = ::sqlx::query(HOLD)
             .bind(tenant)
             .bind(endpoint)
             .bind(key)
             .bind(token)
             .fetch_optional(&mut *tx)
-            .await
+            .await?;
+        Ok::<_, ::sqlx::Error>(row.map(|row| (row, pid)))
     })
     .await;
     let row = match held {
@@ -516,7 +517,7 @@ async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
         }
         Ok(Ok(row)) => row,
     };
-    let Some(row) = row else {
+    let Some((row, pid)) = row else {
         rollback(tx).await;
         crate::metrics::fenced(endpoint, crate::metrics::FencedAt::Write);
         return Err(lease.fenced_error());
@@ -524,6 +525,8 @@ async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
     let xid: String = row.try_get(0).map_err(map_error)?;
     Ok(SqlxTx::new(
         tx,
+        store.pool.clone(),
+        pid,
         lease.inner.scope.clone(),
         lease.inner.key.clone(),
         token,

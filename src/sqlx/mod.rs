@@ -82,10 +82,11 @@
 //!
 //! `PgStore` pipelines the claim behind `BEGIN` and the `COMMIT` behind the
 //! response (two round trips per created resource, where this store takes
-//! five), guards the handle against transaction control statements, and
-//! cancels a statement still running through a clone of the handle when the
-//! layer ends the transaction (this store waits for it). This store's worth
-//! is the pool and the transaction type your code already uses.
+//! five) and guards the handle against transaction control statements.
+//! Both cancel a statement the handler left running when the layer rolls
+//! its transaction back (this store by `pg_cancel_backend` after half a
+//! second). This store's worth is the pool and the transaction type your
+//! code already uses.
 
 use std::fmt;
 

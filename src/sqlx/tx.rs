@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use ::sqlx::{PgConnection, Postgres, Transaction};
+use ::sqlx::{Connection as _, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
 use super::error::{map_commit_error, map_error};
@@ -71,6 +71,10 @@ pub struct SqlxTx {
 
 struct Shared {
     tx: Mutex<Option<Transaction<'static, Postgres>>>,
+    // For a cancel request: the pool, and the process id of the
+    // transaction's session.
+    pool: PgPool,
+    pid: i32,
     scope: Scope,
     key: IdempotencyKey,
     token: i64,
@@ -109,8 +113,11 @@ impl fmt::Debug for SqlxConn<'_> {
 }
 
 impl SqlxTx {
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         tx: Transaction<'static, Postgres>,
+        pool: PgPool,
+        pid: i32,
         scope: Scope,
         key: IdempotencyKey,
         token: i64,
@@ -121,6 +128,8 @@ impl SqlxTx {
         SqlxTx {
             inner: Arc::new(Shared {
                 tx: Mutex::new(Some(tx)),
+                pool,
+                pid,
                 scope,
                 key,
                 token,
@@ -274,11 +283,62 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
     transaction.commit().await.map_err(map_commit_error)
 }
 
+/// How long a `ROLLBACK` may queue behind a statement still running on the
+/// connection (a handler cut off at its deadline) before that statement is
+/// cancelled, and how long the cancelled statement then has to end.
+const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
+const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
 /// [`Store::abort`](crate::store::Store::abort): rolls back; a no-op once
 /// the transaction ended.
+///
+/// A statement the handler started may still run on the connection (its
+/// future was dropped at the layer's deadline, which released the handle):
+/// the `ROLLBACK` then waits behind it, and the key stays held. If it does
+/// not end soon, it is cancelled (`pg_cancel_backend` from another pooled
+/// connection: this session's transaction is ours until the rollback, so
+/// nothing else runs on it).
 pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
-    match tx.take().await {
-        Some(transaction) => transaction.rollback().await.map_err(map_error),
-        None => Ok(()),
+    let Some(mut transaction) = tx.take().await else {
+        return Ok(());
+    };
+    let drained = {
+        let mut drain = std::pin::pin!(drain(&mut transaction));
+        match tokio::time::timeout(ROLLBACK_PATIENCE, &mut drain).await {
+            Ok(drained) => drained,
+            Err(_) => {
+                let cancelled = ::sqlx::query("SELECT pg_cancel_backend($1)")
+                    .bind(tx.inner.pid)
+                    .execute(&tx.inner.pool)
+                    .await;
+                if let Err(e) = cancelled {
+                    tracing::debug!(error = %e, "cancelling a statement left running failed");
+                }
+                match tokio::time::timeout(CANCEL_GRACE, drain).await {
+                    Ok(drained) => drained,
+                    // Dropped, the transaction is rolled back by sqlx before
+                    // the connection is lent again (once the statement ends).
+                    Err(_) => {
+                        return Err(StoreError::new(
+                            StoreErrorKind::Unavailable,
+                            "a statement left running on the connection did not end",
+                        ))
+                    }
+                }
+            }
+        }
+    };
+    // The connection itself failed: dropped, the transaction ends with it.
+    drained.map_err(map_error)?;
+    transaction.rollback().await.map_err(map_error)
+}
+
+/// Waits until nothing runs on the connection any more. The answer of a
+/// statement whose future was dropped may still be on its way: an error in
+/// it (a cancelled statement) comes back once, then the connection is idle.
+async fn drain(conn: &mut PgConnection) -> Result<(), ::sqlx::Error> {
+    match conn.ping().await {
+        Err(::sqlx::Error::Database(_)) => conn.ping().await,
+        other => other,
     }
 }
