@@ -5,8 +5,10 @@
 //!
 //! A store for another database follows the same shape: `claim` arbitrates
 //! the key with that database's own unique constraint, `complete` commits
-//! the handler's writes and the response together, `abort` rolls back. The
-//! guarantees it owes are listed in `tower_idempotency::store`.
+//! the handler's writes and the response together, `abort` rolls back.
+//! `src/sqlx/` is one, written for the sqlx driver (feature `sqlx`). The
+//! guarantees a store owes, method by method, are in the rustdoc of
+//! `tower_idempotency::store::Store`.
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
