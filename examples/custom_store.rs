@@ -5,8 +5,10 @@
 //!
 //! A store for another database follows the same shape: `claim` arbitrates
 //! the key with that database's own unique constraint, `complete` commits
-//! the handler's writes and the response together, `abort` rolls back. The
-//! guarantees it owes are listed in `tower_idempotency::store`.
+//! the handler's writes and the response together, `abort` rolls back.
+//! `src/sqlx/` is one, written for the sqlx driver (feature `sqlx`). The
+//! guarantees a store owes, method by method, are in the rustdoc of
+//! `tower_idempotency::store::Store`.
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
@@ -69,11 +71,15 @@ async fn main() {
         inner: MemoryStore::new(),
         counts: Arc::default(),
     };
-    // Every guarantee the layer relies on, checked against our store.
-    conformance::run_all(store.clone()).await;
+    // Every guarantee the layer relies on, checked against our store. The
+    // handler's writes go through `MemoryTx`, so the inner store says how to
+    // write and where to look.
+    let report = conformance::run_all_with(store.clone(), store.inner.clone()).await;
+    println!("{report}");
+    report.assert_passed();
     let c = &store.counts;
     println!(
-        "conformance passed: {} claims owned, {} found completed, {} in progress; {} commits, {} aborts",
+        "{} claims owned, {} found completed, {} in progress; {} commits, {} aborts",
         c.owned.load(Ordering::Relaxed),
         c.completed.load(Ordering::Relaxed),
         c.in_progress.load(Ordering::Relaxed),

@@ -69,3 +69,29 @@ impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for Validated
             .ok_or(MissingFromLayer("Validated<T>"))
     }
 }
+
+#[cfg(feature = "sqlx")]
+impl<S: Send + Sync> FromRequestParts<S> for crate::sqlx::SqlxTx {
+    type Rejection = MissingFromLayer;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<crate::sqlx::SqlxTx>()
+            .cloned()
+            .ok_or(MissingFromLayer("SqlxTx"))
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl<S: Send + Sync> FromRequestParts<S> for crate::sqlx::SqlxLease {
+    type Rejection = MissingFromLayer;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<crate::sqlx::SqlxLease>()
+            .cloned()
+            .ok_or(MissingFromLayer("SqlxLease"))
+    }
+}

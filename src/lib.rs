@@ -94,11 +94,13 @@
 //!
 //! # Feature flags
 //!
-//! - `axum`: [`PgTx`](postgres::PgTx) and [`Validated`](fingerprint::Validated) are axum extractors.
+//! - `axum`: [`PgTx`](postgres::PgTx), [`PgLease`](postgres::PgLease) and [`Validated`](fingerprint::Validated) (and `SqlxTx`, `SqlxLease` with `sqlx`) are axum extractors.
 //! - `client`: [`client`]: the other half of the contract, a tower layer
 //!   for outgoing requests (one key per operation, retries by the contract).
 //! - `test-util`: [`testing`]: a throwaway PostgreSQL cluster and the store
 //!   conformance suite.
+//! - `sqlx`: [`sqlx::SqlxStore`], the store on a `sqlx::PgPool`, whose
+//!   handlers write through the claim's `sqlx` transaction.
 
 // The other lints are configured in Cargo.toml (`[lints]`).
 #![forbid(unsafe_code)]
@@ -132,6 +134,9 @@ pub mod retention;
 pub mod scope;
 mod service;
 mod settled;
+#[cfg(feature = "sqlx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
+pub mod sqlx;
 pub mod store;
 
 #[cfg(feature = "axum")]

@@ -1,5 +1,5 @@
-//! The layer's behaviour, once against `MemoryStore` and once against a real
-//! PostgreSQL: every scenario asserts on the committed rows and the remembered
+//! The layer's behaviour against `MemoryStore`, and against a real
+//! PostgreSQL through `PgStore` and through `SqlxStore`: every scenario asserts on the committed rows and the remembered
 //! records, not only on statuses.
 
 mod common;
@@ -448,7 +448,7 @@ async fn safe_methods_pass_through<B: Backend>(backend: B) {
     assert_eq!(backend.remembered().await, 0);
 }
 
-macro_rules! for_both_stores {
+macro_rules! for_every_store {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
             use super::*;
@@ -468,10 +468,19 @@ macro_rules! for_both_stores {
                 }
             )*
         }
+        mod sqlx {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(Sqlx::new().await).await;
+                }
+            )*
+        }
     };
 }
 
-for_both_stores!(
+for_every_store!(
     fifty_concurrent_duplicates_commit_once,
     replays_first_response_with_allow_listed_headers,
     refuses_reused_key_and_changes_nothing,

@@ -811,5 +811,7 @@ async fn recovery_workers_of_two_instances_never_drive_one_operation_twice() {
 #[tokio::test]
 async fn the_lease_store_passes_the_conformance_suite() {
     let pg = Postgres::new().await;
-    tower_idempotency::testing::conformance::run_leases(pg.store.clone()).await;
+    tower_idempotency::testing::conformance::run_leases(pg.store.clone())
+        .await
+        .assert_passed();
 }

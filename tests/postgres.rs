@@ -17,12 +17,82 @@ use tower_idempotency::{
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_store_passes_the_conformance_suite() {
     let pg = Postgres::new().await;
-    conformance::run_all(pg.store.clone()).await;
+    let writes = PgWrites::new(&pg).await;
+    let report = conformance::run_all_with(pg.store.clone(), writes).await;
+    report.assert_passed();
+    assert!(
+        report
+            .checks()
+            .iter()
+            .all(|c| *c.outcome() == conformance::Outcome::Passed),
+        "every check ran, none skipped:\n{report}"
+    );
+    assert_eq!(
+        pg.idle_in_transaction().await,
+        0,
+        "no transaction left open"
+    );
 }
 
 #[tokio::test]
 async fn memory_store_passes_the_conformance_suite() {
-    conformance::run_all(tower_idempotency::memory::MemoryStore::new()).await;
+    let store = tower_idempotency::memory::MemoryStore::new();
+    let report = conformance::run_all_with(store.clone(), store).await;
+    report.assert_passed();
+    assert_eq!(report.failed_names(), Vec::<&str>::new());
+    assert!(
+        report
+            .checks()
+            .iter()
+            .all(|c| *c.outcome() == conformance::Outcome::Passed),
+        "every check ran, none skipped:\n{report}"
+    );
+}
+
+/// The suite's handler writes for `PgStore`: rows of a table of the test's
+/// own, a failing statement, and a look from another connection.
+struct PgWrites {
+    client: tokio_postgres::Client,
+}
+
+impl PgWrites {
+    async fn new(pg: &Postgres) -> Self {
+        pg.exec("CREATE TABLE conformance_writes (marker text PRIMARY KEY)")
+            .await;
+        PgWrites {
+            client: pg.db.client().await,
+        }
+    }
+}
+
+impl conformance::Writes<PgTx> for PgWrites {
+    async fn write(&self, tx: &PgTx, marker: &str) -> Result<(), conformance::BoxError> {
+        tx.execute(
+            "INSERT INTO conformance_writes (marker) VALUES ($1)",
+            &[&marker],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn fail(&self, tx: &PgTx) -> Result<(), conformance::BoxError> {
+        match tx.batch_execute("SELECT 1 / 0").await {
+            Err(e) if e.kind() == TxErrorKind::Database => Ok(()),
+            Err(e) => Err(e.into()),
+            Ok(()) => Err("a division by zero succeeded".into()),
+        }
+    }
+
+    async fn is_committed(&self, marker: &str) -> Result<bool, conformance::BoxError> {
+        let row = self
+            .client
+            .query_one(
+                "SELECT count(*) FROM conformance_writes WHERE marker = $1",
+                &[&marker],
+            )
+            .await?;
+        Ok(row.get::<_, i64>(0) == 1)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,7 +120,7 @@ async fn migrations_are_idempotent_under_concurrency() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
     let fillfactor: String = client
         .query_one("SELECT array_to_string(reloptions, ',') FROM pg_class WHERE relname = 'idempotency_requests'", &[])
         .await

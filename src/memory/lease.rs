@@ -108,6 +108,10 @@ impl LeaseStore for MemoryStore {
         }
         self.check_same(&tx.inner.state)?;
         let staged = tx.take_staged()?;
+        if tx.inner.failed.load(std::sync::atomic::Ordering::Acquire) {
+            tx.inner.roll_back();
+            return Err(super::failed());
+        }
         let mut state = lock(&self.state);
         let State {
             entries,

@@ -12,7 +12,10 @@
 use std::{
     collections::HashMap,
     fmt,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, MutexGuard,
+    },
     time::Duration,
 };
 
@@ -289,6 +292,10 @@ impl Store for MemoryStore {
             ));
         };
         let staged = tx.take_staged()?;
+        if tx.inner.failed.load(Ordering::Acquire) {
+            tx.inner.roll_back();
+            return Err(failed());
+        }
         let mut state = lock(&self.state);
         let inner = &tx.inner;
         match state.entries.get(&inner.entry_key) {
@@ -354,6 +361,8 @@ struct TxInner {
     token: i64,
     kind: TxKind,
     staged: Mutex<Option<Vec<(String, Value)>>>,
+    // Set by `fail`: the transaction can only roll back.
+    failed: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -376,13 +385,20 @@ impl MemoryTx {
                 token,
                 kind,
                 staged: Mutex::new(Some(Vec::new())),
+                failed: AtomicBool::new(false),
             }),
         }
     }
 
     /// Stages a row for `table`, committed with the remembered response.
+    ///
+    /// [`TransactionAborted`](StoreErrorKind::TransactionAborted) once the
+    /// transaction finished or [failed](Self::fail).
     pub fn insert(&self, table: &str, row: Value) -> Result<(), StoreError> {
         let mut staged = self.inner.staged.lock().unwrap_or_else(|p| p.into_inner());
+        if self.inner.failed.load(Ordering::Acquire) {
+            return Err(failed());
+        }
         match staged.as_mut() {
             Some(rows) => {
                 rows.push((table.to_owned(), row));
@@ -390,6 +406,15 @@ impl MemoryTx {
             }
             None => Err(finished()),
         }
+    }
+
+    /// Fails the transaction, as a failed statement fails a PostgreSQL
+    /// transaction: it takes no more rows, and completing it (or committing
+    /// a fenced one) rolls it back and answers
+    /// [`TransactionAborted`](StoreErrorKind::TransactionAborted). For tests
+    /// of a handler whose write failed.
+    pub fn fail(&self) {
+        self.inner.failed.store(true, Ordering::Release);
     }
 
     /// The rows staged for `table` so far, as this transaction sees them.
@@ -407,6 +432,13 @@ impl MemoryTx {
         let mut staged = self.inner.staged.lock().unwrap_or_else(|p| p.into_inner());
         staged.take().ok_or_else(finished)
     }
+}
+
+fn failed() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::TransactionAborted,
+        "a statement of the transaction failed; it can only roll back",
+    )
 }
 
 fn finished() -> StoreError {

@@ -76,7 +76,7 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
 // the handler let a statement fail and went on, if it ended the
 // transaction itself, or if the record is no longer at this token (it
 // cannot be while the row is held FOR SHARE; the check costs nothing).
-const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM idempotency_requests \
+pub(crate) const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' \
          AND pg_current_xact_id() = $5::text::xid8)";

@@ -4,10 +4,10 @@ use super::session::{Committed, Session};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// Serialises concurrent migrators (any constant unique to this crate).
-const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
+pub(crate) const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 
 /// `(version, name, sql)`: append only; never edit an applied migration.
-const MIGRATIONS: &[(i32, &str, &str)] = &[
+pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
     (
         1,
         "idempotency_requests",

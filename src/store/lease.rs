@@ -222,7 +222,9 @@ impl<L> Recovered<L> {
 ///
 /// The lease handle is what the owner's handler finds in its request
 /// extensions: [`PgLease`](crate::postgres::PgLease) for
-/// [`PgStore`](crate::postgres::PgStore).
+/// [`PgStore`](crate::postgres::PgStore), `SqlxLease` for `SqlxStore`
+/// (feature `sqlx`), [`MemoryLease`](crate::memory::MemoryLease) for
+/// [`MemoryStore`](crate::memory::MemoryStore).
 pub trait LeaseStore: Store {
     /// The owner's proof of ownership: the key and the token.
     type Lease: Clone + Send + Sync + 'static;

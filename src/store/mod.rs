@@ -1,8 +1,11 @@
 //! Stores: where keys are arbitrated and responses remembered.
 //!
-//! [`PgStore`](crate::postgres::PgStore) is the production store; [`MemoryStore`](crate::memory::MemoryStore) keeps
-//! the same contract in memory for unit tests and as the reference for custom
-//! stores. A custom store must provide these guarantees:
+//! [`PgStore`](crate::postgres::PgStore) is the production store;
+//! [`MemoryStore`](crate::memory::MemoryStore) keeps the same contract in
+//! memory for unit tests and as the reference for custom stores;
+//! `tower_idempotency::sqlx::SqlxStore` (feature `sqlx`) is the store on a
+//! `sqlx::PgPool`, a second backend written from this trait alone. A
+//! custom store must provide these guarantees:
 //!
 //! 1. **One owner.** For one `(scope, key)` at most one [`Claim::Owned`] is
 //!    outstanding at a time, and at most one owner ever completes while the
@@ -11,16 +14,49 @@
 //!    and every write the handler made through the transaction handle durable
 //!    together, or none of them.
 //! 3. **Abort frees the key.** After [`Store::abort`] (or a failed
-//!    `complete`) nothing the owner wrote exists and the next claim owns the key.
+//!    `complete`, or when every clone of the handle is dropped unfinished)
+//!    nothing the owner wrote exists and the next claim owns the key.
 //! 4. **Bounded waiting.** A claim that meets an unfinished owner waits at most
 //!    [`ClaimRequest::wait`], then answers [`Claim::InProgress`].
-//! 5. **Expiry.** A record whose retention has passed is taken over by the next
+//! 5. **Tenant isolation.** The key is the whole `(tenant, endpoint, key)`:
+//!    the same raw key of two tenants, or of two endpoints, names two
+//!    operations.
+//! 6. **Expiry.** A record whose retention has passed is taken over by the next
 //!    claim as a new operation.
 //!
 //! Long-running operations (leases and fencing tokens) add [`LeaseStore`].
 //!
-//! With the `test-util` feature, `tower_idempotency::testing::conformance`
-//! checks these against any store.
+//! # Writing a store
+//!
+//! Start from the [`Store`] trait's per-method contract below, then read one
+//! of the two worked stores in the repository:
+//! [`examples/custom_store.rs`](https://github.com/tower-idempotency/tower-idempotency/blob/main/examples/custom_store.rs)
+//! (a decorator around an existing store, the smallest `Store` impl) and
+//! [`src/sqlx/`](https://github.com/tower-idempotency/tower-idempotency/tree/main/src/sqlx)
+//! (a store for another driver: claims by `INSERT … ON CONFLICT`, the
+//! handler's writes and the response in one `sqlx` transaction, bounded
+//! waits by `lock_timeout`, expiry takeover, and [`LeaseStore`] with
+//! fenced transactions). `tests/conformance_catches_broken_stores.rs`
+//! holds a store in memory written from these docs, and one variant per
+//! way of getting it wrong.
+//!
+//! # Checking a store
+//!
+//! With the `test-util` feature, one line in a test runs the conformance
+//! suite against your store and fails with a report naming every broken
+//! guarantee:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! # let store = tower_idempotency::memory::MemoryStore::new();
+//! tower_idempotency::testing::conformance::run_all(store).await.assert_passed();
+//! # }
+//! ```
+//!
+//! `conformance::run_all_with(store, writes)` also checks what the handler
+//! writes through your handle (the atomicity of completion, abort and
+//! drop); `conformance::run_leases(store)` checks a [`LeaseStore`].
 
 use std::{fmt, future::Future, time::Duration};
 
@@ -124,27 +160,123 @@ pub enum Claim<T> {
 
 /// A storage backend for idempotency records.
 ///
-/// Methods return `impl Future + Send`; implementations may write `async fn`.
-/// See the [module docs](self) for the guarantees an implementation owes.
+/// The layer calls [`claim`](Self::claim) once per request that carries a
+/// key; an owner's request then ends in exactly one of
+/// [`complete`](Self::complete) (the handler's answer is to be remembered)
+/// or [`abort`](Self::abort) (it is not: a 5xx, an error, a timeout),
+/// unless its future is dropped, in which case the handle is dropped
+/// unfinished. The [module docs](self) list the guarantees; each method
+/// below says what it owes to them.
+///
+/// Methods return `impl Future + Send`; implementations may write `async fn`
+/// (the futures must be `Send`: the layer spawns the owner's work). Every
+/// error is a [`StoreError`] whose [`StoreErrorKind`] the layer turns into
+/// a response with a stable `code`; no method may panic on what a request
+/// or the backend can produce.
+///
+/// # The transaction handle
+///
+/// [`Tx`](Self::Tx) is what the owner's handler writes through (the layer
+/// puts a clone in the request extensions): for a SQL store, the claim's
+/// own open transaction, in which the key is held. Its clones share one
+/// transaction.
+///
+/// - Statements through a handle whose transaction ended (completed,
+///   aborted) must fail, not run outside it.
+/// - Dropping every clone unfinished (a panicking handler, a cancelled
+///   future, a spawned task that leaked a clone and ended) must act as
+///   [`abort`](Self::abort): roll back and free the key, without waiting
+///   for anyone. `Drop` cannot await, so close the connection (the server
+///   rolls back) or queue the rollback where the connection cannot be lent
+///   out before it ran, as `sqlx`'s pool does; never return a connection
+///   with the transaction open.
+///
+/// # Examples
+///
+/// [`examples/custom_store.rs`](https://github.com/tower-idempotency/tower-idempotency/blob/main/examples/custom_store.rs)
+/// wraps an existing store; the `sqlx` backend
+/// ([`src/sqlx/`](https://github.com/tower-idempotency/tower-idempotency/tree/main/src/sqlx),
+/// feature `sqlx`) implements the trait for another driver.
 pub trait Store: Clone + Send + Sync + 'static {
     /// The transaction handle an owner's handler writes through; it is put in
-    /// the request extensions.
+    /// the request extensions. See [the trait docs](Self#the-transaction-handle).
     type Tx: Clone + Send + Sync + 'static;
 
-    /// Arbitrates the key: owns it, finds its completed record, or reports it in progress.
+    /// Arbitrates the key `(request.scope, request.key)`: owns it, finds its
+    /// completed record, or reports it in progress.
+    ///
+    /// **Atomic with what.** Deciding the owner and holding the key must be
+    /// one atomic step of the backend: an insert that a unique constraint
+    /// arbitrates (`INSERT … ON CONFLICT`), a compare-and-set. Never look
+    /// first and insert after: two claims that both looked before either
+    /// inserted would both own the key. For a SQL store the owner's row is
+    /// inserted in the transaction the handle then carries, so that it stays
+    /// held (and invisible) until that transaction ends.
+    ///
+    /// **Answers.**
+    /// - [`Claim::Owned`] for a key nobody holds, for a record whose
+    ///   retention ended (taken over as a new operation: the old record is
+    ///   replaced when the new owner completes), and for a record left
+    ///   in progress by no live owner. The record will be remembered for
+    ///   [`ClaimRequest::retention`] from its completion.
+    /// - [`Claim::Completed`] for an unexpired completed record, with the
+    ///   fingerprint of the request that created it: the layer compares it
+    ///   (a different one is a reused key, refused); the store does not.
+    /// - [`Claim::InProgress`] once another owner held the key for all of
+    ///   [`ClaimRequest::wait`]. Wait for the owner to finish (then answer
+    ///   its record, or own the key if it aborted), but never longer than
+    ///   the wait: a lock wait that runs out is this answer, not an error.
+    ///
+    /// [`ClaimRequest::hold_limit`], if set, may end an owner that holds the
+    /// key longer than that (a backstop for a frozen process); a store may
+    /// ignore it.
+    ///
+    /// **Cancelled.** The future may be dropped at any await (a client gone
+    /// before the key was owned, a server shutting down). Whatever it had
+    /// begun must then hold nothing: a row it inserted rolls back with its
+    /// transaction, a wait it registered goes away.
+    ///
+    /// **Errors.** [`StoreErrorKind::Unavailable`] when the backend could
+    /// not be reached or did not answer in time (no connection from the
+    /// pool, the claim's own deadline passed);
+    /// [`StoreErrorKind::Schema`] when the table is missing;
+    /// [`StoreErrorKind::Corrupt`] when the stored record does not decode;
+    /// [`StoreErrorKind::Backend`] otherwise. An error owns nothing.
     fn claim(
         &self,
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<Claim<Self::Tx>, StoreError>> + Send;
 
-    /// Remembers `response` and commits it together with the handler's writes.
+    /// Remembers `response` and commits it together with the handler's
+    /// writes.
     ///
-    /// On error nothing was committed, except for
-    /// [`StoreErrorKind::OutcomeUnknown`]: the connection was lost during the
-    /// commit itself, and a retry finds out. Return
-    /// [`StoreErrorKind::TransactionAborted`] when committing again would fail
-    /// the same way (a constraint), [`StoreErrorKind::Conflict`] when it may
-    /// succeed.
+    /// **Atomic with what.** The response, every write made through `tx`
+    /// (and its clones) and the check that `tx` still owns the key are one
+    /// commit: all of them or none. Check ownership inside that commit
+    /// (a `WHERE attempt_token = …` that must match, a transaction that is
+    /// still the claim's): a handle that lost the key (aborted through a
+    /// clone, ended by the backend, its key taken over) must not overwrite
+    /// the current owner's record. Never store the response apart from the
+    /// writes (before them, or after them in a second transaction): a
+    /// failure between the two would remember an answer whose writes never
+    /// happened, or the reverse. The response includes its
+    /// [`resource_id`](crate::record::StoredResponse::resource_id), if any:
+    /// keep it with the response and give it back with the record.
+    ///
+    /// **Errors.** On any error nothing was committed and the key is free
+    /// again (roll back before returning), except for
+    /// [`StoreErrorKind::OutcomeUnknown`]: the connection was lost during
+    /// the commit itself, and a retry with the same key finds out. Return
+    /// [`StoreErrorKind::TransactionAborted`] when committing again would
+    /// fail the same way (a statement of the handler failed, a constraint
+    /// failed at commit, `tx` already finished or no longer owns the key),
+    /// [`StoreErrorKind::Conflict`] when it may succeed (a serialization
+    /// failure, a deadlock), [`StoreErrorKind::Unavailable`] when the
+    /// backend could not be reached before the commit was sent.
+    ///
+    /// **Cancelled.** Dropped before it returns, the commit happens whole or
+    /// not at all (the layer drives it to its end on a task of its own, but
+    /// a store must not depend on that).
     fn complete(
         &self,
         tx: Self::Tx,
@@ -152,6 +284,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Rolls the owner's work back and frees the key.
+    ///
+    /// Everything written through `tx` is discarded and the next claim owns
+    /// the key at once (not after a lease or a timeout). Aborting a
+    /// transaction that already ended is a no-op that returns `Ok(())`.
+    ///
+    /// **Errors.** [`StoreErrorKind::Unavailable`] when the rollback could
+    /// not be sent; the key must still end up free (a connection that could
+    /// not roll back is closed, and the server rolls back).
     fn abort(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 

@@ -28,6 +28,7 @@ use tower_idempotency::{
     postgres::{PgStore, PgStoreBuilder, PgTx},
     record::StoredResponse,
     scope::{Scope, TenantId},
+    sqlx::{SqlxStore, SqlxTx},
     store::{Claim, ClaimRequest, Store},
     testing::TestDatabase,
     Idempotency, IdempotencyLayer, RequestBody, ResponseBody,
@@ -206,6 +207,88 @@ impl Backend for Postgres {
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+    }
+    async fn orders(&self) -> Vec<(String, String)> {
+        self.client
+            .query("SELECT id, tenant_id FROM orders ORDER BY id", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect()
+    }
+    async fn remembered(&self) -> usize {
+        self.count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await as usize
+    }
+}
+
+/// [`SqlxStore`] on a fresh database, with the same orders table.
+pub(crate) struct Sqlx {
+    pub(crate) db: TestDatabase,
+    pub(crate) store: SqlxStore,
+    pub(crate) client: tokio_postgres::Client,
+}
+
+impl Sqlx {
+    pub(crate) async fn new() -> Self {
+        let db = TestDatabase::create().await;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .connect_with(sqlx_options(&db))
+            .await
+            .expect("the pool connects");
+        let store = SqlxStore::new(pool);
+        store.migrate().await.expect("migrations apply");
+        let client = db.client().await;
+        client
+            .batch_execute("CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL)")
+            .await
+            .expect("orders table");
+        Sqlx { db, store, client }
+    }
+
+    /// The count `sql` selects.
+    pub(crate) async fn count(&self, sql: &str) -> i64 {
+        self.client.query_one(sql, &[]).await.unwrap().get(0)
+    }
+}
+
+/// sqlx's connection options for `db` (a Unix socket, as the test cluster listens).
+pub(crate) fn sqlx_options(db: &TestDatabase) -> sqlx::postgres::PgConnectOptions {
+    let config = db.config();
+    let mut options = sqlx::postgres::PgConnectOptions::new().database(db.name());
+    match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Unix(path)) => options = options.socket(path),
+        Some(tokio_postgres::config::Host::Tcp(host)) => options = options.host(host),
+        None => {}
+    }
+    if let Some(port) = config.get_ports().first() {
+        options = options.port(*port);
+    }
+    if let Some(user) = config.get_user() {
+        options = options.username(user);
+    }
+    if let Some(password) = config.get_password() {
+        options = options.password(&String::from_utf8_lossy(password));
+    }
+    options
+}
+
+impl Backend for Sqlx {
+    type Store = SqlxStore;
+    fn store(&self) -> SqlxStore {
+        self.store.clone()
+    }
+    async fn insert_order(tx: &SqlxTx, id: &str, tenant: &str) -> Result<(), String> {
+        let mut conn = tx.conn().await.map_err(|e| e.to_string())?;
+        sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ($1, $2)")
+            .bind(id)
+            .bind(tenant)
+            .execute(&mut *conn)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     }
     async fn orders(&self) -> Vec<(String, String)> {
         self.client

@@ -14,7 +14,7 @@ use std::{
 use super::{PgStore, PgTx, TxError};
 use crate::{key::IdempotencyKey, lease::OperationId, scope::Scope, store::StoreErrorKind};
 
-pub(super) mod protocol;
+pub(crate) mod protocol;
 
 /// The lease of a long-running operation's owner, in the handler's request
 /// extensions (with the `axum` feature also an extractor).

@@ -25,7 +25,7 @@ use crate::{
 };
 
 /// Where a key stands, without a lock or a write.
-const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body, \
+pub(crate) const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body, \
          resource_id, operation_id::text, lease_expires_at > now() \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
@@ -39,7 +39,7 @@ const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, respon
 // concurrent takeovers, the first raises the token and renews the lease;
 // the others find a live lease and take nothing. The token comes from the
 // sequence (EXCLUDED), so it is larger than every token before it.
-const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
+pub(crate) const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at, \
           operation_id, lease_expires_at, request_method, request_target, request_headers, request_body) \
      VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
@@ -63,7 +63,7 @@ const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
 
 // The record's retention never ends before its lease: a live operation is
 // never cleaned up.
-const HEARTBEAT: &str = "UPDATE idempotency_requests SET \
+pub(crate) const HEARTBEAT: &str = "UPDATE idempotency_requests SET \
          lease_expires_at = now() + make_interval(secs => $5::float8), \
          expires_at = GREATEST(expires_at, now() + make_interval(secs => $5::float8)) \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
@@ -73,7 +73,7 @@ const HEARTBEAT: &str = "UPDATE idempotency_requests SET \
 // each other, but a takeover (an UPDATE of the row) waits until they end,
 // and then finds the lease renewed or not, never half of a write. Also
 // returns the transaction id, which the commit checks.
-const HOLD: &str = "SELECT pg_current_xact_id()::text \
+pub(crate) const HOLD: &str = "SELECT pg_current_xact_id()::text \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' \
@@ -81,7 +81,7 @@ const HOLD: &str = "SELECT pg_current_xact_id()::text \
 
 // The completion: a compare-and-swap on the token. The request is no
 // longer needed once the answer is stored.
-const FINISH: &str =
+pub(crate) const FINISH: &str =
     "UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
          response_headers = $6::bytea, response_body = $7::bytea, resource_id = $9::text, \
          completed_at = statement_timestamp(), \
@@ -90,18 +90,18 @@ const FINISH: &str =
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress'";
 
-const RELEASE: &str = "DELETE FROM idempotency_requests \
+pub(crate) const RELEASE: &str = "DELETE FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress'";
 
-const OPERATION: &str =
+pub(crate) const OPERATION: &str =
     "SELECT state, response_status, response_headers, response_body, resource_id \
      FROM idempotency_requests \
      WHERE operation_id = $1::text::uuid AND tenant_id = $2::text AND expires_at > now()";
 
 // SKIP LOCKED: workers of several instances never wait on, nor take, the
 // same operation; the row is locked from the scan to the commit.
-const RECOVER: &str = "WITH due AS ( \
+pub(crate) const RECOVER: &str = "WITH due AS ( \
          SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
          WHERE endpoint = $1::text AND state = 'in_progress' AND lease_expires_at <= now() \
              AND expires_at > now() \

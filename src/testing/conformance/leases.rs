@@ -8,8 +8,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method};
+use tokio::task::JoinSet;
 
-use super::{request, response, scope, unique_key, DAY, WAIT};
+use super::{
+    join_all, request, response, scope, unique_key, CheckFailure, Guarantee, Report, Runner, DAY,
+    WAIT,
+};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
@@ -21,6 +25,8 @@ use crate::{
     },
 };
 
+use super::report::{ensure, fail, OrFail};
+
 /// A lease no check outlives.
 const LONG: Duration = Duration::from_secs(60);
 /// A lease a check sleeps past.
@@ -30,16 +36,29 @@ const PAST_SHORT: Duration = Duration::from_millis(500);
 /// How many requests race in the concurrency checks.
 const RACERS: usize = 20;
 
-/// Runs every check of the long-running mode.
-pub async fn run_leases<St: LeaseStore>(store: St) {
-    concurrent_acquires_have_one_owner(&store).await;
-    duplicate_during_a_lease_is_running(&store).await;
-    expired_lease_is_taken_over_once(&store).await;
-    stale_owner_is_fenced(&store).await;
-    tokens_only_grow(&store).await;
-    heartbeats_keep_the_lease(&store).await;
-    finished_operation_replays_and_has_a_status(&store).await;
-    expired_lease_is_recovered_once(&store).await;
+/// Runs every check of the long-running mode (see the
+/// [module docs](super#long-running-operations)).
+pub async fn run_leases<St: LeaseStore>(store: St) -> Report {
+    let mut run = Runner::new("LeaseStore", store);
+    macro_rules! check {
+        ($check:ident, $guarantee:ident) => {
+            run.check(
+                stringify!($check),
+                Guarantee::$guarantee,
+                |store| async move { $check(&store).await },
+            )
+            .await
+        };
+    }
+    check!(concurrent_acquires_have_one_owner, OneOwner);
+    check!(duplicate_during_a_lease_is_running, OneOwner);
+    check!(expired_lease_is_taken_over_once, LeaseTakeover);
+    check!(stale_owner_is_fenced, Fencing);
+    check!(tokens_only_grow, MonotonicToken);
+    check!(heartbeats_keep_the_lease, Heartbeat);
+    check!(finished_operation_replays_and_has_a_status, Finish);
+    check!(expired_lease_is_recovered_once, Recovery);
+    run.finish()
 }
 
 fn stored_request() -> StoredRequest {
@@ -78,43 +97,55 @@ async fn must_acquire<St: LeaseStore>(
     store: &St,
     claim: &ClaimRequest,
     request: &LeaseRequest,
+    guarantee: Guarantee,
     what: &str,
-) -> Owned<St::Lease> {
+) -> Result<Owned<St::Lease>, CheckFailure> {
     match store.acquire(claim, request).await {
-        Ok(Acquired::Owned(owned)) => owned,
-        Ok(other) => panic!(
+        Ok(Acquired::Owned(owned)) => Ok(owned),
+        Ok(other) => fail!(
+            guarantee,
             "{what}: expected to own the operation, got {}",
             describe(&other)
         ),
-        Err(e) => panic!("{what}: acquire failed: {e}"),
+        Err(e) => fail!(guarantee, "{what}: acquire failed: {e}"),
     }
 }
 
-/// `Running` under `operation_id`, or a panic naming `what`.
+/// `Running` under `operation_id`, or a failure of `guarantee` naming `what`.
 async fn must_be_running<St: LeaseStore>(
     store: &St,
     claim: &ClaimRequest,
     operation_id: OperationId,
+    guarantee: Guarantee,
     what: &str,
-) {
+) -> Result<(), CheckFailure> {
     match store.acquire(claim, &lease_request(LONG)).await {
         Ok(Acquired::Running {
             operation_id: running,
             ..
-        }) => assert_eq!(
-            running, operation_id,
-            "{what}: Running must name the operation"
+        }) => {
+            ensure!(
+                running == operation_id,
+                guarantee,
+                "{what}: Running must name the operation"
+            );
+            Ok(())
+        }
+        Ok(other) => fail!(
+            guarantee,
+            "{what}: expected Running, got {}",
+            describe(&other)
         ),
-        Ok(other) => panic!("{what}: expected Running, got {}", describe(&other)),
-        Err(e) => panic!("{what}: acquire failed: {e}"),
+        Err(e) => fail!(guarantee, "{what}: acquire failed: {e}"),
     }
 }
 
-fn must_be_fenced<T>(result: Result<T, StoreError>, what: &str) {
+fn must_be_fenced<T>(result: Result<T, StoreError>, what: &str) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Fencing;
     match result {
-        Err(e) if e.kind() == StoreErrorKind::Fenced => {}
-        Err(e) => panic!("fencing: {what}: expected Fenced, got {e}"),
-        Ok(_) => panic!("fencing: {what} succeeded with a stale lease"),
+        Err(e) if e.kind() == StoreErrorKind::Fenced => Ok(()),
+        Err(e) => fail!(G, "{what}: expected Fenced, got {e}"),
+        Ok(_) => fail!(G, "{what} succeeded with a stale lease"),
     }
 }
 
@@ -123,90 +154,100 @@ fn must_be_fenced<T>(result: Result<T, StoreError>, what: &str) {
 async fn taken_over<St: LeaseStore>(
     store: &St,
     claim: &ClaimRequest,
-) -> (Owned<St::Lease>, Owned<St::Lease>) {
-    let first = must_acquire(store, claim, &lease_request(SHORT), "first acquire").await;
+) -> Result<(Owned<St::Lease>, Owned<St::Lease>), CheckFailure> {
+    const G: Guarantee = Guarantee::LeaseTakeover;
+    let first = must_acquire(store, claim, &lease_request(SHORT), G, "first acquire").await?;
     tokio::time::sleep(PAST_SHORT).await;
     let second = must_acquire(
         store,
         claim,
         &lease_request(LONG),
+        G,
         "acquire after the lease expired",
     )
-    .await;
-    assert!(
+    .await?;
+    ensure!(
         second.taken_over,
-        "takeover: an expired operation is taken over, not started anew"
+        G,
+        "an expired operation is taken over, not started anew"
     );
-    (first, second)
+    Ok((first, second))
 }
 
 /// One owner: of many concurrent acquires of a new key, exactly one owns the
 /// operation (under the id it proposed); every other one finds it running
 /// under that id.
-pub async fn concurrent_acquires_have_one_owner<St: LeaseStore>(store: &St) {
+pub async fn concurrent_acquires_have_one_owner<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::OneOwner;
     let key = unique_key();
     let claim = claim(scope("t1"), &key, 1);
-    let racers = (0..RACERS).map(|_| {
+    let mut racers = JoinSet::new();
+    for _ in 0..RACERS {
         let store = store.clone();
         let claim = claim.clone();
-        tokio::spawn(async move {
+        racers.spawn(async move {
             let request = lease_request(LONG);
-            let acquired = store
+            match store
                 .acquire(&claim, &request)
                 .await
-                .unwrap_or_else(|e| panic!("one owner: acquire failed: {e}"));
-            match acquired {
+                .or_fail(G, "acquire")?
+            {
                 Acquired::Owned(owned) => {
-                    assert_eq!(
-                        owned.operation_id, request.operation_id,
-                        "one owner: a new operation gets the id its request proposed"
+                    ensure!(
+                        owned.operation_id == request.operation_id,
+                        G,
+                        "a new operation gets the id its request proposed"
                     );
-                    assert!(!owned.taken_over, "one owner: a new key is no takeover");
-                    (Some(owned), None)
+                    ensure!(!owned.taken_over, G, "a new key is no takeover");
+                    Ok((Some(owned), None))
                 }
-                Acquired::Running { operation_id, .. } => (None, Some(operation_id)),
-                other => panic!(
-                    "one owner: expected Owned or Running, got {}",
-                    describe(&other)
-                ),
+                Acquired::Running { operation_id, .. } => Ok((None, Some(operation_id))),
+                other => fail!(G, "expected Owned or Running, got {}", describe(&other)),
             }
-        })
-    });
+        });
+    }
     let mut owners = Vec::new();
     let mut running = Vec::new();
-    for racer in racers.collect::<Vec<_>>() {
-        let (owned, seen) = racer.await.expect("an acquire task does not panic");
+    for (owned, seen) in join_all(racers, G).await? {
         owners.extend(owned);
         running.extend(seen);
     }
-    assert_eq!(
-        owners.len(),
-        1,
-        "one owner: exactly one of {RACERS} concurrent acquires may own a new key"
+    ensure!(
+        owners.len() == 1,
+        G,
+        "{} of {RACERS} concurrent acquires owned a new key (exactly one may)",
+        owners.len()
     );
     let owner = owners.remove(0);
-    assert!(
+    ensure!(
         running.iter().all(|id| *id == owner.operation_id),
-        "one owner: every other acquire must see the owner's operation running"
+        G,
+        "every other acquire must see the owner's operation running"
     );
     store
         .release(&owner.lease)
         .await
-        .expect("the owner releases the operation");
+        .or_fail(G, "the owner's release")
 }
 
 /// One owner: while the lease is valid, a duplicate (the same request or
 /// another one) finds the operation running, with the first request's
 /// fingerprint so that the layer can tell a retry from a reused key.
-pub async fn duplicate_during_a_lease_is_running<St: LeaseStore>(store: &St) {
+pub async fn duplicate_during_a_lease_is_running<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::OneOwner;
     let key = unique_key();
     let owner = must_acquire(
         store,
         &claim(scope("t1"), &key, 1),
         &lease_request(LONG),
+        G,
         "owner",
     )
-    .await;
+    .await?;
     for fingerprint in [1, 2] {
         match store
             .acquire(&claim(scope("t1"), &key, fingerprint), &lease_request(LONG))
@@ -216,207 +257,224 @@ pub async fn duplicate_during_a_lease_is_running<St: LeaseStore>(store: &St) {
                 operation_id,
                 fingerprint: first,
             }) => {
-                assert_eq!(
-                    operation_id, owner.operation_id,
-                    "one owner: a duplicate must see the owner's operation"
+                ensure!(
+                    operation_id == owner.operation_id,
+                    G,
+                    "a duplicate must see the owner's operation"
                 );
-                assert_eq!(
-                    first,
-                    Fingerprint::from_bytes([1; 32]),
-                    "one owner: Running must carry the first request's fingerprint"
+                ensure!(
+                    first == Fingerprint::from_bytes([1; 32]),
+                    G,
+                    "Running must carry the first request's fingerprint"
                 );
             }
-            Ok(other) => panic!(
-                "one owner: a duplicate during a valid lease must get Running, got {}",
+            Ok(other) => fail!(
+                G,
+                "a duplicate during a valid lease must get Running, got {}",
                 describe(&other)
             ),
-            Err(e) => panic!("one owner: acquire failed: {e}"),
+            Err(e) => fail!(G, "acquire failed: {e}"),
         }
     }
     store
         .release(&owner.lease)
         .await
-        .expect("the owner releases the operation");
+        .or_fail(G, "the owner's release")
 }
 
 /// Takeover: once the lease expired, another request is refused (`Running`),
 /// and of many concurrent acquires by the same request exactly one takes the
 /// operation over, keeping its id, under a larger token.
-pub async fn expired_lease_is_taken_over_once<St: LeaseStore>(store: &St) {
+pub async fn expired_lease_is_taken_over_once<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::LeaseTakeover;
     let key = unique_key();
     let claim = claim(scope("t1"), &key, 1);
-    let first = must_acquire(store, &claim, &lease_request(SHORT), "first acquire").await;
+    let first = must_acquire(store, &claim, &lease_request(SHORT), G, "first acquire").await?;
     tokio::time::sleep(PAST_SHORT).await;
     let other = request(scope("t1"), &key, 2, DAY, WAIT);
     must_be_running(
         store,
         &other,
         first.operation_id,
-        "takeover: another request after the lease expired (a reused key)",
+        G,
+        "another request after the lease expired (a reused key)",
     )
-    .await;
-    let racers = (0..RACERS).map(|_| {
+    .await?;
+    let mut racers = JoinSet::new();
+    for _ in 0..RACERS {
         let store = store.clone();
         let claim = claim.clone();
-        tokio::spawn(async move {
+        racers.spawn(async move {
             match store.acquire(&claim, &lease_request(LONG)).await {
-                Ok(Acquired::Owned(owned)) => (Some(owned), None),
-                Ok(Acquired::Running { operation_id, .. }) => (None, Some(operation_id)),
-                Ok(other) => panic!(
-                    "takeover: expected Owned or Running, got {}",
-                    describe(&other)
-                ),
-                Err(e) => panic!("takeover: acquire failed: {e}"),
+                Ok(Acquired::Owned(owned)) => Ok((Some(owned), None)),
+                Ok(Acquired::Running { operation_id, .. }) => Ok((None, Some(operation_id))),
+                Ok(other) => fail!(G, "expected Owned or Running, got {}", describe(&other)),
+                Err(e) => fail!(G, "acquire failed: {e}"),
             }
-        })
-    });
+        });
+    }
     let mut owners = Vec::new();
     let mut running = Vec::new();
-    for racer in racers.collect::<Vec<_>>() {
-        let (owned, seen) = racer.await.expect("an acquire task does not panic");
+    for (owned, seen) in join_all(racers, G).await? {
         owners.extend(owned);
         running.extend(seen);
     }
-    assert_eq!(
-        owners.len(),
-        1,
-        "takeover: exactly one of {RACERS} concurrent acquires may take an expired lease over"
+    ensure!(
+        owners.len() == 1,
+        G,
+        "{} of {RACERS} concurrent acquires took an expired lease over (exactly one may)",
+        owners.len()
     );
     let owner = owners.remove(0);
-    assert!(
-        owner.taken_over,
-        "takeover: the new owner is told it took over"
-    );
-    assert!(
+    ensure!(owner.taken_over, G, "the new owner is told it took over");
+    ensure!(
         owner.token > first.token,
-        "takeover: the new token ({}) must be larger than the old ({})",
+        G,
+        "the new token ({}) must be larger than the old ({})",
         owner.token,
         first.token
     );
-    assert_eq!(
-        owner.operation_id, first.operation_id,
-        "takeover: the operation keeps its id"
+    ensure!(
+        owner.operation_id == first.operation_id,
+        G,
+        "the operation keeps its id"
     );
-    assert!(
+    ensure!(
         running.iter().all(|id| *id == first.operation_id),
-        "takeover: every other acquire must see the operation running"
+        G,
+        "every other acquire must see the operation running"
     );
     store
         .release(&owner.lease)
         .await
-        .expect("the new owner releases the operation");
+        .or_fail(G, "the new owner's release")
 }
 
 /// Fencing: after a takeover the old lease can neither open a fenced
 /// transaction, nor heartbeat, finish or release, and each attempt changes
 /// nothing; the new owner can do all of them.
-pub async fn stale_owner_is_fenced<St: LeaseStore>(store: &St) {
+pub async fn stale_owner_is_fenced<St: LeaseStore>(store: &St) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Fencing;
     let key = unique_key();
     let claim = claim(scope("t1"), &key, 1);
-    let (old, new) = taken_over(store, &claim).await;
+    let (old, new) = taken_over(store, &claim).await?;
 
-    must_be_fenced(store.fenced(&old.lease).await, "a fenced transaction");
-    must_be_fenced(store.heartbeat(&old.lease, LONG).await, "a heartbeat");
+    must_be_fenced(store.fenced(&old.lease).await, "a fenced transaction")?;
+    must_be_fenced(store.heartbeat(&old.lease, LONG).await, "a heartbeat")?;
     must_be_fenced(
         store.finish(&old.lease, &response(b"stale")).await,
         "finishing",
-    );
+    )?;
     must_be_running(
         store,
         &claim,
         new.operation_id,
-        "fencing: after a stale finish the operation must still run under its new owner",
+        G,
+        "after a stale finish the operation must still run under its new owner",
     )
-    .await;
-    must_be_fenced(store.release(&old.lease).await, "releasing");
+    .await?;
+    must_be_fenced(store.release(&old.lease).await, "releasing")?;
     must_be_running(
         store,
         &claim,
         new.operation_id,
-        "fencing: after a stale release the key must stay held",
+        G,
+        "after a stale release the key must stay held",
     )
-    .await;
+    .await?;
 
     let tx = store
         .fenced(&new.lease)
         .await
-        .unwrap_or_else(|e| panic!("fencing: the current owner's fenced transaction failed: {e}"));
+        .or_fail(G, "the current owner's fenced transaction")?;
     store
         .commit_fenced(tx)
         .await
-        .unwrap_or_else(|e| panic!("fencing: the current owner's fenced commit failed: {e}"));
+        .or_fail(G, "the current owner's fenced commit")?;
     store
         .heartbeat(&new.lease, LONG)
         .await
-        .unwrap_or_else(|e| panic!("fencing: the current owner's heartbeat failed: {e}"));
+        .or_fail(G, "the current owner's heartbeat")?;
     let answer = response(b"new owner");
     store
         .finish(&new.lease, &answer)
         .await
-        .unwrap_or_else(|e| panic!("fencing: the current owner's finish failed: {e}"));
+        .or_fail(G, "the current owner's finish")?;
     match store.acquire(&claim, &lease_request(LONG)).await {
-        Ok(Acquired::Completed(record)) => assert_eq!(
-            record.response, answer,
-            "fencing: the answer remembered must be the current owner's"
+        Ok(Acquired::Completed(record)) => ensure!(
+            record.response == answer,
+            G,
+            "the answer remembered must be the current owner's"
         ),
-        Ok(other) => panic!(
-            "fencing: after the owner finished, expected Completed, got {}",
+        Ok(other) => fail!(
+            G,
+            "after the owner finished, expected Completed, got {}",
             describe(&other)
         ),
-        Err(e) => panic!("fencing: acquire failed: {e}"),
+        Err(e) => fail!(G, "acquire failed: {e}"),
     }
+    Ok(())
 }
 
 /// Tokens only grow: each new owner of a key (after a release, after the
 /// record's retention ended) gets a token larger than every earlier one, and
 /// a new operation gets a new id.
-pub async fn tokens_only_grow<St: LeaseStore>(store: &St) {
+pub async fn tokens_only_grow<St: LeaseStore>(store: &St) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::MonotonicToken;
     let key = unique_key();
     let claim = claim(scope("t1"), &key, 1);
-    let first = must_acquire(store, &claim, &lease_request(LONG), "first owner").await;
+    let first = must_acquire(store, &claim, &lease_request(LONG), G, "first owner").await?;
     store
         .release(&first.lease)
         .await
-        .expect("the first owner releases the operation");
+        .or_fail(G, "the first owner's release")?;
     // Its answer is remembered for no time at all: the next acquire starts anew.
     let forgotten = request(scope("t1"), &key, 1, Duration::ZERO, WAIT);
     let second = must_acquire(
         store,
         &forgotten,
         &lease_request(LONG),
+        G,
         "acquire after a release",
     )
-    .await;
-    assert!(
+    .await?;
+    ensure!(
         !second.taken_over,
-        "monotonic token: after a release the key holds a new operation"
+        G,
+        "after a release the key holds a new operation"
     );
-    assert!(
+    ensure!(
         second.token > first.token,
-        "monotonic token: after a release the token ({}) must be larger than before ({})",
+        G,
+        "after a release the token ({}) must be larger than before ({})",
         second.token,
         first.token
     );
     store
         .finish(&second.lease, &response(b"second"))
         .await
-        .expect("the second owner finishes the operation");
+        .or_fail(G, "the second owner's finish")?;
     let proposed = lease_request(LONG);
     let third = must_acquire(
         store,
         &claim,
         &proposed,
+        G,
         "acquire after the record's retention ended",
     )
-    .await;
-    assert!(
+    .await?;
+    ensure!(
         !third.taken_over && third.operation_id == proposed.operation_id,
-        "monotonic token: after the retention ended the key holds a new operation with a new id"
+        G,
+        "after the retention ended the key holds a new operation with a new id"
     );
-    assert!(
+    ensure!(
         third.token > second.token,
-        "monotonic token: after the retention ended the token ({}) must be larger than every \
-         earlier one ({} and {})",
+        G,
+        "after the retention ended the token ({}) must be larger than every earlier one ({} and \
+         {})",
         third.token,
         first.token,
         second.token
@@ -424,66 +482,72 @@ pub async fn tokens_only_grow<St: LeaseStore>(store: &St) {
     store
         .release(&third.lease)
         .await
-        .expect("the last owner releases the operation");
+        .or_fail(G, "the last owner's release")
 }
 
 /// Heartbeats keep the lease: an owner that heartbeats past its lease's
 /// original end still owns it, and a duplicate still finds it running.
-pub async fn heartbeats_keep_the_lease<St: LeaseStore>(store: &St) {
+pub async fn heartbeats_keep_the_lease<St: LeaseStore>(store: &St) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Heartbeat;
     let key = unique_key();
     let claim = claim(scope("t1"), &key, 1);
-    let owner = must_acquire(store, &claim, &lease_request(SHORT), "owner").await;
+    let owner = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
     // Twice the lease in all, a heartbeat every half lease.
     for _ in 0..4 {
         tokio::time::sleep(SHORT / 2).await;
         store
             .heartbeat(&owner.lease, SHORT)
             .await
-            .unwrap_or_else(|e| panic!("heartbeat: the owner's heartbeat failed: {e}"));
+            .or_fail(G, "the owner's heartbeat")?;
     }
     must_be_running(
         store,
         &claim,
         owner.operation_id,
-        "heartbeat: a heartbeated lease must not be taken over",
+        G,
+        "a heartbeated lease must not be taken over",
     )
-    .await;
+    .await?;
     store
         .release(&owner.lease)
         .await
-        .expect("the owner releases the operation");
+        .or_fail(G, "the owner's release")
 }
 
 /// A finished operation replays its answer byte for byte, with the first
 /// request's fingerprint, and its status is `Completed` for its own tenant
 /// only.
-pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(store: &St) {
+pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Finish;
+    const S: Guarantee = Guarantee::Status;
     let key = unique_key();
     let tenant = TenantId::new("t1");
     let claim = claim(scope("t1"), &key, 1);
-    let owner = must_acquire(store, &claim, &lease_request(LONG), "owner").await;
+    let owner = must_acquire(store, &claim, &lease_request(LONG), G, "owner").await?;
     let status = |tenant: TenantId, id: OperationId| {
         let store = store.clone();
         async move {
             store
                 .operation(&tenant, id)
                 .await
-                .unwrap_or_else(|e| panic!("status: operation lookup failed: {e}"))
+                .or_fail(S, "operation lookup")
         }
     };
-    match status(tenant.clone(), owner.operation_id).await {
-        Some(operation) => assert_eq!(
-            operation.state,
-            OperationState::Running,
-            "status: an owned operation is Running"
+    match status(tenant.clone(), owner.operation_id).await? {
+        Some(operation) => ensure!(
+            operation.state == OperationState::Running,
+            S,
+            "an owned operation is Running"
         ),
-        None => panic!("status: an owned operation must be found"),
+        None => fail!(S, "an owned operation must be found"),
     }
     let answer = response(b"\x00{\"id\":1}\xff");
     store
         .finish(&owner.lease, &answer)
         .await
-        .unwrap_or_else(|e| panic!("finish: the owner's finish failed: {e}"));
+        .or_fail(G, "the owner's finish")?;
     for (fingerprint, what) in [(1, "the same request"), (2, "another request")] {
         match store
             .acquire(
@@ -493,110 +557,133 @@ pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(store: 
             .await
         {
             Ok(Acquired::Completed(record)) => {
-                assert_eq!(
-                    record.response, answer,
-                    "finish: {what} must get the answer byte for byte"
+                ensure!(
+                    record.response == answer,
+                    G,
+                    "{what} must get the answer byte for byte"
                 );
-                assert_eq!(
-                    record.fingerprint,
-                    Fingerprint::from_bytes([1; 32]),
-                    "finish: the record carries the first request's fingerprint"
+                ensure!(
+                    record.fingerprint == Fingerprint::from_bytes([1; 32]),
+                    G,
+                    "the record carries the first request's fingerprint"
                 );
             }
-            Ok(other) => panic!(
-                "finish: {what} after the finish: expected Completed, got {}",
+            Ok(other) => fail!(
+                G,
+                "{what} after the finish: expected Completed, got {}",
                 describe(&other)
             ),
-            Err(e) => panic!("finish: acquire failed: {e}"),
+            Err(e) => fail!(G, "acquire failed: {e}"),
         }
     }
-    match status(tenant, owner.operation_id).await {
+    match status(tenant, owner.operation_id).await? {
         Some(operation) => {
-            assert_eq!(operation.id, owner.operation_id);
-            assert_eq!(
-                operation.state,
-                OperationState::Completed(answer),
-                "status: a finished operation is Completed with its answer"
+            ensure!(
+                operation.id == owner.operation_id,
+                S,
+                "the status names another operation"
+            );
+            ensure!(
+                operation.state == OperationState::Completed(answer),
+                S,
+                "a finished operation is Completed with its answer"
             );
         }
-        None => panic!("status: a finished operation must be found"),
+        None => fail!(S, "a finished operation must be found"),
     }
-    assert_eq!(
-        status(TenantId::new("t2"), owner.operation_id).await,
-        None,
-        "status: another tenant must not see the operation"
+    ensure!(
+        status(TenantId::new("t2"), owner.operation_id)
+            .await?
+            .is_none(),
+        S,
+        "another tenant must not see the operation"
     );
-    assert_eq!(
-        status(TenantId::new("t1"), OperationId::random()).await,
-        None,
-        "status: an unknown id must not be found"
+    ensure!(
+        status(TenantId::new("t1"), OperationId::random())
+            .await?
+            .is_none(),
+        S,
+        "an unknown id must not be found"
     );
+    Ok(())
 }
 
 /// Recovery: an operation whose lease expired is taken over by exactly one
 /// of two concurrent recoveries, under a larger token and its id, with the
 /// stored request intact; a live lease is not recovered.
-pub async fn expired_lease_is_recovered_once<St: LeaseStore>(store: &St) {
+pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Recovery;
     // An endpoint of its own: recovery takes any abandoned operation of it.
     let endpoint = format!("POST /conformance/recover/{} v1", unique_key().as_str());
     let scope = Scope::new(TenantId::new("t1"), endpoint.as_str());
     let key = unique_key();
     let claim = claim(scope.clone(), &key, 1);
-    let first = must_acquire(store, &claim, &lease_request(SHORT), "owner").await;
-    match store.recover(&endpoint, LONG, DAY).await {
-        Ok(None) => {}
-        Ok(Some(_)) => panic!("recovery: a live lease must not be recovered"),
-        Err(e) => panic!("recovery: recover failed: {e}"),
-    }
+    let first = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
+    ensure!(
+        store
+            .recover(&endpoint, LONG, DAY)
+            .await
+            .or_fail(G, "recover")?
+            .is_none(),
+        G,
+        "a live lease must not be recovered"
+    );
     tokio::time::sleep(PAST_SHORT).await;
-    let workers = (0..2).map(|_| {
+    let mut workers = JoinSet::new();
+    for _ in 0..2 {
         let store = store.clone();
         let endpoint = endpoint.clone();
-        tokio::spawn(async move {
+        workers.spawn(async move {
             store
                 .recover(&endpoint, LONG, DAY)
                 .await
-                .unwrap_or_else(|e| panic!("recovery: recover failed: {e}"))
-        })
-    });
-    let mut recovered = Vec::new();
-    for worker in workers.collect::<Vec<_>>() {
-        recovered.extend(worker.await.expect("a recovery task does not panic"));
+                .or_fail(G, "recover")
+        });
     }
-    assert_eq!(
-        recovered.len(),
-        1,
-        "recovery: exactly one of two concurrent recoveries may take an operation over"
+    let mut recovered: Vec<_> = join_all(workers, G).await?.into_iter().flatten().collect();
+    ensure!(
+        recovered.len() == 1,
+        G,
+        "{} of two concurrent recoveries took the operation over (exactly one may)",
+        recovered.len()
     );
     let recovered = recovered.remove(0);
-    assert!(
+    ensure!(
         recovered.owned.token > first.token,
-        "recovery: the new token ({}) must be larger than the old ({})",
+        G,
+        "the new token ({}) must be larger than the old ({})",
         recovered.owned.token,
         first.token
     );
-    assert_eq!(
-        recovered.owned.operation_id, first.operation_id,
-        "recovery: the operation keeps its id"
+    ensure!(
+        recovered.owned.operation_id == first.operation_id,
+        G,
+        "the operation keeps its id"
     );
-    assert!(recovered.owned.taken_over, "recovery: it is a takeover");
-    assert_eq!(recovered.scope, scope, "recovery: the operation's scope");
-    assert_eq!(
-        recovered.request,
-        stored_request(),
-        "recovery: the stored request (method, target, headers, body) must be intact"
+    ensure!(recovered.owned.taken_over, G, "a recovery is a takeover");
+    ensure!(recovered.scope == scope, G, "the operation's scope changed");
+    ensure!(
+        recovered.request == stored_request(),
+        G,
+        "the stored request (method, target, headers, body) must be intact"
     );
     must_be_fenced(
         store.heartbeat(&first.lease, LONG).await,
         "a heartbeat after recovery",
+    )?;
+    ensure!(
+        store
+            .recover(&endpoint, LONG, DAY)
+            .await
+            .or_fail(G, "recover")?
+            .is_none(),
+        G,
+        "a recovered operation is not recovered again"
     );
-    match store.recover(&endpoint, LONG, DAY).await {
-        Ok(None) => {}
-        Ok(Some(_)) => panic!("recovery: a recovered operation is not recovered again"),
-        Err(e) => panic!("recovery: recover failed: {e}"),
-    }
     store
         .finish(&recovered.owned.lease, &response(b"recovered"))
         .await
-        .unwrap_or_else(|e| panic!("recovery: the recovered operation's finish failed: {e}"));
+        .or_fail(G, "the recovered operation's finish")
 }

@@ -1,0 +1,86 @@
+//! sqlx errors sorted into the store's stable [`StoreErrorKind`]s, by
+//! SQLSTATE for the server's errors.
+
+use crate::store::{StoreError, StoreErrorKind};
+
+/// The SQLSTATE of a lock wait that ran out (`lock_timeout`).
+pub(super) const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// The SQLSTATE of `e`, if the server answered with an error.
+pub(super) fn sql_state(e: &::sqlx::Error) -> Option<String> {
+    match e {
+        ::sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// Sorts an error of a statement inside the transaction.
+pub(super) fn map_error(e: ::sqlx::Error) -> StoreError {
+    let code = sql_state(&e);
+    let kind = match (&e, code.as_deref()) {
+        (::sqlx::Error::Database(_), Some(code)) => kind_of(code),
+        (
+            ::sqlx::Error::Io(_)
+            | ::sqlx::Error::Tls(_)
+            | ::sqlx::Error::PoolTimedOut
+            | ::sqlx::Error::PoolClosed
+            | ::sqlx::Error::WorkerCrashed,
+            _,
+        ) => StoreErrorKind::Unavailable,
+        (::sqlx::Error::ColumnDecode { .. } | ::sqlx::Error::Decode(_), _) => {
+            StoreErrorKind::Corrupt
+        }
+        _ => StoreErrorKind::Backend,
+    };
+    // The server's message names the failure without row values (those are
+    // in the detail, which stays out of the message).
+    let message = match &e {
+        ::sqlx::Error::Database(db) => format!(
+            "database error {}: {}",
+            code.as_deref().unwrap_or("?"),
+            db.message()
+        ),
+        ::sqlx::Error::PoolTimedOut => "no connection from the pool in time".to_owned(),
+        ::sqlx::Error::Io(_) | ::sqlx::Error::WorkerCrashed => {
+            "the database connection failed".to_owned()
+        }
+        _ => "the database driver failed".to_owned(),
+    };
+    StoreError::new(kind, message)
+        .with_sql_state(code)
+        .with_source(e)
+}
+
+/// Sorts an error of the `COMMIT` itself: a connection lost there leaves the
+/// outcome unknown.
+pub(super) fn map_commit_error(e: ::sqlx::Error) -> StoreError {
+    let lost = matches!(
+        e,
+        ::sqlx::Error::Io(_) | ::sqlx::Error::Protocol(_) | ::sqlx::Error::WorkerCrashed
+    );
+    let error = map_error(e);
+    if lost {
+        StoreError::new(
+            StoreErrorKind::OutcomeUnknown,
+            "the connection was lost during COMMIT",
+        )
+        .with_source(error)
+    } else {
+        error
+    }
+}
+
+fn kind_of(code: &str) -> StoreErrorKind {
+    match code {
+        "42P01" | "42703" => StoreErrorKind::Schema,
+        "40001" | "40P01" => StoreErrorKind::Conflict,
+        // In a failed transaction; division by zero (the completion's
+        // ownership check); any integrity constraint.
+        "25P02" | "22012" => StoreErrorKind::TransactionAborted,
+        c if c.starts_with("23") => StoreErrorKind::TransactionAborted,
+        c if c.starts_with("08") || c.starts_with("57P") => StoreErrorKind::Unavailable,
+        // Too many connections; statement or lock wait cancelled.
+        "53300" | "57014" | LOCK_NOT_AVAILABLE => StoreErrorKind::Unavailable,
+        _ => StoreErrorKind::Backend,
+    }
+}

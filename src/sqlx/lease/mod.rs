@@ -1,0 +1,173 @@
+//! Long-running operations on a `sqlx` pool: [`SqlxLease`], the owner's
+//! proof of ownership. [`LeaseStore`](crate::store::LeaseStore) for
+//! [`SqlxStore`] is in `protocol.rs`, with the statements of
+//! [`PgStore`](crate::postgres::PgStore)'s lease protocol (the same table,
+//! the same decisions, one statement on the key's row each, guarded by the
+//! attempt token).
+
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use super::{tx, SqlxStore, SqlxTx};
+use crate::{
+    key::IdempotencyKey,
+    lease::OperationId,
+    scope::Scope,
+    store::{StoreError, StoreErrorKind},
+};
+
+mod protocol;
+
+/// The lease of a long-running operation's owner on a [`SqlxStore`], in the
+/// handler's request extensions.
+///
+/// It proves ownership by its attempt token. Every write of the work goes
+/// through a fenced transaction from [`transaction`](Self::transaction),
+/// which holds the operation's record at this token until
+/// [`commit`](Self::commit): a takeover by a newer owner cannot come in
+/// between, and a stale owner gets [`StoreErrorKind::Fenced`] and must
+/// stop. The layer renews the lease with heartbeats while the handler runs
+/// and stores its answer by a compare-and-swap on the token.
+///
+/// ```no_run
+/// # async fn handler(lease: tower_idempotency::sqlx::SqlxLease) -> Result<(), Box<dyn std::error::Error>> {
+/// // … the slow call, keyed by `lease.operation_id()`, carrying `lease.attempt_token()` …
+/// let tx = lease.transaction().await?; // Fenced if another owner took over
+/// {
+///     let mut conn = tx.conn().await?;
+///     sqlx::query("UPDATE orders SET fulfilment = 'shipped' WHERE tenant_id = $1")
+///         .bind(lease.tenant())
+///         .execute(&mut *conn)
+///         .await?;
+/// }
+/// lease.commit(tx).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SqlxLease {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    store: SqlxStore,
+    scope: Scope,
+    key: IdempotencyKey,
+    token: i64,
+    operation_id: OperationId,
+    retention: Duration,
+    lease: Duration,
+    fenced: AtomicBool,
+}
+
+impl SqlxLease {
+    fn new(
+        store: SqlxStore,
+        scope: Scope,
+        key: IdempotencyKey,
+        token: i64,
+        operation_id: OperationId,
+        retention: Duration,
+        lease: Duration,
+    ) -> Self {
+        SqlxLease {
+            inner: Arc::new(Shared {
+                store,
+                scope,
+                key,
+                token,
+                operation_id,
+                retention,
+                lease,
+                fenced: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The operation's id: the same for every attempt, so the key for
+    /// downstream calls.
+    pub fn operation_id(&self) -> OperationId {
+        self.inner.operation_id
+    }
+
+    /// This attempt's fencing token: larger than every earlier attempt's
+    /// for this key, even after its record was removed.
+    pub fn attempt_token(&self) -> i64 {
+        self.inner.token
+    }
+
+    /// The tenant the operation acts for.
+    pub fn tenant(&self) -> &str {
+        self.inner.scope.tenant().as_str()
+    }
+
+    /// The scope (tenant and endpoint) of the operation.
+    pub fn scope(&self) -> &Scope {
+        &self.inner.scope
+    }
+
+    /// The client's idempotency key; keep it out of logs.
+    pub fn idempotency_key(&self) -> &str {
+        self.inner.key.as_str()
+    }
+
+    /// Whether the store has told this owner it was fenced. Once `true`,
+    /// every write is refused; stop early.
+    pub fn is_fenced(&self) -> bool {
+        self.inner.fenced.load(Ordering::Relaxed)
+    }
+
+    /// Opens a fenced transaction: the operation's record is held (`FOR
+    /// SHARE`) at this lease's token until [`commit`](Self::commit) (or
+    /// [`Store::abort`](crate::store::Store::abort), or the handle is
+    /// dropped: it rolls back). Write through [`SqlxTx::conn`].
+    ///
+    /// Keep it short: while it is open, heartbeats and takeovers wait for
+    /// it. Never hold one across a slow external call; PostgreSQL ends one
+    /// left idle for longer than the lease.
+    ///
+    /// [`StoreErrorKind::Fenced`] if another owner took the operation over.
+    pub async fn transaction(&self) -> Result<SqlxTx, StoreError> {
+        protocol::open_fenced(self).await
+    }
+
+    /// Commits a fenced transaction of this lease (as
+    /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)).
+    pub async fn commit(&self, tx: SqlxTx) -> Result<(), StoreError> {
+        tx::commit_fenced(tx).await
+    }
+
+    fn fenced_error(&self) -> StoreError {
+        self.inner.fenced.store(true, Ordering::Relaxed);
+        StoreError::new(
+            StoreErrorKind::Fenced,
+            "another owner took the operation over with a larger attempt token",
+        )
+    }
+
+    fn columns(&self) -> (&str, &str, &str, i64) {
+        (
+            self.inner.scope.tenant().as_str(),
+            self.inner.scope.endpoint(),
+            self.inner.key.as_str(),
+            self.inner.token,
+        )
+    }
+}
+
+impl fmt::Debug for SqlxLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxLease")
+            .field("scope", &self.inner.scope)
+            .field("key", &self.inner.key)
+            .field("operation_id", &self.inner.operation_id)
+            .field("attempt_token", &self.inner.token)
+            .field("fenced", &self.is_fenced())
+            .finish_non_exhaustive()
+    }
+}

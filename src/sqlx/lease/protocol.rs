@@ -1,0 +1,423 @@
+//! [`LeaseStore`] for [`SqlxStore`]: acquire (insert or take over),
+//! heartbeat, the fenced transaction, finish, release, the status lookup
+//! and recovery, each with the statement `PgStore` uses.
+
+use std::time::Duration;
+
+use ::sqlx::{postgres::PgRow, Postgres, Row, Transaction};
+use bytes::Bytes;
+use http::{Method, StatusCode};
+
+use super::SqlxLease;
+use crate::{
+    fingerprint::Fingerprint,
+    key::IdempotencyKey,
+    lease::OperationId,
+    postgres::lease::protocol::{
+        ACQUIRE, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
+    },
+    record::{Record, ResourceId, StoredResponse},
+    scope::{Scope, TenantId},
+    sqlx::{
+        claim::set_waits,
+        error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
+        tx, SqlxStore, SqlxTx,
+    },
+    store::{
+        Acquired, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState, Owned,
+        Recovered, StoreError, StoreErrorKind, StoredRequest,
+    },
+};
+
+/// How long a heartbeat, finish, release or recovery waits for the row, and
+/// how long a fenced transaction waits to hold it (a takeover in flight).
+const ROW_WAIT: Duration = Duration::from_secs(5);
+/// Room beyond a wait for the server to report its own lock timeout.
+const GRACE: Duration = Duration::from_millis(250);
+/// The shortest wait an acquire gets.
+const MIN_WAIT: Duration = Duration::from_millis(100);
+
+impl LeaseStore for SqlxStore {
+    type Lease = SqlxLease;
+
+    async fn acquire(
+        &self,
+        claim: &ClaimRequest,
+        request: &LeaseRequest,
+    ) -> Result<Acquired<SqlxLease>, StoreError> {
+        let wait = claim.wait.max(MIN_WAIT);
+        let deadline = tokio::time::Instant::now() + wait;
+        if let Some(found) = self.lookup(claim).await? {
+            return Ok(found);
+        }
+        let remaining = deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(MIN_WAIT);
+        let mut tx = self.short(remaining).await?;
+        let acquired = tokio::time::timeout(
+            remaining + GRACE,
+            ::sqlx::query(ACQUIRE)
+                .bind(claim.scope.tenant().as_str())
+                .bind(claim.scope.endpoint())
+                .bind(claim.key.as_str())
+                .bind(claim.fingerprint.as_bytes().as_slice())
+                .bind(claim.retention.as_secs_f64())
+                .bind(request.lease.as_secs_f64())
+                .bind(request.operation_id.to_string())
+                .bind(request.request.method.as_str())
+                .bind(request.request.target.as_str())
+                .bind(request.request.encode_headers())
+                .bind(request.request.body.as_ref())
+                .fetch_optional(&mut *tx),
+        )
+        .await;
+        let row = match acquired {
+            Err(_) => return Err(timed_out()),
+            Ok(Err(e)) if sql_state(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                rollback(tx).await;
+                return Ok(Acquired::InProgress);
+            }
+            Ok(Err(e)) => {
+                let error = map_error(e);
+                rollback(tx).await;
+                return Err(error);
+            }
+            Ok(Ok(row)) => row,
+        };
+        tx.commit().await.map_err(map_error)?;
+        let Some(row) = row else {
+            // Held by someone whose lease is live, or by another request:
+            // say where it stands.
+            return Ok(self.lookup(claim).await?.unwrap_or(Acquired::InProgress));
+        };
+        let token: i64 = row.try_get(0).map_err(map_error)?;
+        let id: String = row.try_get(1).map_err(map_error)?;
+        let operation_id = parse_id(&id)?;
+        let lease = SqlxLease::new(
+            self.clone(),
+            claim.scope.clone(),
+            claim.key.clone(),
+            token,
+            operation_id,
+            claim.retention,
+            request.lease,
+        );
+        let taken_over = operation_id != request.operation_id;
+        Ok(Acquired::Owned(Owned::new(
+            lease,
+            operation_id,
+            token,
+            taken_over,
+        )))
+    }
+
+    async fn heartbeat(&self, lease: &SqlxLease, extend: Duration) -> Result<(), StoreError> {
+        let (tenant, endpoint, key, token) = lease.columns();
+        let mut tx = self.short(ROW_WAIT).await?;
+        let done = ::sqlx::query(HEARTBEAT)
+            .bind(tenant)
+            .bind(endpoint)
+            .bind(key)
+            .bind(token)
+            .bind(extend.as_secs_f64())
+            .execute(&mut *tx)
+            .await;
+        self.end_short(tx, done, lease).await
+    }
+
+    async fn fenced(&self, lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
+        open_fenced(lease).await
+    }
+
+    async fn commit_fenced(&self, tx: SqlxTx) -> Result<(), StoreError> {
+        tx::commit_fenced(tx).await
+    }
+
+    async fn finish(&self, lease: &SqlxLease, response: &StoredResponse) -> Result<(), StoreError> {
+        let (tenant, endpoint, key, token) = lease.columns();
+        let mut tx = self.short(ROW_WAIT).await?;
+        let done = ::sqlx::query(FINISH)
+            .bind(tenant)
+            .bind(endpoint)
+            .bind(key)
+            .bind(token)
+            .bind(response.status.as_u16() as i16)
+            .bind(response.encode_headers())
+            .bind(response.body.as_ref())
+            .bind(lease.inner.retention.as_secs_f64())
+            .bind(response.resource_id.as_ref().map(|id| id.as_str()))
+            .execute(&mut *tx)
+            .await;
+        self.end_short(tx, done, lease).await
+    }
+
+    async fn release(&self, lease: &SqlxLease) -> Result<(), StoreError> {
+        let (tenant, endpoint, key, token) = lease.columns();
+        let mut tx = self.short(ROW_WAIT).await?;
+        let done = ::sqlx::query(RELEASE)
+            .bind(tenant)
+            .bind(endpoint)
+            .bind(key)
+            .bind(token)
+            .execute(&mut *tx)
+            .await;
+        self.end_short(tx, done, lease).await
+    }
+
+    async fn operation(
+        &self,
+        tenant: &TenantId,
+        id: OperationId,
+    ) -> Result<Option<Operation>, StoreError> {
+        let row = ::sqlx::query(OPERATION)
+            .bind(id.to_string())
+            .bind(tenant.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let state: &str = row.try_get(0).map_err(map_error)?;
+        if state != "completed" {
+            return Ok(Some(Operation::new(id, OperationState::Running)));
+        }
+        let response = response_at(&row, 1)?;
+        Ok(Some(Operation::new(
+            id,
+            OperationState::Completed(response),
+        )))
+    }
+
+    async fn recover(
+        &self,
+        endpoint: &str,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Option<Recovered<SqlxLease>>, StoreError> {
+        let mut tx = self.short(ROW_WAIT).await?;
+        let row = ::sqlx::query(RECOVER)
+            .bind(endpoint)
+            .bind(lease.as_secs_f64())
+            .fetch_optional(&mut *tx)
+            .await;
+        let row = match row {
+            Ok(row) => row,
+            Err(e) => {
+                let error = map_error(e);
+                rollback(tx).await;
+                return Err(error);
+            }
+        };
+        tx.commit().await.map_err(map_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let column = |e: ::sqlx::Error| map_error(e);
+        let tenant: String = row.try_get(0).map_err(column)?;
+        let key: String = row.try_get(1).map_err(column)?;
+        let token: i64 = row.try_get(2).map_err(column)?;
+        let id: String = row.try_get(3).map_err(column)?;
+        let method: Option<String> = row.try_get(4).map_err(column)?;
+        let target: Option<String> = row.try_get(5).map_err(column)?;
+        let headers: Option<Vec<u8>> = row.try_get(6).map_err(column)?;
+        let body: Option<Vec<u8>> = row.try_get(7).map_err(column)?;
+        let scope = Scope::new(TenantId::new(tenant), endpoint.to_owned());
+        let key = IdempotencyKey::parse(key.as_bytes())
+            .map_err(|_| corrupt("stored record has an invalid key"))?;
+        let operation_id = parse_id(&id)?;
+        let request = StoredRequest::new(
+            method
+                .and_then(|m| Method::from_bytes(m.as_bytes()).ok())
+                .ok_or_else(|| corrupt("stored request has an invalid method"))?,
+            target.ok_or_else(|| corrupt("stored request has no target"))?,
+            StoredRequest::decode_headers(headers.as_deref().unwrap_or_default())
+                .ok_or_else(|| corrupt("stored request has an invalid header block"))?,
+            Bytes::from(body.unwrap_or_default()),
+        );
+        let handle = SqlxLease::new(
+            self.clone(),
+            scope.clone(),
+            key,
+            token,
+            operation_id,
+            retention,
+            lease,
+        );
+        Ok(Some(Recovered::new(
+            Owned::new(handle, operation_id, token, true),
+            scope,
+            request,
+        )))
+    }
+}
+
+impl SqlxStore {
+    /// Where a key stands, without a lock or a write: `None` when an
+    /// acquire may own it (no record, an expired one, an orphan, or an
+    /// expired lease of the same request).
+    async fn lookup(
+        &self,
+        claim: &ClaimRequest,
+    ) -> Result<Option<Acquired<SqlxLease>>, StoreError> {
+        let row = ::sqlx::query(LOOKUP)
+            .bind(claim.scope.tenant().as_str())
+            .bind(claim.scope.endpoint())
+            .bind(claim.key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let state: &str = row.try_get(1).map_err(map_error)?;
+        let fingerprint: &[u8] = row.try_get(0).map_err(map_error)?;
+        let fingerprint = Fingerprint::from_slice(fingerprint)
+            .ok_or_else(|| corrupt("stored record has an invalid fingerprint"))?;
+        if state == "completed" {
+            return Ok(Some(Acquired::Completed(Record {
+                fingerprint,
+                response: response_at(&row, 2)?,
+            })));
+        }
+        let id: Option<String> = row.try_get(6).map_err(map_error)?;
+        let live: Option<bool> = row.try_get(7).map_err(map_error)?;
+        match (id, live) {
+            // A live lease; or an expired one that another request started
+            // (the layer refuses a reused key; only the same request takes
+            // an operation over).
+            (Some(id), Some(true)) => Ok(Some(Acquired::Running {
+                operation_id: parse_id(&id)?,
+                fingerprint,
+            })),
+            (Some(id), Some(false)) if fingerprint != claim.fingerprint => {
+                Ok(Some(Acquired::Running {
+                    operation_id: parse_id(&id)?,
+                    fingerprint,
+                }))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// A short transaction whose lock waits last at most `wait`.
+    async fn short(&self, wait: Duration) -> Result<Transaction<'static, Postgres>, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(map_error)?;
+        if let Err(e) = set_waits(&mut tx, wait, None).await {
+            let error = map_error(e);
+            rollback(tx).await;
+            return Err(error);
+        }
+        Ok(tx)
+    }
+
+    /// Commits a heartbeat, finish or release that changed one row; no row
+    /// changed: the lease's token is not the record's, and the owner is
+    /// fenced.
+    async fn end_short(
+        &self,
+        tx: Transaction<'static, Postgres>,
+        done: Result<::sqlx::postgres::PgQueryResult, ::sqlx::Error>,
+        lease: &SqlxLease,
+    ) -> Result<(), StoreError> {
+        match done {
+            Err(e) => {
+                let error = map_error(e);
+                rollback(tx).await;
+                Err(error)
+            }
+            Ok(done) if done.rows_affected() == 0 => {
+                rollback(tx).await;
+                Err(lease.fenced_error())
+            }
+            Ok(_) => tx.commit().await.map_err(map_error),
+        }
+    }
+}
+
+/// Begins a fenced transaction and holds the record at the lease's token.
+pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
+    let store = &lease.inner.store;
+    let mut tx = store.pool.begin().await.map_err(map_error)?;
+    let (tenant, endpoint, key, token) = lease.columns();
+    let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
+        // A lock wait inside gives up after half a lease (at most the row
+        // wait); left idle for a whole lease, the server ends it.
+        let pid = set_waits(
+            &mut tx,
+            ROW_WAIT.min(lease.inner.lease / 2),
+            Some(lease.inner.lease),
+        )
+        .await?;
+        let row = ::sqlx::query(HOLD)
+            .bind(tenant)
+            .bind(endpoint)
+            .bind(key)
+            .bind(token)
+            .fetch_optional(&mut *tx)
+            .await?;
+        Ok::<_, ::sqlx::Error>(row.map(|row| (row, pid)))
+    })
+    .await;
+    let row = match held {
+        Err(_) => return Err(timed_out()),
+        Ok(Err(e)) => {
+            let error = map_error(e);
+            rollback(tx).await;
+            return Err(error);
+        }
+        Ok(Ok(row)) => row,
+    };
+    let Some((row, pid)) = row else {
+        rollback(tx).await;
+        crate::metrics::fenced(endpoint, crate::metrics::FencedAt::Write);
+        return Err(lease.fenced_error());
+    };
+    let xid: String = row.try_get(0).map_err(map_error)?;
+    Ok(SqlxTx::new(
+        tx,
+        store.pool.clone(),
+        pid,
+        lease.inner.scope.clone(),
+        lease.inner.key.clone(),
+        token,
+        xid,
+        lease.inner.retention,
+        true,
+    ))
+}
+
+async fn rollback(tx: Transaction<'static, Postgres>) {
+    if let Err(e) = tx.rollback().await {
+        tracing::debug!(error = %e, "rolling back a lease statement's transaction failed");
+    }
+}
+
+/// The response stored in columns `at..at + 4` (status, headers, body,
+/// resource id).
+fn response_at(row: &PgRow, at: usize) -> Result<StoredResponse, StoreError> {
+    let status: i16 = row.try_get(at).map_err(map_error)?;
+    let headers: &[u8] = row.try_get(at + 1).map_err(map_error)?;
+    let body: &[u8] = row.try_get(at + 2).map_err(map_error)?;
+    let resource_id: Option<String> = row.try_get(at + 3).map_err(map_error)?;
+    Ok(StoredResponse {
+        status: u16::try_from(status)
+            .ok()
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .ok_or_else(|| corrupt("stored record has an invalid status"))?,
+        headers: StoredResponse::decode_headers(headers)
+            .ok_or_else(|| corrupt("stored record has an invalid header block"))?,
+        body: Bytes::copy_from_slice(body),
+        resource_id: resource_id.map(ResourceId::new),
+    })
+}
+
+fn parse_id(id: &str) -> Result<OperationId, StoreError> {
+    id.parse()
+        .map_err(|_| corrupt("stored record has an invalid operation id"))
+}
+
+fn corrupt(message: &str) -> StoreError {
+    StoreError::new(StoreErrorKind::Corrupt, message)
+}
+
+fn timed_out() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Unavailable,
+        "the database did not answer within the wait",
+    )
+}

@@ -1,0 +1,210 @@
+//! [`SqlxStore`]: the store on a [`sqlx::PgPool`] (feature `sqlx`).
+//!
+//! Most Rust web services on PostgreSQL already hold a `sqlx::PgPool`.
+//! With this store the layer claims keys on that pool, and the handler
+//! writes its rows through the claim's own `sqlx` transaction, which it
+//! finds in the request extensions as a [`SqlxTx`]: the rows and the
+//! remembered response commit together, or not at all.
+//!
+//! ```no_run
+//! use axum::{routing::post, Router};
+//! use tower_idempotency::{
+//!     fingerprint::JsonFingerprinter,
+//!     sqlx::{SqlxStore, SqlxTx},
+//!     IdempotencyLayer,
+//! };
+//!
+//! // With the `axum` feature `SqlxTx` is an extractor; without it, take
+//! // `Extension<SqlxTx>` (or read the request extensions in any service).
+//! async fn create_order(tx: SqlxTx) -> Result<String, String> {
+//!     let mut conn = tx.conn().await.map_err(|e| e.to_string())?;
+//!     let (id,): (i64,) =
+//!         sqlx::query_as("INSERT INTO orders (tenant_id) VALUES ($1) RETURNING id")
+//!             .bind(tx.tenant())
+//!             .fetch_one(&mut *conn)
+//!             .await
+//!             .map_err(|e| e.to_string())?;
+//!     Ok(id.to_string())
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://app@localhost/app").await?;
+//! let store = SqlxStore::new(pool);
+//! store.migrate().await?; // the same schema as PgStore's
+//! let layer = IdempotencyLayer::new(store, "POST /orders v1", JsonFingerprinter::new("orders.v1"));
+//! let app: Router = Router::new().route("/orders", post(create_order).layer(layer));
+//! // Your auth layer, outside this one, inserts a `tower_idempotency::scope::TenantId`.
+//! # Ok(()) }
+//! ```
+//!
+//! # How it keeps the [`Store`] guarantees
+//!
+//! It uses the table and migrations of [`PgStore`](crate::postgres::PgStore)
+//! (either store's `migrate` brings a database to the same schema, and
+//! records written by one replay through the other), with plain `sqlx`
+//! statements:
+//!
+//! 1. **One owner.** A claim begins a transaction and inserts the key's row
+//!    (`INSERT … ON CONFLICT DO NOTHING`): the primary key decides, never a
+//!    read before the insert. The row stays uncommitted, and so locked, for
+//!    as long as the owner works.
+//! 2. **Atomic completion.** The handler's statements run in that same
+//!    transaction; `complete` updates the row with the response (only if
+//!    the claim's token, state and transaction id still match: otherwise
+//!    the statement fails and nothing commits) and commits.
+//! 3. **Abort frees the key.** `abort` rolls back, and with it the row; so
+//!    does dropping every clone of the [`SqlxTx`] (`sqlx` rolls back a
+//!    dropped transaction before its connection is lent again).
+//! 4. **Bounded waiting.** `SET LOCAL lock_timeout` to the claim's wait: a
+//!    claim that meets an owner's row waits at most that long (`55P03`),
+//!    then answers [`Claim::InProgress`];
+//!    the whole claim is also cut off on the client shortly after.
+//! 5. **Expiry.** A record whose retention ended (or a committed
+//!    in-progress row no transaction holds) is taken over by a second
+//!    `INSERT … ON CONFLICT DO UPDATE … WHERE expired` in the claim's
+//!    transaction, under a new attempt token.
+//!
+//! `tests/sqlx_store.rs` runs the [conformance
+//! suite](crate::testing::conformance) against it on a real PostgreSQL.
+//!
+//! # Long-running operations
+//!
+//! `SqlxStore` implements [`LeaseStore`](crate::store::LeaseStore) with
+//! the statements of `PgStore`'s lease protocol: an operation's record is
+//! committed `in_progress` with a lease and an attempt token, the handler
+//! finds a [`SqlxLease`] in its request extensions, writes through fenced
+//! transactions ([`SqlxLease::transaction`], holding the record `FOR SHARE`
+//! at its token until [`SqlxLease::commit`]), and the layer stores the
+//! answer by a compare-and-swap on the token. Both stores can serve the same
+//! table. `tests/sqlx_store.rs` runs the lease conformance suite against it.
+//!
+//! # Compared with `PgStore`
+//!
+//! `PgStore` pipelines the claim behind `BEGIN` and the `COMMIT` behind the
+//! response (two round trips per created resource, where this store takes
+//! five) and guards the handle against transaction control statements.
+//! Both cancel a statement the handler left running when the layer rolls
+//! its transaction back (this store by `pg_cancel_backend` after half a
+//! second). This store's worth is the pool and the transaction type your
+//! code already uses.
+
+use std::fmt;
+
+use ::sqlx::{Executor as _, PgPool};
+
+use crate::{
+    postgres::migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK},
+    record::StoredResponse,
+    store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind},
+};
+
+mod claim;
+mod error;
+mod lease;
+mod tx;
+
+pub use lease::SqlxLease;
+pub use tx::{SqlxConn, SqlxTx};
+
+use error::map_error;
+
+/// The [`Store`] on a `sqlx` PostgreSQL pool.
+///
+/// Cheap to clone (a pool handle). Run [`migrate`](Self::migrate) once at
+/// start-up (safe from many processes at once). The pool's acquire timeout
+/// bounds how long a claim waits for a connection; each owner holds one
+/// connection until its request completes, so size the pool for the
+/// requests in flight.
+#[derive(Clone)]
+pub struct SqlxStore {
+    pool: PgPool,
+}
+
+impl fmt::Debug for SqlxStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxStore")
+            .field("connections", &self.pool.size())
+            .field("idle", &self.pool.num_idle())
+            .finish()
+    }
+}
+
+impl SqlxStore {
+    /// A store on `pool`.
+    pub fn new(pool: PgPool) -> Self {
+        SqlxStore { pool }
+    }
+
+    /// The pool, e.g. for the service's own queries outside the layer.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates or upgrades the schema (the same migrations as
+    /// [`PgStore::migrate`](crate::postgres::PgStore::migrate), recorded in
+    /// the same table), in one transaction under an advisory lock.
+    ///
+    /// [`StoreErrorKind::Schema`] if the database has a newer schema than
+    /// this build knows.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(map_error)?;
+        // A string without arguments goes out as a simple query: several
+        // statements in one.
+        (&mut *tx)
+            .execute(&*format!(
+                "SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
+                 CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
+                     version    integer PRIMARY KEY,
+                     name       text NOT NULL,
+                     applied_at timestamptz NOT NULL DEFAULT now()
+                 );"
+            ))
+            .await
+            .map_err(map_error)?;
+        let applied: Vec<i32> =
+            ::sqlx::query_scalar("SELECT version FROM tower_idempotency_migrations")
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(map_error)?;
+        if let Some(newer) = applied.iter().find(|v| **v > LATEST) {
+            return Err(StoreError::new(
+                StoreErrorKind::Schema,
+                format!(
+                    "the database has schema version {newer}, newer than this build's {LATEST}"
+                ),
+            ));
+        }
+        for (version, name, sql) in MIGRATIONS {
+            if applied.contains(version) {
+                continue;
+            }
+            (&mut *tx).execute(*sql).await.map_err(map_error)?;
+            ::sqlx::query(
+                "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
+            )
+            .bind(version)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_error)?;
+            tracing::info!(version, name, "applied idempotency migration");
+        }
+        tx.commit().await.map_err(map_error)
+    }
+}
+
+impl Store for SqlxStore {
+    type Tx = SqlxTx;
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<SqlxTx>, StoreError> {
+        claim::claim(self, request).await
+    }
+
+    async fn complete(&self, tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
+        tx::complete(tx, response).await
+    }
+
+    async fn abort(&self, tx: SqlxTx) -> Result<(), StoreError> {
+        tx::abort(tx).await
+    }
+}

@@ -1,0 +1,345 @@
+//! [`SqlxTx`]: the claim's transaction, which the handler writes through
+//! and the store commits with the remembered response.
+
+use std::{
+    fmt,
+    ops::{Deref, DerefMut},
+    sync::Arc,
+    time::Duration,
+};
+
+use ::sqlx::{Connection as _, PgConnection, PgPool, Postgres, Transaction};
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+
+use super::error::{map_commit_error, map_error};
+use crate::{
+    key::IdempotencyKey,
+    record::StoredResponse,
+    scope::Scope,
+    store::{StoreError, StoreErrorKind},
+};
+
+// The ownership check and the response in one statement. It must fail
+// (aborting the transaction) rather than match no row, so that the handler's
+// writes never commit without the response: division by zero does that. The
+// token and state say this claim still owns the key; the transaction id says
+// the handler did not end the claim's transaction and begin another.
+// Retention counts from the completion.
+const COMPLETE: &str = "WITH done AS ( \
+         UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
+             response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
+             completed_at = statement_timestamp(), \
+             expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
+         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+             AND attempt_token = $4::int8 AND state = 'in_progress' \
+             AND pg_current_xact_id() = $9::text::xid8 \
+         RETURNING 1) \
+     SELECT 1 / (SELECT count(*)::int FROM done)";
+
+/// The transaction handle of a [`SqlxStore`](super::SqlxStore) owner: the
+/// claim's own `sqlx` transaction, in which the key's row is inserted.
+///
+/// The layer puts it in the request extensions. The handler takes the
+/// connection with [`conn`](Self::conn) and runs its statements on it; they
+/// commit together with the remembered response when the layer completes
+/// the request, or roll back with the claim. Clones share the transaction;
+/// statements through them run one at a time.
+///
+/// ```no_run
+/// # async fn handler(tx: tower_idempotency::sqlx::SqlxTx) -> Result<(), Box<dyn std::error::Error>> {
+/// let mut conn = tx.conn().await?;
+/// let (id,): (i64,) = sqlx::query_as(
+///     "INSERT INTO orders (tenant_id, total) VALUES ($1, $2) RETURNING id",
+/// )
+/// .bind(tx.tenant())
+/// .bind(2400_i64)
+/// .fetch_one(&mut *conn)
+/// .await?;
+/// # Ok(()) }
+/// ```
+///
+/// Never end the transaction through it (`COMMIT`, `ROLLBACK`): the
+/// completion then finds the transaction changed and refuses to remember a
+/// response ([`StoreErrorKind::TransactionAborted`]). Dropped unfinished
+/// (every clone gone: a panicking handler, a cancelled request), the
+/// transaction rolls back: `sqlx` sends the `ROLLBACK` when the connection
+/// goes back to its pool, before anyone else can use it.
+#[derive(Clone)]
+pub struct SqlxTx {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    tx: Mutex<Option<Transaction<'static, Postgres>>>,
+    // For a cancel request: the pool, and the process id of the
+    // transaction's session.
+    pool: PgPool,
+    pid: i32,
+    scope: Scope,
+    key: IdempotencyKey,
+    token: i64,
+    xid: String,
+    retention: Duration,
+    // A long-running owner's fenced transaction (LeaseStore::fenced), not
+    // a claim's.
+    fenced: bool,
+}
+
+/// The claim's connection, borrowed from a [`SqlxTx`] for the handler's
+/// statements: `&mut *conn` is a `sqlx` executor. Other clones of the
+/// handle wait while it is held.
+pub struct SqlxConn<'a> {
+    conn: MappedMutexGuard<'a, PgConnection>,
+}
+
+impl Deref for SqlxConn<'_> {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for SqlxConn<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+}
+
+impl fmt::Debug for SqlxConn<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxConn").finish_non_exhaustive()
+    }
+}
+
+impl SqlxTx {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        tx: Transaction<'static, Postgres>,
+        pool: PgPool,
+        pid: i32,
+        scope: Scope,
+        key: IdempotencyKey,
+        token: i64,
+        xid: String,
+        retention: Duration,
+        fenced: bool,
+    ) -> Self {
+        SqlxTx {
+            inner: Arc::new(Shared {
+                tx: Mutex::new(Some(tx)),
+                pool,
+                pid,
+                scope,
+                key,
+                token,
+                xid,
+                retention,
+                fenced,
+            }),
+        }
+    }
+
+    /// The transaction's connection, for the handler's statements.
+    ///
+    /// [`StoreErrorKind::TransactionAborted`] once the layer completed or
+    /// aborted the transaction (e.g. a task spawned by the handler writes
+    /// after the handler returned).
+    pub async fn conn(&self) -> Result<SqlxConn<'_>, StoreError> {
+        let guard = self.inner.tx.lock().await;
+        let conn = MutexGuard::try_map(guard, |tx| tx.as_mut().map(|tx| &mut **tx))
+            .map_err(|_| finished())?;
+        Ok(SqlxConn { conn })
+    }
+
+    /// The tenant the request acts for.
+    pub fn tenant(&self) -> &str {
+        self.inner.scope.tenant().as_str()
+    }
+
+    /// The tenant and endpoint of the claimed key.
+    pub fn scope(&self) -> &Scope {
+        &self.inner.scope
+    }
+
+    /// The claim's attempt token: larger than every earlier one for this key.
+    pub fn attempt_token(&self) -> i64 {
+        self.inner.token
+    }
+
+    /// The idempotency key the request carried.
+    pub fn idempotency_key(&self) -> &str {
+        self.inner.key.as_str()
+    }
+
+    /// Takes the transaction out to end it; `None` if it already ended.
+    /// Waits for a statement running through a clone.
+    async fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.inner.tx.lock().await.take()
+    }
+}
+
+impl fmt::Debug for SqlxTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxTx")
+            .field("scope", &self.inner.scope)
+            .field("key", &self.inner.key)
+            .field("attempt_token", &self.inner.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if self.tx.get_mut().is_some() {
+            // sqlx's own drop queues the ROLLBACK; the pool sends it when
+            // it takes the connection back, before lending it again.
+            tracing::warn!(
+                endpoint = self.scope.endpoint(),
+                key_hash = %self.key.short_hash(),
+                "idempotency transaction dropped unfinished; rolled back"
+            );
+        }
+    }
+}
+
+fn finished() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::TransactionAborted,
+        "the transaction has already finished",
+    )
+}
+
+/// [`Store::complete`](crate::store::Store::complete): the response, checked
+/// against the claim's token and transaction, then `COMMIT`.
+pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
+    let Some(mut transaction) = tx.take().await else {
+        return Err(finished());
+    };
+    if tx.inner.fenced {
+        if let Err(e) = transaction.rollback().await {
+            tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
+        }
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
+        ));
+    }
+    let shared = &tx.inner;
+    let remembered = ::sqlx::query(COMPLETE)
+        .bind(shared.scope.tenant().as_str())
+        .bind(shared.scope.endpoint())
+        .bind(shared.key.as_str())
+        .bind(shared.token)
+        .bind(response.status.as_u16() as i16)
+        .bind(response.encode_headers())
+        .bind(response.body.as_ref())
+        .bind(shared.retention.as_secs_f64())
+        .bind(shared.xid.as_str())
+        .bind(response.resource_id.as_ref().map(|id| id.as_str()))
+        .execute(&mut *transaction)
+        .await;
+    if let Err(e) = remembered {
+        let error = map_error(e);
+        // An explicit rollback; should it fail, dropping the transaction
+        // queues one that the pool sends before reusing the connection.
+        if let Err(rollback) = transaction.rollback().await {
+            tracing::debug!(error = %rollback, "rolling back a failed completion failed");
+        }
+        return Err(error);
+    }
+    transaction.commit().await.map_err(map_commit_error)
+}
+
+/// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced):
+/// the check that the transaction is intact and still holds the record at
+/// its token (it cannot have lost it while holding the row `FOR SHARE`,
+/// unless the handler ended the transaction), then `COMMIT`.
+pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
+    if !tx.inner.fenced {
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a claim's transaction commits with Store::complete",
+        ));
+    }
+    let Some(mut transaction) = tx.take().await else {
+        return Err(finished());
+    };
+    let shared = &tx.inner;
+    let checked = ::sqlx::query(crate::postgres::finish::FENCED_CHECK)
+        .bind(shared.scope.tenant().as_str())
+        .bind(shared.scope.endpoint())
+        .bind(shared.key.as_str())
+        .bind(shared.token)
+        .bind(shared.xid.as_str())
+        .execute(&mut *transaction)
+        .await;
+    if let Err(e) = checked {
+        let error = map_error(e);
+        if let Err(rollback) = transaction.rollback().await {
+            tracing::debug!(error = %rollback, "rolling back a failed fenced commit failed");
+        }
+        return Err(error);
+    }
+    transaction.commit().await.map_err(map_commit_error)
+}
+
+/// How long a `ROLLBACK` may queue behind a statement still running on the
+/// connection (a handler cut off at its deadline) before that statement is
+/// cancelled, and how long the cancelled statement then has to end.
+const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
+const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+/// [`Store::abort`](crate::store::Store::abort): rolls back; a no-op once
+/// the transaction ended.
+///
+/// A statement the handler started may still run on the connection (its
+/// future was dropped at the layer's deadline, which released the handle):
+/// the `ROLLBACK` then waits behind it, and the key stays held. If it does
+/// not end soon, it is cancelled (`pg_cancel_backend` from another pooled
+/// connection: this session's transaction is ours until the rollback, so
+/// nothing else runs on it).
+pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
+    let Some(mut transaction) = tx.take().await else {
+        return Ok(());
+    };
+    let drained = {
+        let mut drain = std::pin::pin!(drain(&mut transaction));
+        match tokio::time::timeout(ROLLBACK_PATIENCE, &mut drain).await {
+            Ok(drained) => drained,
+            Err(_) => {
+                let cancelled = ::sqlx::query("SELECT pg_cancel_backend($1)")
+                    .bind(tx.inner.pid)
+                    .execute(&tx.inner.pool)
+                    .await;
+                if let Err(e) = cancelled {
+                    tracing::debug!(error = %e, "cancelling a statement left running failed");
+                }
+                match tokio::time::timeout(CANCEL_GRACE, drain).await {
+                    Ok(drained) => drained,
+                    // Dropped, the transaction is rolled back by sqlx before
+                    // the connection is lent again (once the statement ends).
+                    Err(_) => {
+                        return Err(StoreError::new(
+                            StoreErrorKind::Unavailable,
+                            "a statement left running on the connection did not end",
+                        ))
+                    }
+                }
+            }
+        }
+    };
+    // The connection itself failed: dropped, the transaction ends with it.
+    drained.map_err(map_error)?;
+    transaction.rollback().await.map_err(map_error)
+}
+
+/// Waits until nothing runs on the connection any more. The answer of a
+/// statement whose future was dropped may still be on its way: an error in
+/// it (a cancelled statement) comes back once, then the connection is idle.
+async fn drain(conn: &mut PgConnection) -> Result<(), ::sqlx::Error> {
+    match conn.ping().await {
+        Err(::sqlx::Error::Database(_)) => conn.ping().await,
+        other => other,
+    }
+}
