@@ -559,3 +559,243 @@ proptest! {
         any_request_gets_a_contract_answer(cases)?;
     }
 }
+
+// ---- the example order server, over TCP ----
+
+#[path = "common/example_binary.rs"]
+mod example_binary;
+
+/// The example order server on a fresh database, and its address.
+struct OrderServer {
+    _child: tokio::process::Child,
+    addr: String,
+    db: tower_idempotency::testing::TestDatabase,
+}
+
+impl OrderServer {
+    async fn start() -> OrderServer {
+        use tokio::io::AsyncBufReadExt;
+        let db = tower_idempotency::testing::TestDatabase::create().await;
+        let mut child = tokio::process::Command::new(example_binary::example_binary())
+            .env("DATABASE_URL", db.connection_string())
+            .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+            .env("RUST_LOG", "error")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the example server starts");
+        let mut line = String::new();
+        tokio::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .await
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+            .to_owned();
+        OrderServer {
+            _child: child,
+            addr,
+            db,
+        }
+    }
+
+    /// Sends `head` (request line and headers, without the blank line) and
+    /// `body` on a connection of its own; the status and body of the answer.
+    async fn raw(&self, head: &str, body: &[u8]) -> (u16, Bytes) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(&self.addr).await.unwrap();
+        let head = format!(
+            "{head}\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let mut request = head.into_bytes();
+        request.extend_from_slice(body);
+        // The server may answer (and close) before it has read everything.
+        let _ = stream.write_all(&request).await;
+        let mut response = Vec::new();
+        let _ = stream.read_to_end(&mut response).await;
+        let text = String::from_utf8_lossy(&response);
+        let status = text
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no HTTP answer: {text:?}"));
+        let body = response
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or_else(Bytes::new, |at| Bytes::copy_from_slice(&response[at + 4..]));
+        (status, body)
+    }
+
+    async fn post_order(&self, key: &str, extra_headers: &str, body: &[u8]) -> (u16, Bytes) {
+        let head = format!(
+            "POST /orders HTTP/1.1\r\nAuthorization: Bearer demo-token-a\r\n\
+             Content-Type: application/json\r\nIdempotency-Key: {key}{extra_headers}"
+        );
+        self.raw(&head, body).await
+    }
+
+    async fn written(&self) -> (i64, i64) {
+        let sql = self.db.client().await;
+        let count = |table: &'static str| {
+            let sql = &sql;
+            async move {
+                sql.query_one(&format!("SELECT count(*) FROM {table}"), &[])
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0)
+            }
+        };
+        (count("idempotency_requests").await, count("orders").await)
+    }
+}
+
+fn order_body(items: &str) -> Vec<u8> {
+    format!(
+        r#"{{"checkout_id":"chk_1","currency":"JPY","items":{items},"shipping_address_id":"addr_1"}}"#
+    )
+    .into_bytes()
+}
+
+#[tokio::test]
+async fn the_order_server_answers_hostile_requests_by_its_contract() {
+    let server = OrderServer::start().await;
+    let item = r#"[{"sku":"SKU-1","quantity":2,"unit_price":1200}]"#;
+    let cases: Vec<(&str, String, Vec<u8>, u16, &str)> = vec![
+        (
+            "a duplicate member",
+            String::new(),
+            br#"{"checkout_id":"chk_1","checkout_id":"chk_2","currency":"JPY","items":[{"sku":"SKU-1","unit_price":1}],"shipping_address_id":"addr_1"}"#.to_vec(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a duplicate member in an ignored field",
+            String::new(),
+            [&order_body(item)[..order_body(item).len() - 1], br#","trace_id":"a","trace_id":"b"}"#].concat(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a duplicate member inside an item",
+            String::new(),
+            order_body(r#"[{"sku":"SKU-1","unit_price":1200,"unit_price":0}]"#),
+            422,
+            "validation_failed",
+        ),
+        (
+            "10,000 nested arrays",
+            String::new(),
+            ("[".repeat(10_000) + &"]".repeat(10_000)).into_bytes(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "10,000 nested objects in an ignored field",
+            String::new(),
+            [
+                &order_body(item)[..order_body(item).len() - 1],
+                (r#","trace_id":"#.to_owned() + &r#"{"a":"#.repeat(10_000) + "1" + &"}".repeat(10_001)).as_bytes(),
+            ]
+            .concat(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "not UTF-8",
+            String::new(),
+            order_body("[{\"sku\":\"SKU-\u{1}\",\"unit_price\":1}]")
+                .into_iter()
+                .map(|b| if b == 1 { 0xff } else { b })
+                .collect(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a quantity past i64",
+            String::new(),
+            order_body(r#"[{"sku":"SKU-1","quantity":9223372036854775808,"unit_price":1}]"#),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a price past the double range",
+            String::new(),
+            order_body(r#"[{"sku":"SKU-1","unit_price":1e400}]"#),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a total past i64",
+            String::new(),
+            order_body(r#"[{"sku":"SKU-1","quantity":9223372036854775807,"unit_price":2}]"#),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a body over 1 MiB",
+            String::new(),
+            vec![b' '; 1024 * 1024 + 1],
+            413,
+            "payload_too_large",
+        ),
+        (
+            "the key header twice",
+            "\r\nIdempotency-Key: k2".to_owned(),
+            order_body(item),
+            400,
+            "idempotency_key_invalid",
+        ),
+        (
+            "the key header 90 times",
+            "\r\nIdempotency-Key: k1".repeat(89),
+            order_body(item),
+            400,
+            "idempotency_key_invalid",
+        ),
+    ];
+    for (case, extra, body, status, code) in cases {
+        let (answered, answer) = server.post_order("k1", &extra, &body).await;
+        assert_eq!(answered, status, "{case}: {answer:?}");
+        let answer: Value = serde_json::from_slice(&answer).unwrap_or_default();
+        assert_eq!(answer["code"], code, "{case}");
+    }
+    // A key of bytes outside visible ASCII.
+    let (status, answer) = server.post_order("k\u{e9}1", "", &order_body(item)).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&answer).unwrap()["code"],
+        "idempotency_key_invalid"
+    );
+    // More headers than the HTTP server reads: refused by hyper before any
+    // layer runs (431).
+    let flood: String = (0..200).map(|i| format!("\r\nX-Flood-{i}: v")).collect();
+    let (status, _) = server.post_order("k1", &flood, &order_body(item)).await;
+    assert_eq!(status, 431, "too many headers");
+    assert_eq!(server.written().await, (0, 0), "nothing was written");
+
+    // A client that sends half a body and gives up holds nothing: the same
+    // key then creates its order at once.
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut slow = tokio::net::TcpStream::connect(&server.addr).await.unwrap();
+        let body = order_body(item);
+        let head = format!(
+            "POST /orders HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer demo-token-a\r\n\
+             Content-Type: application/json\r\nIdempotency-Key: k1\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        slow.write_all(head.as_bytes()).await.unwrap();
+        slow.write_all(&body[..body.len() / 2]).await.unwrap();
+        let (status, _) = server.post_order("k1", "", &body).await;
+        assert_eq!(status, 201, "the half-sent request holds no claim");
+        drop(slow);
+    }
+    // The key answers what it created; nothing else was written.
+    let (status, _) = server.post_order("k1", "", &order_body(item)).await;
+    assert_eq!(status, 201);
+    assert_eq!(server.written().await, (1, 1));
+}
