@@ -25,11 +25,7 @@ use super::{json::canonical_number, FieldError};
 /// Parses `body` as one JSON value, refusing duplicate member names anywhere.
 pub(crate) fn parse_value(body: &[u8]) -> Result<Value, FieldError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let field = e.path().to_string();
-        let field = if field == "." { String::new() } else { field };
-        FieldError::new(field, e.inner().to_string())
-    });
+    let value = serde_path_to_error::deserialize(&mut de).map_err(path_error);
     let Strict(value) = value?;
     de.end().map_err(|e| FieldError::new("", e.to_string()))?;
     Ok(value)
@@ -41,11 +37,19 @@ pub(crate) fn refuse_duplicate_members(body: &[u8]) -> Result<(), FieldError> {
     let mut de = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize::<_, Scan>(&mut de)
         .map(drop)
-        .map_err(|e| {
-            let field = e.path().to_string();
-            let field = if field == "." { String::new() } else { field };
-            FieldError::new(field, e.inner().to_string())
-        })
+        .map_err(path_error)
+}
+
+/// The failing field as `items[0].sku`: empty for the whole body, and where
+/// serde_path_to_error lost track (`?`).
+fn path_error(e: serde_path_to_error::Error<serde_json::Error>) -> FieldError {
+    let field = e.path().to_string();
+    let field = if field == "." || field == "?" {
+        String::new()
+    } else {
+        field
+    };
+    FieldError::new(field, e.inner().to_string())
 }
 
 fn duplicate<E: serde::de::Error>(name: &str) -> E {
