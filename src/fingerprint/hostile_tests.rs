@@ -51,6 +51,23 @@ fn duplicate_member_names_are_refused_at_any_depth() {
     }
     // The same name in two objects is no duplicate.
     assert!(json_fp(br#"{"a": {"x": 1}, "b": {"x": 1}, "c": [{"x": 1}, {"x": 1}]}"#).is_ok());
+    // The answer says which object holds it, for both fingerprinters.
+    let nested = json_fp(br#"{"a": [{"x": 1, "y": 2, "x": 1}]}"#).unwrap_err();
+    assert_eq!(nested.to_json()["errors"][0]["field"], "a[0]");
+    let nested =
+        typed_fp(br#"{"checkout_id": "a", "amount": 1, "extra": {"k": [{"x": 1, "x": 1}]}}"#);
+    assert_eq!(
+        nested.unwrap_err().to_json()["errors"][0]["field"],
+        "extra.k[0]"
+    );
+    // Many members cost linear time, and a duplicate among them is found.
+    let many: Vec<String> = (0..20_000).map(|i| format!(r#""m{i}":{i}"#)).collect();
+    assert!(json_fp(format!("{{{}}}", many.join(",")).as_bytes()).is_ok());
+    let late = format!(
+        r#"{{"checkout_id":"a","amount":1,{},"m7":0}}"#,
+        many.join(",")
+    );
+    assert_refused(typed_fp(late.as_bytes()), "duplicate member name `m7`");
 }
 
 #[test]

@@ -15,7 +15,7 @@
 //!
 //! [`JsonFingerprinter`]: super::JsonFingerprinter
 
-use std::{collections::HashSet, fmt};
+use std::{borrow::Cow, collections::HashSet, fmt};
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
@@ -25,19 +25,33 @@ use super::{json::canonical_number, FieldError};
 /// Parses `body` as one JSON value, refusing duplicate member names anywhere.
 pub(crate) fn parse_value(body: &[u8]) -> Result<Value, FieldError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(path_error);
-    let Strict(value) = value?;
-    de.end().map_err(|e| FieldError::new("", e.to_string()))?;
-    Ok(value)
+    match serde::Deserialize::deserialize(&mut de)
+        .and_then(|Strict(value)| de.end().map(|()| value))
+    {
+        Ok(value) => Ok(value),
+        Err(e) => Err(locate::<Strict>(body, e)),
+    }
 }
 
 /// Refuses a body with a duplicate member name anywhere, building nothing.
 /// `body` is already known to be one valid JSON value.
 pub(crate) fn refuse_duplicate_members(body: &[u8]) -> Result<(), FieldError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize::<_, Scan>(&mut de)
+    <Scan as serde::Deserialize>::deserialize(&mut de)
         .map(drop)
-        .map_err(path_error)
+        .map_err(|e| locate::<Scan>(body, e))
+}
+
+/// Where reading `body` as `T` failed with `error`. Paths cost an
+/// allocation per member, so they are tracked only on this second reading,
+/// for a body already refused.
+fn locate<T: serde::de::DeserializeOwned>(body: &[u8], error: serde_json::Error) -> FieldError {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    match serde_path_to_error::deserialize::<_, T>(&mut de) {
+        Err(e) => path_error(e),
+        // Trailing characters: the value itself was read.
+        Ok(_) => FieldError::new("", error.to_string()),
+    }
 }
 
 /// The failing field as `items[0].sku`: empty for the whole body, and where
@@ -182,17 +196,60 @@ impl<'de> Visitor<'de> for ScanVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        // A hash set: an object with many members costs linear time, not
-        // quadratic.
-        let mut seen = HashSet::new();
-        while let Some(name) = map.next_key::<String>()? {
-            if seen.contains(&name) {
+        // Names borrowed from the body where they have no escapes; a short
+        // list for small objects, a hash set past it, so an object with many
+        // members costs linear time, not quadratic.
+        let mut few: Vec<Cow<'de, str>> = Vec::new();
+        let mut many: Option<HashSet<Cow<'de, str>>> = None;
+        while let Some(Name(name)) = map.next_key()? {
+            let repeated = match &many {
+                Some(set) => set.contains(&name),
+                None => few.contains(&name),
+            };
+            if repeated {
                 return Err(duplicate(&name));
             }
-            seen.insert(name);
+            match &mut many {
+                Some(set) => {
+                    set.insert(name);
+                }
+                None if few.len() < 16 => few.push(name),
+                None => {
+                    let mut set: HashSet<_> = few.drain(..).collect();
+                    set.insert(name);
+                    many = Some(set);
+                }
+            }
             map.next_value_seed(IgnoreScan)?;
         }
         Ok(())
+    }
+}
+
+/// A member name, borrowed from the body unless it has escapes.
+struct Name<'de>(Cow<'de, str>);
+
+impl<'de> serde::Deserialize<'de> for Name<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_str(NameVisitor)
+    }
+}
+
+struct NameVisitor;
+
+impl<'de> Visitor<'de> for NameVisitor {
+    type Value = Name<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Name<'de>, E> {
+        Ok(Name(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Name<'de>, E> {
+        Ok(Name(Cow::Owned(v.to_owned())))
     }
 }
 
@@ -275,6 +332,11 @@ fn number_tokens(body: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// Whether the value `token` spells is the value its fingerprint encodes.
 fn is_exact(token: &str) -> bool {
+    // Most numbers are short integers: exact without another reading.
+    let digits = token.strip_prefix('-').unwrap_or(token);
+    if digits.len() <= 18 && digits.bytes().all(|b| b.is_ascii_digit()) {
+        return true;
+    }
     let Ok(number) = serde_json::from_str::<Number>(token) else {
         return false;
     };
