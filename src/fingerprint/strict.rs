@@ -18,7 +18,7 @@
 use std::{borrow::Cow, collections::HashSet, fmt};
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
-use serde_json::{Map, Number, Value};
+use serde_json::{map::Entry, Map, Number, Value};
 
 use super::{json::canonical_number, FieldError};
 
@@ -138,11 +138,13 @@ impl<'de> Visitor<'de> for StrictVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut members = Map::new();
         while let Some(name) = map.next_key::<String>()? {
-            if members.contains_key(&name) {
-                return Err(duplicate(&name));
-            }
             let Strict(value) = map.next_value()?;
-            members.insert(name, value);
+            match members.entry(name) {
+                Entry::Vacant(vacant) => {
+                    vacant.insert(value);
+                }
+                Entry::Occupied(occupied) => return Err(duplicate(occupied.key())),
+            }
         }
         Ok(Value::Object(members))
     }
