@@ -641,6 +641,28 @@ impl OrderServer {
         self.raw(&head, body).await
     }
 
+    /// Every remembered key, to say what was written when a count is off.
+    async fn records(&self) -> Vec<String> {
+        let sql = self.db.client().await;
+        let rows = sql
+            .query(
+                "SELECT tenant_id, endpoint, idempotency_key, state, response_status \
+                 FROM idempotency_requests ORDER BY created_at",
+                &[],
+            )
+            .await
+            .unwrap();
+        rows.iter()
+            .map(|r| {
+                let (tenant, endpoint, key, state): (String, String, String, String) =
+                    (r.get(0), r.get(1), r.get(2), r.get(3));
+                let status: Option<i16> = r.get(4);
+                format!("{tenant} {endpoint} {key} {state} {status:?}")
+            })
+            .collect()
+    }
+
+    /// Rows written for `POST /orders`: (idempotency_requests, orders).
     async fn written(&self) -> (i64, i64) {
         let sql = self.db.client().await;
         let count = |table: &'static str| {
@@ -652,7 +674,12 @@ impl OrderServer {
                     .get::<_, i64>(0)
             }
         };
-        (count("idempotency_requests").await, count("orders").await)
+        // The outbox relay's downstream calls remember their own keys (under
+        // `order-service`) once an order exists: count the endpoint's.
+        (
+            count("idempotency_requests WHERE endpoint = 'POST /orders v1'").await,
+            count("orders").await,
+        )
     }
 }
 
@@ -779,6 +806,11 @@ async fn the_order_server_answers_hostile_requests_by_its_contract() {
     let (status, _) = server.post_order("k1", &flood, &order_body(item)).await;
     assert_eq!(status, 431, "too many headers");
     assert_eq!(server.written().await, (0, 0), "nothing was written");
+    assert_eq!(
+        server.records().await,
+        Vec::<String>::new(),
+        "no key of any endpoint"
+    );
 
     // A client that sends half a body and gives up holds nothing: the same
     // key then creates its order at once.
@@ -800,5 +832,10 @@ async fn the_order_server_answers_hostile_requests_by_its_contract() {
     // The key answers what it created; nothing else was written.
     let (status, _) = server.post_order("k1", "", &order_body(item)).await;
     assert_eq!(status, 201);
-    assert_eq!(server.written().await, (1, 1));
+    assert_eq!(
+        server.written().await,
+        (1, 1),
+        "{:?}",
+        server.records().await
+    );
 }
