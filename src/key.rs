@@ -202,5 +202,39 @@ mod tests {
             let parsed = IdempotencyKey::parse(key.as_bytes()).unwrap();
             prop_assert_eq!(parsed.as_str(), key.as_str());
         }
+
+        #[test]
+        fn quoted_keys_round_trip(key in "[!-~]{1,255}") {
+            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+            let parsed = IdempotencyKey::parse(quoted.as_bytes()).unwrap();
+            prop_assert_eq!(parsed.as_str(), key.as_str());
+        }
+
+        /// Whatever the bytes, an accepted key is 1-255 visible ASCII
+        /// characters, and a refused one says why.
+        #[test]
+        fn any_header_bytes_give_a_valid_key_or_a_reason(
+            raw in prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..300),
+                proptest::collection::vec(prop_oneof![Just(b'"'), Just(b'\\'), Just(b' '), 0x21..0x7f_u8], 0..300),
+            ],
+        ) {
+            match IdempotencyKey::parse(&raw) {
+                Ok(key) => {
+                    prop_assert!((1..=MAX_KEY_LEN).contains(&key.as_str().len()));
+                    prop_assert!(key.as_str().bytes().all(|b| (0x21..=0x7e).contains(&b)));
+                }
+                Err(KeyError::Empty) => prop_assert!(raw.is_empty() || raw == b"\"\""),
+                Err(KeyError::TooLong) => prop_assert!(raw.len() > MAX_KEY_LEN),
+                Err(KeyError::InvalidCharacter) => {
+                    prop_assert!(raw.iter().any(|b| !(0x21..=0x7e).contains(b)));
+                }
+                Err(e) => prop_assert!(false, "parse never says {:?}", e),
+            }
+            // A byte no form allows is always refused.
+            if raw.iter().any(|b| !(0x20..=0x7e).contains(b)) {
+                prop_assert!(IdempotencyKey::parse(&raw).is_err());
+            }
+        }
     }
 }

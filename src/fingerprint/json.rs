@@ -6,7 +6,10 @@ use bytes::Bytes;
 use http::request::Parts;
 use serde_json::Value;
 
-use super::{validation_problem, FieldError, Fingerprint, Fingerprinter};
+use super::{
+    strict::{parse_value, refuse_inexact_numbers},
+    validation_problem, Fingerprint, Fingerprinter,
+};
 use crate::problem::Problem;
 
 /// Fingerprints any JSON body by its canonical form.
@@ -14,8 +17,26 @@ use crate::problem::Problem;
 /// Object key order, white space and number spelling (`1`, `1.0`, `1e0`) make
 /// no difference; array order does. Top-level fields named with
 /// [`ignore_field`](Self::ignore_field) (tracing ids, client timestamps) are
-/// dropped before hashing. A body that is not JSON is answered with
-/// `422 validation_failed`.
+/// dropped before hashing.
+///
+/// Answered with `422 validation_failed`, never claiming the key:
+///
+/// - a body that is not one JSON value (including bytes that are not UTF-8,
+///   and nesting deeper than 128 arrays or objects);
+/// - a **duplicate member name** in any object (`{"a": 1, "a": 2}`): parsers
+///   disagree on which one counts, so the fingerprint and a handler could
+///   read two requests into one;
+/// - a **number the fingerprint cannot compare exactly**. Numbers are
+///   compared by value: integers of the 64-bit range exactly; any other
+///   number as an IEEE-754 double, which is compared as the exact integer
+///   when it is integral and as its shortest decimal otherwise. A number
+///   written with another value than the one so compared
+///   (`18446744073709551617`, `1e23`, `0.10000000000000001`, `1e-400`) would
+///   share a fingerprint with a different number, so it is refused; send
+///   such values as strings.
+///
+/// So two accepted bodies share a fingerprint exactly when they hold the same
+/// members with the same values (`-0` and `0` being the same value).
 ///
 /// ```
 /// use tower_idempotency::{fingerprint::{Fingerprinter, JsonFingerprinter}};
@@ -25,6 +46,8 @@ use crate::problem::Problem;
 /// let a = fp.fingerprint(&mut parts, &r#"{"a": 1, "b": [1, 2], "trace_id": "x"}"#.into()).unwrap();
 /// let b = fp.fingerprint(&mut parts, &r#"{"b":[1,2.0],"a":1}"#.into()).unwrap();
 /// assert_eq!(a, b);
+/// let twice = fp.fingerprint(&mut parts, &r#"{"a": 1, "a": 2}"#.into()).unwrap_err();
+/// assert_eq!(twice.code(), "validation_failed");
 /// ```
 #[derive(Debug, Clone)]
 pub struct JsonFingerprinter {
@@ -52,8 +75,8 @@ impl JsonFingerprinter {
 
 impl Fingerprinter for JsonFingerprinter {
     fn fingerprint(&self, _parts: &mut Parts, body: &Bytes) -> Result<Fingerprint, Problem> {
-        let mut value: Value = serde_json::from_slice(body)
-            .map_err(|e| validation_problem(&[FieldError::new("", e.to_string())]))?;
+        let mut value = parse_value(body).map_err(|e| validation_problem(&[e]))?;
+        refuse_inexact_numbers(body).map_err(|e| validation_problem(&[e]))?;
         if let Value::Object(map) = &mut value {
             for name in self.ignored.iter() {
                 map.remove(name);
@@ -108,10 +131,11 @@ fn encode_str(s: &str, out: &mut Vec<u8>) {
 
 /// Numbers compare by value: integers print as integers, and a float with
 /// no fractional part prints as the integer it exactly is, so `2`, `2.0` and
-/// `2e0` (or `100000000000000000` and `1e17`) agree. Other floats compare as
-/// IEEE-754 doubles: values that differ only beyond double precision collide,
-/// so send amounts in integer minor units or as strings.
-fn canonical_number(n: &serde_json::Number) -> String {
+/// `2e0` (or `100000000000000000` and `1e17`) agree. Other floats print as
+/// the shortest decimal of their double. A written number whose value is not
+/// the one printed here is refused before hashing
+/// ([`refuse_inexact_numbers`]), so no two different values collide.
+pub(super) fn canonical_number(n: &serde_json::Number) -> String {
     if let Some(i) = n.as_i64() {
         return i.to_string();
     }

@@ -69,7 +69,11 @@ use sha2::{Digest, Sha256};
 use crate::problem::Problem;
 
 mod json;
+mod strict;
 mod typed;
+
+#[cfg(test)]
+mod hostile_tests;
 
 pub(crate) use json::canonical_json;
 pub use json::JsonFingerprinter;

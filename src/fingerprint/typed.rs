@@ -8,7 +8,7 @@ use http::{request::Parts, StatusCode};
 use serde::{de::DeserializeOwned, Serialize};
 use serde_json::Value;
 
-use super::{canonical_json, Fingerprint, Fingerprinter};
+use super::{canonical_json, strict::refuse_duplicate_members, Fingerprint, Fingerprinter};
 use crate::problem::{codes, Problem};
 
 /// One failing field of a rejected body.
@@ -83,7 +83,15 @@ type Validator<T> = Arc<dyn Fn(&T) -> Result<(), Vec<FieldError>> + Send + Sync>
 /// Serde decides what is a business field: unknown fields are ignored (unless
 /// the type denies them), `#[serde(default)]` fills defaults, so `quantity`
 /// absent and `quantity: 1` are the same request. The DTO is left in the
-/// request extensions as [`Validated<T>`].
+/// request extensions as [`Validated<T>`]. The fingerprint hashes the values
+/// the DTO holds, so numbers compare as the DTO's types read them.
+///
+/// A body with a duplicate member name anywhere (`{"to": "bob", "to":
+/// "eve"}`, also in fields the DTO ignores) is refused with
+/// `422 validation_failed`: parsers disagree on which one counts, so a
+/// handler reading the body itself could see another request than the one
+/// fingerprinted. Nesting deeper than 128 arrays or objects is refused the
+/// same way.
 ///
 /// ```
 /// use serde::{Deserialize, Serialize};
@@ -165,6 +173,10 @@ where
         })?;
         de.end()
             .map_err(|e| validation_problem(&[FieldError::new("", e.to_string())]))?;
+        // Serde's derive refuses a repeated field of `T`, but not one it
+        // ignores or one inside a map or `Value`: refuse them all, so a
+        // handler reading the body itself cannot see another request.
+        refuse_duplicate_members(body).map_err(|e| validation_problem(&[e]))?;
         if let Some(validator) = &self.validator {
             validator(&dto).map_err(|errors| validation_problem(&errors))?;
         }
