@@ -215,8 +215,12 @@ struct Counters {
 /// A client's final answer to one logical operation.
 #[derive(Debug, Clone)]
 enum Final {
-    /// `201`, with the order id its body names.
-    Created { order_id: Option<String> },
+    /// `201`, with the order id its body names; `replayed` when it was the
+    /// remembered answer (`Idempotent-Replayed: true`).
+    Created {
+        order_id: Option<String>,
+        replayed: bool,
+    },
     /// Anything else final (a bug for this workload), or no answer in time.
     Other(String),
 }
@@ -272,9 +276,13 @@ async fn operation(
             let response = http.request(request).await.map_err(|e| e.to_string())?;
             let (parts, body) = response.into_parts();
             let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-            Ok::<_, String>((parts.status, body))
+            let replayed = parts
+                .headers
+                .get("idempotent-replayed")
+                .is_some_and(|v| v == "true");
+            Ok::<_, String>((parts.status, replayed, body))
         };
-        let (status, body) = match tokio::time::timeout(REQUEST_TIMEOUT, exchange).await {
+        let (status, replayed, body) = match tokio::time::timeout(REQUEST_TIMEOUT, exchange).await {
             Err(_) => {
                 counters.timeouts.fetch_add(1, SeqCst);
                 continue;
@@ -297,6 +305,7 @@ async fn operation(
         return if status == StatusCode::CREATED {
             Final::Created {
                 order_id: json["id"].as_str().map(str::to_owned),
+                replayed,
             }
         } else {
             Final::Other(format!("{} {}", status.as_u16(), json["code"]))
@@ -541,14 +550,16 @@ async fn run() -> Result<bool, String> {
             lost += 1;
         }
         let matches = match answer {
-            Some(Final::Created { order_id: Some(id) }) => held.orders.contains(id),
+            Some(Final::Created {
+                order_id: Some(id), ..
+            }) => held.orders.contains(id),
             _ => false,
         };
         if !matches || held.orders.len() != 1 {
             mismatched += usize::from(!matches);
             if examples.len() < 5 {
                 let answer = match answer {
-                    Some(Final::Created { order_id }) => format!("201 naming {order_id:?}"),
+                    Some(Final::Created { order_id, .. }) => format!("201 naming {order_id:?}"),
                     Some(Final::Other(what)) => what.clone(),
                     None => "none".to_owned(),
                 };
@@ -559,6 +570,12 @@ async fn run() -> Result<bool, String> {
             }
         }
     }
+    // Operations whose first answer was lost with a crashed server after
+    // the order committed: the retry was answered from the memory.
+    let replayed = finals
+        .iter()
+        .filter(|f| matches!(f, Some(Final::Created { replayed: true, .. })))
+        .count();
     let orders: usize = stored.values().map(|s| s.orders.len()).sum();
     let ops_held = || (0..args.ops).map(|op| &stored[&checkout_of(args.seed, op)]);
     let (events, events_off) = per_operation(ops_held().map(|s| s.events));
@@ -579,6 +596,7 @@ async fn run() -> Result<bool, String> {
     println!("| retries after a 5xx | {} |", c(&counters.server_errors));
     println!("| retries after 409 in progress | {} |", c(&counters.in_progress));
     println!("| crashes | {crashes} |");
+    println!("| final answers that were replays | {replayed} |");
     println!("| orders | {orders} |");
     println!("| duplicates | {duplicates} |");
     println!("| lost | {lost} |");
