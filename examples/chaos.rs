@@ -181,7 +181,10 @@ impl Server {
     /// SIGKILL: no graceful shutdown, no chance to finish anything.
     async fn crash(&mut self) -> Result<(), String> {
         let (mut child, _stdout) = self.child.take().ok_or("the server is not running")?;
-        child.kill().await.map_err(|e| format!("SIGKILL failed: {e}"))
+        child
+            .kill()
+            .await
+            .map_err(|e| format!("SIGKILL failed: {e}"))
     }
 
     /// SIGTERM, and wait for a graceful exit.
@@ -452,7 +455,10 @@ async fn run() -> Result<bool, String> {
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| format!("cannot start a temporary PostgreSQL: {e}"))?;
-    let database_url = format!("{} application_name=order_server", cluster.connection_string());
+    let database_url = format!(
+        "{} application_name=order_server",
+        cluster.connection_string()
+    );
     // A fixed address for the whole run: a free port now, reused by every restart.
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -591,10 +597,16 @@ async fn run() -> Result<bool, String> {
     println!("| clients | {} |", args.clients);
     println!("| requests | {requests} |");
     println!("| retries | {retries} |");
-    println!("| retries after a connection error | {} |", c(&counters.connection_errors));
+    println!(
+        "| retries after a connection error | {} |",
+        c(&counters.connection_errors)
+    );
     println!("| retries after a timeout | {} |", c(&counters.timeouts));
     println!("| retries after a 5xx | {} |", c(&counters.server_errors));
-    println!("| retries after 409 in progress | {} |", c(&counters.in_progress));
+    println!(
+        "| retries after 409 in progress | {} |",
+        c(&counters.in_progress)
+    );
     println!("| crashes | {crashes} |");
     println!("| final answers that were replays | {replayed} |");
     println!("| orders | {orders} |");
@@ -605,9 +617,15 @@ async fn run() -> Result<bool, String> {
     println!("| remembered results per operation | {remembered} |");
     println!("| charges per order | {charges} |");
     println!("| load time | {:.1} s |", load_time.as_secs_f64());
-    println!("| server down (restarts) | {:.1} s |", downtime.as_secs_f64());
+    println!(
+        "| server down (restarts) | {:.1} s |",
+        downtime.as_secs_f64()
+    );
     match &drained {
-        Ok(took) => println!("| relay drain after the load | {:.1} s |", took.as_secs_f64()),
+        Ok(took) => println!(
+            "| relay drain after the load | {:.1} s |",
+            took.as_secs_f64()
+        ),
         Err(_) => println!("| relay drain after the load | not drained |"),
     }
 

@@ -39,7 +39,16 @@ fn sigkilled_server_leaves_one_order_event_result_and_charge_per_operation() {
         &["examples/chaos.rs", "examples/order_server", "Cargo.toml"],
     );
     let output = std::process::Command::new(chaos)
-        .args(["--ops", "120", "--crashes", "2", "--clients", "8", "--seed", "13"])
+        .args([
+            "--ops",
+            "120",
+            "--crashes",
+            "2",
+            "--clients",
+            "8",
+            "--seed",
+            "13",
+        ])
         .arg("--server")
         .arg(server)
         .output()
