@@ -10,7 +10,8 @@
 //! Flags: `--ops N` logical operations (default 500), `--crashes N` SIGKILLs
 //! spread over the run (default 4), `--clients N` concurrent clients
 //! (default 8), `--seed N` (default 1; the same seed gives the same keys,
-//! order bodies and crash points). `--server PATH` runs another
+//! order bodies and crash points), `--deadline SECONDS` (default 1800: operations
+//! still without a final answer then count as mismatched). `--server PATH` runs another
 //! `order_server` binary than the one next to this one.
 //!
 //! It starts its own temporary PostgreSQL (as the order server does when
@@ -55,17 +56,17 @@ const TENANT: &str = "tenant-a";
 const ENDPOINT: &str = "POST /orders v1";
 /// One attempt longer than this counts as a timeout and is retried.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// An operation without a final answer after this long is given up (and
-/// reported as a mismatched answer).
-const OPERATION_DEADLINE: Duration = Duration::from_secs(120);
 /// How long the outbox relay gets to deliver everything at the end.
-const DRAIN_DEADLINE: Duration = Duration::from_secs(120);
+const DRAIN_DEADLINE: Duration = Duration::from_secs(60);
 
 struct Args {
     ops: usize,
     crashes: usize,
     clients: usize,
     seed: u64,
+    /// Operations without a final answer by then are given up (and
+    /// reported as mismatched answers).
+    deadline: Duration,
     server: Option<PathBuf>,
 }
 
@@ -75,6 +76,7 @@ fn parse_args() -> Result<Args, String> {
         crashes: 4,
         clients: 8,
         seed: 1,
+        deadline: Duration::from_secs(1800),
         server: None,
     };
     let mut it = std::env::args().skip(1);
@@ -89,10 +91,11 @@ fn parse_args() -> Result<Args, String> {
             "--crashes" => args.crashes = number(value()?)? as usize,
             "--clients" => args.clients = number(value()?)?.max(1) as usize,
             "--seed" => args.seed = number(value()?)?,
+            "--deadline" => args.deadline = Duration::from_secs(number(value()?)?),
             "--server" => args.server = Some(PathBuf::from(value()?)),
             "--help" | "-h" => {
                 return Err(
-                    "usage: chaos [--ops N] [--crashes N] [--clients N] [--seed N] [--server PATH]"
+                    "usage: chaos [--ops N] [--crashes N] [--clients N] [--seed N] [--deadline SECONDS] [--server PATH]"
                         .into(),
                 )
             }
@@ -254,12 +257,12 @@ async fn operation(
     op: usize,
     rng: &mut Rng,
     counters: &Counters,
+    deadline: Instant,
 ) -> Final {
     let (key, body) = (key_of(seed, op), Bytes::from(order_body(seed, op)));
-    let started = Instant::now();
     let mut attempt: u32 = 0;
     loop {
-        if started.elapsed() > OPERATION_DEADLINE {
+        if Instant::now() > deadline {
             return Final::Other(format!("no final answer after {attempt} attempts"));
         }
         if attempt > 0 {
@@ -285,7 +288,8 @@ async fn operation(
                 .is_some_and(|v| v == "true");
             Ok::<_, String>((parts.status, replayed, body))
         };
-        let (status, replayed, body) = match tokio::time::timeout(REQUEST_TIMEOUT, exchange).await {
+        let timeout = REQUEST_TIMEOUT.min(deadline.saturating_duration_since(Instant::now()));
+        let (status, replayed, body) = match tokio::time::timeout(timeout, exchange).await {
             Err(_) => {
                 counters.timeouts.fetch_add(1, SeqCst);
                 continue;
@@ -485,6 +489,7 @@ async fn run() -> Result<bool, String> {
     );
 
     let started = Instant::now();
+    let deadline = started + args.deadline;
     let counters = Arc::new(Counters::default());
     let next = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicUsize::new(0));
@@ -502,7 +507,8 @@ async fn run() -> Result<bool, String> {
                     if op >= ops {
                         return;
                     }
-                    let answer = operation(&http, &base, seed, op, &mut rng, &counters).await;
+                    let answer =
+                        operation(&http, &base, seed, op, &mut rng, &counters, deadline).await;
                     finals.lock().unwrap_or_else(|p| p.into_inner())[op] = Some(answer);
                     done.fetch_add(1, SeqCst);
                 }
