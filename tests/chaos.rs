@@ -34,10 +34,7 @@ fn summary(stdout: &str) -> HashMap<String, String> {
 fn sigkilled_server_leaves_one_order_event_result_and_charge_per_operation() {
     // The soak runs this server binary; both must be as new as their sources.
     let server = example_binary();
-    let chaos = example(
-        "chaos",
-        &["examples/chaos.rs", "examples/order_server", "Cargo.toml"],
-    );
+    let chaos = example("chaos", &["examples/chaos.rs", "Cargo.toml"]);
     let output = std::process::Command::new(chaos)
         .args([
             "--ops",
