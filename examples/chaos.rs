@@ -56,8 +56,10 @@ const TENANT: &str = "tenant-a";
 const ENDPOINT: &str = "POST /orders v1";
 /// One attempt longer than this counts as a timeout and is retried.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the outbox relay gets to deliver everything at the end.
+/// How long the outbox relay gets to deliver everything at the end: this,
+/// plus [`DRAIN_PER_OPERATION`] per operation.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(60);
+const DRAIN_PER_OPERATION: Duration = Duration::from_millis(20);
 
 struct Args {
     ops: usize,
@@ -338,7 +340,8 @@ async fn connect(url: &str) -> Result<tokio_postgres::Client, String> {
 }
 
 /// Waits (bounded) until the relay has delivered every event.
-async fn drain(sql: &tokio_postgres::Client) -> Result<Duration, String> {
+async fn drain(sql: &tokio_postgres::Client, ops: usize) -> Result<Duration, String> {
+    let limit = DRAIN_DEADLINE + DRAIN_PER_OPERATION * ops as u32;
     let started = Instant::now();
     loop {
         let pending: i64 = sql
@@ -352,9 +355,9 @@ async fn drain(sql: &tokio_postgres::Client) -> Result<Duration, String> {
         if pending == 0 {
             return Ok(started.elapsed());
         }
-        if started.elapsed() > DRAIN_DEADLINE {
+        if started.elapsed() > limit {
             return Err(format!(
-                "{pending} outbox events still undelivered after {DRAIN_DEADLINE:?}"
+                "{pending} outbox events still undelivered after {limit:?}"
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -546,7 +549,7 @@ async fn run() -> Result<bool, String> {
     let load_time = started.elapsed();
 
     let sql = connect(&cluster.connection_string()).await?;
-    let drained = drain(&sql).await;
+    let drained = drain(&sql, args.ops).await;
     let stored = stored(&sql, args.seed, args.ops).await?;
     let stopped = server.stop().await;
 
