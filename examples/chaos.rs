@@ -374,14 +374,17 @@ async fn stored(
         .collect();
     let prefix = format!("chk-chaos-{seed}-%");
     let err = |e: tokio_postgres::Error| e.to_string();
-    // Per order: its outbox events and the charges the provider made for it.
+    // Per order: its outbox events and the charges the provider made for it
+    // (joined, not correlated: payment_charges has no index on order_id).
     let rows = sql
         .query(
-            "SELECT o.checkout_id, o.id::text, \
-                 (SELECT count(*) FROM outbox_events e WHERE e.tenant_id = o.tenant_id \
-                    AND e.aggregate_id = o.id::text AND e.event_type = 'OrderCreated'), \
-                 (SELECT count(*) FROM payment_charges c WHERE c.order_id = o.id::text) \
-             FROM orders o WHERE o.tenant_id = $1 AND o.checkout_id LIKE $2",
+            "WITH o AS (SELECT checkout_id, id::text AS id FROM orders \
+                        WHERE tenant_id = $1 AND checkout_id LIKE $2), \
+                  e AS (SELECT aggregate_id, count(*) AS n FROM outbox_events \
+                        WHERE tenant_id = $1 AND event_type = 'OrderCreated' GROUP BY 1), \
+                  c AS (SELECT order_id, count(*) AS n FROM payment_charges GROUP BY 1) \
+             SELECT o.checkout_id, o.id, coalesce(e.n, 0), coalesce(c.n, 0) \
+             FROM o LEFT JOIN e ON e.aggregate_id = o.id LEFT JOIN c ON c.order_id = o.id",
             &[&TENANT, &prefix],
         )
         .await
