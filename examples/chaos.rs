@@ -339,25 +339,34 @@ async fn connect(url: &str) -> Result<tokio_postgres::Client, String> {
     Ok(client)
 }
 
-/// Waits (bounded) until the relay has delivered every event.
+/// Waits (bounded) until the relay has delivered every event. An event the
+/// relay parked (a delivery failed for good) will not be delivered without
+/// an operator: reported at once rather than waited for.
 async fn drain(sql: &tokio_postgres::Client, ops: usize) -> Result<Duration, String> {
     let limit = DRAIN_DEADLINE + DRAIN_PER_OPERATION * ops as u32;
     let started = Instant::now();
     loop {
-        let pending: i64 = sql
+        let row = sql
             .query_one(
-                "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
+                "SELECT count(*) FILTER (WHERE parked_at IS NULL), \
+                        count(*) FILTER (WHERE parked_at IS NOT NULL) \
+                 FROM outbox_events WHERE published_at IS NULL",
                 &[],
             )
             .await
-            .map_err(|e| e.to_string())?
-            .get(0);
+            .map_err(|e| e.to_string())?;
+        let (pending, parked): (i64, i64) = (row.get(0), row.get(1));
+        if pending == 0 && parked > 0 {
+            return Err(format!(
+                "{parked} outbox events parked (see the server log)"
+            ));
+        }
         if pending == 0 {
             return Ok(started.elapsed());
         }
         if started.elapsed() > limit {
             return Err(format!(
-                "{pending} outbox events still undelivered after {limit:?}"
+                "{pending} outbox events still undelivered after {limit:?} ({parked} parked)"
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
