@@ -1,18 +1,27 @@
-//! The example order server's binary, for the process-level tests (shared
-//! by `tests/order_server.rs` and `tests/fulfilment.rs`).
+//! The examples' binaries, for the process-level tests (shared by
+//! `tests/order_server.rs`, `tests/fulfilment.rs`, `tests/two_instances.rs`
+//! and `tests/chaos.rs`).
 
+/// The example order server's binary (see [`example`]).
+pub(crate) fn example_binary() -> std::path::PathBuf {
+    example("order_server", &["examples/order_server", "Cargo.toml"])
+}
+
+/// The binary of example `name`, checked to be newer than `sources`
+/// (paths relative to the crate root, files or directories).
+///
 /// `cargo test` builds the examples next to the test binaries; `cargo test
 /// --test NAME` does not, and an edit of the example alone does not even
-/// rebuild the test: refuse to test a server older than its own sources
+/// rebuild the test: refuse to test an example older than its own sources
 /// rather than pass or fail on old code. (Library sources are left out:
 /// others may edit them while a suite runs on what it built.)
-pub(crate) fn example_binary() -> std::path::PathBuf {
+pub(crate) fn example(name: &str, sources: &[&str]) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe
         .parent()
         .and_then(|deps| deps.parent())
         .expect("target dir");
-    let binary = dir.join("examples").join("order_server");
+    let binary = dir.join("examples").join(name);
     let built = std::fs::metadata(&binary)
         .and_then(|m| m.modified())
         .unwrap_or_else(|_| {
@@ -22,7 +31,7 @@ pub(crate) fn example_binary() -> std::path::PathBuf {
             )
         });
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let newest = ["examples/order_server", "Cargo.toml"]
+    let newest = sources
         .iter()
         .filter_map(|p| newest_modification(&root.join(p)))
         .max();
