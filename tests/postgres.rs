@@ -660,16 +660,38 @@ async fn connections_the_server_closed_are_replaced_transparently() {
         StatusCode::CREATED
     );
     for round in 2..5 {
-        let terminated = pg
-            .count(
-                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND pid <> pg_backend_pid()) t",
+        let terminated: Vec<i32> = pg
+            .column(
+                "WITH others AS MATERIALIZED (SELECT pid FROM pg_stat_activity \
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()) \
+                 SELECT pid FROM others WHERE pg_terminate_backend(pid)",
             )
             .await;
         assert_eq!(
-            terminated, 1,
+            terminated.len(),
+            1,
             "the pool's one connection was closed by the server"
         );
+        // Termination is a signal: wait until that backend is gone, so that
+        // the next round counts only the pool's new connection.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while pg
+            .client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                &[&terminated[0]],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            > 0
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the backend never exited"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let answer = send(service.clone(), tenant_a_post(&format!("k{round}"))).await;
         assert_eq!(
             answer.status,
