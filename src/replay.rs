@@ -22,8 +22,8 @@
 //!   the endpoint, the stored [`ResourceId`] and the stored status, never the
 //!   request;
 //! - never runs the original handler again, is still refused with `409
-//!   idempotency_key_reused` when the request differs from the first, and
-//!   stays within the tenant;
+//!   idempotency_key_reused` (or 422, see `key_reuse_status`) when the
+//!   request differs from the first, and stays within the tenant;
 //! - when the resource no longer exists ([`Rebuilt::Gone`]), is `410 Gone`
 //!   with the stable code `resource_gone`: the operation happened, its result
 //!   is gone, and retrying cannot change that;
@@ -31,7 +31,9 @@
 //!   `Retry-After`: nothing changed, and the retry may succeed.
 //!
 //! Records without a resource id (a handler that named none, a record
-//! written before the column existed) replay their stored bytes.
+//! written before the column existed) replay their stored bytes. The
+//! long-running mode's status resource shows the stored answer, not a
+//! rebuilt one.
 //!
 //! [`IdempotencyLayer::rebuild_replays`]: crate::IdempotencyLayer::rebuild_replays
 

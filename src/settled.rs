@@ -128,6 +128,10 @@ impl<B, E> Settled<B, E> {
             | Settled::RolledBack(_)
             | Settled::CompletionFailed(_)
             | Settled::Accepted(_) => Outcome::New,
+            // The claim found a completed record; only the answer was rebuilt.
+            Settled::Rebuilt(_) | Settled::ResourceGone(_) | Settled::RebuildFailed(_) => {
+                Outcome::Replayed
+            }
             other => other.outcome(),
         }
     }

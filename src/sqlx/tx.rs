@@ -174,8 +174,36 @@ impl SqlxTx {
 
     /// Takes the transaction out to end it; `None` if it already ended.
     /// Waits for a statement running through a clone.
-    async fn take(&self) -> Option<Transaction<'static, Postgres>> {
-        self.inner.tx.lock().await.take()
+    /// Takes the transaction to end it. A task the handler spawned may
+    /// still hold the connection in a statement: after
+    /// [`ROLLBACK_PATIENCE`] that statement is cancelled, and after
+    /// [`CANCEL_GRACE`] more the store gives up (`Unavailable`; the
+    /// transaction is rolled back once the statement ends and the last
+    /// handle is dropped).
+    async fn take(&self) -> Result<Option<Transaction<'static, Postgres>>, StoreError> {
+        if let Ok(mut held) = tokio::time::timeout(ROLLBACK_PATIENCE, self.inner.tx.lock()).await {
+            return Ok(held.take());
+        }
+        self.cancel_running().await;
+        match tokio::time::timeout(CANCEL_GRACE, self.inner.tx.lock()).await {
+            Ok(mut held) => Ok(held.take()),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "a statement left running on the connection did not end",
+            )),
+        }
+    }
+
+    /// Cancels whatever statement runs on this transaction's session, from
+    /// another pooled connection.
+    async fn cancel_running(&self) {
+        let cancelled = ::sqlx::query("SELECT pg_cancel_backend($1)")
+            .bind(self.inner.pid)
+            .execute(&self.inner.pool)
+            .await;
+        if let Err(e) = cancelled {
+            tracing::debug!(error = %e, "cancelling a statement left running failed");
+        }
     }
 }
 
@@ -213,7 +241,7 @@ fn finished() -> StoreError {
 /// [`Store::complete`](crate::store::Store::complete): the response, checked
 /// against the claim's token and transaction, then `COMMIT`.
 pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
-    let Some(mut transaction) = tx.take().await else {
+    let Some(mut transaction) = tx.take().await? else {
         return Err(finished());
     };
     if tx.inner.fenced {
@@ -262,7 +290,7 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
             "a claim's transaction commits with Store::complete",
         ));
     }
-    let Some(mut transaction) = tx.take().await else {
+    let Some(mut transaction) = tx.take().await? else {
         return Err(finished());
     };
     let shared = &tx.inner;
@@ -300,7 +328,7 @@ const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// connection: this session's transaction is ours until the rollback, so
 /// nothing else runs on it).
 pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
-    let Some(mut transaction) = tx.take().await else {
+    let Some(mut transaction) = tx.take().await? else {
         return Ok(());
     };
     let drained = {
@@ -308,13 +336,7 @@ pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
         match tokio::time::timeout(ROLLBACK_PATIENCE, &mut drain).await {
             Ok(drained) => drained,
             Err(_) => {
-                let cancelled = ::sqlx::query("SELECT pg_cancel_backend($1)")
-                    .bind(tx.inner.pid)
-                    .execute(&tx.inner.pool)
-                    .await;
-                if let Err(e) = cancelled {
-                    tracing::debug!(error = %e, "cancelling a statement left running failed");
-                }
+                tx.cancel_running().await;
                 match tokio::time::timeout(CANCEL_GRACE, drain).await {
                     Ok(drained) => drained,
                     // Dropped, the transaction is rolled back by sqlx before

@@ -321,6 +321,7 @@ impl TempPostgres {
         loop {
             if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok()?) {
                 self.child = None;
+                self.stop_watchdog();
                 let (status, log_tail) = (status.to_string(), log_tail(&log_path));
                 return Err(HarnessError::ServerExited { status, log_tail });
             }
@@ -367,8 +368,13 @@ impl TempPostgres {
     /// (after [`Shutdown::Immediate`] it first recovers from its WAL), and
     /// waits until it accepts connections; blocking.
     pub fn start_again(&mut self) -> Result<(), HarnessError> {
-        if self.child.is_some() {
-            return Ok(());
+        if let Some(child) = self.child.as_mut() {
+            if matches!(child.try_wait(), Ok(None)) {
+                return Ok(());
+            }
+            // It died on its own (or never became ready): start it anew.
+            self.child = None;
+            self.stop_watchdog();
         }
         self.launch()
     }

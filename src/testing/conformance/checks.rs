@@ -362,17 +362,26 @@ pub async fn expired_record_is_a_new_operation<St: Store>(store: &St) -> Result<
         "a claim after the record's retention ended",
     )
     .await?;
+    // The new operation names no resource: nothing of the first may remain.
     store
-        .complete(tx, &response(b"second"))
+        .complete(tx, &response(b"second").with_resource_id(None))
         .await
         .or_fail(G, "complete the new operation")?;
     match claim_bounded(store, &req, G, "a claim after the new operation").await? {
-        Claim::Completed(record) => ensure!(
-            record.response.body == b"second"[..],
-            G,
-            "the key replays {:?}, not the new operation's record",
-            String::from_utf8_lossy(&record.response.body)
-        ),
+        Claim::Completed(record) => {
+            ensure!(
+                record.response.body == b"second"[..],
+                G,
+                "the key replays {:?}, not the new operation's record",
+                String::from_utf8_lossy(&record.response.body)
+            );
+            ensure!(
+                record.response.resource_id.is_none(),
+                G,
+                "the new operation's record kept the first one's resource id {:?}",
+                record.response.resource_id
+            );
+        }
         other => fail!(
             G,
             "expected the new operation's record, got {}",
