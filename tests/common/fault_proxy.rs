@@ -11,11 +11,12 @@ use std::{
 };
 
 use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
-    net::{TcpListener, TcpStream, UnixStream},
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
     sync::Notify,
 };
-use tokio_postgres::config::Host;
+
+use super::proxy::{listen, through, Upstream};
 
 /// Where, relative to the matching statement, the connection is cut.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,36 +56,12 @@ pub(crate) struct FaultProxy {
 
 impl FaultProxy {
     pub(crate) async fn start(target: tokio_postgres::Config) -> FaultProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
         let shared = Arc::new(Shared::default());
-        let (host, server_port) = (
-            target.get_hosts()[0].clone(),
-            target.get_ports().first().copied().unwrap_or(5432),
-        );
         let accepted = shared.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let (host, shared) = (host.clone(), accepted.clone());
-                tokio::spawn(async move {
-                    match host {
-                        Host::Tcp(name) => {
-                            if let Ok(server) =
-                                TcpStream::connect((name.as_str(), server_port)).await
-                            {
-                                relay(client, server, shared).await;
-                            }
-                        }
-                        Host::Unix(dir) => {
-                            let socket = dir.join(format!(".s.PGSQL.{server_port}"));
-                            if let Ok(server) = UnixStream::connect(socket).await {
-                                relay(client, server, shared).await;
-                            }
-                        }
-                    }
-                });
-            }
-        });
+        let port = listen(&target, move |client, server| {
+            relay(client, server, accepted.clone())
+        })
+        .await;
         FaultProxy {
             port,
             shared,
@@ -94,18 +71,7 @@ impl FaultProxy {
 
     /// Connection settings that reach the database through the proxy.
     pub(crate) fn config(&self) -> tokio_postgres::Config {
-        let mut config = tokio_postgres::Config::new();
-        config.host("127.0.0.1").port(self.port);
-        if let Some(user) = self.target.get_user() {
-            config.user(user);
-        }
-        if let Some(password) = self.target.get_password() {
-            config.password(password);
-        }
-        if let Some(dbname) = self.target.get_dbname() {
-            config.dbname(dbname);
-        }
-        config
+        through(&self.target, self.port)
     }
 
     /// Cuts the next connection that runs a statement `matches` accepts
@@ -144,10 +110,7 @@ impl FaultProxy {
     }
 }
 
-async fn relay<S>(client: TcpStream, server: S, shared: Arc<Shared>)
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
+async fn relay(client: TcpStream, server: Box<dyn Upstream>, shared: Arc<Shared>) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = tokio::io::split(server);
     // Server to client: copied as is, until the proxy cuts.

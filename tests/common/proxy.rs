@@ -25,36 +25,12 @@ pub(crate) struct SlowProxy {
 
 impl SlowProxy {
     pub(crate) async fn start(target: tokio_postgres::Config) -> SlowProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
         let delay_ms = Arc::new(AtomicU64::new(0));
-        let (host, server_port) = (
-            target.get_hosts()[0].clone(),
-            target.get_ports().first().copied().unwrap_or(5432),
-        );
         let delay = delay_ms.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let (host, delay) = (host.clone(), delay.clone());
-                tokio::spawn(async move {
-                    match host {
-                        Host::Tcp(name) => {
-                            if let Ok(server) =
-                                TcpStream::connect((name.as_str(), server_port)).await
-                            {
-                                pipe(client, server, delay).await;
-                            }
-                        }
-                        Host::Unix(dir) => {
-                            let socket = dir.join(format!(".s.PGSQL.{server_port}"));
-                            if let Ok(server) = UnixStream::connect(socket).await {
-                                pipe(client, server, delay).await;
-                            }
-                        }
-                    }
-                });
-            }
-        });
+        let port = listen(&target, move |client, server| {
+            pipe(client, server, delay.clone())
+        })
+        .await;
         SlowProxy {
             port,
             delay_ms,
@@ -64,18 +40,7 @@ impl SlowProxy {
 
     /// Connection settings that go through the proxy.
     pub(crate) fn config(&self) -> tokio_postgres::Config {
-        let mut config = tokio_postgres::Config::new();
-        config.host("127.0.0.1").port(self.port);
-        if let Some(user) = self.target.get_user() {
-            config.user(user);
-        }
-        if let Some(password) = self.target.get_password() {
-            config.password(password);
-        }
-        if let Some(dbname) = self.target.get_dbname() {
-            config.dbname(dbname);
-        }
-        config
+        through(&self.target, self.port)
     }
 
     /// From now on the server's answers arrive `delay` late.
@@ -85,10 +50,62 @@ impl SlowProxy {
     }
 }
 
-async fn pipe<S>(client: TcpStream, server: S, delay: Arc<AtomicU64>)
+/// A connection to the database server, over TCP or a Unix socket.
+pub(crate) trait Upstream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Upstream for T {}
+
+/// Listens on a loopback port (returned) and hands each client that
+/// connects, with a fresh connection to the database server of `target`, to
+/// `serve`.
+pub(crate) async fn listen<F, Fut>(target: &tokio_postgres::Config, serve: F) -> u16
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    F: Fn(TcpStream, Box<dyn Upstream>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (host, server_port) = (
+        target.get_hosts()[0].clone(),
+        target.get_ports().first().copied().unwrap_or(5432),
+    );
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server: Option<Box<dyn Upstream>> = match &host {
+                Host::Tcp(name) => TcpStream::connect((name.as_str(), server_port))
+                    .await
+                    .ok()
+                    .map(|s| Box::new(s) as Box<dyn Upstream>),
+                Host::Unix(dir) => UnixStream::connect(dir.join(format!(".s.PGSQL.{server_port}")))
+                    .await
+                    .ok()
+                    .map(|s| Box::new(s) as Box<dyn Upstream>),
+            };
+            if let Some(server) = server {
+                tokio::spawn(serve(client, server));
+            }
+        }
+    });
+    port
+}
+
+/// `target`'s user, password and database, reached through a proxy on
+/// loopback `port`.
+pub(crate) fn through(target: &tokio_postgres::Config, port: u16) -> tokio_postgres::Config {
+    let mut config = tokio_postgres::Config::new();
+    config.host("127.0.0.1").port(port);
+    if let Some(user) = target.get_user() {
+        config.user(user);
+    }
+    if let Some(password) = target.get_password() {
+        config.password(password);
+    }
+    if let Some(dbname) = target.get_dbname() {
+        config.dbname(dbname);
+    }
+    config
+}
+
+async fn pipe(client: TcpStream, server: Box<dyn Upstream>, delay: Arc<AtomicU64>) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = tokio::io::split(server);
     let upstream = async move {

@@ -358,19 +358,7 @@ pub(in crate::postgres) async fn operation(
     if state != "completed" {
         return Ok(Some(Operation::new(id, OperationState::Running)));
     }
-    let status: i16 = row.get(1);
-    let headers: &[u8] = row.get(2);
-    let body: &[u8] = row.get(3);
-    let response = StoredResponse {
-        status: u16::try_from(status)
-            .ok()
-            .and_then(|s| http::StatusCode::from_u16(s).ok())
-            .ok_or_else(|| corrupt("stored record has an invalid status"))?,
-        headers: StoredResponse::decode_headers(headers)
-            .ok_or_else(|| corrupt("stored record has an invalid header block"))?,
-        body: Bytes::copy_from_slice(body),
-        resource_id: row.get::<_, Option<String>>(4).map(ResourceId::new),
-    };
+    let response = stored_response(row.get(1), row.get(2), row.get(3), row.get(4))?;
     Ok(Some(Operation::new(
         id,
         OperationState::Completed(response),
@@ -402,15 +390,7 @@ pub(in crate::postgres) async fn recover(
     let key = IdempotencyKey::parse(key.as_bytes())
         .map_err(|_| corrupt("stored record has an invalid key"))?;
     let operation_id = parse_id(&id)?;
-    let request = StoredRequest::new(
-        method
-            .and_then(|m| Method::from_bytes(m.as_bytes()).ok())
-            .ok_or_else(|| corrupt("stored request has an invalid method"))?,
-        target.ok_or_else(|| corrupt("stored request has no target"))?,
-        StoredRequest::decode_headers(headers.unwrap_or_default())
-            .ok_or_else(|| corrupt("stored request has an invalid header block"))?,
-        Bytes::copy_from_slice(body.unwrap_or_default()),
-    );
+    let request = stored_request(method, target, headers, body)?;
     let handle = PgLease::new(
         store.clone(),
         scope.clone(),
@@ -537,7 +517,46 @@ fn key_columns<'a>(scope: &'a Scope, key: &'a IdempotencyKey) -> (&'a str, &'a s
     (scope.tenant().as_str(), scope.endpoint(), key.as_str())
 }
 
-fn parse_id(id: &str) -> Result<OperationId, StoreError> {
+/// The request a recovery worker re-drives, from its stored columns
+/// (shared with the sqlx store, which reads the same table).
+pub(crate) fn stored_request(
+    method: Option<String>,
+    target: Option<String>,
+    headers: Option<&[u8]>,
+    body: Option<&[u8]>,
+) -> Result<StoredRequest, StoreError> {
+    Ok(StoredRequest::new(
+        method
+            .and_then(|m| Method::from_bytes(m.as_bytes()).ok())
+            .ok_or_else(|| corrupt("stored request has an invalid method"))?,
+        target.ok_or_else(|| corrupt("stored request has no target"))?,
+        StoredRequest::decode_headers(headers.unwrap_or_default())
+            .ok_or_else(|| corrupt("stored request has an invalid header block"))?,
+        Bytes::copy_from_slice(body.unwrap_or_default()),
+    ))
+}
+
+/// A completed operation's answer, from its stored columns (shared with the
+/// sqlx store).
+pub(crate) fn stored_response(
+    status: i16,
+    headers: &[u8],
+    body: &[u8],
+    resource_id: Option<String>,
+) -> Result<StoredResponse, StoreError> {
+    Ok(StoredResponse {
+        status: u16::try_from(status)
+            .ok()
+            .and_then(|s| http::StatusCode::from_u16(s).ok())
+            .ok_or_else(|| corrupt("stored record has an invalid status"))?,
+        headers: StoredResponse::decode_headers(headers)
+            .ok_or_else(|| corrupt("stored record has an invalid header block"))?,
+        body: Bytes::copy_from_slice(body),
+        resource_id: resource_id.map(ResourceId::new),
+    })
+}
+
+pub(crate) fn parse_id(id: &str) -> Result<OperationId, StoreError> {
     id.parse()
         .map_err(|_| corrupt("stored record has an invalid operation id"))
 }

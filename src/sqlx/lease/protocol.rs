@@ -4,19 +4,16 @@
 
 use std::time::Duration;
 
-use ::sqlx::{postgres::PgRow, Postgres, Row, Transaction};
-use bytes::Bytes;
-use http::{Method, StatusCode};
-
 use super::SqlxLease;
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     lease::OperationId,
     postgres::lease::protocol::{
-        ACQUIRE, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
+        parse_id, stored_request, stored_response, ACQUIRE, FINISH, HEARTBEAT, HOLD, LOOKUP,
+        OPERATION, RECOVER, RELEASE,
     },
-    record::{Record, ResourceId, StoredResponse},
+    record::{Record, StoredResponse},
     scope::{Scope, TenantId},
     sqlx::{
         claim::set_waits,
@@ -25,9 +22,10 @@ use crate::{
     },
     store::{
         Acquired, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState, Owned,
-        Recovered, StoreError, StoreErrorKind, StoredRequest,
+        Recovered, StoreError, StoreErrorKind,
     },
 };
+use ::sqlx::{postgres::PgRow, Postgres, Row, Transaction};
 
 /// How long a heartbeat, finish, release or recovery waits for the row, and
 /// how long a fenced transaction waits to hold it (a takeover in flight).
@@ -222,15 +220,7 @@ impl LeaseStore for SqlxStore {
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|_| corrupt("stored record has an invalid key"))?;
         let operation_id = parse_id(&id)?;
-        let request = StoredRequest::new(
-            method
-                .and_then(|m| Method::from_bytes(m.as_bytes()).ok())
-                .ok_or_else(|| corrupt("stored request has an invalid method"))?,
-            target.ok_or_else(|| corrupt("stored request has no target"))?,
-            StoredRequest::decode_headers(headers.as_deref().unwrap_or_default())
-                .ok_or_else(|| corrupt("stored request has an invalid header block"))?,
-            Bytes::from(body.unwrap_or_default()),
-        );
+        let request = stored_request(method, target, headers.as_deref(), body.as_deref())?;
         let handle = SqlxLease::new(
             self.clone(),
             scope.clone(),
@@ -390,25 +380,12 @@ async fn rollback(tx: Transaction<'static, Postgres>) {
 /// The response stored in columns `at..at + 4` (status, headers, body,
 /// resource id).
 fn response_at(row: &PgRow, at: usize) -> Result<StoredResponse, StoreError> {
-    let status: i16 = row.try_get(at).map_err(map_error)?;
-    let headers: &[u8] = row.try_get(at + 1).map_err(map_error)?;
-    let body: &[u8] = row.try_get(at + 2).map_err(map_error)?;
-    let resource_id: Option<String> = row.try_get(at + 3).map_err(map_error)?;
-    Ok(StoredResponse {
-        status: u16::try_from(status)
-            .ok()
-            .and_then(|s| StatusCode::from_u16(s).ok())
-            .ok_or_else(|| corrupt("stored record has an invalid status"))?,
-        headers: StoredResponse::decode_headers(headers)
-            .ok_or_else(|| corrupt("stored record has an invalid header block"))?,
-        body: Bytes::copy_from_slice(body),
-        resource_id: resource_id.map(ResourceId::new),
-    })
-}
-
-fn parse_id(id: &str) -> Result<OperationId, StoreError> {
-    id.parse()
-        .map_err(|_| corrupt("stored record has an invalid operation id"))
+    stored_response(
+        row.try_get(at).map_err(map_error)?,
+        row.try_get(at + 1).map_err(map_error)?,
+        row.try_get(at + 2).map_err(map_error)?,
+        row.try_get(at + 3).map_err(map_error)?,
+    )
 }
 
 fn corrupt(message: &str) -> StoreError {

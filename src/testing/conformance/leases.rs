@@ -40,24 +40,14 @@ const RACERS: usize = 20;
 /// [module docs](super#long-running-operations)).
 pub async fn run_leases<St: LeaseStore>(store: St) -> Report {
     let mut run = Runner::new("LeaseStore", store);
-    macro_rules! check {
-        ($check:ident, $guarantee:ident) => {
-            run.check(
-                stringify!($check),
-                Guarantee::$guarantee,
-                |store| async move { $check(&store).await },
-            )
-            .await
-        };
-    }
-    check!(concurrent_acquires_have_one_owner, OneOwner);
-    check!(duplicate_during_a_lease_is_running, OneOwner);
-    check!(expired_lease_is_taken_over_once, LeaseTakeover);
-    check!(stale_owner_is_fenced, Fencing);
-    check!(tokens_only_grow, MonotonicToken);
-    check!(heartbeats_keep_the_lease, Heartbeat);
-    check!(finished_operation_replays_and_has_a_status, Finish);
-    check!(expired_lease_is_recovered_once, Recovery);
+    check!(run, concurrent_acquires_have_one_owner, OneOwner);
+    check!(run, duplicate_during_a_lease_is_running, OneOwner);
+    check!(run, expired_lease_is_taken_over_once, LeaseTakeover);
+    check!(run, stale_owner_is_fenced, Fencing);
+    check!(run, tokens_only_grow, MonotonicToken);
+    check!(run, heartbeats_keep_the_lease, Heartbeat);
+    check!(run, finished_operation_replays_and_has_a_status, Finish);
+    check!(run, expired_lease_is_recovered_once, Recovery);
     run.finish()
 }
 

@@ -124,6 +124,19 @@ use crate::{
     scope::Scope, scope::TenantId, store::Claim, store::ClaimRequest, store::Store,
 };
 
+/// Runs the check function `$check` on the runner `$run`, under
+/// `Guarantee::$guarantee` and its own name.
+macro_rules! check {
+    ($run:ident, $check:ident, $guarantee:ident) => {
+        $run.check(
+            stringify!($check),
+            Guarantee::$guarantee,
+            |store| async move { $check(&store).await },
+        )
+        .await
+    };
+}
+
 mod checks;
 mod leases;
 mod report;
@@ -179,25 +192,15 @@ pub async fn run_all_with<St: Store, W: Writes<St::Tx>>(store: St, writes: W) ->
 
 async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -> Report {
     let mut run = Runner::new("Store", store);
-    macro_rules! check {
-        ($check:ident, $guarantee:ident) => {
-            run.check(
-                stringify!($check),
-                Guarantee::$guarantee,
-                |store| async move { $check(&store).await },
-            )
-            .await
-        };
-    }
-    check!(completed_record_replays_byte_for_byte, Replay);
-    check!(fingerprint_is_returned_for_comparison, Replay);
-    check!(concurrent_claims_have_one_owner, OneOwner);
-    check!(stale_handle_cannot_complete, OneOwner);
-    check!(abort_frees_the_key, AbortFreesTheKey);
-    check!(dropped_handle_frees_the_key, DropFreesTheKey);
-    check!(wait_is_bounded, BoundedWait);
-    check!(scopes_are_isolated, TenantIsolation);
-    check!(expired_record_is_a_new_operation, ExpiryTakeover);
+    check!(run, completed_record_replays_byte_for_byte, Replay);
+    check!(run, fingerprint_is_returned_for_comparison, Replay);
+    check!(run, concurrent_claims_have_one_owner, OneOwner);
+    check!(run, stale_handle_cannot_complete, OneOwner);
+    check!(run, abort_frees_the_key, AbortFreesTheKey);
+    check!(run, dropped_handle_frees_the_key, DropFreesTheKey);
+    check!(run, wait_is_bounded, BoundedWait);
+    check!(run, scopes_are_isolated, TenantIsolation);
+    check!(run, expired_record_is_a_new_operation, ExpiryTakeover);
 
     let writes = writes.map(std::sync::Arc::new);
     macro_rules! with_writes {
