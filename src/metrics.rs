@@ -43,6 +43,13 @@ pub const FENCED_TOTAL: &str = "idempotency_fenced_total";
 /// Counter: operations the recovery worker re-drove with nobody retrying,
 /// by `endpoint`.
 pub const RECOVERIES_TOTAL: &str = "idempotency_recoveries_total";
+/// Counter: attempts of long-running operations (the first run, takeovers
+/// by a duplicate, recoveries), by `endpoint` and `by` (`request`,
+/// `recovery`).
+pub const OPERATION_ATTEMPTS_TOTAL: &str = "idempotency_operation_attempts_total";
+/// Counter: long-running operations that ended `failed` for good after
+/// their last allowed attempt, by `endpoint`.
+pub const OPERATIONS_FAILED_TOTAL: &str = "idempotency_operations_failed_total";
 /// Gauge (seconds): age of the oldest long-running operation still in
 /// progress, across every process sharing the database; 0 when none.
 pub const OLDEST_LEASE_SECONDS: &str = "idempotency_oldest_lease_seconds";
