@@ -246,6 +246,19 @@ pub(crate) fn fenced(endpoint: &str, at: FencedAt) {
     metrics::counter!(FENCED_TOTAL, "endpoint" => endpoint.to_owned(), "at" => at).increment(1);
 }
 
+pub(crate) fn operation_attempt(endpoint: &str, by: TakeoverBy) {
+    let by = match by {
+        TakeoverBy::Request => "request",
+        TakeoverBy::Recovery => "recovery",
+    };
+    metrics::counter!(OPERATION_ATTEMPTS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
+        .increment(1);
+}
+
+pub(crate) fn operation_failed(endpoint: &str) {
+    metrics::counter!(OPERATIONS_FAILED_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
+}
+
 pub(crate) fn recovered(endpoint: &str) {
     metrics::counter!(RECOVERIES_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
 }
@@ -283,6 +296,11 @@ pub(crate) fn register_long_running(endpoint: &str) {
         metrics::counter!(FENCED_TOTAL, "endpoint" => endpoint.to_owned(), "at" => at).increment(0);
     }
     metrics::counter!(RECOVERIES_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
+    for by in ["request", "recovery"] {
+        metrics::counter!(OPERATION_ATTEMPTS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
+            .increment(0);
+    }
+    metrics::counter!(OPERATIONS_FAILED_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
 }
 
 pub(crate) fn duplicate_wait(endpoint: &str, seconds: f64) {

@@ -176,6 +176,10 @@ pub mod codes {
     /// A replay rebuilt from its resource could not be rebuilt (the rebuild
     /// function failed or timed out); nothing changed (503 with `Retry-After`).
     pub const REPLAY_UNAVAILABLE: &str = "replay_unavailable";
+    /// A long-running operation ended without an answer after its last
+    /// allowed attempt ([`LeaseConfig::max_attempts`](crate::lease::LeaseConfig::max_attempts));
+    /// remembered and replayed to every retry under its key (500).
+    pub const OPERATION_FAILED: &str = "operation_failed";
 }
 
 #[cfg(test)]

@@ -49,6 +49,9 @@ pub(crate) enum Settled<B, E> {
     /// A duplicate of a long-running operation that still runs: the same
     /// `202`, marked replayed.
     StillRunning(OperationId),
+    /// An attempt of a long-running operation ended without an answer to
+    /// remember; the operation stays for its next attempt.
+    AttemptFailed(OperationId, Rollback<B, E>),
     /// A replay rebuilt from its resource: the current representation under
     /// the first status, marked replayed.
     Rebuilt(Response<Bytes>),
@@ -111,7 +114,7 @@ impl<B, E> Settled<B, E> {
             Settled::Rebuilt(_) => Outcome::Rebuilt,
             Settled::ResourceGone(_) => Outcome::ResourceGone,
             Settled::RebuildFailed(_) => Outcome::RebuildFailed,
-            Settled::RolledBack(_) => Outcome::RolledBack,
+            Settled::RolledBack(_) | Settled::AttemptFailed(..) => Outcome::RolledBack,
             Settled::CompletionFailed(e) => match e.kind() {
                 StoreErrorKind::TransactionAborted | StoreErrorKind::Conflict => {
                     Outcome::RolledBack
@@ -126,6 +129,7 @@ impl<B, E> Settled<B, E> {
         match self {
             Settled::Committed(..)
             | Settled::RolledBack(_)
+            | Settled::AttemptFailed(..)
             | Settled::CompletionFailed(_)
             | Settled::Accepted(_) => Outcome::New,
             // The claim found a completed record; only the answer was rebuilt.
@@ -175,6 +179,17 @@ impl<B, E> Settled<B, E> {
                     }
                 };
                 tracing::info!(reason, "rolled back; the key is free again");
+            }
+            // The handler timeout is counted where the attempt ran (it runs
+            // for recoveries too), not here.
+            Settled::AttemptFailed(id, rollback) => {
+                let reason = match rollback {
+                    Rollback::NotRemembered(_) => "the response is not remembered",
+                    Rollback::ServiceFailed(_) => "the service failed",
+                    Rollback::Unstorable(reason) => reason,
+                    Rollback::TimedOut => "the handler did not finish within its deadline",
+                };
+                tracing::info!(operation_id = %id, reason, "the attempt ended without an answer; the operation waits for its next attempt");
             }
             Settled::CompletionFailed(e) => match e.kind() {
                 StoreErrorKind::OutcomeUnknown => tracing::error!(
@@ -237,9 +252,21 @@ impl<B, E> Settled<B, E> {
                 return Ok(response.map(ResponseBody::inner))
             }
             Settled::RolledBack(Rollback::ServiceFailed(e)) => return Err(e),
+            Settled::AttemptFailed(_, Rollback::NotRemembered(response)) => {
+                return Ok(response.map(ResponseBody::inner))
+            }
+            Settled::AttemptFailed(_, Rollback::ServiceFailed(e)) => return Err(e),
+            Settled::AttemptFailed(id, Rollback::TimedOut) => attempt_timed_out(config, id),
+            Settled::AttemptFailed(id, Rollback::Unstorable(_)) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                codes::RESPONSE_NOT_STORABLE,
+                "The response could not be remembered",
+            )
+            .with_detail("this attempt's answer was not stored; retry with the same key to resume the same operation")
+            .with_member("operation_id", id.to_string()),
             Settled::Rejected(problem) => problem,
             Settled::KeyReused => key_reused(config),
-            Settled::InProgress => in_progress(),
+            Settled::InProgress => in_progress(config),
             Settled::ClaimFailed(_) => store_unavailable("the idempotency store is unavailable"),
             Settled::RolledBack(Rollback::Unstorable(_)) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -285,6 +312,9 @@ fn accepted<B>(config: &Config, id: OperationId, replayed: bool) -> Response<Res
     if let Some(location) = config.lease.as_ref().and_then(|l| status_location(l, id)) {
         headers.insert(header::LOCATION, location);
     }
+    if let Some(lease) = &config.lease {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(lease.retry_after()));
+    }
     if replayed {
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
@@ -300,13 +330,31 @@ fn key_reused(config: &Config) -> Problem {
     .with_detail("use a new key for a new request; the first request's result is unchanged")
 }
 
-fn in_progress() -> Problem {
+/// `Retry-After`: in the long-running mode, when the operation's status can
+/// next change (a heartbeat); otherwise a second.
+fn in_progress(config: &Config) -> Problem {
     Problem::new(
         StatusCode::CONFLICT,
         codes::IN_PROGRESS,
         "A request with this idempotency key is still in progress",
     )
     .with_detail("retry after a moment to get its result")
+    .with_retry_after(config.lease.as_ref().map_or(1, |l| l.retry_after()))
+}
+
+/// A long-running attempt stopped at the handler timeout. What it committed
+/// stays (never "nothing was changed"): the next attempt resumes it.
+fn attempt_timed_out(config: &Config, id: OperationId) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        codes::HANDLER_TIMEOUT,
+        "The attempt did not finish in time; the operation resumes on a retry",
+    )
+    .with_detail(format!(
+        "the attempt was stopped after {} ms; retry with the same key to resume the same operation",
+        config.handler_timeout.as_millis()
+    ))
+    .with_member("operation_id", id.to_string())
     .with_retry_after(1)
 }
 

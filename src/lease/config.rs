@@ -3,6 +3,8 @@
 
 use std::{sync::Arc, time::Duration};
 
+use crate::store::Backoff;
+
 /// The long-running mode's settings.
 ///
 /// ```
@@ -11,8 +13,10 @@ use std::{sync::Arc, time::Duration};
 ///
 /// let config = LeaseConfig::new(Duration::from_secs(10))
 ///     .heartbeat(Duration::from_secs(3))
-///     .respond_within(Duration::from_secs(1));
+///     .respond_within(Duration::from_secs(1))
+///     .max_attempts(3);
 /// assert_eq!(config.lease_duration(), Duration::from_secs(10));
+/// assert_eq!(config.attempts(), 3);
 /// ```
 #[derive(Debug, Clone)]
 pub struct LeaseConfig {
@@ -21,6 +25,8 @@ pub struct LeaseConfig {
     pub(crate) respond_within: Duration,
     pub(crate) status_path: Arc<str>,
     pub(crate) recovery_interval: Duration,
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff: Backoff,
 }
 
 /// The shortest lease: heartbeats need room to run.
@@ -38,6 +44,8 @@ impl LeaseConfig {
             respond_within: Duration::from_secs(1),
             status_path: Arc::from("/operations"),
             recovery_interval: Duration::from_secs(1),
+            max_attempts: 5,
+            backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(60)),
         }
     }
 
@@ -70,8 +78,42 @@ impl LeaseConfig {
         self
     }
 
+    /// How many attempts an operation gets (default 5, at least 1): the
+    /// first run, takeovers by a duplicate and recoveries all count. An
+    /// attempt that ends without an answer to remember (a `5xx`, an error,
+    /// a panic, the handler timeout, a crash) leaves the operation to the
+    /// next one; after the last, the operation ends `failed` with a
+    /// remembered `500 operation_failed`, so a request that crashes its
+    /// process cannot crash-loop a fleet for the whole retention.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// How long the [`Recovery`](super::Recovery) worker waits before the
+    /// next attempt of an operation whose attempt ended without an answer
+    /// (counted from the end of its lease): `first` after the first
+    /// attempt, doubling with each one, at most `max` (default 1 s, at most
+    /// 60 s). A retry by the client is not held back: the same request
+    /// resumes the operation at once.
+    pub fn recovery_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.backoff = Backoff::new(first, max);
+        self
+    }
+
     /// The lease.
     pub fn lease_duration(&self) -> Duration {
         self.lease
+    }
+
+    /// How many attempts an operation gets; see [`max_attempts`](Self::max_attempts).
+    pub fn attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// `Retry-After` (whole seconds, at least 1) for answers that say an
+    /// operation still runs: its status can change at each heartbeat.
+    pub(crate) fn retry_after(&self) -> u64 {
+        self.heartbeat.as_secs_f64().ceil().max(1.0) as u64
     }
 }

@@ -2,10 +2,11 @@
 //! coalescing are the short mode's), and [`drive`]: the owner's work under
 //! its lease, shared by requests and the recovery worker.
 
-use std::{sync::Arc, time::Instant};
+use std::{panic::AssertUnwindSafe, sync::Arc, time::Instant};
 
 use bytes::Bytes;
-use http::{header, request::Parts, HeaderValue, Request};
+use futures_util::FutureExt;
+use http::{header, request::Parts, HeaderValue, Request, StatusCode};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -14,23 +15,27 @@ use crate::{
     admit::Admitted,
     body::RequestBody,
     endpoint::{Config, Endpoint},
-    metrics,
+    metrics::{self, TakeoverBy},
+    problem::{codes, Problem},
     record::StoredResponse,
     service::{coalesce, run_owner, Inner, ReplyBody},
     settled::{Rollback, Settled, Timings},
     store::{Acquired, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoredRequest},
 };
 
-/// How the owner's work under a lease ended.
+/// How one attempt of the owner's work under a lease ended.
 pub(crate) enum Driven<B, E> {
-    /// Its answer is stored (the compare-and-swap on the token held).
+    /// Its answer is stored (the compare-and-swap on the token held): the
+    /// handler's, or after the last allowed attempt the remembered
+    /// `500 operation_failed`.
     Completed(http::response::Parts, Bytes),
-    /// It ended without an answer to remember; the key is free again.
-    RolledBack(Rollback<B, E>),
+    /// It ended without an answer to remember; the operation stays, its
+    /// lease given up, for the next attempt.
+    AttemptFailed(Rollback<B, E>),
     /// Another owner took the operation over; this one stopped.
     Fenced,
-    /// Its answer could not be stored (the error is logged): the lease
-    /// lapses, and a takeover runs the work again.
+    /// It panicked, or its end could not be stored (logged): the operation
+    /// stays, and its next attempt resumes it.
     Unfinished,
 }
 
@@ -109,9 +114,10 @@ where
         Err(e) => return (Settled::ClaimFailed(e), timings),
     };
     let operation_id = owned.operation_id;
+    metrics::operation_attempt(&config.endpoint, TakeoverBy::Request);
     if owned.taken_over {
-        tracing::info!(%operation_id, token = owned.token, "took over an operation whose lease expired");
-        metrics::lease_takeover(&config.endpoint, metrics::TakeoverBy::Request);
+        tracing::info!(%operation_id, token = owned.token, attempt = owned.attempt, "resumed an operation whose lease had ended");
+        metrics::lease_takeover(&config.endpoint, TakeoverBy::Request);
     }
 
     // 4. Start the work; it outlives this request if it must.
@@ -124,14 +130,17 @@ where
         inner,
         request,
         owned.lease,
+        owned.attempt,
     );
     let done = spawn_work(work, running);
 
     // 5. Answer with its result if it comes in time, else 202.
     match tokio::time::timeout(lease_config.respond_within, done).await {
         Ok(Ok(Driven::Completed(parts, body))) => (Settled::Committed(parts, body), timings),
-        Ok(Ok(Driven::RolledBack(rollback))) => (Settled::RolledBack(rollback), timings),
-        // Fenced, unfinished (taken over later), or still running: the
+        Ok(Ok(Driven::AttemptFailed(rollback))) => {
+            (Settled::AttemptFailed(operation_id, rollback), timings)
+        }
+        // Fenced, unfinished (resumed later), or still running: the
         // operation exists; its status resource tells how it ends.
         _ => (Settled::Accepted(operation_id), timings),
     }
@@ -170,16 +179,20 @@ where
     done
 }
 
-/// Runs the owner's work under `lease`: the handler (bounded by the handler
-/// timeout), with heartbeats renewing the lease until it returns, then its
-/// answer stored by a compare-and-swap on the token, or the key released.
-/// A heartbeat that finds the token changed stops the work: it was fenced.
+/// Runs attempt number `attempt` of the owner's work under `lease`: the
+/// handler (bounded by the handler timeout, a panic caught), with
+/// heartbeats renewing the lease until it returns, then its answer stored
+/// by a compare-and-swap on the token. An attempt that ends without an
+/// answer gives the lease up and leaves the operation to the next attempt;
+/// the last allowed one ends it `failed`. A heartbeat that finds the token
+/// changed stops the work: it was fenced.
 pub(crate) async fn drive<S, St, ResB>(
     store: St,
     config: Arc<Config>,
     inner: S,
     request: Request<RequestBody>,
     lease: St::Lease,
+    attempt: u32,
 ) -> Driven<ResB, S::Error>
 where
     S: Inner<ResB>,
@@ -191,15 +204,21 @@ where
         tracing::error!("a long-running operation on an endpoint without lease settings");
         return Driven::Unfinished;
     };
+    if attempt > lease_config.max_attempts {
+        // Every allowed attempt ended without an answer; the last may have
+        // taken its process down, so nobody recorded the failure then.
+        return fail_for_good(&store, &lease, &config, attempt - 1).await;
+    }
     let _running = metrics::OperationRunning::start(endpoint);
     let started = Instant::now();
-    let work = tokio::time::timeout(
+    let work = AssertUnwindSafe(tokio::time::timeout(
         config.handler_timeout,
         run_owner(inner, request, config.response_body_limit),
-    );
+    ))
+    .catch_unwind();
     let ran = tokio::select! {
         biased;
-        ran = work => ran.unwrap_or(Err(Rollback::TimedOut)),
+        ran = work => ran,
         () = keep_alive(&store, &lease, lease_config) => {
             metrics::fenced(endpoint, metrics::FencedAt::Heartbeat);
             tracing::warn!("the operation was taken over by another owner; stopped its work");
@@ -207,7 +226,7 @@ where
         }
     };
     let driven = match ran {
-        Ok((parts, body)) => {
+        Ok(Ok(Ok((parts, body)))) => {
             let stored = StoredResponse::remember(&parts, &config.replay_headers, body);
             match store.finish(&lease, &stored).await {
                 Ok(()) => {
@@ -230,27 +249,94 @@ where
                 }
             }
         }
-        Err(rollback) => match store.release(&lease).await {
-            Err(e) if e.kind() == StoreErrorKind::Fenced => {
-                metrics::fenced(endpoint, metrics::FencedAt::Completion);
-                Driven::Fenced
-            }
-            released => {
-                if let Err(e) = released {
-                    tracing::warn!(error = %e, "could not release the operation; it will be taken over once its lease expires");
-                }
-                if matches!(rollback, Rollback::TimedOut) {
-                    metrics::handler_timeout(endpoint);
-                }
-                tracing::info!(
-                    "the operation ended without an answer to remember; the key is free again"
-                );
-                Driven::RolledBack(rollback)
-            }
-        },
+        Ok(Ok(Err(rollback))) => attempt_failed(&store, &lease, &config, attempt, Some(rollback)).await,
+        Ok(Err(_elapsed)) => {
+            // Counted here, for requests and recoveries alike; the
+            // request's answer does not count it again.
+            metrics::handler_timeout(endpoint);
+            attempt_failed(&store, &lease, &config, attempt, Some(Rollback::TimedOut)).await
+        }
+        Err(_panic) => {
+            // Never the panic's message: it may quote request data.
+            tracing::error!(attempt, "the operation's attempt panicked");
+            attempt_failed(&store, &lease, &config, attempt, None).await
+        }
     };
     metrics::key_held(endpoint, started.elapsed().as_secs_f64());
     driven
+}
+
+/// An attempt ended without an answer to remember (`None`: it panicked).
+/// Before the last allowed attempt, the lease is given up and the
+/// operation waits for its next attempt; after it, the operation fails.
+async fn attempt_failed<St: LeaseStore, B, E>(
+    store: &St,
+    lease: &St::Lease,
+    config: &Config,
+    attempt: u32,
+    rollback: Option<Rollback<B, E>>,
+) -> Driven<B, E> {
+    let max_attempts = config.lease.as_ref().map_or(1, |l| l.max_attempts);
+    if attempt >= max_attempts {
+        return fail_for_good(store, lease, config, attempt).await;
+    }
+    match store.release(lease).await {
+        Err(e) if e.kind() == StoreErrorKind::Fenced => {
+            metrics::fenced(&config.endpoint, metrics::FencedAt::Completion);
+            return Driven::Fenced;
+        }
+        Err(e) => tracing::warn!(error = %e, "could not give the lease up; the next attempt comes once it expires"),
+        Ok(()) => tracing::info!(
+            attempt,
+            max_attempts,
+            "the attempt ended without an answer to remember; the operation resumes on a retry with the same key or by recovery"
+        ),
+    }
+    rollback.map_or(Driven::Unfinished, Driven::AttemptFailed)
+}
+
+/// Ends the operation `failed` after `attempts` attempts: its
+/// `500 operation_failed` is remembered, answered and replayed.
+pub(crate) async fn fail_for_good<St: LeaseStore, B, E>(
+    store: &St,
+    lease: &St::Lease,
+    config: &Config,
+    attempts: u32,
+) -> Driven<B, E> {
+    let problem = operation_failed(attempts).to_response();
+    let (parts, body) = problem.into_parts();
+    let stored = StoredResponse::new(parts.status, &parts.headers, &[header::CONTENT_TYPE], body);
+    match store.fail(lease, &stored, attempts).await {
+        Ok(()) => {
+            metrics::operation_failed(&config.endpoint);
+            tracing::warn!(
+                attempts,
+                "the operation ended failed: no attempt gave an answer; retries replay operation_failed"
+            );
+            Driven::Completed(parts, stored.body)
+        }
+        Err(e) if e.kind() == StoreErrorKind::Fenced => {
+            metrics::fenced(&config.endpoint, metrics::FencedAt::Completion);
+            Driven::Fenced
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "could not store the operation's failure; the next attempt will");
+            Driven::Unfinished
+        }
+    }
+}
+
+/// The remembered answer of an operation that ran out of attempts.
+fn operation_failed(attempts: u32) -> Problem {
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        codes::OPERATION_FAILED,
+        "The operation failed",
+    )
+    .with_detail(format!(
+        "it ended without an answer in each of its {attempts} attempts; retrying with the same key gets this answer again"
+    ))
+    .with_member("attempts", attempts)
 }
 
 /// Renews the lease every heartbeat; returns only once a heartbeat finds

@@ -6,13 +6,13 @@ use http::{Request, Response};
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::{drive, spawn_work, Driven};
+use super::{drive, flow::fail_for_good, spawn_work, Driven};
 use crate::{
     body::{BoxError, RequestBody},
     endpoint::Endpoint,
     fingerprint::Fingerprinter,
     metrics,
-    store::{LeaseStore, Recovered, StoreError},
+    store::{Backoff, LeaseStore, Recovered, StoreError},
 };
 
 /// Re-drives a long-running endpoint's operations whose lease expired with
@@ -128,19 +128,27 @@ where
             .lease
             .as_ref()
             .map_or(std::time::Duration::from_secs(10), |l| l.lease);
+        let backoff = self
+            .endpoint
+            .config
+            .lease
+            .as_ref()
+            .map_or(Backoff::NONE, |l| l.backoff);
         self.endpoint
             .store
             .recover(
                 &self.endpoint.config.endpoint,
                 lease,
                 self.endpoint.config.retention,
+                backoff,
             )
             .await
     }
 
     /// The re-driven work of one recovered operation, counted as running
     /// for [`drained`](crate::IdempotencyLayer::drained). A stored request
-    /// that can no longer be rebuilt (it no longer validates) releases the key.
+    /// that can no longer be rebuilt (it no longer validates) can never
+    /// run: the operation ends failed.
     fn redrive(&self, recovered: Recovered<St::Lease>) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         let Recovered {
             owned,
@@ -154,9 +162,11 @@ where
             endpoint = &*config.endpoint,
             operation_id = %owned.operation_id,
             token = owned.token,
+            attempt = owned.attempt,
         );
         let _entered = span.enter();
         metrics::lease_takeover(&config.endpoint, metrics::TakeoverBy::Recovery);
+        metrics::operation_attempt(&config.endpoint, metrics::TakeoverBy::Recovery);
         let mut builder = Request::builder()
             .method(request.method)
             .uri(request.target.as_str());
@@ -184,13 +194,13 @@ where
         let mut rebuilt = match rebuilt {
             Ok(rebuilt) => rebuilt,
             Err(reason) => {
-                tracing::error!(reason, "cannot re-drive an operation; releasing its key");
+                tracing::error!(reason, "cannot re-drive an operation; it ends failed");
                 let lease = owned.lease;
+                let attempts = owned.attempt.saturating_sub(1);
                 return Box::pin(
                     async move {
-                        if let Err(e) = store.release(&lease).await {
-                            tracing::warn!(error = %e, "could not release the operation");
-                        }
+                        let _: Driven<ResB, S::Error> =
+                            fail_for_good(&store, &lease, &config, attempts).await;
                     }
                     .instrument(span.clone()),
                 );
@@ -200,7 +210,14 @@ where
         tracing::info!("re-driving an operation whose lease expired");
         let running = self.endpoint.runtime.operations.start();
         let endpoint = config.endpoint.clone();
-        let work = drive(store, config, self.inner.clone(), rebuilt, owned.lease);
+        let work = drive(
+            store,
+            config,
+            self.inner.clone(),
+            rebuilt,
+            owned.lease,
+            owned.attempt,
+        );
         let done = spawn_work(work.instrument(span.clone()), running);
         Box::pin(
             async move {

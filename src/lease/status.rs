@@ -19,7 +19,7 @@ use crate::{
     body::ResponseBody,
     problem::{codes, Problem},
     scope::ResolveTenant,
-    store::{LeaseStore, OperationState},
+    store::{LeaseStore, Operation, OperationState},
 };
 
 /// The status resource of long-running operations, from
@@ -27,9 +27,12 @@ use crate::{
 /// mount it at `GET /operations/{id}` (the last path segment is the id).
 ///
 /// For the tenant that started the operation it answers `200` with
-/// `{"operation_id": "…", "state": "running"}`, or once completed
-/// `{"operation_id": "…", "state": "completed", "result": {"status": 200,
-/// "body": …}}` (the body as JSON when it is JSON, else as a string). Every
+/// `{"operation_id": "…", "state": "running", "attempts": 1}`, once
+/// completed `{"operation_id": "…", "state": "completed", "attempts": 1,
+/// "result": {"status": 200, "body": …}}` (the body as JSON when it is
+/// JSON, else as a string), and once it ran out of attempts
+/// `{"operation_id": "…", "state": "failed", "attempts": 5, "error":
+/// {…problem…}}`. Every
 /// other tenant, an unknown id and a malformed one get the same `404
 /// not_found`, so ids cannot be probed across tenants. No tenant: `401`.
 /// The store unreachable: `503 store_unavailable` with `Retry-After`.
@@ -113,7 +116,7 @@ where
                     return Ok(respond(&problem));
                 }
             };
-            let body = status_body(id, &operation.state);
+            let body = status_body(&operation);
             let mut response = Response::new(ResponseBody::buffered(body));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -125,29 +128,54 @@ where
 }
 
 /// The status document, members in the documented order: `operation_id`,
-/// `state`, then `result` once completed. A remembered JSON body is embedded
-/// byte for byte; any other body as a JSON string.
-fn status_body(id: OperationId, state: &OperationState) -> Bytes {
+/// `state`, `attempts`, then `result` once completed or `error` once
+/// failed. A remembered JSON body is embedded byte for byte; any other body
+/// as a JSON string.
+fn status_body(operation: &Operation) -> Bytes {
+    let id = operation.id;
     let mut out = format!(r#"{{"operation_id":"{id}","state":"#).into_bytes();
-    match state {
-        OperationState::Running => out.extend_from_slice(br#""running"}"#),
+    let attempts = format!(r#","attempts":{}"#, operation.attempts);
+    match &operation.state {
+        OperationState::Running => {
+            out.extend_from_slice(br#""running""#);
+            out.extend_from_slice(attempts.as_bytes());
+            out.push(b'}');
+        }
         OperationState::Completed(response) => {
-            out.extend_from_slice(br#""completed","result":{"status":"#);
+            out.extend_from_slice(br#""completed""#);
+            out.extend_from_slice(attempts.as_bytes());
+            out.extend_from_slice(br#","result":{"status":"#);
             out.extend_from_slice(response.status.as_u16().to_string().as_bytes());
             out.extend_from_slice(br#","body":"#);
-            let body = &response.body;
-            if body.is_empty() {
-                out.extend_from_slice(b"null");
-            } else if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
-                out.extend_from_slice(body);
-            } else {
-                let text = Value::String(String::from_utf8_lossy(body).into_owned());
-                out.extend_from_slice(text.to_string().as_bytes());
-            }
+            embed(&mut out, &response.body);
             out.extend_from_slice(b"}}");
+        }
+        OperationState::Failed(response) => {
+            out.extend_from_slice(br#""failed""#);
+            out.extend_from_slice(attempts.as_bytes());
+            out.extend_from_slice(br#","error":"#);
+            embed(&mut out, &response.body);
+            out.push(b'}');
         }
     }
     Bytes::from(out)
+}
+
+/// Appends a stored body: as it is when it is JSON, else as a JSON string.
+/// JSON is UTF-8: the reader skips string contents without checking them,
+/// so a body with invalid UTF-8 inside a string is checked apart and
+/// embedded as a (lossy) string.
+fn embed(out: &mut Vec<u8>, body: &[u8]) {
+    if body.is_empty() {
+        out.extend_from_slice(b"null");
+    } else if std::str::from_utf8(body).is_ok()
+        && serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok()
+    {
+        out.extend_from_slice(body);
+    } else {
+        let text = Value::String(String::from_utf8_lossy(body).into_owned());
+        out.extend_from_slice(text.to_string().as_bytes());
+    }
 }
 
 fn not_found() -> Problem {
@@ -175,5 +203,42 @@ impl fmt::Debug for OperationStatusFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OperationStatusFuture")
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::StoredResponse;
+
+    fn completed(body: &'static [u8]) -> Operation {
+        let response = StoredResponse::new(
+            StatusCode::OK,
+            &http::HeaderMap::new(),
+            &[],
+            Bytes::from_static(body),
+        );
+        Operation::new(OperationId::random(), OperationState::Completed(response), 2)
+    }
+
+    #[test]
+    fn invalid_utf8_inside_a_stored_json_string_still_gives_valid_json() {
+        let body = status_body(&completed(b"{\"name\":\"a\xff\xfeb\"}"));
+        let parsed: Value = serde_json::from_slice(&body).unwrap_or_else(|e| {
+            panic!(
+                "the status document is not valid JSON ({e}): {}",
+                String::from_utf8_lossy(&body)
+            )
+        });
+        assert_eq!(parsed["state"], "completed");
+        assert!(parsed["result"]["body"].is_string(), "{parsed}");
+    }
+
+    #[test]
+    fn a_stored_json_body_is_embedded_as_json() {
+        let body = status_body(&completed(br#"{"shipment_id":"s-1"}"#));
+        let parsed: Value = serde_json::from_slice(&body).expect("valid JSON");
+        assert_eq!(parsed["attempts"], 2);
+        assert_eq!(parsed["result"]["body"]["shipment_id"], "s-1");
     }
 }

@@ -45,7 +45,7 @@ impl LeaseStore for MemoryStore {
                             // The same request (its fingerprint), perhaps
                             // encoded differently: re-drive the latest.
                             leased.request = request.request.clone();
-                            return Ok(Acquired::Owned(self.owned(entry_key, leased, true)));
+                            return Ok(Acquired::Owned(self.owned(entry_key, leased)));
                         }
                         // Its owner, lease run out, is still writing through a
                         // fenced transaction: wait for that to end, then look
@@ -64,8 +64,9 @@ impl LeaseStore for MemoryStore {
                             expires_at: now + claim.retention.max(request.lease),
                             retention: claim.retention,
                             holds: 0,
+                            attempts: 1,
                         };
-                        let owned = self.owned(entry_key.clone(), &leased, false);
+                        let owned = self.owned(entry_key.clone(), &leased);
                         entries.insert(entry_key, Entry::Leased(leased));
                         return Ok(Acquired::Owned(owned));
                     }
@@ -149,7 +150,11 @@ impl LeaseStore for MemoryStore {
                 response: response.clone(),
             },
             expires_at: Instant::now() + leased.retention,
-            operation_id: Some(leased.operation_id),
+            operation: Some(Ended {
+                id: leased.operation_id,
+                attempts: leased.attempts,
+                failed: false,
+            }),
         };
         entries.insert(lease.inner.entry_key.clone(), completed);
         lease_changes.send_replace(());
@@ -159,13 +164,48 @@ impl LeaseStore for MemoryStore {
     async fn release(&self, lease: &MemoryLease) -> Result<(), StoreError> {
         self.check_same(&lease.inner.state)?;
         let mut state = lock(&self.state);
-        leased_mut(
-            &mut state.entries,
-            &lease.inner.entry_key,
-            lease.inner.token,
-        )?;
-        state.entries.remove(&lease.inner.entry_key);
-        state.lease_changes.send_replace(());
+        let State {
+            entries,
+            next_token,
+            lease_changes,
+            ..
+        } = &mut *state;
+        let leased = leased_mut(entries, &lease.inner.entry_key, lease.inner.token)?;
+        // The operation stays; its lease ends now and its token moves on.
+        leased.token = issue_token(next_token);
+        leased.lease_expires_at = Instant::now();
+        lease_changes.send_replace(());
+        Ok(())
+    }
+
+    async fn fail(
+        &self,
+        lease: &MemoryLease,
+        response: &StoredResponse,
+        attempts: u32,
+    ) -> Result<(), StoreError> {
+        self.check_same(&lease.inner.state)?;
+        let mut state = lock(&self.state);
+        let State {
+            entries,
+            lease_changes,
+            ..
+        } = &mut *state;
+        let leased = leased_mut(entries, &lease.inner.entry_key, lease.inner.token)?;
+        let failed = Entry::Completed {
+            record: Record {
+                fingerprint: leased.fingerprint,
+                response: response.clone(),
+            },
+            expires_at: Instant::now() + leased.retention,
+            operation: Some(Ended {
+                id: leased.operation_id,
+                attempts,
+                failed: true,
+            }),
+        };
+        entries.insert(lease.inner.entry_key.clone(), failed);
+        lease_changes.send_replace(());
         Ok(())
     }
 
@@ -182,18 +222,24 @@ impl LeaseStore for MemoryStore {
             .filter(|((scope, _), _)| scope.tenant() == tenant)
             .find_map(|(_, entry)| match entry {
                 Entry::Leased(leased) if leased.operation_id == id && leased.expires_at > now => {
-                    Some(OperationState::Running)
+                    Some(Operation::new(id, OperationState::Running, leased.attempts))
                 }
                 Entry::Completed {
                     record,
                     expires_at,
-                    operation_id: Some(operation_id),
-                } if *operation_id == id && *expires_at > now => {
-                    Some(OperationState::Completed(record.response.clone()))
+                    operation: Some(ended),
+                } if ended.id == id && *expires_at > now => {
+                    let response = record.response.clone();
+                    let state = if ended.failed {
+                        OperationState::Failed(response)
+                    } else {
+                        OperationState::Completed(response)
+                    };
+                    Some(Operation::new(id, state, ended.attempts))
                 }
                 _ => None,
             });
-        Ok(found.map(|state| Operation::new(id, state)))
+        Ok(found)
     }
 
     async fn recover(
@@ -201,6 +247,7 @@ impl LeaseStore for MemoryStore {
         endpoint: &str,
         lease: Duration,
         retention: Duration,
+        backoff: Backoff,
     ) -> Result<Option<Recovered<MemoryLease>>, StoreError> {
         let mut state = lock(&self.state);
         let now = Instant::now();
@@ -216,7 +263,7 @@ impl LeaseStore for MemoryStore {
             .filter_map(|(entry_key, entry)| match entry {
                 Entry::Leased(leased)
                     if entry_key.0.endpoint() == endpoint
-                        && leased.lease_expires_at <= now
+                        && leased.lease_expires_at + backoff.after(leased.attempts) <= now
                         && leased.expires_at > now
                         && leased.holds == 0 =>
                 {
@@ -229,7 +276,7 @@ impl LeaseStore for MemoryStore {
             return Ok(None);
         };
         leased.take_over(issue_token(next_token), lease, retention, now);
-        let owned = self.owned(entry_key.clone(), leased, true);
+        let owned = self.owned(entry_key.clone(), leased);
         Ok(Some(Recovered::new(
             owned,
             entry_key.0.clone(),

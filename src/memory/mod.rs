@@ -23,8 +23,8 @@ use serde_json::Value;
 use tokio::{sync::watch, time::Instant};
 
 use crate::store::{
-    Acquired, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState, Owned,
-    Recovered, Store, StoreError, StoreErrorKind, StoredRequest,
+    Acquired, Backoff, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState,
+    Owned, Recovered, Store, StoreError, StoreErrorKind, StoredRequest,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -102,10 +102,19 @@ enum Entry {
     Completed {
         record: Record,
         expires_at: Instant,
-        // Set when a long-running operation completed, so that its status
+        // Set when a long-running operation ended, so that its status
         // resource can still find it.
-        operation_id: Option<OperationId>,
+        operation: Option<Ended>,
     },
+}
+
+/// How a long-running operation ended, for its status resource.
+#[derive(Debug, Clone, Copy)]
+struct Ended {
+    id: OperationId,
+    attempts: u32,
+    // After its last allowed attempt, without an answer.
+    failed: bool,
 }
 
 #[derive(Debug)]
@@ -124,6 +133,8 @@ struct Leased {
     // Fenced transactions open at `token`. While any is open, no takeover:
     // a fenced transaction's check and its commit must see the same owner.
     holds: usize,
+    // Attempts so far: the first run, takeovers, recoveries.
+    attempts: u32,
 }
 
 impl Leased {
@@ -134,6 +145,7 @@ impl Leased {
         self.lease_expires_at = now + lease;
         self.expires_at = self.expires_at.max(self.lease_expires_at);
         self.retention = retention;
+        self.attempts = self.attempts.saturating_add(1);
     }
 }
 
@@ -175,9 +187,9 @@ impl MemoryStore {
         }
     }
 
-    fn owned(&self, entry_key: EntryKey, leased: &Leased, taken_over: bool) -> Owned<MemoryLease> {
+    fn owned(&self, entry_key: EntryKey, leased: &Leased) -> Owned<MemoryLease> {
         let lease = MemoryLease::new(self.state.clone(), entry_key, leased);
-        Owned::new(lease, leased.operation_id, leased.token, taken_over)
+        Owned::new(lease, leased.operation_id, leased.token, leased.attempts)
     }
 }
 
@@ -320,7 +332,7 @@ impl Store for MemoryStore {
             Entry::Completed {
                 record,
                 expires_at,
-                operation_id: None,
+                operation: None,
             },
         );
         Ok(())

@@ -164,7 +164,7 @@ async fn an_open_fenced_tx_holds_off_takeovers() {
         Acquired::InProgress
     ));
     assert!(store
-        .recover("POST /things v1", LONG, LONG)
+        .recover("POST /things v1", LONG, LONG, crate::store::Backoff::NONE)
         .await
         .unwrap()
         .is_none());
@@ -323,12 +323,13 @@ fn lease_debug_does_not_show_the_key() {
         expires_at: Instant::now(),
         retention: LONG,
         holds: 0,
+        attempts: 1,
     };
     let key = (
         Scope::new(TenantId::new("t1"), "POST /things v1"),
         IdempotencyKey::parse(b"secret-key").unwrap(),
     );
-    let owned = store.owned(key, &leased, false);
+    let owned = store.owned(key, &leased);
     let debug = format!("{:?}", owned.lease);
     assert!(!debug.contains("secret-key"), "{debug}");
     assert!(debug.contains("attempt_token: 7"), "{debug}");

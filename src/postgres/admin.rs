@@ -28,6 +28,9 @@ pub enum KeyState {
     InProgress,
     /// The response is remembered and replays until `expires_at`.
     Completed,
+    /// A long-running operation ended `failed` after its last allowed
+    /// attempt; its `500 operation_failed` replays until `expires_at`.
+    Failed,
 }
 
 /// What an operator sees of one key: no body, no headers.

@@ -24,7 +24,7 @@ pub(super) fn record(row: &Row) -> Result<Option<Record>, StoreError> {
 /// [`record`], for the same six columns starting at column `at`.
 pub(super) fn record_at(row: &Row, at: usize) -> Result<Option<Record>, StoreError> {
     let state: &str = row.try_get(at + 1).map_err(|_| corrupt("state"))?;
-    if state_of(state) != KeyState::Completed {
+    if !matches!(state_of(state), KeyState::Completed | KeyState::Failed) {
         return Ok(None);
     }
     let fingerprint: &[u8] = row.try_get(at).map_err(|_| corrupt("fingerprint"))?;
@@ -64,10 +64,12 @@ pub(super) fn key_record(row: &Row) -> Result<KeyRecord, StoreError> {
     })
 }
 
-/// The `state` column: `completed`, or else in progress.
+/// The `state` column: `completed`, `failed` (a long-running operation's
+/// remembered failure, replayed as a completion is), or else in progress.
 fn state_of(state: &str) -> KeyState {
     match state {
         "completed" => KeyState::Completed,
+        "failed" => KeyState::Failed,
         _ => KeyState::InProgress,
     }
 }

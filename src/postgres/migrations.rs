@@ -34,6 +34,11 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
         "resource_id",
         include_str!("schema/0006_resource_id.sql"),
     ),
+    (
+        7,
+        "operation_attempts",
+        include_str!("schema/0007_operation_attempts.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.

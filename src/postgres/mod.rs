@@ -217,6 +217,15 @@ impl LeaseStore for PgStore {
         lease::protocol::release(lease).await
     }
 
+    async fn fail(
+        &self,
+        lease: &PgLease,
+        response: &StoredResponse,
+        attempts: u32,
+    ) -> Result<(), StoreError> {
+        lease::protocol::fail(lease, response, attempts).await
+    }
+
     async fn operation(
         &self,
         tenant: &TenantId,
@@ -230,7 +239,8 @@ impl LeaseStore for PgStore {
         endpoint: &str,
         lease: std::time::Duration,
         retention: std::time::Duration,
+        backoff: crate::store::Backoff,
     ) -> Result<Option<Recovered<PgLease>>, StoreError> {
-        lease::protocol::recover(self, endpoint, lease, retention).await
+        lease::protocol::recover(self, endpoint, lease, retention, backoff).await
     }
 }

@@ -117,18 +117,23 @@ pub struct Owned<L> {
     pub operation_id: OperationId,
     /// The attempt token: larger than every token before it for this key.
     pub token: i64,
-    /// The operation existed and its lease had expired: this is a takeover.
+    /// Which attempt of the operation this is: 1 for a new operation, one
+    /// more for each takeover (by a duplicate or a recovery worker).
+    pub attempt: u32,
+    /// The operation existed before this attempt (`attempt > 1`): this is
+    /// a takeover.
     pub taken_over: bool,
 }
 
 impl<L> Owned<L> {
-    /// An acquired lease.
-    pub fn new(lease: L, operation_id: OperationId, token: i64, taken_over: bool) -> Self {
+    /// An acquired lease, for the operation's `attempt` (1 for a new one).
+    pub fn new(lease: L, operation_id: OperationId, token: i64, attempt: u32) -> Self {
         Owned {
             lease,
             operation_id,
             token,
-            taken_over,
+            attempt,
+            taken_over: attempt > 1,
         }
     }
 }
@@ -141,12 +146,18 @@ pub struct Operation {
     pub id: OperationId,
     /// Where it stands.
     pub state: OperationState,
+    /// How many attempts it has had (the first run, takeovers, recoveries).
+    pub attempts: u32,
 }
 
 impl Operation {
-    /// An operation.
-    pub fn new(id: OperationId, state: OperationState) -> Self {
-        Operation { id, state }
+    /// An operation after `attempts` attempts.
+    pub fn new(id: OperationId, state: OperationState, attempts: u32) -> Self {
+        Operation {
+            id,
+            state,
+            attempts,
+        }
     }
 }
 
@@ -154,10 +165,52 @@ impl Operation {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OperationState {
-    /// Its work is running (or waiting to be taken over).
+    /// Its work is running, or waiting for its next attempt (a retry with
+    /// the same key or a recovery worker).
     Running,
     /// It completed with this response.
     Completed(StoredResponse),
+    /// It ended without an answer after its last allowed attempt; this is
+    /// the remembered `500 operation_failed` every retry replays.
+    Failed(StoredResponse),
+}
+
+/// How long a recovery worker waits before the next attempt of an
+/// operation whose previous attempt ended without an answer: `first` after
+/// the first attempt, doubling with each further attempt, at most `max`.
+/// The wait counts from the end of the lease, so an owner that crashed is
+/// retried a lease plus the backoff after its last heartbeat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Backoff {
+    /// The wait after the first attempt.
+    pub first: Duration,
+    /// The longest wait.
+    pub max: Duration,
+}
+
+impl Backoff {
+    /// A backoff starting at `first`, doubling, capped at `max` (at least `first`).
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Backoff {
+            first,
+            max: max.max(first),
+        }
+    }
+
+    /// No wait: an expired lease is recovered at once.
+    pub const NONE: Backoff = Backoff {
+        first: Duration::ZERO,
+        max: Duration::ZERO,
+    };
+
+    /// The wait after `attempts` attempts ended.
+    pub fn after(&self, attempts: u32) -> Duration {
+        let doublings = attempts.saturating_sub(1).min(30);
+        self.first
+            .saturating_mul(1u32 << doublings)
+            .min(self.max)
+    }
 }
 
 /// An operation a recovery worker took over, with what it needs to run it again.
@@ -195,7 +248,9 @@ impl<L> Recovered<L> {
 ///   owner: heartbeat        extends the lease  WHERE token = T   (no row: fenced)
 ///   owner: fenced tx        locks the row      WHERE token = T, writes, COMMIT
 ///   owner: finish           stores the answer  WHERE token = T   (no row: fenced)
-///   lease expired: acquire / recover  CAS T → T' > T, the work runs again
+///   owner: release          expires the lease  WHERE token = T   (the record stays)
+///   owner: fail             stores the failure WHERE token = T   (after the last attempt)
+///   lease expired: acquire / recover  CAS T → T' > T, attempt + 1, the same operation runs again
 /// ```
 ///
 /// A store implementing this trait owes, beyond the [`Store`] guarantees:
@@ -208,14 +263,21 @@ impl<L> Recovered<L> {
 ///    removed (a sequence, not a per-record counter).
 /// 3. **Fencing.** [`heartbeat`](LeaseStore::heartbeat),
 ///    [`fenced`](LeaseStore::fenced), [`commit_fenced`](LeaseStore::commit_fenced),
-///    [`finish`](LeaseStore::finish) and [`release`](LeaseStore::release)
-///    succeed only while the lease's token is the record's token, and answer
+///    [`finish`](LeaseStore::finish), [`fail`](LeaseStore::fail) and
+///    [`release`](LeaseStore::release) succeed only while the lease's token is the record's token, and answer
 ///    [`StoreErrorKind::Fenced`](super::StoreErrorKind::Fenced) otherwise,
 ///    changing nothing. A fenced transaction holds the record so that no
 ///    takeover can happen between its check and its commit.
 /// 4. **Recovery.** [`recover`](LeaseStore::recover) takes over one
-///    operation whose lease expired, skipping those another worker is taking
-///    over right now, and returns the request stored with it.
+///    operation whose lease expired (and whose backoff has passed),
+///    skipping those another worker is taking over right now, and returns
+///    the request stored with it.
+/// 5. **Identity.** An operation keeps its id, its record and its status
+///    from the first attempt to its final answer: a takeover, a recovery and
+///    a [`release`](LeaseStore::release) never remove the record nor change
+///    the id, and every new attempt is counted ([`Owned::attempt`],
+///    [`Operation::attempts`]). Only the end of its retention makes the key
+///    a new operation.
 ///
 /// `tower_idempotency::testing::conformance::run_leases` (feature
 /// `test-util`) checks these against any store.
@@ -269,9 +331,26 @@ pub trait LeaseStore: Store {
         response: &StoredResponse,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Ends the operation without an answer to remember: its record is
-    /// removed and the key is free, if the token is still the record's.
+    /// Gives the lease up after an attempt that ended without an answer to
+    /// remember, if the token is still the record's (`Fenced` otherwise).
+    /// The record stays: the lease expires now and the token moves past
+    /// this lease's (so this attempt is fenced from here on), and the next
+    /// [`acquire`](Self::acquire) of the same request resumes the **same
+    /// operation** at once, as [`recover`](Self::recover) does after its
+    /// backoff. Whatever the attempt committed or sent stays done.
     fn release(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Ends the operation `failed` after its last allowed attempt, if the
+    /// token is still the record's (`Fenced` otherwise): `response` (the
+    /// layer's `500 operation_failed`) is remembered for the claim's
+    /// retention and replayed to every retry, and the status resource shows
+    /// the operation failed after `attempts` attempts.
+    fn fail(
+        &self,
+        lease: &Self::Lease,
+        response: &StoredResponse,
+        attempts: u32,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// The operation `id` of `tenant`, if it exists and is unexpired. Another
     /// tenant's operation is `None`, as an unknown id is.
@@ -281,14 +360,16 @@ pub trait LeaseStore: Store {
         id: OperationId,
     ) -> impl Future<Output = Result<Option<Operation>, StoreError>> + Send;
 
-    /// Takes over one operation of `endpoint` whose lease expired, under a
-    /// new token and a lease of `lease`; `None` if there is none (or every
-    /// one is being taken over by someone else right now). Its answer, once
-    /// finished, is remembered for `retention`.
+    /// Takes over one operation of `endpoint` whose lease expired at least
+    /// `backoff.after(attempts)` ago, under a new token and a lease of
+    /// `lease`; `None` if there is none (or every one is being taken over by
+    /// someone else right now). Its answer, once finished, is remembered for
+    /// `retention`.
     fn recover(
         &self,
         endpoint: &str,
         lease: Duration,
         retention: Duration,
+        backoff: Backoff,
     ) -> impl Future<Output = Result<Option<Recovered<Self::Lease>>, StoreError>> + Send;
 }

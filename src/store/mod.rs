@@ -63,7 +63,8 @@ use std::{fmt, future::Future, time::Duration};
 mod lease;
 
 pub use lease::{
-    Acquired, LeaseRequest, LeaseStore, Operation, OperationState, Owned, Recovered, StoredRequest,
+    Acquired, Backoff, LeaseRequest, LeaseStore, Operation, OperationState, Owned, Recovered,
+    StoredRequest,
 };
 
 use crate::{

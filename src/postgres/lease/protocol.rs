@@ -19,8 +19,8 @@ use crate::{
     record::{ResourceId, StoredResponse},
     scope::{Scope, TenantId},
     store::{
-        Acquired, ClaimRequest, LeaseRequest, Operation, OperationState, Owned, Recovered,
-        StoreError, StoreErrorKind, StoredRequest,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, OperationState, Owned,
+        Recovered, StoreError, StoreErrorKind, StoredRequest,
     },
 };
 
@@ -35,18 +35,23 @@ pub(crate) const LOOKUP: &str = "SELECT request_fingerprint, state, response_sta
 // row. It is taken over when its retention ended (a new operation: new id),
 // when it is a short-transaction orphan (committed in_progress without a
 // lease), or when its lease expired and the request is the same (a
-// takeover: the operation keeps its id and its age). Of any number of
-// concurrent takeovers, the first raises the token and renews the lease;
-// the others find a live lease and take nothing. The token comes from the
-// sequence (EXCLUDED), so it is larger than every token before it.
+// takeover: the operation keeps its id, its age, and counts one more
+// attempt). Of any number of concurrent takeovers, the first raises the
+// token and renews the lease; the others find a live lease and take
+// nothing. The token comes from the sequence (EXCLUDED), so it is larger
+// than every token before it.
 pub(crate) const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at, \
-          operation_id, lease_expires_at, request_method, request_target, request_headers, request_body) \
+          operation_id, lease_expires_at, request_method, request_target, request_headers, request_body, \
+          attempts) \
      VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
           now() + make_interval(secs => GREATEST($5::float8, $6::float8)), \
-          $7::text::uuid, now() + make_interval(secs => $6::float8), $8::text, $9::text, $10::bytea, $11::bytea) \
+          $7::text::uuid, now() + make_interval(secs => $6::float8), $8::text, $9::text, $10::bytea, $11::bytea, \
+          1) \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
          attempt_token = EXCLUDED.attempt_token, lease_expires_at = EXCLUDED.lease_expires_at, \
+         attempts = CASE WHEN r.expires_at > now() AND r.lease_expires_at IS NOT NULL \
+             THEN r.attempts + 1 ELSE 1 END, \
          operation_id = CASE WHEN r.expires_at > now() AND r.lease_expires_at IS NOT NULL \
              THEN r.operation_id ELSE EXCLUDED.operation_id END, \
          created_at = CASE WHEN r.expires_at > now() AND r.lease_expires_at IS NOT NULL \
@@ -59,7 +64,7 @@ pub(crate) const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
      WHERE r.expires_at <= now() \
          OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL \
              OR (r.lease_expires_at <= now() AND r.request_fingerprint = EXCLUDED.request_fingerprint))) \
-     RETURNING attempt_token, operation_id::text";
+     RETURNING attempt_token, operation_id::text, attempts";
 
 // The record's retention never ends before its lease: a live operation is
 // never cleaned up.
@@ -90,32 +95,55 @@ pub(crate) const FINISH: &str =
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress'";
 
-pub(crate) const RELEASE: &str = "DELETE FROM idempotency_requests \
+// The record stays (the operation keeps its identity); its lease ends now,
+// so the next acquire of the same request resumes it at once, and the token
+// moves on, so nothing more of this attempt gets through. A recovery worker
+// waits out its backoff first.
+pub(crate) const RELEASE: &str = "UPDATE idempotency_requests SET \
+         attempt_token = nextval('idempotency_attempt_token_seq'), \
+         lease_expires_at = statement_timestamp() \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+         AND attempt_token = $4::int8 AND state = 'in_progress'";
+
+// The failure is remembered as a completion is: replayed to every retry
+// until the retention ends.
+pub(crate) const FAIL: &str =
+    "UPDATE idempotency_requests SET state = 'failed', response_status = $5::int2, \
+         response_headers = $6::bytea, response_body = $7::bytea, resource_id = NULL, \
+         completed_at = statement_timestamp(), \
+         expires_at = statement_timestamp() + make_interval(secs => $8::float8), \
+         attempts = $9::int4, \
+         lease_expires_at = NULL, request_headers = NULL, request_body = NULL \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress'";
 
 pub(crate) const OPERATION: &str =
-    "SELECT state, response_status, response_headers, response_body, resource_id \
+    "SELECT state, response_status, response_headers, response_body, resource_id, attempts \
      FROM idempotency_requests \
      WHERE operation_id = $1::text::uuid AND tenant_id = $2::text AND expires_at > now()";
 
 // SKIP LOCKED: workers of several instances never wait on, nor take, the
-// same operation; the row is locked from the scan to the commit.
+// same operation; the row is locked from the scan to the commit. An
+// operation is due once its lease ended and its backoff passed: $3 seconds
+// after the first attempt, doubling with each further one, at most $4.
 pub(crate) const RECOVER: &str = "WITH due AS ( \
          SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
          WHERE endpoint = $1::text AND state = 'in_progress' AND lease_expires_at <= now() \
              AND expires_at > now() \
+             AND lease_expires_at + make_interval(secs => LEAST( \
+                 $3::float8 * power(2::float8, LEAST(GREATEST(attempts - 1, 0), 30)), $4::float8)) <= now() \
          ORDER BY lease_expires_at LIMIT 1 \
          FOR UPDATE SKIP LOCKED) \
      UPDATE idempotency_requests AS r SET \
          attempt_token = nextval('idempotency_attempt_token_seq'), \
          lease_expires_at = now() + make_interval(secs => $2::float8), \
-         expires_at = GREATEST(r.expires_at, now() + make_interval(secs => $2::float8)) \
+         expires_at = GREATEST(r.expires_at, now() + make_interval(secs => $2::float8)), \
+         attempts = r.attempts + 1 \
      FROM due \
      WHERE r.tenant_id = due.tenant_id AND r.endpoint = due.endpoint \
          AND r.idempotency_key = due.idempotency_key \
      RETURNING r.tenant_id, r.idempotency_key, r.attempt_token, r.operation_id::text, \
-         r.request_method, r.request_target, r.request_headers, r.request_body";
+         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts";
 
 /// How long a heartbeat, completion or release waits for the row, and how
 /// long a fenced transaction waits to hold it (a takeover in flight).
@@ -169,6 +197,7 @@ pub(in crate::postgres) async fn acquire(
     if let Some(row) = rows.first() {
         let token: i64 = row.get(0);
         let id: String = row.get(1);
+        let attempt = attempt_of(row.get(2));
         let operation_id = parse_id(&id)?;
         let handle = PgLease::new(
             store.clone(),
@@ -179,12 +208,11 @@ pub(in crate::postgres) async fn acquire(
             claim.retention,
             request.lease,
         );
-        let taken_over = operation_id != request.operation_id;
         return Ok(Acquired::Owned(Owned::new(
             handle,
             operation_id,
             token,
-            taken_over,
+            attempt,
         )));
     }
     // Someone else's record: a live lease, a completion, another request.
@@ -344,6 +372,30 @@ pub(in crate::postgres) async fn release(lease: &PgLease) -> Result<(), StoreErr
     Ok(())
 }
 
+/// [`LeaseStore::fail`](crate::store::LeaseStore::fail).
+pub(in crate::postgres) async fn fail(
+    lease: &PgLease,
+    response: &StoredResponse,
+    attempts: u32,
+) -> Result<(), StoreError> {
+    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
+    let token = lease.attempt_token();
+    let status = response.status.as_u16() as i16;
+    let headers = response.encode_headers();
+    let body: &[u8] = &response.body;
+    let retention = lease.retention().as_secs_f64();
+    let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
+    let params: [&(dyn ToSql + Sync); 9] = [
+        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &attempts,
+    ];
+    let rows = short_execute(lease.store(), FAIL, &params).await?;
+    if rows == 0 {
+        lease.mark_fenced(None);
+        return Err(fenced_error());
+    }
+    Ok(())
+}
+
 /// [`LeaseStore::operation`](crate::store::LeaseStore::operation).
 pub(in crate::postgres) async fn operation(
     store: &PgStore,
@@ -355,14 +407,23 @@ pub(in crate::postgres) async fn operation(
     let row = read_one(store, deadline, OPERATION, &[&text, &tenant.as_str()]).await?;
     let Some(row) = row else { return Ok(None) };
     let state: &str = row.get(0);
-    if state != "completed" {
-        return Ok(Some(Operation::new(id, OperationState::Running)));
-    }
-    let response = stored_response(row.get(1), row.get(2), row.get(3), row.get(4))?;
-    Ok(Some(Operation::new(
-        id,
-        OperationState::Completed(response),
-    )))
+    let attempts = attempt_of(row.get(5));
+    let state = match state {
+        "completed" => OperationState::Completed(stored_response(
+            row.get(1),
+            row.get(2),
+            row.get(3),
+            row.get(4),
+        )?),
+        "failed" => OperationState::Failed(stored_response(
+            row.get(1),
+            row.get(2),
+            row.get(3),
+            row.get(4),
+        )?),
+        _ => OperationState::Running,
+    };
+    Ok(Some(Operation::new(id, state, attempts)))
 }
 
 /// [`LeaseStore::recover`](crate::store::LeaseStore::recover).
@@ -371,9 +432,12 @@ pub(in crate::postgres) async fn recover(
     endpoint: &str,
     lease: Duration,
     retention: Duration,
+    backoff: Backoff,
 ) -> Result<Option<Recovered<PgLease>>, StoreError> {
     let seconds = lease.as_secs_f64();
-    let params: [&(dyn ToSql + Sync); 2] = [&endpoint, &seconds];
+    let first = backoff.first.as_secs_f64();
+    let max = backoff.max.as_secs_f64();
+    let params: [&(dyn ToSql + Sync); 4] = [&endpoint, &seconds, &first, &max];
     let rows = short_transaction(store, RECOVER, &params, ROW_WAIT).await?;
     let Some(row) = rows.first() else {
         return Ok(None);
@@ -386,6 +450,7 @@ pub(in crate::postgres) async fn recover(
     let target: Option<String> = row.get(5);
     let headers: Option<&[u8]> = row.get(6);
     let body: Option<&[u8]> = row.get(7);
+    let attempt = attempt_of(row.get(8));
     let scope = Scope::new(TenantId::new(tenant), endpoint.to_owned());
     let key = IdempotencyKey::parse(key.as_bytes())
         .map_err(|_| corrupt("stored record has an invalid key"))?;
@@ -401,7 +466,7 @@ pub(in crate::postgres) async fn recover(
         lease,
     );
     Ok(Some(Recovered::new(
-        Owned::new(handle, operation_id, token, true),
+        Owned::new(handle, operation_id, token, attempt),
         scope,
         request,
     )))
@@ -554,6 +619,11 @@ pub(crate) fn stored_response(
         body: Bytes::copy_from_slice(body),
         resource_id: resource_id.map(ResourceId::new),
     })
+}
+
+/// The `attempts` column (never negative; 0 for records older than the count).
+pub(crate) fn attempt_of(attempts: i32) -> u32 {
+    u32::try_from(attempts).unwrap_or(0)
 }
 
 pub(crate) fn parse_id(id: &str) -> Result<OperationId, StoreError> {

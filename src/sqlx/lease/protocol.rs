@@ -10,8 +10,8 @@ use crate::{
     key::IdempotencyKey,
     lease::OperationId,
     postgres::lease::protocol::{
-        parse_id, stored_request, stored_response, ACQUIRE, FINISH, HEARTBEAT, HOLD, LOOKUP,
-        OPERATION, RECOVER, RELEASE,
+        attempt_of, parse_id, stored_request, stored_response, ACQUIRE, FAIL, FINISH, HEARTBEAT,
+        HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
     record::{Record, StoredResponse},
     scope::{Scope, TenantId},
@@ -21,8 +21,8 @@ use crate::{
         tx, SqlxStore, SqlxTx,
     },
     store::{
-        Acquired, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState, Owned,
-        Recovered, StoreError, StoreErrorKind,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState,
+        Owned, Recovered, StoreError, StoreErrorKind,
     },
 };
 use ::sqlx::{postgres::PgRow, Postgres, Row, Transaction};
@@ -90,6 +90,7 @@ impl LeaseStore for SqlxStore {
         };
         let token: i64 = row.try_get(0).map_err(map_error)?;
         let id: String = row.try_get(1).map_err(map_error)?;
+        let attempt = attempt_of(row.try_get(2).map_err(map_error)?);
         let operation_id = parse_id(&id)?;
         let lease = SqlxLease::new(
             self.clone(),
@@ -100,12 +101,11 @@ impl LeaseStore for SqlxStore {
             claim.retention,
             request.lease,
         );
-        let taken_over = operation_id != request.operation_id;
         Ok(Acquired::Owned(Owned::new(
             lease,
             operation_id,
             token,
-            taken_over,
+            attempt,
         )))
     }
 
@@ -162,6 +162,29 @@ impl LeaseStore for SqlxStore {
         self.end_short(tx, done, lease).await
     }
 
+    async fn fail(
+        &self,
+        lease: &SqlxLease,
+        response: &StoredResponse,
+        attempts: u32,
+    ) -> Result<(), StoreError> {
+        let (tenant, endpoint, key, token) = lease.columns();
+        let mut tx = self.short(ROW_WAIT).await?;
+        let done = ::sqlx::query(FAIL)
+            .bind(tenant)
+            .bind(endpoint)
+            .bind(key)
+            .bind(token)
+            .bind(response.status.as_u16() as i16)
+            .bind(response.encode_headers())
+            .bind(response.body.as_ref())
+            .bind(lease.inner.retention.as_secs_f64())
+            .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
+            .execute(&mut *tx)
+            .await;
+        self.end_short(tx, done, lease).await
+    }
+
     async fn operation(
         &self,
         tenant: &TenantId,
@@ -175,14 +198,13 @@ impl LeaseStore for SqlxStore {
             .map_err(map_error)?;
         let Some(row) = row else { return Ok(None) };
         let state: &str = row.try_get(0).map_err(map_error)?;
-        if state != "completed" {
-            return Ok(Some(Operation::new(id, OperationState::Running)));
-        }
-        let response = response_at(&row, 1)?;
-        Ok(Some(Operation::new(
-            id,
-            OperationState::Completed(response),
-        )))
+        let attempts = attempt_of(row.try_get(5).map_err(map_error)?);
+        let state = match state {
+            "completed" => OperationState::Completed(response_at(&row, 1)?),
+            "failed" => OperationState::Failed(response_at(&row, 1)?),
+            _ => OperationState::Running,
+        };
+        Ok(Some(Operation::new(id, state, attempts)))
     }
 
     async fn recover(
@@ -190,11 +212,14 @@ impl LeaseStore for SqlxStore {
         endpoint: &str,
         lease: Duration,
         retention: Duration,
+        backoff: Backoff,
     ) -> Result<Option<Recovered<SqlxLease>>, StoreError> {
         let mut tx = self.short(ROW_WAIT).await?;
         let row = ::sqlx::query(RECOVER)
             .bind(endpoint)
             .bind(lease.as_secs_f64())
+            .bind(backoff.first.as_secs_f64())
+            .bind(backoff.max.as_secs_f64())
             .fetch_optional(&mut *tx)
             .await;
         let row = match row {
@@ -216,6 +241,7 @@ impl LeaseStore for SqlxStore {
         let target: Option<String> = row.try_get(5).map_err(column)?;
         let headers: Option<Vec<u8>> = row.try_get(6).map_err(column)?;
         let body: Option<Vec<u8>> = row.try_get(7).map_err(column)?;
+        let attempt = attempt_of(row.try_get(8).map_err(column)?);
         let scope = Scope::new(TenantId::new(tenant), endpoint.to_owned());
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|_| corrupt("stored record has an invalid key"))?;
@@ -231,7 +257,7 @@ impl LeaseStore for SqlxStore {
             lease,
         );
         Ok(Some(Recovered::new(
-            Owned::new(handle, operation_id, token, true),
+            Owned::new(handle, operation_id, token, attempt),
             scope,
             request,
         )))
@@ -258,7 +284,8 @@ impl SqlxStore {
         let fingerprint: &[u8] = row.try_get(0).map_err(map_error)?;
         let fingerprint = Fingerprint::from_slice(fingerprint)
             .ok_or_else(|| corrupt("stored record has an invalid fingerprint"))?;
-        if state == "completed" {
+        // A failure after the last attempt is remembered as a completion is.
+        if state == "completed" || state == "failed" {
             return Ok(Some(Acquired::Completed(Record {
                 fingerprint,
                 response: response_at(&row, 2)?,

@@ -20,8 +20,8 @@ use crate::{
     lease::OperationId,
     scope::{Scope, TenantId},
     store::{
-        Acquired, ClaimRequest, LeaseRequest, LeaseStore, OperationState, Owned, StoreError,
-        StoreErrorKind, StoredRequest,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, OperationState, Owned,
+        StoreError, StoreErrorKind, StoredRequest,
     },
 };
 
@@ -613,7 +613,7 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
     let first = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
     ensure!(
         store
-            .recover(&endpoint, LONG, DAY)
+            .recover(&endpoint, LONG, DAY, Backoff::NONE)
             .await
             .or_fail(G, "recover")?
             .is_none(),
@@ -627,7 +627,7 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
         let endpoint = endpoint.clone();
         workers.spawn(async move {
             store
-                .recover(&endpoint, LONG, DAY)
+                .recover(&endpoint, LONG, DAY, Backoff::NONE)
                 .await
                 .or_fail(G, "recover")
         });
@@ -665,7 +665,7 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
     )?;
     ensure!(
         store
-            .recover(&endpoint, LONG, DAY)
+            .recover(&endpoint, LONG, DAY, Backoff::NONE)
             .await
             .or_fail(G, "recover")?
             .is_none(),
