@@ -42,7 +42,8 @@ fn long_layer(store: PgStore, respond_within: Duration) -> LongLayer {
         .long_running(
             LeaseConfig::new(LEASE)
                 .heartbeat(Duration::from_millis(100))
-                .respond_within(respond_within),
+                .respond_within(respond_within)
+                .recovery_backoff(Duration::ZERO, Duration::ZERO),
         )
 }
 
@@ -320,31 +321,278 @@ async fn a_request_refused_before_its_claim_is_never_remembered() {
     );
 }
 
+/// How the first attempt of [`charge_once_then`] ends after its fenced write.
+#[derive(Clone, Copy, Debug)]
+enum FirstAttempt {
+    /// A `502`: the downstream's answer was lost.
+    BadGateway,
+    /// Past the layer's handler timeout.
+    TimesOut,
+    /// The service fails with an error.
+    Errors,
+}
+
+/// A handler that commits a charge keyed by the operation id (as a
+/// downstream call would be) in every attempt, and whose first attempt
+/// then ends without an answer (`first`); later attempts answer `201`.
+/// Counts its calls.
+fn charge_once_then(first: FirstAttempt, calls: Arc<AtomicU64>) -> Handler {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let calls = calls.clone();
+        async move {
+            let call = calls.fetch_add(1, Ordering::SeqCst);
+            let lease = request
+                .extensions()
+                .get::<PgLease>()
+                .cloned()
+                .ok_or("no lease")?;
+            let operation = lease.operation_id().to_string();
+            let key = tower_idempotency::outbox::derive_key(&operation, "charge");
+            let tx = lease.transaction().await?;
+            tx.execute(
+                "INSERT INTO charges (key, operation_id, token) VALUES ($1, $2, $3) \
+                 ON CONFLICT (key) DO NOTHING",
+                &[&key, &operation, &lease.attempt_token()],
+            )
+            .await?;
+            tx.commit().await?;
+            if call == 0 {
+                match first {
+                    FirstAttempt::BadGateway => {
+                        return Ok(response(StatusCode::BAD_GATEWAY, "answer lost"))
+                    }
+                    FirstAttempt::TimesOut => {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                    }
+                    FirstAttempt::Errors => return Err::<_, BoxError>("downstream failed".into()),
+                }
+            }
+            let body = format!(r#"{{"operation_id":"{operation}"}}"#);
+            Ok(created(body))
+        }
+    }))
+}
+
+/// The operation's status document, as its tenant reads it.
+async fn operation_status(layer: &LongLayer, id: &str) -> (StatusCode, serde_json::Value) {
+    let mut request = Request::get(format!("/operations/{id}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    request.extensions_mut().insert(TenantId::new("tenant-a"));
+    let response = layer.status_service().oneshot(request).await.unwrap();
+    let status = response.status();
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (status, serde_json::from_slice(&body).unwrap())
+}
+
+/// The key's `attempts` column.
+async fn attempts(pg: &Postgres, key: &str) -> i32 {
+    pg.client
+        .query_one(
+            "SELECT attempts FROM idempotency_requests WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 #[tokio::test]
-async fn work_that_fails_releases_the_key_and_a_retry_runs_again() {
+async fn a_failed_attempt_keeps_the_operation_and_the_retry_resumes_it_at_once() {
+    for first in [
+        FirstAttempt::BadGateway,
+        FirstAttempt::TimesOut,
+        FirstAttempt::Errors,
+    ] {
+        let pg = Postgres::new().await;
+        pg.exec("CREATE TABLE charges (key text PRIMARY KEY, operation_id text NOT NULL, token bigint NOT NULL)")
+            .await;
+        let calls = Arc::new(AtomicU64::new(0));
+        let handler = charge_once_then(first, calls.clone());
+        let layer = long_layer(pg.store.clone(), Duration::from_secs(5))
+            .handler_timeout(Duration::from_millis(300));
+        let answer =
+            tower::ServiceExt::oneshot(service(&layer, handler.clone()), tenant_a_post("k1")).await;
+        match (first, &answer) {
+            (FirstAttempt::BadGateway, Ok(r)) => assert_eq!(r.status(), StatusCode::BAD_GATEWAY),
+            (FirstAttempt::TimesOut, Ok(r)) => {
+                assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE)
+            }
+            (FirstAttempt::Errors, Err(_)) => {}
+            (first, other) => panic!(
+                "{first:?}: unexpected first answer {:?}",
+                other.as_ref().map(|r| r.status())
+            ),
+        }
+        // The operation is still there, its lease given up, its work kept.
+        let (state, first_token, _, id) = row(&pg, "k1").await.expect("the record stays");
+        let id = id.expect("an operation id");
+        assert_eq!(state, "in_progress", "{first:?}");
+        assert_eq!(attempts(&pg, "k1").await, 1, "{first:?}");
+        assert_eq!(
+            pg.count("SELECT count(*) FROM charges").await,
+            1,
+            "{first:?}"
+        );
+        let (code, status) = operation_status(&layer, &id).await;
+        assert_eq!(
+            code,
+            StatusCode::OK,
+            "{first:?}: the status resource still answers"
+        );
+        assert_eq!(status["state"], "running", "{first:?}");
+        assert_eq!(status["attempts"], 1, "{first:?}");
+
+        // A different request under the key is refused; nothing changes.
+        let other = send(
+            service(&layer, handler.clone()),
+            post(
+                Some("tenant-a"),
+                Some("k1"),
+                r#"{"checkout_id":"chk_2","amount":5}"#,
+            ),
+        )
+        .await;
+        assert_eq!(other.status, StatusCode::CONFLICT, "{first:?}");
+        assert_eq!(other.json()["code"], "idempotency_key_reused", "{first:?}");
+
+        // The retry resumes the same operation at once (no wait for a lease).
+        let retry = send(service(&layer, handler.clone()), tenant_a_post("k1")).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{first:?}");
+        assert_eq!(
+            retry.json()["operation_id"],
+            id.as_str(),
+            "{first:?}: the same operation"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "{first:?}");
+        assert_eq!(
+            pg.count("SELECT count(*) FROM charges").await,
+            1,
+            "{first:?}: the work keyed by the operation exists once"
+        );
+        let (state, token, _, same_id) = row(&pg, "k1").await.unwrap();
+        assert_eq!(
+            (state.as_str(), same_id.as_deref()),
+            ("completed", Some(id.as_str()))
+        );
+        assert!(token > first_token, "{first:?}: a larger token");
+        assert_eq!(attempts(&pg, "k1").await, 2, "{first:?}");
+        let (_, status) = operation_status(&layer, &id).await;
+        assert_eq!(status["state"], "completed", "{first:?}");
+        assert_eq!(status["attempts"], 2, "{first:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_handler_that_always_panics_ends_failed_after_max_attempts() {
     let pg = Postgres::new().await;
     let calls = Arc::new(AtomicU64::new(0));
-    let failing = {
+    let panics = {
         let calls = calls.clone();
         tower::util::BoxCloneService::new(tower::service_fn(move |_: Request<RequestBody>| {
             let calls = calls.clone();
             async move {
-                calls.fetch_add(1, Ordering::SeqCst);
-                Ok::<_, BoxError>(response(StatusCode::BAD_GATEWAY, "down"))
+                // Always true; written so that the answer type is inferred.
+                if calls.fetch_add(1, Ordering::SeqCst) < u64::MAX {
+                    panic!("a poison request");
+                }
+                Ok::<_, BoxError>(created("never"))
             }
         }))
     };
-    let layer = long_layer(pg.store.clone(), Duration::from_secs(5));
-    let first = send(service(&layer, failing.clone()), tenant_a_post("k1")).await;
-    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
-    assert!(row(&pg, "k1").await.is_none(), "a 5xx is never remembered");
-    let second = send(
+    let layer = IdempotencyLayer::new(
+        pg.store.clone(),
+        ENDPOINT,
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .wait(Duration::from_millis(500))
+    .long_running(
+        LeaseConfig::new(LEASE)
+            .heartbeat(Duration::from_millis(100))
+            .respond_within(Duration::from_secs(5))
+            .max_attempts(3)
+            .recovery_interval(Duration::from_millis(20))
+            .recovery_backoff(Duration::from_millis(50), Duration::from_millis(200)),
+    );
+    let first = send(service(&layer, panics.clone()), tenant_a_post("k1")).await;
+    assert_eq!(
+        first.status,
+        StatusCode::ACCEPTED,
+        "the operation stays for its next attempt"
+    );
+    let id = first.json()["operation_id"].as_str().unwrap().to_owned();
+
+    // Nobody retries; the recovery worker re-drives it (each pass takes
+    // over what is due and waits for its attempts) until it runs out.
+    let recovery = layer.recovery(panics.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut passes_with_work = 0;
+    while row(&pg, "k1").await.map(|r| r.0) != Some("failed".into()) {
+        assert!(tokio::time::Instant::now() < deadline, "never ended failed");
+        passes_with_work += recovery.run_once().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Attempts 2 and 3 ran the handler; a 4th acquisition never happens:
+    // attempt 3 was the last and recorded the failure itself.
+    assert_eq!(passes_with_work, 2, "recovery re-drove the operation twice");
+    assert_eq!(
+        recovery.run_once().await.unwrap(),
+        0,
+        "a failed operation is not due"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "at most max_attempts runs");
+    assert_eq!(attempts(&pg, "k1").await, 3);
+    let (code, status) = operation_status(&layer, &id).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(status["state"], "failed");
+    assert_eq!(status["attempts"], 3);
+    assert_eq!(status["error"]["code"], "operation_failed");
+
+    // A retry of the POST replays the remembered failure; nothing runs.
+    let retry = send(service(&layer, panics.clone()), tenant_a_post("k1")).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(retry.replayed());
+    assert_eq!(retry.headers["content-type"], "application/problem+json");
+    assert_eq!(retry.json()["code"], "operation_failed");
+    assert_eq!(retry.json()["attempts"], 3);
+    let again = send(service(&layer, panics.clone()), tenant_a_post("k1")).await;
+    assert_eq!(again.body, retry.body, "byte for byte");
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn an_operation_whose_last_attempt_crashed_ends_failed_without_running_again() {
+    let pg = Postgres::new().await;
+    // Attempt 1 of 1 took its process down (it never ends its lease).
+    let (_dead, operation_id, _) = crashed_owner(&pg, "k1").await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let layer = IdempotencyLayer::new(
+        pg.store.clone(),
+        ENDPOINT,
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .long_running(LeaseConfig::new(LEASE).max_attempts(1));
+    until_lease_expired(&pg, "k1").await;
+    let retry = send(
         service(&layer, fenced_orders(calls.clone(), None)),
         tenant_a_post("k1"),
     )
     .await;
-    assert_eq!(second.status, StatusCode::CREATED);
-    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(retry.json()["code"], "operation_failed");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        0,
+        "no attempt beyond the last"
+    );
+    let (state, _, _, id) = row(&pg, "k1").await.unwrap();
+    assert_eq!(state, "failed");
+    assert_eq!(id, Some(operation_id.to_string()));
+    assert_eq!(attempts(&pg, "k1").await, 1);
+    assert_eq!(pg.count("SELECT count(*) FROM orders").await, 0);
 }
 
 #[tokio::test]
@@ -708,7 +956,7 @@ async fn the_status_resource_answers_its_tenant_only() {
     assert_eq!(code, StatusCode::OK);
     assert_eq!(
         body,
-        serde_json::json!({"operation_id": id, "state": "running"})
+        serde_json::json!({"operation_id": id, "state": "running", "attempts": 1})
     );
     for (tenant, path) in [
         (Some("tenant-b"), format!("/operations/{id}")),

@@ -524,9 +524,15 @@ async fn long_running_operations_are_observable() {
         .refresh_gauges()
         .await
         .unwrap();
-    assert!(gauges.oldest_lease >= LEASE, "{:?}", gauges.oldest_lease);
+    // The operation is as old as its first attempt (whose panic gave the
+    // lease up at once, so the retry resumed it without waiting a lease).
     assert!(
-        gauges.oldest_in_progress >= LEASE,
+        gauges.oldest_lease > Duration::ZERO,
+        "{:?}",
+        gauges.oldest_lease
+    );
+    assert!(
+        gauges.oldest_in_progress >= gauges.oldest_lease,
         "committed in-progress rows count: {:?}",
         gauges.oldest_in_progress
     );
@@ -599,5 +605,68 @@ async fn long_running_operations_are_observable() {
         pg.count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
             .await,
         2
+    );
+}
+
+#[tokio::test]
+async fn a_long_running_handler_timeout_is_counted_once_and_attempts_and_failures_are_counted() {
+    let installed = installed();
+    let endpoint = "POST /observability/long-timeout v1";
+    let layer = IdempotencyLayer::new(MemoryStore::new(), endpoint, JsonFingerprinter::new("v1"))
+        .handler_timeout(Duration::from_millis(50))
+        .long_running(
+            tower_idempotency::lease::LeaseConfig::new(Duration::from_secs(5))
+                // The request waits longer than the handler may run.
+                .respond_within(Duration::from_secs(5))
+                .max_attempts(2),
+        );
+    let slow = tower::util::BoxCloneService::new(tower::service_fn(
+        |_: Request<RequestBody>| async move {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            Ok::<_, BoxError>(created("never"))
+        },
+    ));
+    let first = send(layer.layer(slow.clone()), tenant_a_post("k1")).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(first.json()["code"], "handler_timeout");
+    let values = snapshot(&installed.snapshotter);
+    let timeouts = metric(
+        &values,
+        "idempotency_handler_timeouts_total",
+        &[("endpoint", endpoint)],
+    );
+    assert!(
+        matches!(timeouts, Some(DebugValue::Counter(1))),
+        "one timeout, counted once: {timeouts:?}"
+    );
+    // The second and last attempt times out too: the operation fails.
+    let second = send(layer.layer(slow), tenant_a_post("k1")).await;
+    assert_eq!(second.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(second.json()["code"], "operation_failed");
+    let values = snapshot(&installed.snapshotter);
+    let count = |name: &str, pairs: &[(&str, &str)]| match metric(&values, name, pairs) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(
+        count(
+            "idempotency_handler_timeouts_total",
+            &[("endpoint", endpoint)]
+        ),
+        2
+    );
+    assert_eq!(
+        count(
+            "idempotency_operation_attempts_total",
+            &[("endpoint", endpoint), ("by", "request")]
+        ),
+        2
+    );
+    assert_eq!(
+        count(
+            "idempotency_operations_failed_total",
+            &[("endpoint", endpoint)]
+        ),
+        1
     );
 }

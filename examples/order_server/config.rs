@@ -16,6 +16,9 @@ pub(crate) struct Settings {
     pub(crate) lease: Duration,
     /// How long the fake warehouse takes to ship.
     pub(crate) fulfilment_delay: Duration,
+    /// Attempts a fulfilment gets (first run, takeovers, recovery) before
+    /// it ends `failed`.
+    pub(crate) max_attempts: u32,
 }
 
 impl Settings {
@@ -47,7 +50,20 @@ impl Settings {
                 "FULFILMENT_DELAY",
                 &var("FULFILMENT_DELAY").unwrap_or_else(|| "2s".into()),
             )?,
+            max_attempts: parse_attempts(
+                &var("IDEMPOTENCY_MAX_ATTEMPTS").unwrap_or_else(|| "5".into()),
+            )?,
         })
+    }
+}
+
+/// A whole number from 1 to 1000.
+fn parse_attempts(text: &str) -> Result<u32, String> {
+    match text.trim().parse::<u32>() {
+        Ok(n @ 1..=1000) => Ok(n),
+        _ => Err(format!(
+            "IDEMPOTENCY_MAX_ATTEMPTS={text:?} is not a whole number from 1 to 1000"
+        )),
     }
 }
 

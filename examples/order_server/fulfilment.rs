@@ -15,6 +15,13 @@
 //!    (the same for every attempt, so the warehouse ships once) and carrying
 //!    the attempt token (so the warehouse refuses an attempt taken over).
 //! 3. Fenced write: the order marked shipped.
+//!
+//! An attempt that fails (the warehouse unreachable, its answer lost, the
+//! database gone) answers a `5xx` that says what is known, never "nothing
+//! was changed" once the warehouse may have shipped. The operation stays:
+//! a retry with the same key, or the recovery worker, resumes it under the
+//! same operation id, so the warehouse key is the same and it ships once.
+//! After `IDEMPOTENCY_MAX_ATTEMPTS` attempts the layer ends it `failed`.
 
 use axum::{
     extract::{Path, State},
@@ -128,14 +135,49 @@ fn taken_over() -> Response {
 }
 
 /// A fenced transaction failed: fenced (stop, changing nothing) or the
-/// database is unavailable (not remembered; the retry starts afresh).
-fn tx_failure(e: TxError, step: &'static str) -> Response {
+/// database is unavailable. Not remembered: the operation stays, and a
+/// retry with the same key resumes it. Once the warehouse shipped, the
+/// answer says so.
+fn tx_failure(e: TxError, step: Step<'_>) -> Response {
     if e.kind() == TxErrorKind::Fenced {
-        tracing::warn!(step, "fulfilment: this attempt was taken over; stopping");
+        tracing::warn!(
+            step = step.name(),
+            "fulfilment: this attempt was taken over; stopping"
+        );
         return taken_over();
     }
-    tracing::error!(error = %e, step, "fulfilment: transaction failed");
-    crate::unavailable()
+    tracing::error!(error = %e, step = step.name(), "fulfilment: transaction failed");
+    let problem = match step {
+        Step::Read => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            "The database is unavailable; retry with the same key",
+        )
+        .with_detail("this attempt stopped before calling the warehouse; a retry resumes the fulfilment where it stands"),
+        Step::MarkShipped { shipment_id } => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "fulfilment_incomplete",
+            "The warehouse shipped the order, but recording it failed; retry with the same key",
+        )
+        .with_detail("a retry resumes the same operation: it finds the shipment and records it, shipping nothing twice")
+        .with_member("shipment_id", shipment_id),
+    };
+    crate::problem(problem.with_retry_after(1))
+}
+
+/// Where a fenced transaction failed.
+enum Step<'a> {
+    Read,
+    MarkShipped { shipment_id: &'a str },
+}
+
+impl Step<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Step::Read => "read the order",
+            Step::MarkShipped { .. } => "mark the order shipped",
+        }
+    }
 }
 
 /// What the first fenced transaction found.
@@ -179,7 +221,7 @@ async fn run(
     // 1. The recovery point: what earlier attempts (or other operations)
     // already committed.
     let order_id = match find(&lease, &id, &key).await {
-        Err(e) => return tx_failure(e, "read the order"),
+        Err(e) => return tx_failure(e, Step::Read),
         Ok(Found::NoSuchOrder) => return not_found(),
         Ok(Found::Shipped {
             order_id,
@@ -219,12 +261,15 @@ async fn run(
         Err(ShipError::Stale) => return stale(&lease).await,
         Err(ShipError::Unavailable(reason)) => {
             tracing::error!(reason, "fulfilment: the warehouse call failed");
+            // Whether it shipped is unknown: the call may have got through
+            // and only its answer been lost.
             return crate::problem(
                 Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "warehouse_unavailable",
-                    "The warehouse is unavailable; retry",
+                    "The warehouse call failed; retry with the same key",
                 )
+                .with_detail("whether the warehouse shipped is not known yet; a retry resumes the same operation with the same warehouse key, so it ships at most once")
                 .with_retry_after(1),
             );
         }
@@ -232,7 +277,10 @@ async fn run(
 
     // 3. The order side, fenced: a stale attempt cannot mark it.
     if let Err(e) = mark_shipped(&lease, &order_id, &shipment.shipment_id, &key).await {
-        return tx_failure(e, "mark the order shipped");
+        let step = Step::MarkShipped {
+            shipment_id: &shipment.shipment_id,
+        };
+        return tx_failure(e, step);
     }
     tracing::info!(%order_id, shipment_id = %shipment.shipment_id, "fulfilment: order shipped");
     shipped(&order_id, &shipment.warehouse, &shipment.shipment_id)
@@ -305,7 +353,7 @@ async fn stale(lease: &PgLease) -> Response {
             tracing::warn!("fulfilment: the warehouse refused this attempt's token: it was taken over; stopping");
             taken_over()
         }
-        Err(e) => tx_failure(e, "check the lease"),
+        Err(e) => tx_failure(e, Step::Read),
         Ok(tx) => {
             if let Err(e) = tx.rollback().await {
                 tracing::warn!(error = %e, "fulfilment: rollback of the lease check failed");

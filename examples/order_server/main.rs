@@ -119,7 +119,11 @@ async fn run() -> Result<(), String> {
             .fulfilment_delay
             .saturating_add(Duration::from_secs(30)),
     )
-    .long_running(LeaseConfig::new(settings.lease).respond_within(Duration::from_secs(1)));
+    .long_running(
+        LeaseConfig::new(settings.lease)
+            .respond_within(Duration::from_secs(1))
+            .max_attempts(settings.max_attempts),
+    );
     // Everything but /healthz and /metrics needs a token, unknown routes included.
     let protected = Router::new()
         .route("/orders", post(orders::create).layer(idempotency.clone()))

@@ -30,6 +30,12 @@ use tower_idempotency::{postgres::PgStore, problem::Problem, store::StoreError};
 /// the warehouse has seen for the order, by where it was caught.
 pub(crate) const STALE_REFUSALS_TOTAL: &str = "warehouse_stale_refusals_total";
 const FENCING_TOKEN: &str = "fencing-token";
+/// A warehouse whose name starts with this ships on the first call and then
+/// loses that call's answer (the caller sees a `5xx`); a repeated call with
+/// the same key returns the shipment.
+pub(crate) const FLAKY: &str = "flaky-";
+/// A warehouse whose name starts with this fails every call, shipping nothing.
+pub(crate) const POISON: &str = "poison-";
 
 // Raises the order's highest seen token to the call's if that is higher,
 // and returns the highest: one statement, so no read-then-write race, and
@@ -117,9 +123,28 @@ async fn ship(
     if highest > token {
         return stale(&request.order_id, token, highest, "arrival");
     }
+    if request.warehouse.starts_with(POISON) {
+        tracing::warn!(order_id = %request.order_id, token, "warehouse: a poison- warehouse refuses every call; nothing shipped");
+        return warehouse_problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "warehouse_failed",
+            "This warehouse fails every call; nothing was shipped",
+        );
+    }
     tokio::time::sleep(warehouse.delay).await;
     match warehouse.ship_once(&request, key, token).await {
         Ok(Shipped::Stale { highest }) => stale(&request.order_id, token, highest, "shipping"),
+        Ok(Shipped::Created(shipment)) if request.warehouse.starts_with(FLAKY) => {
+            // Shipped and committed, and then the answer is lost on the way
+            // back: the caller cannot tell, and must ask again with the
+            // same key to learn the shipment.
+            tracing::warn!(order_id = %shipment.order_id, shipment_id = %shipment.shipment_id, token, "warehouse: shipped, and lost the answer (flaky- warehouse)");
+            warehouse_problem(
+                StatusCode::BAD_GATEWAY,
+                "warehouse_answer_lost",
+                "The warehouse's answer was lost",
+            )
+        }
         Ok(Shipped::Created(shipment)) => {
             tracing::info!(order_id = %shipment.order_id, shipment_id = %shipment.shipment_id, token, "warehouse: shipped");
             (StatusCode::CREATED, Json(shipment)).into_response()

@@ -249,7 +249,9 @@ where
                 }
             }
         }
-        Ok(Ok(Err(rollback))) => attempt_failed(&store, &lease, &config, attempt, Some(rollback)).await,
+        Ok(Ok(Err(rollback))) => {
+            attempt_failed(&store, &lease, &config, attempt, Some(rollback)).await
+        }
         Ok(Err(_elapsed)) => {
             // Counted here, for requests and recoveries alike; the
             // request's answer does not count it again.

@@ -218,7 +218,11 @@ mod tests {
             &[],
             Bytes::from_static(body),
         );
-        Operation::new(OperationId::random(), OperationState::Completed(response), 2)
+        Operation::new(
+            OperationId::random(),
+            OperationState::Completed(response),
+            2,
+        )
     }
 
     #[test]

@@ -172,8 +172,11 @@ impl LeaseStore for MemoryStore {
         } = &mut *state;
         let leased = leased_mut(entries, &lease.inner.entry_key, lease.inner.token)?;
         // The operation stays; its lease ends now and its token moves on.
+        // Fenced transactions still open at the old token can never commit
+        // (their token is no longer the record's), so they hold nothing.
         leased.token = issue_token(next_token);
         leased.lease_expires_at = Instant::now();
+        leased.holds = 0;
         lease_changes.send_replace(());
         Ok(())
     }

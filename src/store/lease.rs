@@ -207,9 +207,7 @@ impl Backoff {
     /// The wait after `attempts` attempts ended.
     pub fn after(&self, attempts: u32) -> Duration {
         let doublings = attempts.saturating_sub(1).min(30);
-        self.first
-            .saturating_mul(1u32 << doublings)
-            .min(self.max)
+        self.first.saturating_mul(1u32 << doublings).min(self.max)
     }
 }
 

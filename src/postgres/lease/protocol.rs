@@ -19,8 +19,8 @@ use crate::{
     record::{ResourceId, StoredResponse},
     scope::{Scope, TenantId},
     store::{
-        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, OperationState, Owned,
-        Recovered, StoreError, StoreErrorKind, StoredRequest,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, OperationState, Owned, Recovered,
+        StoreError, StoreErrorKind, StoredRequest,
     },
 };
 

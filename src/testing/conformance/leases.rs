@@ -48,6 +48,8 @@ pub async fn run_leases<St: LeaseStore>(store: St) -> Report {
     check!(run, heartbeats_keep_the_lease, Heartbeat);
     check!(run, finished_operation_replays_and_has_a_status, Finish);
     check!(run, expired_lease_is_recovered_once, Recovery);
+    check!(run, a_released_operation_keeps_its_identity, Identity);
+    check!(run, a_failed_operation_replays_its_failure, Failure);
     run.finish()
 }
 
@@ -72,6 +74,11 @@ fn lease_request(lease: Duration) -> LeaseRequest {
 
 fn claim(scope: Scope, key: &IdempotencyKey, fingerprint: u8) -> ClaimRequest {
     request(scope, key, fingerprint, DAY, WAIT)
+}
+
+/// [`claim`], for checks that keep a local named `claim`.
+fn claim_in(scope: Scope, key: &IdempotencyKey, fingerprint: u8) -> ClaimRequest {
+    claim(scope, key, fingerprint)
 }
 
 fn describe<L>(acquired: &Acquired<L>) -> &'static str {
@@ -408,9 +415,9 @@ pub async fn stale_owner_is_fenced<St: LeaseStore>(store: &St) -> Result<(), Che
     Ok(())
 }
 
-/// Tokens only grow: each new owner of a key (after a release, after the
-/// record's retention ended) gets a token larger than every earlier one, and
-/// a new operation gets a new id.
+/// Tokens only grow: each new owner of a key (resuming after a release,
+/// after the record's retention ended) gets a token larger than every
+/// earlier one, and a new operation gets a new id.
 pub async fn tokens_only_grow<St: LeaseStore>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::MonotonicToken;
     let key = unique_key();
@@ -420,7 +427,8 @@ pub async fn tokens_only_grow<St: LeaseStore>(store: &St) -> Result<(), CheckFai
         .release(&first.lease)
         .await
         .or_fail(G, "the first owner's release")?;
-    // Its answer is remembered for no time at all: the next acquire starts anew.
+    // The released operation resumes; its answer is then remembered for no
+    // time at all, so the acquire after it starts anew.
     let forgotten = request(scope("t1"), &key, 1, Duration::ZERO, WAIT);
     let second = must_acquire(
         store,
@@ -430,11 +438,6 @@ pub async fn tokens_only_grow<St: LeaseStore>(store: &St) -> Result<(), CheckFai
         "acquire after a release",
     )
     .await?;
-    ensure!(
-        !second.taken_over,
-        G,
-        "after a release the key holds a new operation"
-    );
     ensure!(
         second.token > first.token,
         G,
@@ -676,4 +679,163 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
         .finish(&recovered.owned.lease, &response(b"recovered"))
         .await
         .or_fail(G, "the recovered operation's finish")
+}
+
+/// Identity: an attempt that gives its lease up leaves the operation in
+/// place: its status stays `Running` with the attempts counted, another
+/// request under the key still finds it running, the same request resumes
+/// it at once (same id, attempt 2, a larger token, the old lease fenced),
+/// and a recovery worker resumes it only once its backoff has passed.
+pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Identity;
+    let endpoint = format!("POST /conformance/identity/{} v1", unique_key().as_str());
+    let scope = Scope::new(TenantId::new("t1"), endpoint.as_str());
+    let key = unique_key();
+    let claim = claim_in(scope.clone(), &key, 1);
+    let first = must_acquire(store, &claim, &lease_request(LONG), G, "first attempt").await?;
+    ensure!(
+        first.attempt == 1 && !first.taken_over,
+        G,
+        "a new operation's first attempt is attempt 1 (got {})",
+        first.attempt
+    );
+    store
+        .release(&first.lease)
+        .await
+        .or_fail(G, "the first attempt's release")?;
+    match store
+        .operation(&TenantId::new("t1"), first.operation_id)
+        .await
+    {
+        Ok(Some(op)) if op.state == OperationState::Running && op.attempts == 1 => {}
+        other => fail!(
+            G,
+            "after a release the operation must still exist, running after 1 attempt: {other:?}"
+        ),
+    }
+    if must_be_fenced(store.heartbeat(&first.lease, LONG).await, "heartbeat").is_err() {
+        fail!(
+            G,
+            "a released lease must be fenced: its heartbeat was not refused"
+        );
+    }
+    let other = claim_in(scope.clone(), &key, 2);
+    match store.acquire(&other, &lease_request(LONG)).await {
+        Ok(Acquired::Running { operation_id, .. }) if operation_id == first.operation_id => {}
+        Ok(other) => fail!(
+            G,
+            "another request under a released operation's key must find it running, got {}",
+            describe(&other)
+        ),
+        Err(e) => fail!(G, "acquire by another request failed: {e}"),
+    }
+    let second = must_acquire(store, &claim, &lease_request(LONG), G, "the retry").await?;
+    ensure!(
+        second.operation_id == first.operation_id
+            && second.attempt == 2
+            && second.taken_over
+            && second.token > first.token,
+        G,
+        "the retry must resume the same operation as attempt 2 under a larger token (id kept: \
+         {}, attempt {}, token {} after {})",
+        second.operation_id == first.operation_id,
+        second.attempt,
+        second.token,
+        first.token
+    );
+    store
+        .release(&second.lease)
+        .await
+        .or_fail(G, "the second attempt's release")?;
+    let hour = Duration::from_secs(3600);
+    let held_back = store
+        .recover(&endpoint, LONG, DAY, Backoff::new(hour, hour))
+        .await
+        .or_fail(G, "recover during the backoff")?;
+    ensure!(
+        held_back.is_none(),
+        G,
+        "a recovery worker must wait out the backoff before the next attempt"
+    );
+    let Some(third) = store
+        .recover(&endpoint, LONG, DAY, Backoff::NONE)
+        .await
+        .or_fail(G, "recover after the backoff")?
+    else {
+        fail!(
+            G,
+            "a released operation must be recoverable once its backoff passed"
+        );
+    };
+    ensure!(
+        third.owned.operation_id == first.operation_id && third.owned.attempt == 3,
+        G,
+        "recovery must resume the same operation as attempt 3 (got attempt {})",
+        third.owned.attempt
+    );
+    store
+        .finish(&third.owned.lease, &response(b"third"))
+        .await
+        .or_fail(G, "the third attempt's finish")?;
+    match store
+        .operation(&TenantId::new("t1"), first.operation_id)
+        .await
+    {
+        Ok(Some(op)) if matches!(op.state, OperationState::Completed(_)) && op.attempts == 3 => {
+            Ok(())
+        }
+        other => fail!(
+            G,
+            "the operation must end completed after 3 attempts: {other:?}"
+        ),
+    }
+}
+
+/// Failure: `fail` ends the operation with a remembered answer: the same
+/// request gets it as a completed record, the status shows it failed after
+/// the attempts given, and the lease that failed it is fenced.
+pub async fn a_failed_operation_replays_its_failure<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Failure;
+    let key = unique_key();
+    let claim = claim(scope("t1"), &key, 1);
+    let owner = must_acquire(store, &claim, &lease_request(LONG), G, "owner").await?;
+    // A failure names no resource.
+    let failure = response(br#"{"code":"operation_failed"}"#).with_resource_id(None);
+    store
+        .fail(&owner.lease, &failure, 3)
+        .await
+        .or_fail(G, "fail")?;
+    match store.acquire(&claim, &lease_request(LONG)).await {
+        Ok(Acquired::Completed(record)) if record.response == failure => {}
+        Ok(Acquired::Completed(record)) => fail!(
+            G,
+            "a failed operation must replay its failure byte for byte: stored {:?}, replayed {:?}",
+            failure,
+            record.response
+        ),
+        Ok(other) => fail!(
+            G,
+            "a failed operation must replay its failure to the same request, got {}",
+            describe(&other)
+        ),
+        Err(e) => fail!(G, "acquire after the failure failed: {e}"),
+    }
+    match store
+        .operation(&TenantId::new("t1"), owner.operation_id)
+        .await
+    {
+        Ok(Some(op)) if op.state == OperationState::Failed(failure.clone()) && op.attempts == 3 => {
+        }
+        other => fail!(
+            G,
+            "the status of a failed operation must say failed after 3 attempts: {other:?}"
+        ),
+    }
+    must_be_fenced(store.fail(&owner.lease, &failure, 3).await, "failing again")?;
+    must_be_fenced(store.heartbeat(&owner.lease, LONG).await, "heartbeat")?;
+    Ok(())
 }

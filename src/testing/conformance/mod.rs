@@ -84,6 +84,14 @@
 //! - **monotonic token** ([`tokens_only_grow`]): after a release, and after
 //!   the record's retention ended, the next owner's token is larger than
 //!   every earlier one;
+//! - **identity** ([`a_released_operation_keeps_its_identity`]): a release
+//!   keeps the operation (its status `Running`, attempts counted, the old
+//!   lease fenced); another request still finds it running; the same
+//!   request resumes it at once as attempt 2 with its id; a recovery worker
+//!   only after its backoff, as attempt 3;
+//! - **failure** ([`a_failed_operation_replays_its_failure`]): a failed
+//!   operation replays its failure as a completed record, shows `Failed`
+//!   with its attempts, and fences the lease that failed it;
 //! - **heartbeat** ([`heartbeats_keep_the_lease`]): a lease renewed past its
 //!   first end is not taken over;
 //! - **finish** and **status**
@@ -149,6 +157,7 @@ pub use checks::{
     wait_is_bounded,
 };
 pub use leases::{
+    a_failed_operation_replays_its_failure, a_released_operation_keeps_its_identity,
     concurrent_acquires_have_one_owner, duplicate_during_a_lease_is_running,
     expired_lease_is_recovered_once, expired_lease_is_taken_over_once,
     finished_operation_replays_and_has_a_status, heartbeats_keep_the_lease, run_leases,

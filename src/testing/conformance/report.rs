@@ -48,6 +48,13 @@ pub enum Guarantee {
     Status,
     /// Long-running mode: an abandoned operation is recovered by one worker.
     Recovery,
+    /// Long-running mode: an operation keeps its id, record and status
+    /// through an attempt that ended without an answer; the next attempt
+    /// resumes it, counted.
+    Identity,
+    /// Long-running mode: an operation that ran out of attempts ends
+    /// failed, and its failure replays like an answer.
+    Failure,
 }
 
 impl Guarantee {
@@ -69,6 +76,8 @@ impl Guarantee {
             Guarantee::Finish => "finish",
             Guarantee::Status => "status",
             Guarantee::Recovery => "recovery",
+            Guarantee::Identity => "identity",
+            Guarantee::Failure => "failure",
         }
     }
 }
