@@ -742,14 +742,12 @@ impl http_body::Body for Chunked {
     }
 }
 
+type ChunkedServer =
+    tower::util::BoxCloneService<Request<Full<Bytes>>, Response<Chunked>, BoxError>;
+
 /// A server answering each attempt with the next of `answers` (status,
 /// chunks), counting the attempts.
-fn chunked_server(
-    answers: Vec<(u16, Vec<&'static [u8]>)>,
-) -> (
-    tower::util::BoxCloneService<Request<Full<Bytes>>, Response<Chunked>, BoxError>,
-    Arc<Mutex<u32>>,
-) {
+fn chunked_server(answers: Vec<(u16, Vec<&'static [u8]>)>) -> (ChunkedServer, Arc<Mutex<u32>>) {
     let attempts = Arc::new(Mutex::new(0_u32));
     let answers = Arc::new(answers);
     let server = tower::service_fn({

@@ -437,29 +437,27 @@ fn refused<T>(result: Result<T, sqlx::Error>) -> bool {
 /// Writes an order, then tries `plain` (ignoring the answers, as a careless
 /// handler would) and `leak_session()`; reports its session's process id
 /// and which of `plain` were refused.
-fn leave_session_state(
+async fn leave_session_state(
     tx: SqlxTx,
     plain: Vec<String>,
     report: Report<(i32, Vec<bool>)>,
-) -> impl std::future::Future<Output = Answered> + Send {
-    async move {
-        let mut conn = tx.conn().await?;
-        sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('o1', 'tenant-a')")
-            .execute(&mut *conn)
-            .await?;
-        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&mut *conn)
-            .await?;
-        let mut answers = Vec::new();
-        for sql in &plain {
-            answers.push(refused((&mut *conn).execute(sql.as_str()).await));
-        }
-        sqlx::query("SELECT leak_session()")
-            .execute(&mut *conn)
-            .await?;
-        report.send((pid, answers));
-        Ok(created("{}"))
+) -> Answered {
+    let mut conn = tx.conn().await?;
+    sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('o1', 'tenant-a')")
+        .execute(&mut *conn)
+        .await?;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await?;
+    let mut answers = Vec::new();
+    for sql in &plain {
+        answers.push(refused((&mut *conn).execute(sql.as_str()).await));
     }
+    sqlx::query("SELECT leak_session()")
+        .execute(&mut *conn)
+        .await?;
+    report.send((pid, answers));
+    Ok(created("{}"))
 }
 
 /// The session state a request finds: process id, search_path, `x.y`,
@@ -468,30 +466,25 @@ fn leave_session_state(
 type Observed = (i32, String, String, String, String, String, i64, bool);
 
 /// Writes an order and reports the session state it finds.
-fn observe_session_state(
-    tx: SqlxTx,
-    report: Report<Observed>,
-) -> impl std::future::Future<Output = Answered> + Send {
-    async move {
-        let mut conn = tx.conn().await?;
-        sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('o2', 'tenant-a')")
-            .execute(&mut *conn)
-            .await?;
-        let observed: Observed = sqlx::query_as(
-            "SELECT pg_backend_pid(), current_setting('search_path'), \
-                 coalesce(current_setting('x.y', true), ''), \
-                 coalesce(current_setting('x.hidden', true), ''), \
-                 current_user::text, session_user::text, \
-                 (SELECT count(*) FROM pg_locks \
-                     WHERE locktype = 'advisory' AND pid = pg_backend_pid()), \
-                 to_regclass('pg_temp.scratch') IS NULL \
-                     AND to_regclass('pg_temp.hidden_scratch') IS NULL",
-        )
-        .fetch_one(&mut *conn)
+async fn observe_session_state(tx: SqlxTx, report: Report<Observed>) -> Answered {
+    let mut conn = tx.conn().await?;
+    sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('o2', 'tenant-a')")
+        .execute(&mut *conn)
         .await?;
-        report.send(observed);
-        Ok(created("{}"))
-    }
+    let observed: Observed = sqlx::query_as(
+        "SELECT pg_backend_pid(), current_setting('search_path'), \
+             coalesce(current_setting('x.y', true), ''), \
+             coalesce(current_setting('x.hidden', true), ''), \
+             current_user::text, session_user::text, \
+             (SELECT count(*) FROM pg_locks \
+                 WHERE locktype = 'advisory' AND pid = pg_backend_pid()), \
+             to_regclass('pg_temp.scratch') IS NULL \
+                 AND to_regclass('pg_temp.hidden_scratch') IS NULL",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    report.send(observed);
+    Ok(created("{}"))
 }
 
 /// What a handler leaves on its session must not reach the next request on
@@ -579,36 +572,34 @@ async fn session_state_a_handler_sets_does_not_reach_the_next_request() {
 /// Writes an order, tries to end the transaction in several ways (and
 /// what is allowed: a savepoint, a semicolon in a string), and records
 /// which attempts answered as expected.
-fn try_transaction_control(
+async fn try_transaction_control(
     tx: SqlxTx,
     calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
     seen: std::sync::Arc<std::sync::Mutex<Vec<[bool; 7]>>>,
-) -> impl std::future::Future<Output = Answered> + Send {
-    async move {
-        calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let mut conn = tx.conn().await?;
-        sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')")
-            .bind(new_order_id())
+) -> Answered {
+    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let mut conn = tx.conn().await?;
+    sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')")
+        .bind(new_order_id())
+        .execute(&mut *conn)
+        .await?;
+    let answers = [
+        refused(sqlx::query("COMMIT").execute(&mut *conn).await),
+        refused((&mut *conn).execute("/* done */ COMMIT;").await),
+        refused((&mut *conn).execute("END").await),
+        refused((&mut *conn).execute("ROLLBACK").await),
+        refused((&mut *conn).execute("--\rCOMMIT").await),
+        (&mut *conn)
+            .execute("SAVEPOINT s1; RELEASE SAVEPOINT s1")
+            .await
+            .is_ok(),
+        sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('done; commit', 'tenant-a')")
             .execute(&mut *conn)
-            .await?;
-        let answers = [
-            refused(sqlx::query("COMMIT").execute(&mut *conn).await),
-            refused((&mut *conn).execute("/* done */ COMMIT;").await),
-            refused((&mut *conn).execute("END").await),
-            refused((&mut *conn).execute("ROLLBACK").await),
-            refused((&mut *conn).execute("--\rCOMMIT").await),
-            (&mut *conn)
-                .execute("SAVEPOINT s1; RELEASE SAVEPOINT s1")
-                .await
-                .is_ok(),
-            sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('done; commit', 'tenant-a')")
-                .execute(&mut *conn)
-                .await
-                .is_ok(),
-        ];
-        seen.lock().unwrap().push(answers);
-        Ok(created("{}"))
-    }
+            .await
+            .is_ok(),
+    ];
+    seen.lock().unwrap().push(answers);
+    Ok(created("{}"))
 }
 
 /// A `COMMIT` (or any statement that ends the transaction) sent through the
