@@ -319,8 +319,11 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// at most `ttl`. An operator who removes a key so that its client may
     /// run the operation again should wait `ttl` first, or run with the
     /// cache off ([`without_replay_cache`](Self::without_replay_cache)).
-    /// `capacity` 0 turns it off too.
+    /// `capacity` 0 turns it off too. A `ttl` above 100 years (the longest
+    /// retention, which no entry outlives anyway) is clamped to it.
     pub fn replay_cache(mut self, capacity: u64, ttl: Duration) -> Self {
+        // The cache crate panics on a TTL above 1000 years.
+        let ttl = ttl.min(MAX_RETENTION);
         self.endpoint.runtime.cache =
             (capacity > 0 && !ttl.is_zero()).then(|| RecordCache::new(capacity, ttl));
         self
@@ -532,6 +535,50 @@ mod tests {
         assert_eq!(store.claims.load(Ordering::SeqCst), 1, "one claim");
         assert_eq!(store.completions.load(Ordering::SeqCst), 1);
         assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(store.inner.rows("orders").len(), 1);
+    }
+
+    /// A TTL beyond what the cache crate takes (it panics above 1000
+    /// years) is clamped like the other durations; the cache still answers
+    /// the retry.
+    #[tokio::test]
+    async fn replay_cache_with_the_longest_ttl_serves_replays() {
+        let store = Counting::default();
+        let layer = IdempotencyLayer::new(
+            store.clone(),
+            "POST /orders v1",
+            JsonFingerprinter::new("v1"),
+        )
+        .replay_cache(10, Duration::MAX);
+        let mut service = layer.layer(tower::service_fn(
+            |request: Request<RequestBody>| async move {
+                let tx = request.extensions().get::<MemoryTx>().cloned().unwrap();
+                tx.insert("orders", serde_json::json!({"id": 1})).unwrap();
+                let mut response =
+                    Response::new(http_body_util::Full::new(Bytes::from_static(b"{\"id\":1}")));
+                *response.status_mut() = StatusCode::CREATED;
+                Ok::<_, std::convert::Infallible>(response)
+            },
+        ));
+        let mut answers = Vec::new();
+        for _ in 0..2 {
+            let response = service.call(post(r#"{"a":1}"#)).await.unwrap();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status();
+            let body = http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            answers.push((status, replayed, body));
+        }
+        assert_eq!((answers[0].0, answers[0].1), (StatusCode::CREATED, false));
+        assert_eq!((answers[1].0, answers[1].1), (StatusCode::CREATED, true));
+        assert_eq!(answers[1].2, answers[0].2, "the first answer's bytes");
+        assert_eq!(
+            store.claims.load(Ordering::SeqCst),
+            1,
+            "the retry came from the cache"
+        );
         assert_eq!(store.inner.rows("orders").len(), 1);
     }
 

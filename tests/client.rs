@@ -655,3 +655,161 @@ async fn logs_show_the_key_only_hashed() {
         "the raw key never reaches the logs: {logs}"
     );
 }
+
+/// `Retry-After` as an HTTP date (RFC 9110 IMF-fixdate) is waited for like
+/// delay-seconds: until the date, at once if it has passed, and not at all
+/// (the call gives up) if it lies past the total bound.
+#[tokio::test(start_paused = true)]
+async fn retry_after_as_an_http_date_is_waited_for() {
+    let in_30s = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(30));
+    let in_30s: &'static str = Box::leak(in_30s.into_boxed_str());
+    let script = Script::new(vec![
+        problem(409, "idempotency_in_progress", Some(in_30s)),
+        answer(201),
+    ]);
+    let (status, report, _) = send(client(&script, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(report.retries(), [RetryReason::InProgress]);
+    // The date has whole seconds, and the wall clock moved on a little.
+    let waited = script.times()[1];
+    assert!(
+        waited > Duration::from_secs(28) && waited <= Duration::from_secs(30),
+        "waited until the date, not the backoff: {waited:?}"
+    );
+
+    let script = Script::new(vec![
+        problem(
+            503,
+            "store_unavailable",
+            Some("Wed, 21 Oct 2015 07:28:00 GMT"),
+        ),
+        answer(201),
+    ]);
+    let (status, _, _) = send(client(&script, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(
+        script.times(),
+        [Duration::ZERO, Duration::ZERO],
+        "a date in the past: at once"
+    );
+
+    let in_an_hour =
+        httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(3600));
+    let in_an_hour: &'static str = Box::leak(in_an_hour.into_boxed_str());
+    let script = Script::new(vec![problem(
+        409,
+        "idempotency_in_progress",
+        Some(in_an_hour),
+    )]);
+    let started = Instant::now();
+    let (status, report, _) = send(client(&script, IdempotentClientLayer::new()), post())
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(report.gave_up(), Some(GiveUp::Deadline));
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert_eq!(script.seen().len(), 1);
+}
+
+/// A body whose length is not announced (as with chunked transfer coding),
+/// arriving in `chunks`.
+struct Chunked(VecDeque<Bytes>);
+
+impl Chunked {
+    fn new(chunks: &[&[u8]]) -> Self {
+        Chunked(chunks.iter().map(|c| Bytes::copy_from_slice(c)).collect())
+    }
+}
+
+impl http_body::Body for Chunked {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        Poll::Ready(
+            self.get_mut()
+                .0
+                .pop_front()
+                .map(|c| Ok(http_body::Frame::data(c))),
+        )
+    }
+}
+
+type ChunkedServer =
+    tower::util::BoxCloneService<Request<Full<Bytes>>, Response<Chunked>, BoxError>;
+
+/// A server answering each attempt with the next of `answers` (status,
+/// chunks), counting the attempts.
+fn chunked_server(answers: Vec<(u16, Vec<&'static [u8]>)>) -> (ChunkedServer, Arc<Mutex<u32>>) {
+    let attempts = Arc::new(Mutex::new(0_u32));
+    let answers = Arc::new(answers);
+    let server = tower::service_fn({
+        let attempts = attempts.clone();
+        move |_: Request<Full<Bytes>>| {
+            let mut attempts = attempts.lock().unwrap();
+            let (status, chunks) = &answers[(*attempts as usize).min(answers.len() - 1)];
+            *attempts += 1;
+            let response = Response::builder()
+                .status(*status)
+                .header("content-type", "application/problem+json")
+                .header("retry-after", "1")
+                .body(Chunked::new(chunks));
+            std::future::ready(response.map_err(BoxError::from))
+        }
+    });
+    (tower::util::BoxCloneService::new(server), attempts)
+}
+
+const IN_PROGRESS: &[u8] =
+    br#"{"type":"urn:tower-idempotency:problem:idempotency_in_progress","status":409,"code":"idempotency_in_progress"}"#;
+
+/// A `409` whose length is not announced is read all the same (bounded), so
+/// an `idempotency_in_progress` is recognised and retried.
+#[tokio::test(start_paused = true)]
+async fn an_in_progress_409_of_unannounced_length_is_retried() {
+    let (server, attempts) = chunked_server(vec![
+        (409, vec![&IN_PROGRESS[..40], &IN_PROGRESS[40..]]),
+        (201, vec![br#"{"id":"#, br#""o1"}"#]),
+    ]);
+    let response = IdempotentClientLayer::new()
+        .layer(server)
+        .oneshot(post())
+        .await
+        .unwrap();
+    let report = response.extensions().get::<CallReport>().cloned().unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], br#"{"id":"o1"}"#, "the final answer is the 201");
+    assert_eq!(*attempts.lock().unwrap(), 2);
+    assert_eq!(report.attempts(), 2);
+    assert_eq!(report.retries(), [RetryReason::InProgress]);
+}
+
+/// An unannounced `409` larger than the limit is passed on whole, every
+/// byte, and not retried.
+#[tokio::test(start_paused = true)]
+async fn an_unannounced_409_over_the_limit_is_passed_on_whole() {
+    let padding: &'static [u8] = Box::leak(vec![b' '; 70 * 1024].into_boxed_slice());
+    let (server, attempts) = chunked_server(vec![
+        (409, vec![&IN_PROGRESS[..40], padding, &IN_PROGRESS[40..]]),
+        (201, vec![b"{}"]),
+    ]);
+    let response = IdempotentClientLayer::new()
+        .layer(server)
+        .oneshot(post())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let sent = [&IN_PROGRESS[..40], padding, &IN_PROGRESS[40..]].concat();
+    assert_eq!(body.len(), sent.len());
+    assert!(body[..] == sent[..], "every byte, in order");
+    assert_eq!(*attempts.lock().unwrap(), 1);
+}

@@ -11,6 +11,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use http::Method;
+use sqlx::Executor as _;
+use tower::Layer;
 use tower_idempotency::{
     lease::OperationId,
     postgres::PgStore,
@@ -144,8 +146,11 @@ async fn the_handler_writes_through_the_claims_transaction_with_the_default_lock
     );
 }
 
+/// A `COMMIT` through the handler's connection never reaches the server:
+/// the claim's transaction stays whole, and the completion commits the
+/// write with the response.
 #[tokio::test]
-async fn a_handler_that_ends_the_transaction_gets_no_response_remembered() {
+async fn a_commit_through_the_connection_is_refused_and_the_claim_completes() {
     let backend = Sqlx::new().await;
     let store = backend.store.clone();
     let Claim::Owned(tx) = store
@@ -161,26 +166,21 @@ async fn a_handler_that_ends_the_transaction_gets_no_response_remembered() {
             .execute(&mut *conn)
             .await
             .unwrap();
-        sqlx::query("COMMIT").execute(&mut *conn).await.unwrap();
+        let commit = sqlx::query("COMMIT").execute(&mut *conn).await;
+        assert!(
+            matches!(commit, Err(sqlx::Error::InvalidArgument(_))),
+            "{commit:?}"
+        );
     }
-    let err = store.complete(tx, &stored(b"done")).await.unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::TransactionAborted);
+    store.complete(tx, &stored(b"done")).await.unwrap();
     assert_eq!(
         backend
             .count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
             .await,
-        0,
-        "no response remembered for a transaction the handler ended"
+        1,
+        "the response is remembered with the write"
     );
-    // The committed in-progress row is an orphan: the next claim takes it over.
-    let Claim::Owned(tx) = store
-        .claim(&claim_request("k1", Duration::from_secs(2)))
-        .await
-        .unwrap()
-    else {
-        panic!("an orphaned key is taken over");
-    };
-    store.abort(tx).await.unwrap();
+    assert_eq!(backend.orders().await.len(), 1);
     assert_eq!(idle_in_transaction(&backend).await, 0);
 }
 
@@ -407,5 +407,242 @@ async fn abort_cancels_a_statement_left_running_on_the_connection() {
         panic!("the key is free again");
     };
     store.abort(tx).await.unwrap();
+    assert_eq!(idle_in_transaction(&backend).await, 0);
+}
+
+/// The answer of the handlers below.
+type Answered = Result<http::Response<http_body_util::Full<Bytes>>, BoxError>;
+
+/// The layer's service around a handler that runs `f` on the `SqlxTx` the
+/// layer passes.
+fn sqlx_handler<F, Fut>(f: F) -> Handler
+where
+    F: Fn(SqlxTx) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Answered> + Send + 'static,
+{
+    tower::util::BoxCloneService::new(tower::service_fn(
+        move |request: http::Request<tower_idempotency::RequestBody>| {
+            let tx = request.extensions().get::<SqlxTx>().cloned();
+            let f = f.clone();
+            async move { f(tx.ok_or("the layer passes a SqlxTx")?).await }
+        },
+    ))
+}
+
+/// Whether `result` is the guard's refusal, not anything the server said.
+fn refused<T>(result: Result<T, sqlx::Error>) -> bool {
+    matches!(result, Err(sqlx::Error::InvalidArgument(ref m)) if m.contains("idempotency"))
+}
+
+/// Writes an order, then tries `plain` (ignoring the answers, as a careless
+/// handler would) and `leak_session()`; reports its session's process id
+/// and which of `plain` were refused.
+async fn leave_session_state(
+    tx: SqlxTx,
+    plain: Vec<String>,
+    report: Report<(i32, Vec<bool>)>,
+) -> Answered {
+    let mut conn = tx.conn().await?;
+    sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('o1', 'tenant-a')")
+        .execute(&mut *conn)
+        .await?;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await?;
+    let mut answers = Vec::new();
+    for sql in &plain {
+        answers.push(refused((&mut *conn).execute(sql.as_str()).await));
+    }
+    sqlx::query("SELECT leak_session()")
+        .execute(&mut *conn)
+        .await?;
+    report.send((pid, answers));
+    Ok(created("{}"))
+}
+
+/// The session state a request finds: process id, search_path, `x.y`,
+/// `x.hidden`, current and session user, advisory locks held, and whether
+/// no temporary table is there.
+type Observed = (i32, String, String, String, String, String, i64, bool);
+
+/// Writes an order and reports the session state it finds.
+async fn observe_session_state(tx: SqlxTx, report: Report<Observed>) -> Answered {
+    let mut conn = tx.conn().await?;
+    sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('o2', 'tenant-a')")
+        .execute(&mut *conn)
+        .await?;
+    let observed: Observed = sqlx::query_as(
+        "SELECT pg_backend_pid(), current_setting('search_path'), \
+             coalesce(current_setting('x.y', true), ''), \
+             coalesce(current_setting('x.hidden', true), ''), \
+             current_user::text, session_user::text, \
+             (SELECT count(*) FROM pg_locks \
+                 WHERE locktype = 'advisory' AND pid = pg_backend_pid()), \
+             to_regclass('pg_temp.scratch') IS NULL \
+                 AND to_regclass('pg_temp.hidden_scratch') IS NULL",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    report.send(observed);
+    Ok(created("{}"))
+}
+
+/// What a handler leaves on its session must not reach the next request on
+/// the pooled connection (perhaps another tenant's): the plain statements
+/// are refused, and what a function hides is reset behind the commit, as
+/// `PgStore` does. A pool of one: the next request surely gets the same
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_state_a_handler_sets_does_not_reach_the_next_request() {
+    let backend = Sqlx::with_pool(1).await;
+    let role = format!("{}_r", backend.db.name());
+    backend
+        .client
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\"; \
+             GRANT ALL ON ALL TABLES IN SCHEMA public TO \"{role}\"; \
+             GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO \"{role}\"; \
+             CREATE SCHEMA elsewhere; \
+             GRANT USAGE ON SCHEMA elsewhere TO \"{role}\"; \
+             CREATE FUNCTION leak_session() RETURNS void LANGUAGE plpgsql AS $$ BEGIN \
+                 PERFORM set_config('search_path', 'elsewhere, public', false); \
+                 PERFORM set_config('x.hidden', 'v', false); \
+                 PERFORM pg_advisory_lock(43); \
+                 CREATE TEMP TABLE hidden_scratch (x int); \
+                 PERFORM set_config('role', '{role}', false); \
+             END $$;"
+        ))
+        .await
+        .unwrap();
+    let plain = vec![
+        "SET search_path = elsewhere, public".to_owned(),
+        "SELECT set_config('x.y', 'v', false)".to_owned(),
+        "SELECT pg_advisory_lock(42)".to_owned(),
+        "CREATE TEMP TABLE scratch (x int)".to_owned(),
+        format!("SET ROLE \"{role}\""),
+    ];
+    let (report, seen) = Report::channel();
+    let leaving = sqlx_handler(move |tx| leave_session_state(tx, plain.clone(), report.clone()));
+    let first = send(
+        layer(backend.store.clone()).layer(leaving),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert_eq!(first.status, http::StatusCode::CREATED, "{:?}", first.body);
+    let (first_pid, refusals) = seen.await.unwrap();
+
+    let (report, seen) = Report::channel();
+    let looking = sqlx_handler(move |tx| observe_session_state(tx, report.clone()));
+    let second = send(
+        layer(backend.store.clone()).layer(looking),
+        tenant_a_post("k2"),
+    )
+    .await;
+    assert_eq!(
+        second.status,
+        http::StatusCode::CREATED,
+        "{:?}",
+        second.body
+    );
+    let (pid, search_path, setting, hidden, current, session, advisory, no_temp) =
+        seen.await.unwrap();
+    assert_eq!(pid, first_pid, "the same pooled connection");
+    assert!(
+        !search_path.contains("elsewhere"),
+        "search_path reset: {search_path}"
+    );
+    assert_eq!(setting, "", "x.y reset");
+    assert_eq!(hidden, "", "x.hidden reset");
+    assert_eq!(current, session, "the role reset");
+    assert_eq!(advisory, 0, "no session advisory lock held");
+    assert!(no_temp, "no temporary table left");
+    assert_eq!(
+        refusals, [true; 5],
+        "the plain session statements are refused, as PgStore refuses them"
+    );
+    assert_eq!(backend.orders().await.len(), 2);
+    assert_eq!(
+        backend
+            .count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await,
+        2
+    );
+}
+
+/// Writes an order, tries to end the transaction in several ways (and
+/// what is allowed: a savepoint, a semicolon in a string), and records
+/// which attempts answered as expected.
+async fn try_transaction_control(
+    tx: SqlxTx,
+    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<[bool; 7]>>>,
+) -> Answered {
+    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let mut conn = tx.conn().await?;
+    sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')")
+        .bind(new_order_id())
+        .execute(&mut *conn)
+        .await?;
+    let answers = [
+        refused(sqlx::query("COMMIT").execute(&mut *conn).await),
+        refused((&mut *conn).execute("/* done */ COMMIT;").await),
+        refused((&mut *conn).execute("END").await),
+        refused((&mut *conn).execute("ROLLBACK").await),
+        refused((&mut *conn).execute("--\rCOMMIT").await),
+        (&mut *conn)
+            .execute("SAVEPOINT s1; RELEASE SAVEPOINT s1")
+            .await
+            .is_ok(),
+        sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ('done; commit', 'tenant-a')")
+            .execute(&mut *conn)
+            .await
+            .is_ok(),
+    ];
+    seen.lock().unwrap().push(answers);
+    Ok(created("{}"))
+}
+
+/// A `COMMIT` (or any statement that ends the transaction) sent through the
+/// connection is refused before it reaches the server, as `PgStore`'s handle
+/// refuses it (`tests/postgres.rs`,
+/// `transaction_control_through_the_handle_is_refused`): the request
+/// completes, and a retry is a replay, not a second run of the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_control_through_the_connection_is_refused() {
+    let backend = Sqlx::new().await;
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let service = layer(backend.store.clone()).layer(sqlx_handler({
+        let (calls, seen) = (calls.clone(), seen.clone());
+        move |tx| try_transaction_control(tx, calls.clone(), seen.clone())
+    }));
+    let first = send(service.clone(), tenant_a_post("k1")).await;
+    assert_eq!(first.status, http::StatusCode::CREATED, "{:?}", first.body);
+    let retry = send(service, tenant_a_post("k1")).await;
+    assert_eq!(retry.status, http::StatusCode::CREATED);
+    assert!(retry.replayed(), "the retry is answered from the record");
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the handler ran once"
+    );
+    assert_eq!(seen.lock().unwrap()[0], [true; 7]);
+    assert_eq!(
+        backend.orders().await.len(),
+        2,
+        "both orders, committed once"
+    );
+    assert_eq!(
+        backend
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        1
+    );
+    assert_eq!(
+        backend
+            .count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await,
+        1
+    );
     assert_eq!(idle_in_transaction(&backend).await, 0);
 }

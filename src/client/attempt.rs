@@ -8,10 +8,9 @@ use std::{
     task::{Context, Poll},
 };
 
-use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
-use http_body_util::{BodyExt, Limited};
 use tower_service::Service;
 
 use super::{
@@ -22,7 +21,7 @@ use super::{
 };
 
 /// The largest `409` body read for its `code`; the contract's problems are
-/// far smaller. A larger (or unannounced) one is passed on unread.
+/// far smaller. A larger one is passed on as it is.
 const PROBLEM_LIMIT: u64 = 64 * 1024;
 
 /// An answer to one attempt, with the problem `code` of a `409`.
@@ -82,8 +81,11 @@ where
     }
 }
 
-/// Reads a `409` whose size is announced and small, to tell
-/// `idempotency_in_progress` (retried) from every other conflict (not).
+/// Reads a `409` of at most [`PROBLEM_LIMIT`] bytes, whether its length is
+/// announced or not (a chunked answer), to tell `idempotency_in_progress`
+/// (retried) from every other conflict (not). One announced larger is
+/// passed on unread; one that turns out larger while being read is passed
+/// on whole, the bytes read first and then the rest.
 async fn read_problem_code<RB>(
     response: Response<RB>,
     deadline: tokio::time::Instant,
@@ -92,26 +94,48 @@ where
     RB: Body<Data = Bytes>,
     RB::Error: Into<BoxError>,
 {
-    let small = response
-        .body()
-        .size_hint()
-        .upper()
-        .is_some_and(|n| n <= PROBLEM_LIMIT);
-    if !small {
+    if response.body().size_hint().lower() > PROBLEM_LIMIT {
         return Ok(Answer {
             response: response.map(ResponseBody::inner),
             code: None,
         });
     }
     let (parts, body) = response.into_parts();
-    // The body of an answer is part of the attempt: it may break off too.
-    let read = Limited::new(body, PROBLEM_LIMIT as usize).collect();
-    let collected = tokio::time::timeout_at(deadline, read)
+    // Boxed: should the body be too large, what is left of it is passed on,
+    // and the caller's body type need not be `Unpin`.
+    let mut body = Box::pin(body);
+    let mut read = BytesMut::new();
+    let mut trailers: Option<HeaderMap> = None;
+    loop {
+        // The body of an answer is part of the attempt: it may break off
+        // or stall too.
+        let frame = tokio::time::timeout_at(
+            deadline,
+            std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)),
+        )
         .await
-        .map_err(|_| AttemptError::Timeout)?
-        .map_err(AttemptError::Inner)?;
-    let trailers = collected.trailers().cloned();
-    let bytes = collected.to_bytes();
+        .map_err(|_| AttemptError::Timeout)?;
+        let Some(frame) = frame else { break };
+        let frame = frame.map_err(|e| AttemptError::Inner(e.into()))?;
+        match frame.into_data() {
+            Ok(data) => {
+                read.extend_from_slice(&data);
+                if read.len() as u64 > PROBLEM_LIMIT {
+                    let body = ResponseBody::prefixed(read.freeze(), body);
+                    return Ok(Answer {
+                        response: Response::from_parts(parts, body),
+                        code: None,
+                    });
+                }
+            }
+            Err(frame) => {
+                if let Ok(more) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                }
+            }
+        }
+    }
+    let bytes = read.freeze();
     let code = serde_json::from_slice::<serde_json::Value>(&bytes)
         .ok()
         .and_then(|v| v.get("code")?.as_str().map(str::to_owned));

@@ -85,7 +85,8 @@ impl<D: Buf, E> ReplayBody for combinators::UnsyncBoxBody<D, E> {
 pin_project! {
     /// The body of an answer through [`IdempotentClient`](super::IdempotentClient):
     /// the wrapped service's body as it came, or, for a `409` the layer read
-    /// to learn its problem `code`, the same bytes from memory.
+    /// to learn its problem `code`, the same bytes, from memory as far as
+    /// the layer read them.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -97,6 +98,8 @@ pin_project! {
     enum Kind<B> {
         Inner { #[pin] inner: B },
         Buffered { data: Option<Bytes>, trailers: Option<HeaderMap> },
+        // A body read in part: the bytes read, then the rest.
+        Prefixed { data: Option<Bytes>, rest: Pin<Box<B>> },
     }
 }
 
@@ -117,11 +120,23 @@ impl<B> ResponseBody<B> {
     }
 }
 
+impl<B> ResponseBody<B> {
+    pub(crate) fn prefixed(data: Bytes, rest: Pin<Box<B>>) -> Self {
+        ResponseBody {
+            kind: Kind::Prefixed {
+                data: Some(data).filter(|d| !d.is_empty()),
+                rest,
+            },
+        }
+    }
+}
+
 impl<B> fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.kind {
             Kind::Inner { .. } => "Inner",
             Kind::Buffered { .. } => "Buffered",
+            Kind::Prefixed { .. } => "Prefixed",
         };
         f.debug_struct("ResponseBody").field("kind", &kind).finish()
     }
@@ -147,6 +162,12 @@ where
                 }
                 Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
             }
+            KindProj::Prefixed { data, rest } => {
+                if let Some(data) = data.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                rest.as_mut().poll_frame(cx).map_err(Into::into)
+            }
         }
     }
 
@@ -154,6 +175,7 @@ where
         match &self.kind {
             Kind::Inner { inner } => inner.is_end_stream(),
             Kind::Buffered { data, trailers } => data.is_none() && trailers.is_none(),
+            Kind::Prefixed { data, rest } => data.is_none() && rest.is_end_stream(),
         }
     }
 
@@ -162,6 +184,16 @@ where
             Kind::Inner { inner } => inner.size_hint(),
             Kind::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Kind::Prefixed { data, rest } => {
+                let read = data.as_ref().map_or(0, |d| d.len() as u64);
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower().saturating_add(read));
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper.saturating_add(read));
+                }
+                hint
             }
         }
     }

@@ -42,10 +42,16 @@
 //! | `2xx` (new or `Idempotent-Replayed: true`) | no | done |
 //! | `500`, other `5xx` | no | the server's contract: the same request fails the same way (`commit_rejected`) |
 //!
-//! Without `Retry-After` (delay-seconds), the wait is a jittered exponential
-//! backoff ([`backoff`](IdempotentClientLayer::backoff)). A retryable outcome
-//! whose body cannot be replayed, or that comes after the last attempt, or
-//! whose wait would pass the deadline, is returned as it is.
+//! `Retry-After` counts in either form, delay-seconds or an HTTP date (the
+//! wait until it by the local clock, none if it has passed). Without it,
+//! the wait is a jittered exponential backoff
+//! ([`backoff`](IdempotentClientLayer::backoff)). A retryable outcome whose
+//! body cannot be replayed, or that comes after the last attempt, or whose
+//! wait would pass the deadline, is returned as it is.
+//!
+//! A `409`'s body is read for its `code`, up to 64 KiB, whether its length
+//! is announced or not (chunked); one announced larger is passed on unread,
+//! one that turns out larger is passed on whole, neither retried.
 //!
 //! # Example
 //!

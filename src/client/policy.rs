@@ -64,13 +64,24 @@ pub(crate) fn verdict<RB>(outcome: &Outcome<RB>) -> Option<RetryReason> {
     }
 }
 
-/// `Retry-After` in its delay-seconds form. (The HTTP-date form is read as
-/// absent: the backoff applies.)
+/// `Retry-After` as the wait it asks for (RFC 9110 §10.2.3): delay-seconds,
+/// or an HTTP date (the time until it by this machine's clock; none if it
+/// has passed). Unreadable is absent: the backoff applies. Either form is
+/// bounded by the call's deadline, where the policy gives up instead.
 fn retry_after<RB>(outcome: &Outcome<RB>) -> Option<Duration> {
     let Ok(answer) = outcome else { return None };
     let value = answer.response.headers().get(header::RETRY_AFTER)?;
-    let seconds: u64 = value.to_str().ok()?.trim().parse().ok()?;
-    Some(Duration::from_secs(seconds))
+    let value = value.to_str().ok()?.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    // IMF-fixdate, and the obsolete RFC 850 and asctime forms a recipient
+    // must accept too.
+    let date = httpdate::parse_http_date(value).ok()?;
+    Some(
+        date.duration_since(std::time::SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
 }
 
 /// The call's retry policy (`tower::retry::Policy`); one per call.

@@ -16,10 +16,10 @@ use tokio_postgres::error::SqlState;
 // `DISCARD ALL` does except dropping prepared statements (the pool's cached
 // statements live on). Sent pipelined behind the COMMIT or ROLLBACK, in a
 // message of its own so that its outcome never blurs the commit's.
-// `PgTx` refuses the plain ways to change the session; this catches the
-// hidden ones (a function calling `set_config(…, false)` or taking a session
+// `PgTx` (and `SqlxStore`'s guarded connection) refuses the plain ways to
+// change the session; this catches the hidden ones (a function calling `set_config(…, false)` or taking a session
 // advisory lock).
-pub(super) const SESSION_RESET: &str =
+pub(crate) const SESSION_RESET: &str =
     "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; CLOSE ALL; UNLISTEN *; \
      SELECT pg_advisory_unlock_all(); DISCARD TEMP";
 

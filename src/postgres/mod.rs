@@ -64,12 +64,12 @@ use crate::store::{
 
 mod admin;
 mod claim;
-mod conn;
+pub(crate) mod conn;
 mod decode;
 mod error;
 pub(crate) mod finish;
 pub(crate) mod lease;
-mod lexer;
+pub(crate) mod lexer;
 pub(crate) mod migrations;
 mod pool;
 mod session;

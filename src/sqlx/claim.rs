@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
-use ::sqlx::{PgConnection, Postgres, Row, Transaction};
+use ::sqlx::{PgConnection, Postgres, Row};
 use bytes::Bytes;
 use http::StatusCode;
 
 use super::{
+    conn::GuardedConnection,
     error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
     SqlxStore, SqlxTx,
 };
@@ -82,11 +83,13 @@ pub(super) async fn claim(
     request: &ClaimRequest,
 ) -> Result<Claim<SqlxTx>, StoreError> {
     // Taking a connection is bounded by the pool's acquire timeout.
-    let mut tx = store.pool.begin().await.map_err(map_error)?;
+    let mut tx = GuardedConnection::begin(&store.pool)
+        .await
+        .map_err(map_error)?;
     let wait = request.wait.max(MIN_WAIT);
-    let found = tokio::time::timeout(wait + GRACE, arbitrate(&mut tx, request, wait)).await;
-    // Cut off mid-statement or failed, `tx` is dropped: sqlx rolls it back
-    // before the connection is lent again.
+    let found = tokio::time::timeout(wait + GRACE, arbitrate(tx.raw(), request, wait)).await;
+    // Cut off mid-statement, `tx` is dropped: its connection is closed, and
+    // the server rolls back.
     let found = match found {
         Err(_) => {
             return Err(StoreError::new(
@@ -95,12 +98,12 @@ pub(super) async fn claim(
             ))
         }
         Ok(Err(e)) if sql_state(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-            rollback(tx).await;
+            tx.rollback_quietly().await;
             return Ok(Claim::InProgress);
         }
         Ok(Err(e)) => {
             let error = map_error(e);
-            rollback(tx).await;
+            tx.rollback_quietly().await;
             return Err(error);
         }
         Ok(Ok(found)) => found,
@@ -118,20 +121,13 @@ pub(super) async fn claim(
             false,
         ))),
         Found::Completed(record) => {
-            rollback(tx).await;
+            tx.rollback_quietly().await;
             Ok(Claim::Completed(record))
         }
         Found::Running => {
-            rollback(tx).await;
+            tx.rollback_quietly().await;
             Ok(Claim::InProgress)
         }
-    }
-}
-
-/// A transaction that wrote nothing of use: end it.
-async fn rollback(tx: Transaction<'static, Postgres>) {
-    if let Err(e) = tx.rollback().await {
-        tracing::debug!(error = %e, "rolling back a claim's transaction failed");
     }
 }
 

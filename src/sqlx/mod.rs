@@ -53,8 +53,8 @@
 //!    the claim's token, state and transaction id still match: otherwise
 //!    the statement fails and nothing commits) and commits.
 //! 3. **Abort frees the key.** `abort` rolls back, and with it the row; so
-//!    does dropping every clone of the [`SqlxTx`] (`sqlx` rolls back a
-//!    dropped transaction before its connection is lent again).
+//!    does dropping every clone of the [`SqlxTx`] (its connection is closed
+//!    instead of going back to the pool, and PostgreSQL rolls back).
 //! 4. **Bounded waiting.** `SET LOCAL lock_timeout` to the claim's wait: a
 //!    claim that meets an owner's row waits at most that long (`55P03`),
 //!    then answers [`Claim::InProgress`];
@@ -80,10 +80,12 @@
 //!
 //! # Compared with `PgStore`
 //!
-//! `PgStore` pipelines the claim behind `BEGIN` and the `COMMIT` behind the
-//! response (two round trips per created resource, where this store takes
-//! five) and guards the handle against transaction control statements.
-//! Both cancel a statement the handler left running when the layer rolls
+//! `PgStore` pipelines the claim behind `BEGIN`, and the `COMMIT` and the
+//! session reset behind the response (two round trips per created
+//! resource, where this store takes six). Both guard the handler's
+//! connection alike: statements that would end the transaction or change
+//! the pooled session are refused ([`GuardedConnection`]), and the session
+//! is reset before the connection serves anyone else. Both cancel a statement the handler left running when the layer rolls
 //! its transaction back (this store by `pg_cancel_backend` after half a
 //! second). This store's worth is the pool and the transaction type your
 //! code already uses.
@@ -99,10 +101,12 @@ use crate::{
 };
 
 mod claim;
+mod conn;
 mod error;
 mod lease;
 mod tx;
 
+pub use conn::GuardedConnection;
 pub use lease::SqlxLease;
 pub use tx::{SqlxConn, SqlxTx};
 

@@ -8,10 +8,13 @@ use std::{
     time::Duration,
 };
 
-use ::sqlx::{Connection as _, PgConnection, PgPool, Postgres, Transaction};
+use ::sqlx::{Connection as _, PgConnection, PgPool};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
-use super::error::{map_commit_error, map_error};
+use super::{
+    conn::GuardedConnection,
+    error::{map_commit_error, map_error},
+};
 use crate::{
     key::IdempotencyKey,
     record::StoredResponse,
@@ -58,19 +61,20 @@ const COMPLETE: &str = "WITH done AS ( \
 /// # Ok(()) }
 /// ```
 ///
-/// Never end the transaction through it (`COMMIT`, `ROLLBACK`): the
-/// completion then finds the transaction changed and refuses to remember a
-/// response ([`StoreErrorKind::TransactionAborted`]). Dropped unfinished
-/// (every clone gone: a panicking handler, a cancelled request), the
-/// transaction rolls back: `sqlx` sends the `ROLLBACK` when the connection
-/// goes back to its pool, before anyone else can use it.
+/// The connection is guarded as [`PgTx`](crate::postgres::PgTx) is: a
+/// statement that would end the transaction (`COMMIT`, `ROLLBACK`) or
+/// change the pooled session beyond this request is refused before it
+/// reaches the server (see [`GuardedConnection`]), and the session is reset
+/// behind the `COMMIT` or `ROLLBACK`. Dropped unfinished (every clone gone:
+/// a panicking handler, a cancelled request), the connection is closed
+/// instead of going back to the pool, and PostgreSQL rolls back.
 #[derive(Clone)]
 pub struct SqlxTx {
     inner: Arc<Shared>,
 }
 
 struct Shared {
-    tx: Mutex<Option<Transaction<'static, Postgres>>>,
+    tx: Mutex<Option<GuardedConnection>>,
     // For a cancel request: the pool, and the process id of the
     // transaction's session.
     pool: PgPool,
@@ -86,22 +90,23 @@ struct Shared {
 }
 
 /// The claim's connection, borrowed from a [`SqlxTx`] for the handler's
-/// statements: `&mut *conn` is a `sqlx` executor. Other clones of the
-/// handle wait while it is held.
+/// statements: `&mut *conn` is a `sqlx` executor, behind the statement
+/// guard ([`GuardedConnection`]). Other clones of the handle wait while it
+/// is held.
 pub struct SqlxConn<'a> {
-    conn: MappedMutexGuard<'a, PgConnection>,
+    conn: MappedMutexGuard<'a, GuardedConnection>,
 }
 
 impl Deref for SqlxConn<'_> {
-    type Target = PgConnection;
+    type Target = GuardedConnection;
 
-    fn deref(&self) -> &PgConnection {
+    fn deref(&self) -> &GuardedConnection {
         &self.conn
     }
 }
 
 impl DerefMut for SqlxConn<'_> {
-    fn deref_mut(&mut self) -> &mut PgConnection {
+    fn deref_mut(&mut self) -> &mut GuardedConnection {
         &mut self.conn
     }
 }
@@ -115,7 +120,7 @@ impl fmt::Debug for SqlxConn<'_> {
 impl SqlxTx {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
-        tx: Transaction<'static, Postgres>,
+        tx: GuardedConnection,
         pool: PgPool,
         pid: i32,
         scope: Scope,
@@ -147,8 +152,7 @@ impl SqlxTx {
     /// after the handler returned).
     pub async fn conn(&self) -> Result<SqlxConn<'_>, StoreError> {
         let guard = self.inner.tx.lock().await;
-        let conn = MutexGuard::try_map(guard, |tx| tx.as_mut().map(|tx| &mut **tx))
-            .map_err(|_| finished())?;
+        let conn = MutexGuard::try_map(guard, Option::as_mut).map_err(|_| finished())?;
         Ok(SqlxConn { conn })
     }
 
@@ -180,7 +184,7 @@ impl SqlxTx {
     /// [`CANCEL_GRACE`] more the store gives up (`Unavailable`; the
     /// transaction is rolled back once the statement ends and the last
     /// handle is dropped).
-    async fn take(&self) -> Result<Option<Transaction<'static, Postgres>>, StoreError> {
+    async fn take(&self) -> Result<Option<GuardedConnection>, StoreError> {
         if let Ok(mut held) = tokio::time::timeout(ROLLBACK_PATIENCE, self.inner.tx.lock()).await {
             return Ok(held.take());
         }
@@ -220,12 +224,12 @@ impl fmt::Debug for SqlxTx {
 impl Drop for Shared {
     fn drop(&mut self) {
         if self.tx.get_mut().is_some() {
-            // sqlx's own drop queues the ROLLBACK; the pool sends it when
-            // it takes the connection back, before lending it again.
+            // The connection closes instead of going back to the pool
+            // (`GuardedConnection`'s drop); PostgreSQL rolls back.
             tracing::warn!(
                 endpoint = self.scope.endpoint(),
                 key_hash = %self.key.short_hash(),
-                "idempotency transaction dropped unfinished; rolled back"
+                "idempotency transaction dropped unfinished; closing its connection (rolled back)"
             );
         }
     }
@@ -239,13 +243,14 @@ fn finished() -> StoreError {
 }
 
 /// [`Store::complete`](crate::store::Store::complete): the response, checked
-/// against the claim's token and transaction, then `COMMIT`.
+/// against the claim's token and transaction, then `COMMIT` and the session
+/// reset.
 pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
     let Some(mut transaction) = tx.take().await? else {
         return Err(finished());
     };
     if tx.inner.fenced {
-        if let Err(e) = transaction.rollback().await {
+        if let Err(e) = transaction.end("ROLLBACK", true).await {
             tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
         }
         return Err(StoreError::new(
@@ -265,24 +270,28 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
         .bind(shared.retention.as_secs_f64())
         .bind(shared.xid.as_str())
         .bind(response.resource_id.as_ref().map(|id| id.as_str()))
-        .execute(&mut *transaction)
+        .execute(transaction.raw())
         .await;
     if let Err(e) = remembered {
         let error = map_error(e);
-        // An explicit rollback; should it fail, dropping the transaction
-        // queues one that the pool sends before reusing the connection.
-        if let Err(rollback) = transaction.rollback().await {
+        // Should the rollback fail, the connection is closed, and the
+        // server rolls back.
+        if let Err(rollback) = transaction.end("ROLLBACK", true).await {
             tracing::debug!(error = %rollback, "rolling back a failed completion failed");
         }
         return Err(error);
     }
-    transaction.commit().await.map_err(map_commit_error)
+    transaction
+        .end("COMMIT", true)
+        .await
+        .map_err(map_commit_error)
 }
 
 /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced):
 /// the check that the transaction is intact and still holds the record at
 /// its token (it cannot have lost it while holding the row `FOR SHARE`,
-/// unless the handler ended the transaction), then `COMMIT`.
+/// unless the handler ended the transaction), then `COMMIT` and the session
+/// reset.
 pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
     if !tx.inner.fenced {
         return Err(StoreError::new(
@@ -300,16 +309,19 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
         .bind(shared.key.as_str())
         .bind(shared.token)
         .bind(shared.xid.as_str())
-        .execute(&mut *transaction)
+        .execute(transaction.raw())
         .await;
     if let Err(e) = checked {
         let error = map_error(e);
-        if let Err(rollback) = transaction.rollback().await {
+        if let Err(rollback) = transaction.end("ROLLBACK", true).await {
             tracing::debug!(error = %rollback, "rolling back a failed fenced commit failed");
         }
         return Err(error);
     }
-    transaction.commit().await.map_err(map_commit_error)
+    transaction
+        .end("COMMIT", true)
+        .await
+        .map_err(map_commit_error)
 }
 
 /// How long a `ROLLBACK` may queue behind a statement still running on the
@@ -318,8 +330,8 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
 const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
-/// [`Store::abort`](crate::store::Store::abort): rolls back; a no-op once
-/// the transaction ended.
+/// [`Store::abort`](crate::store::Store::abort): rolls back and resets the
+/// session; a no-op once the transaction ended.
 ///
 /// A statement the handler started may still run on the connection (its
 /// future was dropped at the layer's deadline, which released the handle):
@@ -332,15 +344,15 @@ pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
         return Ok(());
     };
     let drained = {
-        let mut drain = std::pin::pin!(drain(&mut transaction));
+        let mut drain = std::pin::pin!(drain(transaction.raw()));
         match tokio::time::timeout(ROLLBACK_PATIENCE, &mut drain).await {
             Ok(drained) => drained,
             Err(_) => {
                 tx.cancel_running().await;
                 match tokio::time::timeout(CANCEL_GRACE, drain).await {
                     Ok(drained) => drained,
-                    // Dropped, the transaction is rolled back by sqlx before
-                    // the connection is lent again (once the statement ends).
+                    // Dropped, the connection is closed; the server rolls
+                    // back once the statement ends.
                     Err(_) => {
                         return Err(StoreError::new(
                             StoreErrorKind::Unavailable,
@@ -353,7 +365,7 @@ pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
     };
     // The connection itself failed: dropped, the transaction ends with it.
     drained.map_err(map_error)?;
-    transaction.rollback().await.map_err(map_error)
+    transaction.end("ROLLBACK", true).await.map_err(map_error)
 }
 
 /// Waits until nothing runs on the connection any more. The answer of a

@@ -232,9 +232,14 @@ pub(crate) struct Sqlx {
 
 impl Sqlx {
     pub(crate) async fn new() -> Self {
+        Self::with_pool(16).await
+    }
+
+    /// A fresh database with a store on a pool of at most `max_connections`.
+    pub(crate) async fn with_pool(max_connections: u32) -> Self {
         let db = TestDatabase::create().await;
         let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(16)
+            .max_connections(max_connections)
             .connect_with(sqlx_options(&db))
             .await
             .expect("the pool connects");

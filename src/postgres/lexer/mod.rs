@@ -1,6 +1,7 @@
 //! Just enough of PostgreSQL's SQL scanner to tell what each statement does,
-//! so that [`PgTx`](super::PgTx) can refuse statements that would end the
-//! layer's transaction or change the pooled session for later requests.
+//! so that [`PgTx`](super::PgTx) (and `SqlxStore`'s guarded connection) can
+//! refuse statements that would end the layer's transaction or change the
+//! pooled session for later requests.
 //!
 //! The lexer follows PostgreSQL's (`src/backend/parser/scan.l`) wherever a
 //! token's boundary decides what counts as a keyword: strings in all their
@@ -25,7 +26,7 @@
 
 /// Why a statement is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Refusal {
+pub(crate) enum Refusal {
     /// BEGIN, START, COMMIT, END, ABORT, ROLLBACK (but not ROLLBACK TO),
     /// PREPARE TRANSACTION, COMMIT/ROLLBACK PREPARED; also text the lexer
     /// cannot follow (see the module docs).
@@ -37,7 +38,7 @@ pub(super) enum Refusal {
 }
 
 /// The first refused statement in `sql`, if any.
-pub(super) fn refusal(sql: &str) -> Option<Refusal> {
+pub(crate) fn refusal(sql: &str) -> Option<Refusal> {
     // The server reads query text only up to a NUL.
     if sql.contains('\0') {
         return Some(Refusal::TransactionControl);

@@ -17,6 +17,7 @@ use crate::{
     scope::{Scope, TenantId},
     sqlx::{
         claim::set_waits,
+        conn::GuardedConnection,
         error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
         tx, SqlxStore, SqlxTx,
     },
@@ -349,13 +350,15 @@ impl SqlxStore {
 /// Begins a fenced transaction and holds the record at the lease's token.
 pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
     let store = &lease.inner.store;
-    let mut tx = store.pool.begin().await.map_err(map_error)?;
+    let mut tx = GuardedConnection::begin(&store.pool)
+        .await
+        .map_err(map_error)?;
     let (tenant, endpoint, key, token) = lease.columns();
     let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
         // A lock wait inside gives up after half a lease (at most the row
         // wait); left idle for a whole lease, the server ends it.
         let pid = set_waits(
-            &mut tx,
+            tx.raw(),
             ROW_WAIT.min(lease.inner.lease / 2),
             Some(lease.inner.lease),
         )
@@ -365,7 +368,7 @@ pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError>
             .bind(endpoint)
             .bind(key)
             .bind(token)
-            .fetch_optional(&mut *tx)
+            .fetch_optional(tx.raw())
             .await?;
         Ok::<_, ::sqlx::Error>(row.map(|row| (row, pid)))
     })
@@ -374,13 +377,13 @@ pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError>
         Err(_) => return Err(timed_out()),
         Ok(Err(e)) => {
             let error = map_error(e);
-            rollback(tx).await;
+            tx.rollback_quietly().await;
             return Err(error);
         }
         Ok(Ok(row)) => row,
     };
     let Some((row, pid)) = row else {
-        rollback(tx).await;
+        tx.rollback_quietly().await;
         crate::metrics::fenced(endpoint, crate::metrics::FencedAt::Write);
         return Err(lease.fenced_error());
     };
