@@ -423,7 +423,7 @@ async fn fulfilment_runs_as_a_long_running_operation() {
     if running.json()["state"] == "running" {
         assert_eq!(
             running.json(),
-            json!({"operation_id": operation_id, "state": "running"}),
+            json!({"operation_id": operation_id, "state": "running", "attempts": 1}),
             "no result while it runs"
         );
     }
@@ -1034,10 +1034,12 @@ async fn concurrent_fulfilments_of_one_order_ship_once() {
         "{loser:?}"
     );
     assert!(loser.headers.contains_key("retry-after"));
-    assert_eq!(
-        db.state(loser_key).await,
+    // Not remembered, and not forgotten: the loser's operation keeps its
+    // identity for its next attempt (its retry, or the recovery worker).
+    assert_ne!(
+        db.state(loser_key).await.as_deref(),
         None,
-        "not remembered: the key is free"
+        "the operation stays for its next attempt"
     );
     let metrics = server.metrics().await;
     assert_eq!(
@@ -1076,4 +1078,129 @@ async fn concurrent_fulfilments_of_one_order_ship_once() {
         (StatusCode::CONFLICT, json!("already_fulfilled"))
     );
     assert_eq!(retry.json()["shipment_id"], shipment_id.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flaky_warehouse_ships_once_and_the_retry_resumes_the_same_operation() {
+    let db = Db::create().await;
+    let env = [("FULFILMENT_DELAY", "0s"), ("IDEMPOTENCY_LEASE", "2s")];
+    let a = Server::start(&db, &env).await;
+    let order_id = a.order("chk_flaky").await;
+    let flaky = r#"{"warehouse":"flaky-osaka"}"#;
+
+    // The warehouse ships, then its answer is lost: the attempt fails.
+    let lost = a.fulfil("ship-f", &order_id, flaky).await;
+    assert_eq!(lost.status, StatusCode::SERVICE_UNAVAILABLE, "{lost:?}");
+    assert_eq!(lost.json()["code"], "warehouse_unavailable");
+    assert!(lost.headers.contains_key("retry-after"));
+    let detail = lost.json()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(!detail.contains("nothing was changed"), "{detail}");
+    let shipments = db.shipments(&order_id).await;
+    assert_eq!(shipments.len(), 1, "the warehouse shipped once");
+    // The operation stays, its status resource answers, its attempt counted.
+    assert_eq!(db.state("ship-f").await.as_deref(), Some("in_progress"));
+    let operation_id: String = db
+        .value(
+            "SELECT operation_id::text FROM idempotency_requests WHERE endpoint = $1 AND idempotency_key = $2",
+            &[&ENDPOINT, &"ship-f"],
+        )
+        .await;
+    let status = a
+        .get_as(TOKEN_A, &format!("/operations/{operation_id}"))
+        .await;
+    assert_eq!(status.status, StatusCode::OK);
+    assert_eq!(status.json()["state"], "running");
+    assert_eq!(status.json()["attempts"], 1);
+    assert_eq!(
+        shipments[0].1,
+        derive_key(&operation_id, "warehouse.ship"),
+        "shipped under the operation's derived key"
+    );
+
+    // The client's retry resumes the same operation: the same warehouse
+    // key finds that one shipment, and the order is marked shipped.
+    let retry = a.fulfil("ship-f", &order_id, flaky).await;
+    assert_eq!(retry.status, StatusCode::OK, "{retry:?}");
+    assert_eq!(retry.json()["shipment_id"], shipments[0].0.as_str());
+    assert_eq!(
+        db.shipments(&order_id).await.len(),
+        1,
+        "never shipped twice"
+    );
+    assert_eq!(db.state("ship-f").await.as_deref(), Some("completed"));
+    let attempts: i32 = db
+        .value(
+            "SELECT attempts FROM idempotency_requests WHERE endpoint = $1 AND idempotency_key = $2",
+            &[&ENDPOINT, &"ship-f"],
+        )
+        .await;
+    assert_eq!(attempts, 2);
+    let status = a.completed(&operation_id).await;
+    assert_eq!(status["attempts"], 2);
+    assert_eq!(status["result"]["status"], 200);
+    let order = a.get_as(TOKEN_A, &format!("/orders/{order_id}")).await;
+    assert_eq!(order.json()["fulfilment"], "shipped");
+    // A later retry replays the answer.
+    let replay = a.fulfil("ship-f", &order_id, flaky).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, retry.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_warehouse_ends_the_operation_failed_after_max_attempts() {
+    let db = Db::create().await;
+    let env = [
+        ("FULFILMENT_DELAY", "0s"),
+        ("IDEMPOTENCY_LEASE", "1s"),
+        ("IDEMPOTENCY_MAX_ATTEMPTS", "3"),
+    ];
+    let a = Server::start(&db, &env).await;
+    let order_id = a.order("chk_poison").await;
+    let poison = r#"{"warehouse":"poison-kobe"}"#;
+    let first = a.fulfil("ship-p", &order_id, poison).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+    let operation_id: String = db
+        .value(
+            "SELECT operation_id::text FROM idempotency_requests WHERE endpoint = $1 AND idempotency_key = $2",
+            &[&ENDPOINT, &"ship-p"],
+        )
+        .await;
+    // Nobody retries: the recovery worker re-drives it, backing off, until
+    // the third attempt fails it.
+    eventually("the operation to end failed", || async {
+        db.state("ship-p").await.as_deref() == Some("failed")
+    })
+    .await;
+    let attempts: i32 = db
+        .value(
+            "SELECT attempts FROM idempotency_requests WHERE endpoint = $1 AND idempotency_key = $2",
+            &[&ENDPOINT, &"ship-p"],
+        )
+        .await;
+    assert_eq!(attempts, 3);
+    assert!(db.shipments(&order_id).await.is_empty(), "nothing shipped");
+    let status = a
+        .get_as(TOKEN_A, &format!("/operations/{operation_id}"))
+        .await;
+    assert_eq!(status.status, StatusCode::OK);
+    let status = status.json();
+    assert_eq!(status["state"], "failed");
+    assert_eq!(status["attempts"], 3);
+    assert_eq!(status["error"]["code"], "operation_failed");
+    // A retry of the POST replays the remembered failure.
+    let retry = a.fulfil("ship-p", &order_id, poison).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["code"], "operation_failed");
+    let metrics = a.metrics().await;
+    assert_eq!(
+        metric(&metrics, "idempotency_operations_failed_total"),
+        1.0,
+        "{metrics}"
+    );
+    let order = a.get_as(TOKEN_A, &format!("/orders/{order_id}")).await;
+    assert_ne!(order.json()["fulfilment"], "shipped");
 }
