@@ -6,8 +6,10 @@ use std::{fmt, str::FromStr};
 ///
 /// 122 random bits (a UUID version 4): not guessable, and unrelated to the
 /// idempotency key, so it can be shown in URLs and logs without leaking the
-/// key. A takeover keeps it; only a new operation under the key (after its
-/// record expired) gets a new one.
+/// key. Every attempt keeps it (a takeover, a recovery, the retry after an
+/// attempt that failed), so downstream keys derived from it stay the same;
+/// only a new operation under the key (after its record expired) gets a
+/// new one.
 ///
 /// ```
 /// use tower_idempotency::lease::OperationId;

@@ -35,11 +35,27 @@
 //! 4. The layer heartbeats every [`LeaseConfig::heartbeat`]. Should the owner
 //!    die or stall, its lease runs out and the next duplicate (or the
 //!    [`Recovery`] worker) takes the operation over under a larger token.
-//! 5. Work that ends without an answer to remember (a 5xx, an error, the
-//!    handler timeout) frees the key, as a rollback does in the short mode:
-//!    its record is removed, the status resource answers `404` for its id,
-//!    and the client's retry with the same key starts afresh.
-//! 6. Every write the work makes goes through a fenced transaction
+//! 5. **An operation keeps its identity.** An attempt that ends without an
+//!    answer to remember (a 5xx, an error, a panic, the handler timeout, a
+//!    crash) does not forget the operation: fenced work may have committed
+//!    and downstream calls keyed by it may have been sent. Its lease is
+//!    given up ([`LeaseStore::release`](crate::store::LeaseStore::release):
+//!    the lease expires now and the token moves on), and the next attempt,
+//!    a retry with the same key (at once) or the [`Recovery`] worker (after
+//!    its backoff, [`LeaseConfig::recovery_backoff`]), resumes the **same
+//!    operation id** under a larger token. Another request under the key
+//!    gets `409 idempotency_key_reused` meanwhile.
+//! 6. **Attempts are bounded.** Each attempt is counted (the first run,
+//!    takeovers, recoveries; [`Owned::attempt`](crate::store::Owned::attempt)).
+//!    After [`LeaseConfig::max_attempts`] (default 5) attempts without an
+//!    answer the operation ends **failed**: a remembered
+//!    `500 operation_failed` answered, replayed to every retry with
+//!    `Idempotent-Replayed: true`, and shown by the status resource as
+//!    `{"state": "failed", "attempts": N, "error": {…}}`. A last attempt
+//!    that took its process down is failed by the next acquisition, which
+//!    then runs nothing. `202` and `409 idempotency_in_progress` carry
+//!    `Retry-After` (the heartbeat, in whole seconds).
+//! 7. Every write the work makes goes through a fenced transaction
 //!    ([`PgLease::transaction`](crate::postgres::PgLease::transaction)),
 //!    which holds the record at the owner's token until it commits, and the
 //!    final answer is stored by a compare-and-swap on the token. A stale
@@ -75,6 +91,7 @@
 //! | work takes | milliseconds | seconds to minutes |
 //! | handler writes and answer commit | in one transaction | in fenced transactions; the answer by CAS |
 //! | a crash mid-work | rolls back: nothing happened | lease expires: taken over, re-driven |
+//! | a failed attempt | rolls back; the key is free | the operation stays for its next attempt; `failed` after the last |
 //! | first answer | always final | final, or `202` + status resource |
 //! | the handler must | write through `PgTx` | be re-drivable (above) |
 
