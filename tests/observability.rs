@@ -464,7 +464,9 @@ async fn long_running_operations_are_observable() {
     let layer = v1_layer(pg.store.clone(), ENDPOINT).long_running(
         LeaseConfig::new(LEASE)
             .heartbeat(Duration::from_millis(50))
-            .respond_within(Duration::from_millis(50)),
+            .respond_within(Duration::from_millis(50))
+            // Recovered as soon as the lease expired.
+            .recovery_backoff(Duration::ZERO, Duration::ZERO),
     );
     let until_expired = |key: &'static str| {
         let client = &pg.client;
