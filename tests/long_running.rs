@@ -242,6 +242,10 @@ async fn slow_work_answers_202_and_a_duplicate_gets_the_same_202_without_a_secon
     let id = first.json()["operation_id"].as_str().unwrap().to_owned();
     assert_eq!(first.json()["state"], "running");
     assert_eq!(first.headers["location"], format!("/operations/{id}"));
+    assert_eq!(
+        first.headers["retry-after"], "1",
+        "the heartbeat (100 ms) in whole seconds, at least 1"
+    );
     let (state, _, lease, stored_id) = row(&pg, "k1").await.unwrap();
     assert_eq!(
         (state.as_str(), lease),

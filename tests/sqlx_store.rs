@@ -646,3 +646,88 @@ async fn transaction_control_through_the_connection_is_refused() {
     );
     assert_eq!(idle_in_transaction(&backend).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_attempt_on_sqlx_store_keeps_the_operation_for_the_retry() {
+    use std::sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    };
+
+    use http::{Request, Response, StatusCode};
+    use http_body_util::Full;
+    use tower_idempotency::{
+        fingerprint::JsonFingerprinter, lease::LeaseConfig, sqlx::SqlxLease, IdempotencyLayer,
+        RequestBody,
+    };
+
+    let backend = Sqlx::new().await;
+    let layer = IdempotencyLayer::new(
+        backend.store.clone(),
+        "POST /orders v1",
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .long_running(
+        LeaseConfig::new(Duration::from_secs(10))
+            .heartbeat(Duration::from_millis(100))
+            .respond_within(Duration::from_secs(5)),
+    );
+    let calls = Arc::new(AtomicU64::new(0));
+    // The first attempt commits an order named by its operation, then its
+    // answer is lost (502); the next one answers with the operation id.
+    let handler = {
+        let calls = calls.clone();
+        tower::util::BoxCloneService::new(tower::service_fn(
+            move |request: Request<RequestBody>| {
+                let calls = calls.clone();
+                async move {
+                    let lease = request
+                        .extensions()
+                        .get::<SqlxLease>()
+                        .cloned()
+                        .ok_or("no lease")?;
+                    let id = format!("ord-{}", lease.operation_id());
+                    let mut response = Response::new(Full::new(Bytes::from(id.clone())));
+                    if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                        let tx = lease.transaction().await?;
+                        Sqlx::insert_order(&tx, &id, lease.tenant()).await?;
+                        lease.commit(tx).await?;
+                        *response.status_mut() = StatusCode::BAD_GATEWAY;
+                    } else {
+                        *response.status_mut() = StatusCode::CREATED;
+                    }
+                    Ok::<_, BoxError>(response)
+                }
+            },
+        ))
+    };
+    let service = layer.layer(handler);
+    let first = send(service.clone(), tenant_a_post("k-fail")).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        backend
+            .count(
+                "SELECT count(*) FROM idempotency_requests WHERE state = 'in_progress' \
+                 AND attempts = 1 AND lease_expires_at <= now()"
+            )
+            .await,
+        1,
+        "the operation stays, its lease given up"
+    );
+    let retry = send(service.clone(), tenant_a_post("k-fail")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.body, first.body, "the same operation id");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let orders = backend.orders().await;
+    assert_eq!(orders.len(), 1);
+    assert_eq!(orders[0].0.as_bytes(), &retry.body[..]);
+    assert_eq!(
+        backend
+            .count(
+                "SELECT count(*) FROM idempotency_requests WHERE state = 'completed' AND attempts = 2"
+            )
+            .await,
+        1
+    );
+    assert_eq!(idle_in_transaction(&backend).await, 0);
+}
