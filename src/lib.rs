@@ -106,55 +106,42 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod admit;
-mod body;
-mod cache;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
-mod coalesce;
-mod endpoint;
-#[cfg(feature = "failpoints")]
-#[cfg_attr(docsrs, doc(cfg(feature = "failpoints")))]
-pub mod failpoints;
 pub mod fingerprint;
-mod future;
 pub mod key;
-mod layer;
 pub mod lease;
 pub mod memory;
 pub mod metrics;
-mod operations;
 pub mod outbox;
 pub mod postgres;
 pub mod problem;
 pub mod record;
-pub mod replay;
 pub mod retention;
 pub mod scope;
-mod service;
-mod settled;
+mod server;
 #[cfg(feature = "sqlx")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
 pub mod sqlx;
 pub mod store;
 
-#[cfg(feature = "axum")]
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
-mod extract;
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 
 // The middleware's own types live at the root; everything else under the
 // module named for its concern, each type at one path.
-pub use body::{RequestBody, ResponseBody};
-pub use endpoint::KeyReuseStatus;
 #[cfg(feature = "axum")]
-pub use extract::MissingFromLayer;
-pub use future::ResponseFuture;
-pub use layer::IdempotencyLayer;
-pub use service::Idempotency;
+pub use server::MissingFromLayer;
+pub use server::{
+    replay, Idempotency, IdempotencyLayer, KeyReuseStatus, RequestBody, ResponseBody,
+    ResponseFuture,
+};
+// Test-only fault points: behind a feature, and out of the documented API.
+#[cfg(feature = "failpoints")]
+#[doc(hidden)]
+pub use server::failpoints;
 
 // The README's examples compile as doctests.
 #[cfg(doctest)]

@@ -95,29 +95,10 @@
 //! | first answer | always final | final, or `202` + status resource |
 //! | the handler must | write through `PgTx` | be re-drivable (above) |
 
-mod config;
-mod flow;
-mod id;
-mod recovery;
-mod status;
-
-pub use config::LeaseConfig;
-pub use id::{OperationId, OperationIdError};
-pub use recovery::Recovery;
-pub use status::{OperationStatus, OperationStatusFuture};
-
-pub(crate) use flow::{accepted_body, drive, settle_long, spawn_work, status_location, Driven};
-
-/// The layer's mode: one short transaction per request (the default).
-///
-/// A type parameter of [`IdempotencyLayer`](crate::IdempotencyLayer) and
-/// [`Idempotency`](crate::Idempotency); see [`LongRunning`].
-#[derive(Debug, Clone, Copy, Default)]
-#[non_exhaustive]
-pub struct ShortTransaction;
-
-/// The layer's mode for long-running operations, set by
-/// [`IdempotencyLayer::long_running`](crate::IdempotencyLayer::long_running).
-#[derive(Debug, Clone, Copy, Default)]
-#[non_exhaustive]
-pub struct LongRunning;
+// The long-running mode's public face: everything is defined where it
+// works (the mode and its services in the server, the id with the stores)
+// and named here.
+pub use crate::server::{
+    LeaseConfig, LongRunning, Mode, Recovery, ShortTransaction, StatusFuture, StatusService,
+};
+pub use crate::store::id::{OperationId, OperationIdError};

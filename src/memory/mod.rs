@@ -29,9 +29,9 @@ use crate::store::{
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    lease::OperationId,
     record::{Record, StoredResponse},
     scope::{Scope, TenantId},
+    store::OperationId,
 };
 
 mod lease;

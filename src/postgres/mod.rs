@@ -54,9 +54,9 @@ use std::{fmt, str::FromStr};
 use deadpool_postgres::Pool;
 use tokio_postgres::NoTls;
 
-use crate::lease::OperationId;
 use crate::record::StoredResponse;
 use crate::scope::TenantId;
+use crate::store::OperationId;
 use crate::store::{
     Acquired, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered, Store,
     StoreError, StoreErrorKind,

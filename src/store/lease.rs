@@ -10,9 +10,9 @@ use http::{HeaderName, HeaderValue, Method};
 use super::{ClaimRequest, Store, StoreError};
 use crate::{
     fingerprint::Fingerprint,
-    lease::OperationId,
     record::{Record, StoredResponse},
     scope::{Scope, TenantId},
+    store::OperationId,
 };
 
 /// What the layer asks for besides the [`ClaimRequest`] when a long-running

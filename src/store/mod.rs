@@ -60,7 +60,10 @@
 
 use std::{fmt, future::Future, time::Duration};
 
+pub(crate) mod id;
 mod lease;
+
+pub(crate) use id::OperationId;
 
 pub use lease::{
     Acquired, Backoff, LeaseRequest, LeaseStore, Operation, OperationState, Owned, Recovered,

@@ -12,7 +12,11 @@ use std::{
 };
 
 use super::{PgStore, PgTx, TxError};
-use crate::{key::IdempotencyKey, lease::OperationId, scope::Scope, store::StoreErrorKind};
+use crate::{
+    key::IdempotencyKey,
+    scope::Scope,
+    store::{OperationId, StoreErrorKind},
+};
 
 pub(crate) mod protocol;
 

@@ -13,11 +13,11 @@ use super::{fenced_error, PgLease};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    lease::OperationId,
     metrics::FencedAt,
     postgres::{conn::Conn, decode, error::map_error, PgStore, PgTx},
     record::{ResourceId, StoredResponse},
     scope::{Scope, TenantId},
+    store::OperationId,
     store::{
         Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, OperationState, Owned, Recovered,
         StoreError, StoreErrorKind, StoredRequest,

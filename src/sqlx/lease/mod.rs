@@ -17,8 +17,8 @@ use std::{
 use super::{tx, SqlxStore, SqlxTx};
 use crate::{
     key::IdempotencyKey,
-    lease::OperationId,
     scope::Scope,
+    store::OperationId,
     store::{StoreError, StoreErrorKind},
 };
 

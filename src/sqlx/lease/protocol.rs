@@ -8,7 +8,6 @@ use super::SqlxLease;
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    lease::OperationId,
     postgres::lease::protocol::{
         attempt_of, parse_id, stored_request, stored_response, ACQUIRE, FAIL, FINISH, HEARTBEAT,
         HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
@@ -21,6 +20,7 @@ use crate::{
         error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
         tx, SqlxStore, SqlxTx,
     },
+    store::OperationId,
     store::{
         Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState,
         Owned, Recovered, StoreError, StoreErrorKind,

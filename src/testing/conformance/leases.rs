@@ -17,8 +17,8 @@ use super::{
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    lease::OperationId,
     scope::{Scope, TenantId},
+    store::OperationId,
     store::{
         Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, OperationState, Owned,
         StoreError, StoreErrorKind, StoredRequest,

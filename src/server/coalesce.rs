@@ -14,7 +14,13 @@ use std::{
 
 use tokio::sync::watch;
 
-use crate::{key::IdempotencyKey, record::Record, scope::Scope};
+use std::ops::ControlFlow;
+
+use super::{
+    endpoint::Setup,
+    settled::{Settled, Timings},
+};
+use crate::{fingerprint::Fingerprint, key::IdempotencyKey, record::Record, scope::Scope};
 
 type Key = (Scope, IdempotencyKey);
 
@@ -152,6 +158,79 @@ impl Drop for LeadGuard {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         leaders.remove(&self.key);
+    }
+}
+
+/// Waits while another request of this process works on the same key, and
+/// says how this request goes on.
+pub(crate) async fn coalesce<St, F, R, M>(
+    setup: &Setup<St, F, R, M>,
+    claim: &crate::store::ClaimRequest,
+    deadline: tokio::time::Instant,
+) -> Coalesced {
+    let mut followed = false;
+    loop {
+        match setup.shared.in_flight.enter(&claim.scope, &claim.key) {
+            Turn::Lead(guard) => return Coalesced::Lead(guard, followed),
+            Turn::Follow(follower) => {
+                followed = true;
+                match follower.wait(deadline).await {
+                    Woken::Answer(record) => return Coalesced::Answered(record),
+                    // The key has a record: read it without leading.
+                    Woken::Settled => return Coalesced::Read,
+                    // The leader rolled back: one of us leads next.
+                    Woken::Unsettled => {}
+                    Woken::TimedOut => return Coalesced::TimedOut,
+                }
+            }
+        }
+    }
+}
+
+/// How a request goes on after [`coalesce`].
+pub(crate) enum Coalesced {
+    /// To the store, as the key's leader in this process (`true`: after
+    /// waiting behind another request first).
+    Lead(LeadGuard, bool),
+    /// To the store, after a leader of this process settled the key.
+    Read,
+    /// Answered from the leader's record: no store needed.
+    Answered(Arc<Record>),
+    /// The wait ran out first.
+    TimedOut,
+}
+
+impl Coalesced {
+    /// `Continue((lead, followed))` if the request goes on to the store (as
+    /// the key's leader here, or not), else `Break` with how it settled in
+    /// memory, its wait recorded in `timings`.
+    pub(crate) fn go_on<B, E>(
+        self,
+        fingerprint: &Fingerprint,
+        timings: &mut Timings,
+        retry_after: u64,
+    ) -> ControlFlow<Settled<B, E>, (Option<LeadGuard>, bool)> {
+        let settled = match self {
+            Coalesced::Lead(lead, followed) => {
+                return ControlFlow::Continue((Some(lead), followed))
+            }
+            Coalesced::Read => return ControlFlow::Continue((None, true)),
+            Coalesced::Answered(record) => Coalesced::answer(&record, fingerprint),
+            Coalesced::TimedOut => Settled::InProgress { retry_after },
+        };
+        timings.waited = Some(timings.since_arrival());
+        timings.claimed = timings.waited;
+        ControlFlow::Break(settled)
+    }
+
+    /// The record the leader handed over, compared with this request's own
+    /// fingerprint: its replay, or a refusal.
+    pub(crate) fn answer<B, E>(record: &Record, fingerprint: &Fingerprint) -> Settled<B, E> {
+        if record.fingerprint == *fingerprint {
+            Settled::Replayed(record.response.clone())
+        } else {
+            Settled::KeyReused
+        }
     }
 }
 

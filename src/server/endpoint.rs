@@ -6,7 +6,9 @@ use std::{sync::Arc, time::Duration};
 
 use http::{header, HeaderName, StatusCode};
 
-use crate::{cache::RecordCache, coalesce::InFlight, operations::Operations};
+use super::{
+    cache::RecordCache, coalesce::InFlight, mode::ShortTransaction, operations::Operations,
+};
 
 /// The status answered when a key is reused with a different request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -43,10 +45,8 @@ pub(crate) struct Config {
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) key_reuse: KeyReuseStatus,
     pub(crate) tenant_label: bool,
-    /// Set in the long-running mode.
-    pub(crate) lease: Option<crate::lease::LeaseConfig>,
     /// Set when replays are rebuilt from the remembered resource.
-    pub(crate) rebuild: Option<crate::replay::Rebuilder>,
+    pub(crate) rebuild: Option<crate::server::replay::Rebuilder>,
 }
 
 impl Config {
@@ -71,7 +71,6 @@ impl Config {
             ],
             key_reuse: KeyReuseStatus::Conflict,
             tenant_label: false,
-            lease: None,
             rebuild: None,
         }
     }
@@ -80,7 +79,7 @@ impl Config {
 /// What requests of one layer share while they run: who leads each key in
 /// this process, which operations still own a key, and the replay cache.
 #[derive(Debug, Clone)]
-pub(crate) struct Runtime {
+pub(crate) struct Shared {
     pub(crate) in_flight: Arc<InFlight>,
     pub(crate) operations: Arc<Operations>,
     pub(crate) cache: Option<RecordCache>,
@@ -90,9 +89,9 @@ pub(crate) struct Runtime {
 pub(crate) const CACHE_CAPACITY: u64 = 10_000;
 pub(crate) const CACHE_TTL: Duration = Duration::from_secs(60);
 
-impl Default for Runtime {
+impl Default for Shared {
     fn default() -> Self {
-        Runtime {
+        Shared {
             in_flight: Arc::default(),
             operations: Arc::default(),
             cache: Some(RecordCache::new(CACHE_CAPACITY, CACHE_TTL)),
@@ -100,24 +99,28 @@ impl Default for Runtime {
     }
 }
 
-/// One endpoint's setup: cheap to clone (handles and `Arc`s).
+/// What a layer sets up for its endpoint: the store, the strategies, the
+/// settings, the mode and the state its requests share. Cheap to clone
+/// (handles and `Arc`s).
 #[derive(Debug)]
-pub(crate) struct Endpoint<St, F, R> {
+pub struct Setup<St, F, R, M = ShortTransaction> {
     pub(crate) store: St,
     pub(crate) fingerprinter: Arc<F>,
     pub(crate) resolver: Arc<R>,
     pub(crate) config: Arc<Config>,
-    pub(crate) runtime: Runtime,
+    pub(crate) mode: M,
+    pub(crate) shared: Shared,
 }
 
-impl<St: Clone, F, R> Clone for Endpoint<St, F, R> {
+impl<St: Clone, F, R, M: Clone> Clone for Setup<St, F, R, M> {
     fn clone(&self) -> Self {
-        Endpoint {
+        Setup {
             store: self.store.clone(),
             fingerprinter: self.fingerprinter.clone(),
             resolver: self.resolver.clone(),
             config: self.config.clone(),
-            runtime: self.runtime.clone(),
+            mode: self.mode.clone(),
+            shared: self.shared.clone(),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! [`OperationStatus`]: the status resource of long-running operations.
+//! [`StatusService`]: the status resource of long-running operations.
 
 use std::{
     convert::Infallible,
@@ -14,12 +14,11 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use serde_json::Value;
 use tower_service::Service;
 
-use super::OperationId;
+use super::body::ResponseBody;
 use crate::{
-    body::ResponseBody,
     problem::{codes, Problem},
     scope::ResolveTenant,
-    store::{LeaseStore, Operation, OperationState},
+    store::{LeaseStore, Operation, OperationId, OperationState},
 };
 
 /// The status resource of long-running operations, from
@@ -36,42 +35,42 @@ use crate::{
 /// other tenant, an unknown id and a malformed one get the same `404
 /// not_found`, so ids cannot be probed across tenants. No tenant: `401`.
 /// The store unreachable: `503 store_unavailable` with `Retry-After`.
-pub struct OperationStatus<St, R> {
+pub struct StatusService<St, R> {
     store: St,
     resolver: Arc<R>,
 }
 
-impl<St: Clone, R> Clone for OperationStatus<St, R> {
+impl<St: Clone, R> Clone for StatusService<St, R> {
     fn clone(&self) -> Self {
-        OperationStatus {
+        StatusService {
             store: self.store.clone(),
             resolver: self.resolver.clone(),
         }
     }
 }
 
-impl<St: fmt::Debug, R> fmt::Debug for OperationStatus<St, R> {
+impl<St: fmt::Debug, R> fmt::Debug for StatusService<St, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OperationStatus")
+        f.debug_struct("StatusService")
             .field("store", &self.store)
             .finish_non_exhaustive()
     }
 }
 
-impl<St, R> OperationStatus<St, R> {
+impl<St, R> StatusService<St, R> {
     pub(crate) fn new(store: St, resolver: Arc<R>) -> Self {
-        OperationStatus { store, resolver }
+        StatusService { store, resolver }
     }
 }
 
-impl<St, R, B> Service<Request<B>> for OperationStatus<St, R>
+impl<St, R, B> Service<Request<B>> for StatusService<St, R>
 where
     St: LeaseStore,
     R: ResolveTenant,
 {
     type Response = Response<ResponseBody<String>>;
     type Error = Infallible;
-    type Future = OperationStatusFuture;
+    type Future = StatusFuture;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))
@@ -81,7 +80,7 @@ where
         let (parts, _body) = request.into_parts();
         let tenant = self.resolver.resolve(&parts);
         let store = self.store.clone();
-        OperationStatusFuture(Box::pin(async move {
+        StatusFuture(Box::pin(async move {
             if parts.method != Method::GET && parts.method != Method::HEAD {
                 let problem = Problem::new(
                     StatusCode::METHOD_NOT_ALLOWED,
@@ -188,10 +187,10 @@ fn respond(problem: &Problem) -> Response<ResponseBody<String>> {
 
 type StatusResult = Result<Response<ResponseBody<String>>, Infallible>;
 
-/// The future [`OperationStatus`] returns.
-pub struct OperationStatusFuture(Pin<Box<dyn Future<Output = StatusResult> + Send>>);
+/// The future [`StatusService`] returns.
+pub struct StatusFuture(Pin<Box<dyn Future<Output = StatusResult> + Send>>);
 
-impl Future for OperationStatusFuture {
+impl Future for StatusFuture {
     type Output = StatusResult;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -199,10 +198,9 @@ impl Future for OperationStatusFuture {
     }
 }
 
-impl fmt::Debug for OperationStatusFuture {
+impl fmt::Debug for StatusFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OperationStatusFuture")
-            .finish_non_exhaustive()
+        f.debug_struct("StatusFuture").finish_non_exhaustive()
     }
 }
 

@@ -8,12 +8,12 @@ use http_body::Body;
 use http_body_util::BodyExt;
 
 use crate::{
-    body::BoxError,
-    endpoint::{Config, Endpoint},
     fingerprint::Fingerprinter,
     key::{IdempotencyKey, KeyError},
     problem::{codes, Problem},
     scope::{ResolveTenant, Scope},
+    server::body::BoxError,
+    server::endpoint::{Config, Setup},
     store::ClaimRequest,
 };
 
@@ -29,14 +29,15 @@ pub(crate) enum Admission<B> {
 
 /// A request ready to claim its key: its parts, its buffered body and what
 /// it asks the store for.
-pub(crate) struct Admitted {
+#[allow(missing_debug_implementations)]
+pub struct Admitted {
     pub(crate) parts: Parts,
     pub(crate) body: Bytes,
     pub(crate) claim: ClaimRequest,
 }
 
-pub(crate) async fn admit<St, F, R, B>(
-    endpoint: &Endpoint<St, F, R>,
+pub(crate) async fn admit<St, F, R, M, B>(
+    setup: &Setup<St, F, R, M>,
     request: Request<B>,
 ) -> Admission<B>
 where
@@ -45,7 +46,7 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let config = &endpoint.config;
+    let config = &setup.config;
     let key = match parse_key(config, &request) {
         Ok(Some(key)) => key,
         Ok(None) => return Admission::PassThrough(request),
@@ -53,7 +54,7 @@ where
     };
     tracing::Span::current().record("key_hash", key.short_hash());
     let (mut parts, body) = request.into_parts();
-    let Some(tenant) = endpoint.resolver.resolve(&parts) else {
+    let Some(tenant) = setup.resolver.resolve(&parts) else {
         tracing::warn!("no authenticated tenant for an idempotent request; refusing (fail closed)");
         let problem = Problem::new(
             StatusCode::UNAUTHORIZED,
@@ -66,7 +67,7 @@ where
         Ok(body) => body,
         Err(problem) => return Admission::Refused(problem),
     };
-    let fingerprint = match endpoint.fingerprinter.fingerprint(&mut parts, &body) {
+    let fingerprint = match setup.fingerprinter.fingerprint(&mut parts, &body) {
         // The same body sent to another path or query is another request.
         Ok(fingerprint) => {
             let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());

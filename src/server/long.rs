@@ -1,26 +1,33 @@
-//! The long-running mode's request flow (phases 3 to 5; admission and
-//! coalescing are the short mode's), and [`drive`]: the owner's work under
-//! its lease, shared by requests and the recovery worker.
+//! The long-running mode's flow (phases 2 to 5): coalesce, acquire the
+//! operation, run its attempt on a task of its own, answer with its result
+//! or `202`; and [`drive`]: one attempt of the owner's work under its lease,
+//! shared by requests and the recovery worker.
 
 use std::{panic::AssertUnwindSafe, sync::Arc, time::Instant};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::{header, request::Parts, HeaderValue, Request, StatusCode};
+use http::{header, request::Parts, Request, StatusCode};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::{LeaseConfig, OperationId};
-use crate::{
+use super::{
     admit::Admitted,
     body::RequestBody,
-    endpoint::{Config, Endpoint},
+    coalesce::coalesce,
+    endpoint::{Config, Setup},
+    lease_config::LeaseConfig,
+    mode::LongRunning,
+    operations::Running,
+    owner::run_owner,
+    service::{Inner, ReplyBody},
+    settled::{Rollback, Settled, StatusHint, Timings},
+};
+use crate::{
     metrics::{self, TakeoverBy},
     problem::{codes, Problem},
     record::StoredResponse,
-    service::{coalesce, run_owner, Inner, ReplyBody},
-    settled::{Rollback, Settled, Timings},
-    store::{Acquired, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoredRequest},
+    store::{Acquired, LeaseRequest, LeaseStore, OperationId, StoreErrorKind, StoredRequest},
 };
 
 /// How one attempt of the owner's work under a lease ended.
@@ -42,8 +49,8 @@ pub(crate) enum Driven<B, E> {
 /// Phases 3 to 5 in the long-running mode: acquire the operation (or say
 /// where it stands), start its work on a task of its own, and wait for it
 /// up to `respond_within` before answering `202 Accepted`.
-pub(crate) async fn settle_long<S, St, F, R, ResB>(
-    endpoint: Endpoint<St, F, R>,
+pub(crate) async fn settle<S, St, F, R, ResB>(
+    setup: Setup<St, F, R, LongRunning>,
     inner: S,
     admitted: Admitted,
 ) -> (Settled<ResB, S::Error>, Timings)
@@ -57,20 +64,16 @@ where
         body,
         mut claim,
     } = admitted;
-    let config = endpoint.config.clone();
+    let config = setup.config.clone();
+    let lease_config = setup.mode.config.clone();
+    let status = StatusHint::of(&lease_config);
     let mut timings = Timings::start();
-    let Some(lease_config) = config.lease.clone() else {
-        let e = StoreError::new(
-            StoreErrorKind::Backend,
-            "the endpoint has no lease settings",
-        );
-        return (Settled::ClaimFailed(e), timings);
-    };
     let deadline = tokio::time::Instant::now() + config.wait;
 
     // 2. Coalesce, as in the short mode.
-    let in_process = coalesce(&endpoint, &claim, deadline).await;
-    let (lead, followed) = match in_process.go_on(&claim.fingerprint, &mut timings) {
+    let in_process = coalesce(&setup, &claim, deadline).await;
+    let retry_after = lease_config.retry_after();
+    let (lead, followed) = match in_process.go_on(&claim.fingerprint, &mut timings, retry_after) {
         std::ops::ControlFlow::Continue(go_on) => go_on,
         std::ops::ControlFlow::Break(settled) => return (settled, timings),
     };
@@ -82,7 +85,7 @@ where
         OperationId::random(),
         stored_request(&parts, &body),
     );
-    let acquired = endpoint.store.acquire(&claim, &request).await;
+    let acquired = setup.store.acquire(&claim, &request).await;
     timings.claimed = Some(timings.since_arrival());
     if followed || matches!(acquired, Ok(Acquired::InProgress)) {
         timings.waited = timings.claimed;
@@ -102,7 +105,7 @@ where
             operation_id,
             fingerprint,
         }) if fingerprint == claim.fingerprint => {
-            return (Settled::StillRunning(operation_id), timings)
+            return (Settled::StillRunning(operation_id, status), timings)
         }
         Ok(Acquired::Completed(record)) if record.fingerprint == claim.fingerprint => {
             return (Settled::Replayed(record.response), timings)
@@ -110,7 +113,7 @@ where
         Ok(Acquired::Running { .. } | Acquired::Completed(_)) => {
             return (Settled::KeyReused, timings)
         }
-        Ok(Acquired::InProgress) => return (Settled::InProgress, timings),
+        Ok(Acquired::InProgress) => return (Settled::InProgress { retry_after }, timings),
         Err(e) => return (Settled::ClaimFailed(e), timings),
     };
     let operation_id = owned.operation_id;
@@ -123,10 +126,11 @@ where
     // 4. Start the work; it outlives this request if it must.
     parts.extensions.insert(owned.lease.clone());
     let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let running = endpoint.runtime.operations.start();
+    let running = setup.shared.operations.start();
     let work = drive(
-        endpoint.store.clone(),
+        setup.store.clone(),
         config.clone(),
+        lease_config.clone(),
         inner,
         request,
         owned.lease,
@@ -142,7 +146,7 @@ where
         }
         // Fenced, unfinished (resumed later), or still running: the
         // operation exists; its status resource tells how it ends.
-        _ => (Settled::Accepted(operation_id), timings),
+        _ => (Settled::Accepted(operation_id, status), timings),
     }
 }
 
@@ -151,7 +155,7 @@ where
 /// lease then lapses, and the operation is taken over.
 pub(crate) fn spawn_work<B, E>(
     work: impl std::future::Future<Output = Driven<B, E>> + Send + 'static,
-    running: crate::operations::Running,
+    running: Running,
 ) -> oneshot::Receiver<Driven<B, E>>
 where
     B: Send + 'static,
@@ -189,6 +193,7 @@ where
 pub(crate) async fn drive<S, St, ResB>(
     store: St,
     config: Arc<Config>,
+    lease_config: LeaseConfig,
     inner: S,
     request: Request<RequestBody>,
     lease: St::Lease,
@@ -200,10 +205,6 @@ where
     ResB: ReplyBody,
 {
     let endpoint = &*config.endpoint;
-    let Some(lease_config) = config.lease.as_ref() else {
-        tracing::error!("a long-running operation on an endpoint without lease settings");
-        return Driven::Unfinished;
-    };
     if attempt > lease_config.max_attempts {
         // Every allowed attempt ended without an answer; the last may have
         // taken its process down, so nobody recorded the failure then.
@@ -219,7 +220,7 @@ where
     let ran = tokio::select! {
         biased;
         ran = work => ran,
-        () = keep_alive(&store, &lease, lease_config) => {
+        () = keep_alive(&store, &lease, &lease_config) => {
             metrics::fenced(endpoint, metrics::FencedAt::Heartbeat);
             tracing::warn!("the operation was taken over by another owner; stopped its work");
             return Driven::Fenced;
@@ -250,18 +251,34 @@ where
             }
         }
         Ok(Ok(Err(rollback))) => {
-            attempt_failed(&store, &lease, &config, attempt, Some(rollback)).await
+            attempt_failed(
+                &store,
+                &lease,
+                &config,
+                &lease_config,
+                attempt,
+                Some(rollback),
+            )
+            .await
         }
         Ok(Err(_elapsed)) => {
             // Counted here, for requests and recoveries alike; the
             // request's answer does not count it again.
             metrics::handler_timeout(endpoint);
-            attempt_failed(&store, &lease, &config, attempt, Some(Rollback::TimedOut)).await
+            attempt_failed(
+                &store,
+                &lease,
+                &config,
+                &lease_config,
+                attempt,
+                Some(Rollback::TimedOut),
+            )
+            .await
         }
         Err(_panic) => {
             // Never the panic's message: it may quote request data.
             tracing::error!(attempt, "the operation's attempt panicked");
-            attempt_failed(&store, &lease, &config, attempt, None).await
+            attempt_failed(&store, &lease, &config, &lease_config, attempt, None).await
         }
     };
     metrics::key_held(endpoint, started.elapsed().as_secs_f64());
@@ -275,10 +292,11 @@ async fn attempt_failed<St: LeaseStore, B, E>(
     store: &St,
     lease: &St::Lease,
     config: &Config,
+    lease_config: &LeaseConfig,
     attempt: u32,
     rollback: Option<Rollback<B, E>>,
 ) -> Driven<B, E> {
-    let max_attempts = config.lease.as_ref().map_or(1, |l| l.max_attempts);
+    let max_attempts = lease_config.max_attempts;
     if attempt >= max_attempts {
         return fail_for_good(store, lease, config, attempt).await;
     }
@@ -375,15 +393,4 @@ fn stored_request(parts: &Parts, body: &Bytes) -> StoredRequest {
         .map(|value| (header::CONTENT_TYPE, value.clone()))
         .collect();
     StoredRequest::new(parts.method.clone(), target, headers, body.clone())
-}
-
-/// The body of a `202 Accepted`: the same bytes for the first answer and
-/// every duplicate while the operation runs.
-pub(crate) fn accepted_body(id: OperationId) -> Bytes {
-    Bytes::from(format!(r#"{{"operation_id":"{id}","state":"running"}}"#))
-}
-
-/// The `Location` of an operation's status resource.
-pub(crate) fn status_location(config: &LeaseConfig, id: OperationId) -> Option<HeaderValue> {
-    HeaderValue::try_from(format!("{}/{id}", config.status_path)).ok()
 }

@@ -9,7 +9,7 @@ use std::{
 
 use http::Response;
 
-use crate::body::ResponseBody;
+use crate::server::body::ResponseBody;
 
 type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 

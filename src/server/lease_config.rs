@@ -37,7 +37,7 @@ impl LeaseConfig {
     /// answering `202` after 1 s, with the status resource at
     /// `/operations/{id}`.
     pub fn new(lease: Duration) -> Self {
-        let lease = lease.clamp(MIN_LEASE, crate::layer::MAX_WAIT);
+        let lease = lease.clamp(MIN_LEASE, super::layer::MAX_WAIT);
         LeaseConfig {
             lease,
             heartbeat: lease / 3,
@@ -71,7 +71,7 @@ impl LeaseConfig {
         self
     }
 
-    /// How often an idle [`Recovery`](super::Recovery) worker looks for
+    /// How often an idle [`Recovery`](crate::lease::Recovery) worker looks for
     /// operations whose lease expired (default 1 s).
     pub fn recovery_interval(mut self, every: Duration) -> Self {
         self.recovery_interval = every.max(Duration::from_millis(10));
@@ -90,7 +90,7 @@ impl LeaseConfig {
         self
     }
 
-    /// How long the [`Recovery`](super::Recovery) worker waits before the
+    /// How long the [`Recovery`](crate::lease::Recovery) worker waits before the
     /// next attempt of an operation whose attempt ended without an answer
     /// (counted from the end of its lease): `first` after the first
     /// attempt, doubling with each one, at most `max` (default 1 s, at most

@@ -10,29 +10,64 @@ use bytes::Bytes;
 use http::{header, response, HeaderValue, Response, StatusCode};
 use tracing::Span;
 
-use crate::{
+use std::sync::Arc;
+
+use super::{
     body::{BoxError, ResponseBody},
     endpoint::Config,
-    lease::{accepted_body, status_location, OperationId},
+    lease_config::LeaseConfig,
+};
+use crate::{
     metrics::{self, Outcome},
     problem::{codes, Problem},
     record::{ResourceId, StoredResponse, IDEMPOTENT_REPLAYED},
-    store::{StoreError, StoreErrorKind},
+    store::{OperationId, StoreError, StoreErrorKind},
 };
 
 /// What the middleware returns: the inner service's error type is kept.
 pub(crate) type MiddlewareResult<B, E> = Result<Response<ResponseBody<B>>, E>;
 
-/// How an idempotent request ended.
-pub(crate) enum Settled<B, E> {
+/// Where a running operation's status is, and when asking again is useful:
+/// what a `202` says (from the long-running mode's settings).
+#[derive(Debug, Clone)]
+pub struct StatusHint {
+    path: Arc<str>,
+    retry_after: u64,
+}
+
+impl StatusHint {
+    pub(crate) fn of(config: &LeaseConfig) -> Self {
+        StatusHint {
+            path: config.status_path.clone(),
+            retry_after: config.retry_after(),
+        }
+    }
+
+    /// The `Location` of operation `id`'s status resource.
+    fn location(&self, id: OperationId) -> Option<HeaderValue> {
+        HeaderValue::try_from(format!("{}/{id}", self.path)).ok()
+    }
+}
+
+/// The body of a `202 Accepted`: the same bytes for the first answer and
+/// every duplicate while the operation runs.
+fn accepted_body(id: OperationId) -> Bytes {
+    Bytes::from(format!(r#"{{"operation_id":"{id}","state":"running"}}"#))
+}
+
+/// How an idempotent request ended (public only to the sealed
+/// [`Mode`](super::mode::Mode); nothing outside the crate can name it).
+#[allow(missing_debug_implementations)]
+pub enum Settled<B, E> {
     /// Refused before claiming its key (key, tenant, body, fingerprint).
     Rejected(Problem),
     /// The key has a completed record for the same request: its replay.
     Replayed(StoredResponse),
     /// The key has a completed record for another request.
     KeyReused,
-    /// Another request still held the key when the wait ran out.
-    InProgress,
+    /// Another request still held the key when the wait ran out; asking
+    /// again is useful after `retry_after` seconds.
+    InProgress { retry_after: u64 },
     /// The store could not arbitrate the key.
     ClaimFailed(StoreError),
     /// The owner's response committed with its writes.
@@ -45,10 +80,10 @@ pub(crate) enum Settled<B, E> {
     Cancelled,
     /// A long-running operation was started (or taken over) and did not
     /// finish within `respond_within`: `202 Accepted`.
-    Accepted(OperationId),
+    Accepted(OperationId, StatusHint),
     /// A duplicate of a long-running operation that still runs: the same
     /// `202`, marked replayed.
-    StillRunning(OperationId),
+    StillRunning(OperationId, StatusHint),
     /// An attempt of a long-running operation ended without an answer to
     /// remember; the operation stays for its next attempt.
     AttemptFailed(OperationId, Rollback<B, E>),
@@ -62,7 +97,8 @@ pub(crate) enum Settled<B, E> {
 }
 
 /// Why an owner's work was rolled back, with what the client gets.
-pub(crate) enum Rollback<B, E> {
+#[allow(missing_debug_implementations)]
+pub enum Rollback<B, E> {
     /// A response that is not remembered (5xx, unmarked 4xx): passed on.
     NotRemembered(Response<B>),
     /// The inner service failed: its error is passed on.
@@ -75,7 +111,7 @@ pub(crate) enum Rollback<B, E> {
 
 /// When the phases of a request ended, for the metrics.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Timings {
+pub struct Timings {
     arrived: Instant,
     /// Arrival to the store's answer to the claim.
     pub(crate) claimed: Option<Duration>,
@@ -107,10 +143,10 @@ impl<B, E> Settled<B, E> {
             Settled::Rejected(_) => Outcome::Rejected,
             Settled::Replayed(_) => Outcome::Replayed,
             Settled::KeyReused => Outcome::KeyReused,
-            Settled::InProgress => Outcome::InProgress,
+            Settled::InProgress { .. } => Outcome::InProgress,
             Settled::ClaimFailed(_) | Settled::Cancelled => Outcome::StoreUnavailable,
-            Settled::Committed(..) | Settled::Accepted(_) => Outcome::New,
-            Settled::StillRunning(_) => Outcome::Replayed,
+            Settled::Committed(..) | Settled::Accepted(..) => Outcome::New,
+            Settled::StillRunning(..) => Outcome::Replayed,
             Settled::Rebuilt(_) => Outcome::Rebuilt,
             Settled::ResourceGone(_) => Outcome::ResourceGone,
             Settled::RebuildFailed(_) => Outcome::RebuildFailed,
@@ -131,7 +167,7 @@ impl<B, E> Settled<B, E> {
             | Settled::RolledBack(_)
             | Settled::AttemptFailed(..)
             | Settled::CompletionFailed(_)
-            | Settled::Accepted(_) => Outcome::New,
+            | Settled::Accepted(..) => Outcome::New,
             // The claim found a completed record; only the answer was rebuilt.
             Settled::Rebuilt(_) | Settled::ResourceGone(_) | Settled::RebuildFailed(_) => {
                 Outcome::Replayed
@@ -162,7 +198,7 @@ impl<B, E> Settled<B, E> {
             }
             Settled::Replayed(_) => tracing::info!("replaying the completed response"),
             Settled::KeyReused => tracing::info!("key reused with a different request; refused"),
-            Settled::InProgress => tracing::info!("key still in progress after the wait"),
+            Settled::InProgress { .. } => tracing::info!("key still in progress after the wait"),
             Settled::ClaimFailed(e) => tracing::error!(error = %e, "claim failed"),
             Settled::Committed(parts, _) => tracing::info!(
                 status = parts.status.as_u16(),
@@ -209,10 +245,10 @@ impl<B, E> Settled<B, E> {
                 }
             },
             Settled::Cancelled => tracing::warn!("the runtime shut down under an owned request"),
-            Settled::Accepted(id) => {
+            Settled::Accepted(id, _) => {
                 tracing::info!(operation_id = %id, "accepted; the operation runs on")
             }
-            Settled::StillRunning(id) => {
+            Settled::StillRunning(id, _) => {
                 tracing::info!(operation_id = %id, "the operation still runs; answered 202 again")
             }
             Settled::Rebuilt(_) => {
@@ -266,7 +302,7 @@ impl<B, E> Settled<B, E> {
             .with_member("operation_id", id.to_string()),
             Settled::Rejected(problem) => problem,
             Settled::KeyReused => key_reused(config),
-            Settled::InProgress => in_progress(config),
+            Settled::InProgress { retry_after } => in_progress(retry_after),
             Settled::ClaimFailed(_) => store_unavailable("the idempotency store is unavailable"),
             Settled::RolledBack(Rollback::Unstorable(_)) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -278,8 +314,8 @@ impl<B, E> Settled<B, E> {
             Settled::Cancelled => {
                 store_unavailable("the request was cancelled by a runtime shutdown")
             }
-            Settled::Accepted(id) => return Ok(accepted(config, id, false)),
-            Settled::StillRunning(id) => return Ok(accepted(config, id, true)),
+            Settled::Accepted(id, status) => return Ok(accepted(&status, id, false)),
+            Settled::StillRunning(id, status) => return Ok(accepted(&status, id, true)),
             Settled::Rebuilt(response) => return Ok(response.map(ResponseBody::buffered)),
             Settled::ResourceGone(_) => Problem::new(
                 StatusCode::GONE,
@@ -301,7 +337,7 @@ impl<B, E> Settled<B, E> {
 
 /// `202 Accepted` for a long-running operation: the same status, `Location`
 /// and body for the first answer and every duplicate while it runs.
-fn accepted<B>(config: &Config, id: OperationId, replayed: bool) -> Response<ResponseBody<B>> {
+fn accepted<B>(status: &StatusHint, id: OperationId, replayed: bool) -> Response<ResponseBody<B>> {
     let mut response = Response::new(ResponseBody::buffered(accepted_body(id)));
     *response.status_mut() = StatusCode::ACCEPTED;
     let headers = response.headers_mut();
@@ -309,12 +345,10 @@ fn accepted<B>(config: &Config, id: OperationId, replayed: bool) -> Response<Res
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    if let Some(location) = config.lease.as_ref().and_then(|l| status_location(l, id)) {
+    if let Some(location) = status.location(id) {
         headers.insert(header::LOCATION, location);
     }
-    if let Some(lease) = &config.lease {
-        headers.insert(header::RETRY_AFTER, HeaderValue::from(lease.retry_after()));
-    }
+    headers.insert(header::RETRY_AFTER, HeaderValue::from(status.retry_after));
     if replayed {
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
@@ -332,14 +366,14 @@ fn key_reused(config: &Config) -> Problem {
 
 /// `Retry-After`: in the long-running mode, when the operation's status can
 /// next change (a heartbeat); otherwise a second.
-fn in_progress(config: &Config) -> Problem {
+fn in_progress(retry_after: u64) -> Problem {
     Problem::new(
         StatusCode::CONFLICT,
         codes::IN_PROGRESS,
         "A request with this idempotency key is still in progress",
     )
     .with_detail("retry after a moment to get its result")
-    .with_retry_after(config.lease.as_ref().map_or(1, |l| l.retry_after()))
+    .with_retry_after(retry_after)
 }
 
 /// A long-running attempt stopped at the handler timeout. What it committed

@@ -1,17 +1,22 @@
 //! [`IdempotencyLayer`]: configuration and builder methods.
 
-use std::{marker::PhantomData, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use http::HeaderName;
 use tower_layer::Layer;
 
-use crate::{
+use super::{
     cache::RecordCache,
-    endpoint::{Config, Endpoint, KeyReuseStatus, Runtime},
-    fingerprint::Fingerprinter,
-    lease::{LeaseConfig, LongRunning, OperationStatus, Recovery, ShortTransaction},
-    scope::{ResolveTenant, TenantFromExtension},
+    endpoint::{Config, KeyReuseStatus, Setup, Shared},
+    lease_config::LeaseConfig,
+    mode::{LongRunning, ShortTransaction},
+    recovery::Recovery,
     service::Idempotency,
+    status::StatusService,
+};
+use crate::{
+    fingerprint::Fingerprinter,
+    scope::{ResolveTenant, TenantFromExtension},
     store::{LeaseStore, Store},
 };
 
@@ -50,15 +55,13 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// fencing token).
 #[derive(Debug)]
 pub struct IdempotencyLayer<St, F, R = TenantFromExtension, M = ShortTransaction> {
-    endpoint: Endpoint<St, F, R>,
-    mode: PhantomData<fn() -> M>,
+    setup: Setup<St, F, R, M>,
 }
 
-impl<St: Clone, F, R, M> Clone for IdempotencyLayer<St, F, R, M> {
+impl<St: Clone, F, R, M: Clone> Clone for IdempotencyLayer<St, F, R, M> {
     fn clone(&self) -> Self {
         IdempotencyLayer {
-            endpoint: self.endpoint.clone(),
-            mode: PhantomData,
+            setup: self.setup.clone(),
         }
     }
 }
@@ -94,14 +97,14 @@ where
         let endpoint = endpoint.into();
         crate::metrics::register_endpoint(&endpoint);
         IdempotencyLayer {
-            endpoint: Endpoint {
+            setup: Setup {
                 store,
                 fingerprinter: Arc::new(fingerprinter),
                 resolver: Arc::new(TenantFromExtension),
                 config: Arc::new(Config::new(endpoint)),
-                runtime: Runtime::default(),
+                mode: ShortTransaction,
+                shared: Shared::default(),
             },
-            mode: PhantomData,
         }
     }
 }
@@ -123,13 +126,25 @@ where
     /// transaction. [`handler_timeout`](Self::handler_timeout) bounds the
     /// whole work; raise it for work that takes longer than 30 s.
     pub fn long_running(self, config: LeaseConfig) -> IdempotencyLayer<St, F, R, LongRunning> {
-        crate::metrics::register_long_running(&self.endpoint.config.endpoint);
-        let mut layer = IdempotencyLayer {
-            endpoint: self.endpoint,
-            mode: PhantomData,
-        };
-        layer.config_mut().lease = Some(config);
-        layer
+        crate::metrics::register_long_running(&self.setup.config.endpoint);
+        let Setup {
+            store,
+            fingerprinter,
+            resolver,
+            config: settings,
+            shared,
+            ..
+        } = self.setup;
+        IdempotencyLayer {
+            setup: Setup {
+                store,
+                fingerprinter,
+                resolver,
+                config: settings,
+                mode: LongRunning::new(config),
+                shared,
+            },
+        }
     }
 }
 
@@ -143,21 +158,21 @@ where
     /// configured [`status_path`](LeaseConfig::status_path) (e.g.
     /// `GET /operations/{id}`). It resolves tenants as this layer does, and
     /// answers `404 not_found` for other tenants' and unknown operations.
-    pub fn status_service(&self) -> OperationStatus<St, R> {
-        OperationStatus::new(self.endpoint.store.clone(), self.endpoint.resolver.clone())
+    pub fn status_service(&self) -> StatusService<St, R> {
+        StatusService::new(self.setup.store.clone(), self.setup.resolver.clone())
     }
 
     /// A worker that re-drives this endpoint's operations whose lease
     /// expired with nobody retrying, through `inner`: the service this
     /// layer wraps, without the layer (see [`Recovery`]).
     pub fn recovery<S>(&self, inner: S) -> Recovery<S, St, F, R> {
-        Recovery::new(inner, self.endpoint.clone())
+        Recovery::new(inner, self.setup.clone())
     }
 }
 
 impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     fn config_mut(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.endpoint.config)
+        Arc::make_mut(&mut self.setup.config)
     }
 
     /// Resolves once no request that claimed a key through this layer (its
@@ -176,7 +191,7 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// # }
     /// ```
     pub fn drained(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let operations = self.endpoint.runtime.operations.clone();
+        let operations = self.setup.shared.operations.clone();
         async move { operations.idle().await }
     }
 
@@ -186,22 +201,23 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self,
         resolver: R2,
     ) -> IdempotencyLayer<St, F, R2, M> {
-        let Endpoint {
+        let Setup {
             store,
             fingerprinter,
             config,
-            runtime,
+            mode,
+            shared,
             ..
-        } = self.endpoint;
+        } = self.setup;
         IdempotencyLayer {
-            endpoint: Endpoint {
+            setup: Setup {
                 store,
                 fingerprinter,
                 resolver: Arc::new(resolver),
                 config,
-                runtime,
+                mode,
+                shared,
             },
-            mode: PhantomData,
         }
     }
 
@@ -324,14 +340,14 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     pub fn replay_cache(mut self, capacity: u64, ttl: Duration) -> Self {
         // The cache crate panics on a TTL above 1000 years.
         let ttl = ttl.min(MAX_RETENTION);
-        self.endpoint.runtime.cache =
+        self.setup.shared.cache =
             (capacity > 0 && !ttl.is_zero()).then(|| RecordCache::new(capacity, ttl));
         self
     }
 
     /// Turns the replay cache off: every replay reads the store.
     pub fn without_replay_cache(mut self) -> Self {
-        self.endpoint.runtime.cache = None;
+        self.setup.shared.cache = None;
         self
     }
 
@@ -348,7 +364,7 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// answers `410 resource_gone`; a failed rebuild (or one that takes
     /// longer than the handler timeout) answers `503 replay_unavailable`.
     /// Records without a resource id replay their stored bytes. The
-    /// contract in full is in [`replay`](crate::replay).
+    /// contract in full is in [`replay`](crate::server::replay).
     ///
     /// ```
     /// use bytes::Bytes;
@@ -367,18 +383,20 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     ///     .rebuild_replays(rebuild);
     /// ```
     ///
-    /// [`Rebuilt::Gone`]: crate::replay::Rebuilt::Gone
+    /// [`Rebuilt::Gone`]: crate::server::replay::Rebuilt::Gone
     pub fn rebuild_replays<Rb>(mut self, rebuild: Rb) -> Self
     where
-        Rb: tower_service::Service<crate::replay::RebuildRequest, Response = crate::replay::Rebuilt>
-            + Clone
+        Rb: tower_service::Service<
+                crate::server::replay::RebuildRequest,
+                Response = crate::server::replay::Rebuilt,
+            > + Clone
             + Send
             + Sync
             + 'static,
-        Rb::Error: Into<crate::body::BoxError>,
+        Rb::Error: Into<crate::server::body::BoxError>,
         Rb::Future: Send + 'static,
     {
-        self.config_mut().rebuild = Some(crate::replay::Rebuilder::new(rebuild));
+        self.config_mut().rebuild = Some(crate::server::replay::Rebuilder::new(rebuild));
         self
     }
 
@@ -389,11 +407,11 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     }
 }
 
-impl<S, St: Clone, F, R, M> Layer<S> for IdempotencyLayer<St, F, R, M> {
+impl<S, St: Clone, F, R, M: Clone> Layer<S> for IdempotencyLayer<St, F, R, M> {
     type Service = Idempotency<S, St, F, R, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.endpoint.clone())
+        Idempotency::new(inner, self.setup.clone())
     }
 }
 
@@ -408,12 +426,12 @@ mod tests {
 
     use super::*;
     use crate::{
-        body::RequestBody,
         fingerprint::JsonFingerprinter,
         key::IdempotencyKey,
         memory::{MemoryStore, MemoryTx},
         record::StoredResponse,
         scope::{Scope, TenantId},
+        server::body::RequestBody,
         store::{Claim, ClaimRequest, StoreError},
     };
 
@@ -509,7 +527,7 @@ mod tests {
             IdempotencyKey::parse(b"hot").unwrap(),
         );
         // Wait (bounded) until all 50 wait behind the leader in this process.
-        let in_flight = layer.endpoint.runtime.in_flight.clone();
+        let in_flight = layer.setup.shared.in_flight.clone();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while in_flight.waiting(&scope, &key) < 50 {
             assert!(
@@ -589,9 +607,9 @@ mod tests {
             .response_body_limit(usize::MAX)
             .handler_timeout(Duration::MAX)
             .wait(Duration::MAX);
-        assert_eq!(layer.endpoint.config.request_body_limit, MAX_BODY);
-        assert_eq!(layer.endpoint.config.response_body_limit, MAX_BODY);
-        assert_eq!(layer.endpoint.config.handler_timeout, MAX_WAIT);
-        assert_eq!(layer.endpoint.config.wait, MAX_WAIT);
+        assert_eq!(layer.setup.config.request_body_limit, MAX_BODY);
+        assert_eq!(layer.setup.config.response_body_limit, MAX_BODY);
+        assert_eq!(layer.setup.config.handler_timeout, MAX_WAIT);
+        assert_eq!(layer.setup.config.wait, MAX_WAIT);
     }
 }

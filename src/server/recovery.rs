@@ -6,13 +6,16 @@ use http::{Request, Response};
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::{drive, flow::fail_for_good, spawn_work, Driven};
-use crate::{
+use super::{
     body::{BoxError, RequestBody},
-    endpoint::Endpoint,
+    endpoint::Setup,
+    long::{drive, fail_for_good, spawn_work, Driven},
+    mode::LongRunning,
+};
+use crate::{
     fingerprint::Fingerprinter,
     metrics,
-    store::{Backoff, LeaseStore, Recovered, StoreError},
+    store::{LeaseStore, Recovered, StoreError},
 };
 
 /// Re-drives a long-running endpoint's operations whose lease expired with
@@ -41,7 +44,7 @@ use crate::{
 /// ```
 pub struct Recovery<S, St, F, R> {
     inner: S,
-    endpoint: Endpoint<St, F, R>,
+    setup: Setup<St, F, R, LongRunning>,
 }
 
 impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug> fmt::Debug
@@ -50,14 +53,14 @@ impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug> fmt::Debug
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Recovery")
             .field("inner", &self.inner)
-            .field("endpoint", &self.endpoint)
+            .field("setup", &self.setup)
             .finish()
     }
 }
 
 impl<S, St, F, R> Recovery<S, St, F, R> {
-    pub(crate) fn new(inner: S, endpoint: Endpoint<St, F, R>) -> Self {
-        Recovery { inner, endpoint }
+    pub(crate) fn new(inner: S, setup: Setup<St, F, R, LongRunning>) -> Self {
+        Recovery { inner, setup }
     }
 }
 
@@ -94,12 +97,7 @@ where
     /// runs on; [`IdempotencyLayer::drained`](crate::IdempotencyLayer::drained)
     /// waits for it.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
-        let interval = self
-            .endpoint
-            .config
-            .lease
-            .as_ref()
-            .map_or(std::time::Duration::from_secs(1), |l| l.recovery_interval);
+        let interval = self.setup.mode.config.recovery_interval;
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let found = tokio::select! {
@@ -122,24 +120,14 @@ where
     }
 
     async fn take_over(&self) -> Result<Option<Recovered<St::Lease>>, StoreError> {
-        let lease = self
-            .endpoint
-            .config
-            .lease
-            .as_ref()
-            .map_or(std::time::Duration::from_secs(10), |l| l.lease);
-        let backoff = self
-            .endpoint
-            .config
-            .lease
-            .as_ref()
-            .map_or(Backoff::NONE, |l| l.backoff);
-        self.endpoint
+        let lease = self.setup.mode.config.lease;
+        let backoff = self.setup.mode.config.backoff;
+        self.setup
             .store
             .recover(
-                &self.endpoint.config.endpoint,
+                &self.setup.config.endpoint,
                 lease,
-                self.endpoint.config.retention,
+                self.setup.config.retention,
                 backoff,
             )
             .await
@@ -155,8 +143,8 @@ where
             scope,
             request,
         } = recovered;
-        let config = self.endpoint.config.clone();
-        let store = self.endpoint.store.clone();
+        let config = self.setup.config.clone();
+        let store = self.setup.store.clone();
         let span = tracing::info_span!(
             "idempotency_recovery",
             endpoint = &*config.endpoint,
@@ -180,7 +168,7 @@ where
                 let (mut parts, body) = rebuilt.into_parts();
                 parts.extensions.insert(scope.tenant().clone());
                 match self
-                    .endpoint
+                    .setup
                     .fingerprinter
                     .fingerprint(&mut parts, &request.body)
                 {
@@ -208,11 +196,12 @@ where
         };
         rebuilt.extensions_mut().insert(owned.lease.clone());
         tracing::info!("re-driving an operation whose lease expired");
-        let running = self.endpoint.runtime.operations.start();
+        let running = self.setup.shared.operations.start();
         let endpoint = config.endpoint.clone();
         let work = drive(
             store,
             config,
+            self.setup.mode.config.clone(),
             self.inner.clone(),
             rebuilt,
             owned.lease,

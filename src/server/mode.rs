@@ -1,0 +1,106 @@
+//! The layer's mode, as a value: [`ShortTransaction`] (the default) or
+//! [`LongRunning`], which carries its [`LeaseConfig`]. One `Service` impl
+//! serves both; the mode decides phases 2 to 5 of a request.
+
+use std::future::Future;
+
+use super::{
+    admit::Admitted,
+    endpoint::Setup,
+    lease_config::LeaseConfig,
+    long,
+    service::{Inner, ReplyBody},
+    settled::{Settled, Timings},
+    short,
+};
+use crate::{
+    fingerprint::Fingerprinter,
+    scope::ResolveTenant,
+    store::{LeaseStore, Store},
+};
+
+/// The mode of an [`IdempotencyLayer`](crate::IdempotencyLayer) over a
+/// store `St`: [`ShortTransaction`] for any [`Store`], [`LongRunning`] for a
+/// [`LeaseStore`]. Sealed: the crate's two modes are the only ones.
+pub trait Mode<St>: sealed::Sealed<St> + Clone + Send + Sync + 'static {}
+
+mod sealed {
+    use super::*;
+
+    /// What a mode does with an admitted request: phases 2 to 5.
+    pub trait Sealed<St>: Sized {
+        fn settle<S, F, R, ResB>(
+            setup: Setup<St, F, R, Self>,
+            inner: S,
+            admitted: Admitted,
+        ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
+        where
+            S: Inner<ResB>,
+            F: Fingerprinter,
+            R: ResolveTenant,
+            ResB: ReplyBody;
+    }
+}
+
+/// The default mode: one short transaction per request, from the claim to
+/// the commit of the handler's writes with the remembered answer.
+#[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct ShortTransaction;
+
+/// The long-running mode, with its settings, set by
+/// [`IdempotencyLayer::long_running`](crate::IdempotencyLayer::long_running):
+/// a committed record with a lease and a fencing token (see
+/// [`lease`](crate::lease)).
+#[derive(Debug, Clone)]
+pub struct LongRunning {
+    pub(crate) config: LeaseConfig,
+}
+
+impl LongRunning {
+    /// The mode with these settings.
+    pub fn new(config: LeaseConfig) -> Self {
+        LongRunning { config }
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> &LeaseConfig {
+        &self.config
+    }
+}
+
+impl<St: Store> Mode<St> for ShortTransaction {}
+
+impl<St: Store> sealed::Sealed<St> for ShortTransaction {
+    fn settle<S, F, R, ResB>(
+        setup: Setup<St, F, R, Self>,
+        inner: S,
+        admitted: Admitted,
+    ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
+    where
+        S: Inner<ResB>,
+        F: Fingerprinter,
+        R: ResolveTenant,
+        ResB: ReplyBody,
+    {
+        short::settle(setup, inner, admitted)
+    }
+}
+
+impl<St: LeaseStore> Mode<St> for LongRunning {}
+
+impl<St: LeaseStore> sealed::Sealed<St> for LongRunning {
+    fn settle<S, F, R, ResB>(
+        setup: Setup<St, F, R, Self>,
+        inner: S,
+        admitted: Admitted,
+    ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
+    where
+        S: Inner<ResB>,
+        F: Fingerprinter,
+        R: ResolveTenant,
+        ResB: ReplyBody,
+    {
+        long::settle(setup, inner, admitted)
+    }
+}

@@ -1,0 +1,66 @@
+//! Running the owner: the inner service called, and a response to remember
+//! buffered under its limit. Shared by both modes.
+
+use std::future::poll_fn;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower_service::Service;
+
+use super::{body::RequestBody, service::ReplyBody, settled::Rollback};
+use crate::record::{FinalResponse, ResourceId};
+
+/// Calls the inner service and buffers a response to remember: the part of
+/// the owner's work the handler timeout bounds.
+pub(crate) async fn run_owner<S, ResB>(
+    inner: S,
+    request: Request<RequestBody>,
+    body_limit: usize,
+) -> Result<(http::response::Parts, Bytes), Rollback<ResB, S::Error>>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>>,
+    ResB: ReplyBody,
+{
+    let response = call_inner(inner, request)
+        .await
+        .map_err(Rollback::ServiceFailed)?;
+    if !is_remembered(&response) {
+        return Err(Rollback::NotRemembered(response));
+    }
+    let (parts, body) = response.into_parts();
+    if parts
+        .extensions
+        .get::<ResourceId>()
+        .is_some_and(|id| !id.is_storable())
+    {
+        return Err(Rollback::Unstorable(
+            "the resource id is empty, longer than 255 bytes or has control characters",
+        ));
+    }
+    match Limited::new(body, body_limit).collect().await {
+        Ok(collected) => Ok((parts, collected.to_bytes())),
+        Err(e) if e.is::<LengthLimitError>() => Err(Rollback::Unstorable(
+            "the response body is over the stored-response limit",
+        )),
+        Err(_) => Err(Rollback::Unstorable("the response body failed")),
+    }
+}
+
+pub(crate) async fn call_inner<S, ResB>(
+    mut inner: S,
+    request: Request<RequestBody>,
+) -> Result<Response<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>>,
+{
+    poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(request).await
+}
+
+/// 2xx, and any non-5xx the handler marked as a final answer.
+fn is_remembered<B>(response: &Response<B>) -> bool {
+    let status = response.status();
+    status.is_success()
+        || (!status.is_server_error() && response.extensions().get::<FinalResponse>().is_some())
+}

@@ -1,0 +1,274 @@
+//! [`Idempotency`]: the middleware, with one `Service` impl for both modes.
+//!
+//! 1. **Admit** (`admit`): key, tenant, body, fingerprint.
+//! 2. to 5. **The mode's flow** ([`Mode`]): coalesce, claim, run the owner,
+//!    remember (`short`), or acquire, run under a lease, finish (`long`),
+//!    on a task of its own.
+//! 6. Every path ends in one [`Settled`], which is observed once and
+//!    answered once (`settled`).
+
+use std::{
+    fmt,
+    task::{Context, Poll},
+};
+
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use http_body::Body;
+use tower_service::Service;
+use tracing::{field, Instrument};
+
+use super::{
+    admit::{admit, Admission},
+    body::{BoxError, RequestBody, ResponseBody},
+    endpoint::{Config, Setup},
+    future::ResponseFuture,
+    mode::{Mode, ShortTransaction},
+    owner::call_inner,
+    replay::{RebuildRequest, Rebuilder, Rebuilt},
+    settled::{MiddlewareResult, Settled, Timings},
+};
+use crate::{
+    fingerprint::Fingerprinter,
+    record::{StoredResponse, IDEMPOTENT_REPLAYED},
+    scope::{ResolveTenant, TenantFromExtension, TenantId},
+    store::Store,
+};
+
+/// The middleware [`IdempotencyLayer`](crate::IdempotencyLayer) produces.
+///
+/// The inner service receives `Request<`[`RequestBody`]`>` and must run on a
+/// tokio runtime: once a request owns its key, its work is spawned so that it
+/// finishes even if the client goes away.
+///
+/// `M` is the mode: [`ShortTransaction`] (the default) or
+/// [`LongRunning`](crate::lease::LongRunning).
+pub struct Idempotency<S, St, F, R = TenantFromExtension, M = ShortTransaction> {
+    inner: S,
+    setup: Setup<St, F, R, M>,
+}
+
+impl<S, St, F, R, M> Idempotency<S, St, F, R, M> {
+    pub(crate) fn new(inner: S, setup: Setup<St, F, R, M>) -> Self {
+        Idempotency { inner, setup }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes the middleware, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, St: Clone, F, R, M: Clone> Clone for Idempotency<S, St, F, R, M> {
+    fn clone(&self) -> Self {
+        Idempotency::new(self.inner.clone(), self.setup.clone())
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug, M: fmt::Debug> fmt::Debug
+    for Idempotency<S, St, F, R, M>
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("setup", &self.setup)
+            .finish()
+    }
+}
+
+impl<S, St, F, R, M, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St, F, R, M>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    F: Fingerprinter,
+    R: ResolveTenant,
+    M: Mode<St>,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let (setup, inner) = self.take_ready();
+        ResponseFuture::new(Box::pin(handle(setup, inner, request)))
+    }
+}
+
+impl<S: Clone, St: Clone, F, R, M: Clone> Idempotency<S, St, F, R, M> {
+    /// The service that was driven to readiness, with a fresh clone left
+    /// behind, and the setup.
+    fn take_ready(&mut self) -> (Setup<St, F, R, M>, S) {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        (self.setup.clone(), inner)
+    }
+}
+
+/// The inner services the middleware wraps (an alias for their bounds;
+/// public only to the sealed [`Mode`]).
+pub trait Inner<ResB>:
+    Service<
+        Request<RequestBody>,
+        Response = Response<ResB>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<T, ResB> Inner<ResB> for T where
+    T: Service<
+            Request<RequestBody>,
+            Response = Response<ResB>,
+            Future: Send + 'static,
+            Error: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
+/// Response bodies of the inner service (an alias for their bounds;
+/// public only to the sealed [`Mode`]).
+pub trait ReplyBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
+impl<T> ReplyBody for T where T: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
+/// Phase 1 (admission), then the mode's flow (phases 2 to 5) on a task of
+/// its own, then the answer.
+async fn handle<S, St, F, R, M, ReqB, ResB>(
+    setup: Setup<St, F, R, M>,
+    inner: S,
+    request: Request<ReqB>,
+) -> MiddlewareResult<ResB, S::Error>
+where
+    S: Inner<ResB>,
+    St: Store,
+    F: Fingerprinter,
+    R: ResolveTenant,
+    M: Mode<St>,
+    ReqB: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
+    ResB: ReplyBody,
+{
+    if is_safe(request.method()) {
+        return pass_through(inner, request).await;
+    }
+    let config = setup.config.clone();
+    let span = tracing::info_span!(
+        "idempotency",
+        endpoint = &*config.endpoint,
+        key_hash = field::Empty,
+        outcome = field::Empty,
+    );
+    let admitted = match admit(&setup, request).instrument(span.clone()).await {
+        Admission::PassThrough(request) => return pass_through(inner, request).await,
+        Admission::Refused(problem) => {
+            let refused = Settled::Rejected(problem);
+            refused.observe(&config, &span, &Timings::start(), None);
+            return refused.answer(&config);
+        }
+        Admission::Admitted(admitted) => admitted,
+    };
+    let tenant = (config.tenant_label).then(|| admitted.claim.scope.tenant().as_str().to_owned());
+    let rebuild_for = config
+        .rebuild
+        .is_some()
+        .then(|| admitted.claim.scope.tenant().clone());
+    // From the claim on, a connection may be inside a transaction: run to the
+    // end on a task of our own, whether or not the client is still waiting.
+    let running = setup.shared.operations.start();
+    let work = M::settle(setup, inner, admitted).instrument(span.clone());
+    let (settled, timings) = match tokio::spawn(async move {
+        let _running = running;
+        work.await
+    })
+    .await
+    {
+        Ok(ended) => ended,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => (Settled::Cancelled, Timings::start()),
+    };
+    let settled = match (settled, &config.rebuild, rebuild_for) {
+        (Settled::Replayed(stored), Some(rebuilder), Some(tenant)) => {
+            rebuild(rebuilder, &config, tenant, stored)
+                .instrument(span.clone())
+                .await
+        }
+        (settled, ..) => settled,
+    };
+    settled.observe(&config, &span, &timings, tenant.as_deref());
+    settled.answer(&config)
+}
+
+/// A replay of a record that names its resource, rebuilt by the
+/// application's function under the first response's status; any other
+/// replay as stored. Bounded by the handler timeout.
+async fn rebuild<B, E>(
+    rebuilder: &Rebuilder,
+    config: &Config,
+    tenant: TenantId,
+    stored: StoredResponse,
+) -> Settled<B, E> {
+    let Some(resource_id) = stored.resource_id.clone() else {
+        return Settled::Replayed(stored);
+    };
+    let request = RebuildRequest {
+        tenant,
+        endpoint: config.endpoint.clone(),
+        resource_id: resource_id.clone(),
+        status: stored.status,
+    };
+    match tokio::time::timeout(config.handler_timeout, rebuilder.rebuild(request)).await {
+        Ok(Ok(Rebuilt::Current(mut response))) => {
+            *response.status_mut() = stored.status;
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, http::HeaderValue::from_static("true"));
+            Settled::Rebuilt(response)
+        }
+        Ok(Ok(Rebuilt::Gone)) => Settled::ResourceGone(resource_id),
+        Ok(Err(e)) => Settled::RebuildFailed(e),
+        Err(_) => {
+            Settled::RebuildFailed("the rebuild did not finish within the handler timeout".into())
+        }
+    }
+}
+
+async fn pass_through<S, ReqB, ResB>(
+    inner: S,
+    request: Request<ReqB>,
+) -> MiddlewareResult<ResB, S::Error>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>>,
+    ReqB: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
+{
+    let response = call_inner(inner, request.map(RequestBody::streaming)).await?;
+    Ok(response.map(ResponseBody::inner))
+}
+
+fn is_safe(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
