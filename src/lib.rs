@@ -130,6 +130,10 @@ pub mod store;
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 
+/// The boxed error the crate's bodies, services and client carry: one
+/// definition for the whole crate.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 // The middleware's own types live at the root; everything else under the
 // module named for its concern, each type at one path.
 #[cfg(feature = "axum")]

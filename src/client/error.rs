@@ -4,7 +4,7 @@ use std::fmt;
 
 use crate::key::IdempotencyKey;
 
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) use crate::BoxError;
 
 /// Why a call through [`IdempotentClient`](super::IdempotentClient) ended
 /// without an answer.

@@ -26,19 +26,19 @@ type Key = (Scope, IdempotencyKey);
 
 /// What a leader has made known about its key so far.
 #[derive(Debug, Clone, Default)]
-enum Settlement {
+enum LeadState {
     /// Nothing yet (or it finished without a record: rolled back).
     #[default]
     Pending,
     /// The key has a record in the store.
-    Known,
+    Recorded,
     /// The key's completed record, as the leader committed or read it.
     Answer(Arc<Record>),
 }
 
 /// A key's leader as its followers find it: what it made known, and the
 /// token each follower holds a clone of.
-type Leader = (watch::Receiver<Settlement>, Arc<()>);
+type Leader = (watch::Receiver<LeadState>, Arc<()>);
 
 #[derive(Debug, Default)]
 pub(crate) struct InFlight {
@@ -59,12 +59,12 @@ pub(crate) struct LeadGuard {
     key: Key,
     // Dropping the sender wakes every follower; the value says what the
     // key now has.
-    done: watch::Sender<Settlement>,
+    done: watch::Sender<LeadState>,
 }
 
 /// Waits for a leader.
 pub(crate) struct Follower {
-    done: watch::Receiver<Settlement>,
+    done: watch::Receiver<LeadState>,
     /// Counts this follower while it waits.
     _waiting: Arc<()>,
 }
@@ -75,10 +75,10 @@ pub(crate) enum Woken {
     /// The key's completed record, from the leader: no store needed.
     Answer(Arc<Record>),
     /// The key has a record now: every follower may read it at once.
-    Settled,
+    Recorded,
     /// The leader finished without a record (rolled back): one follower
     /// leads next, so the others do not all claim together.
-    Unsettled,
+    Released,
     /// The deadline passed first.
     TimedOut,
 }
@@ -89,9 +89,9 @@ impl Follower {
         match tokio::time::timeout_at(deadline, self.done.changed()).await {
             Err(_) => Woken::TimedOut,
             Ok(_) => match &*self.done.borrow() {
-                Settlement::Answer(record) => Woken::Answer(record.clone()),
-                Settlement::Known => Woken::Settled,
-                Settlement::Pending => Woken::Unsettled,
+                LeadState::Answer(record) => Woken::Answer(record.clone()),
+                LeadState::Recorded => Woken::Recorded,
+                LeadState::Pending => Woken::Released,
             },
         }
     }
@@ -102,9 +102,9 @@ impl LeadGuard {
     /// go straight to it.
     pub(crate) fn settled(&self) {
         self.done.send_if_modified(|s| {
-            let pending = matches!(s, Settlement::Pending);
+            let pending = matches!(s, LeadState::Pending);
             if pending {
-                *s = Settlement::Known;
+                *s = LeadState::Recorded;
             }
             pending
         });
@@ -113,7 +113,7 @@ impl LeadGuard {
     /// The key's completed record: followers answer from it, without the
     /// store.
     pub(crate) fn answered(&self, record: Arc<Record>) {
-        self.done.send_replace(Settlement::Answer(record));
+        self.done.send_replace(LeadState::Answer(record));
     }
 }
 
@@ -127,7 +127,7 @@ impl InFlight {
                 _waiting: followers.clone(),
             });
         }
-        let (done, done_rx) = watch::channel(Settlement::Pending);
+        let (done, done_rx) = watch::channel(LeadState::Pending);
         leaders.insert(key.clone(), (done_rx, Arc::new(())));
         Turn::Lead(LeadGuard {
             in_flight: self.clone(),
@@ -171,15 +171,15 @@ pub(crate) async fn coalesce<St, F, R, M>(
     let mut followed = false;
     loop {
         match setup.shared.in_flight.enter(&claim.scope, &claim.key) {
-            Turn::Lead(guard) => return Coalesced::Lead(guard, followed),
+            Turn::Lead(guard) => return Coalesced::Lead { guard, followed },
             Turn::Follow(follower) => {
                 followed = true;
                 match follower.wait(deadline).await {
                     Woken::Answer(record) => return Coalesced::Answered(record),
                     // The key has a record: read it without leading.
-                    Woken::Settled => return Coalesced::Read,
+                    Woken::Recorded => return Coalesced::Read,
                     // The leader rolled back: one of us leads next.
-                    Woken::Unsettled => {}
+                    Woken::Released => {}
                     Woken::TimedOut => return Coalesced::TimedOut,
                 }
             }
@@ -187,11 +187,22 @@ pub(crate) async fn coalesce<St, F, R, M>(
     }
 }
 
+/// A request that goes on to the store after [`coalesce`].
+pub(crate) struct Proceed {
+    /// Its guard, if it leads the key in this process.
+    pub(crate) lead: Option<LeadGuard>,
+    /// It waited behind another request of this process first.
+    pub(crate) followed: bool,
+}
+
 /// How a request goes on after [`coalesce`].
 pub(crate) enum Coalesced {
-    /// To the store, as the key's leader in this process (`true`: after
-    /// waiting behind another request first).
-    Lead(LeadGuard, bool),
+    /// To the store, as the key's leader in this process.
+    Lead {
+        guard: LeadGuard,
+        /// It waited behind another request of this process first.
+        followed: bool,
+    },
     /// To the store, after a leader of this process settled the key.
     Read,
     /// Answered from the leader's record: no store needed.
@@ -201,20 +212,28 @@ pub(crate) enum Coalesced {
 }
 
 impl Coalesced {
-    /// `Continue((lead, followed))` if the request goes on to the store (as
-    /// the key's leader here, or not), else `Break` with how it settled in
-    /// memory, its wait recorded in `timings`.
+    /// `Continue` if the request goes on to the store (as the key's leader
+    /// here, or not), else `Break` with how it settled in memory, its wait
+    /// recorded in `timings`.
     pub(crate) fn go_on<B, E>(
         self,
         fingerprint: &Fingerprint,
         timings: &mut Timings,
         retry_after: u64,
-    ) -> ControlFlow<Settled<B, E>, (Option<LeadGuard>, bool)> {
+    ) -> ControlFlow<Settled<B, E>, Proceed> {
         let settled = match self {
-            Coalesced::Lead(lead, followed) => {
-                return ControlFlow::Continue((Some(lead), followed))
+            Coalesced::Lead { guard, followed } => {
+                return ControlFlow::Continue(Proceed {
+                    lead: Some(guard),
+                    followed,
+                })
             }
-            Coalesced::Read => return ControlFlow::Continue((None, true)),
+            Coalesced::Read => {
+                return ControlFlow::Continue(Proceed {
+                    lead: None,
+                    followed: true,
+                })
+            }
             Coalesced::Answered(record) => Coalesced::answer(&record, fingerprint),
             Coalesced::TimedOut => Settled::InProgress { retry_after },
         };
@@ -259,7 +278,7 @@ mod tests {
         drop(guard);
         assert_eq!(
             follower.wait(far).await,
-            Woken::Unsettled,
+            Woken::Released,
             "a leader that rolled back leaves it unsettled"
         );
         let Turn::Lead(guard) = in_flight.enter(&scope, &key) else {
@@ -270,7 +289,7 @@ mod tests {
         };
         guard.settled();
         drop(guard);
-        assert_eq!(follower.wait(far).await, Woken::Settled);
+        assert_eq!(follower.wait(far).await, Woken::Recorded);
         let Turn::Lead(_guard) = in_flight.enter(&scope, &key) else {
             panic!("free")
         };

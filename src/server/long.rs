@@ -14,13 +14,13 @@ use tracing::Instrument;
 use super::{
     admit::Admitted,
     body::RequestBody,
-    coalesce::coalesce,
+    coalesce::{coalesce, Proceed},
     endpoint::{Config, Setup},
     lease_config::LeaseConfig,
     mode::LongRunning,
     operations::Running,
     owner::run_owner,
-    service::{Inner, ReplyBody},
+    service::{Inner, InnerBody},
     settled::{Rollback, Settled, StatusHint, Timings},
 };
 use crate::{
@@ -49,7 +49,7 @@ pub(crate) enum Driven<B, E> {
 /// Phases 3 to 5 in the long-running mode: acquire the operation (or say
 /// where it stands), start its work on a task of its own, and wait for it
 /// up to `respond_within` before answering `202 Accepted`.
-pub(crate) async fn settle<S, St, F, R, ResB>(
+pub(crate) async fn run<S, St, F, R, ResB>(
     setup: Setup<St, F, R, LongRunning>,
     inner: S,
     admitted: Admitted,
@@ -57,7 +57,7 @@ pub(crate) async fn settle<S, St, F, R, ResB>(
 where
     S: Inner<ResB>,
     St: LeaseStore,
-    ResB: ReplyBody,
+    ResB: InnerBody,
 {
     let Admitted {
         mut parts,
@@ -73,10 +73,11 @@ where
     // 2. Coalesce, as in the short mode.
     let in_process = coalesce(&setup, &claim, deadline).await;
     let retry_after = lease_config.retry_after();
-    let (lead, followed) = match in_process.go_on(&claim.fingerprint, &mut timings, retry_after) {
-        std::ops::ControlFlow::Continue(go_on) => go_on,
-        std::ops::ControlFlow::Break(settled) => return (settled, timings),
-    };
+    let Proceed { lead, followed } =
+        match in_process.go_on(&claim.fingerprint, &mut timings, retry_after) {
+            std::ops::ControlFlow::Continue(proceed) => proceed,
+            std::ops::ControlFlow::Break(settled) => return (settled, timings),
+        };
 
     // 3. Acquire: a committed record, whoever owns it.
     claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -202,7 +203,7 @@ pub(crate) async fn drive<S, St, ResB>(
 where
     S: Inner<ResB>,
     St: LeaseStore,
-    ResB: ReplyBody,
+    ResB: InnerBody,
 {
     let endpoint = &*config.endpoint;
     if attempt > lease_config.max_attempts {

@@ -9,7 +9,7 @@ use super::{
     endpoint::Setup,
     lease_config::LeaseConfig,
     long,
-    service::{Inner, ReplyBody},
+    service::{Inner, InnerBody},
     settled::{Settled, Timings},
     short,
 };
@@ -29,7 +29,7 @@ mod sealed {
 
     /// What a mode does with an admitted request: phases 2 to 5.
     pub trait Sealed<St>: Sized {
-        fn settle<S, F, R, ResB>(
+        fn run<S, F, R, ResB>(
             setup: Setup<St, F, R, Self>,
             inner: S,
             admitted: Admitted,
@@ -38,7 +38,7 @@ mod sealed {
             S: Inner<ResB>,
             F: Fingerprinter,
             R: ResolveTenant,
-            ResB: ReplyBody;
+            ResB: InnerBody;
     }
 }
 
@@ -72,7 +72,7 @@ impl LongRunning {
 impl<St: Store> Mode<St> for ShortTransaction {}
 
 impl<St: Store> sealed::Sealed<St> for ShortTransaction {
-    fn settle<S, F, R, ResB>(
+    fn run<S, F, R, ResB>(
         setup: Setup<St, F, R, Self>,
         inner: S,
         admitted: Admitted,
@@ -81,16 +81,16 @@ impl<St: Store> sealed::Sealed<St> for ShortTransaction {
         S: Inner<ResB>,
         F: Fingerprinter,
         R: ResolveTenant,
-        ResB: ReplyBody,
+        ResB: InnerBody,
     {
-        short::settle(setup, inner, admitted)
+        short::run(setup, inner, admitted)
     }
 }
 
 impl<St: LeaseStore> Mode<St> for LongRunning {}
 
 impl<St: LeaseStore> sealed::Sealed<St> for LongRunning {
-    fn settle<S, F, R, ResB>(
+    fn run<S, F, R, ResB>(
         setup: Setup<St, F, R, Self>,
         inner: S,
         admitted: Admitted,
@@ -99,8 +99,8 @@ impl<St: LeaseStore> sealed::Sealed<St> for LongRunning {
         S: Inner<ResB>,
         F: Fingerprinter,
         R: ResolveTenant,
-        ResB: ReplyBody,
+        ResB: InnerBody,
     {
-        long::settle(setup, inner, admitted)
+        long::run(setup, inner, admitted)
     }
 }

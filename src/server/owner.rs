@@ -8,7 +8,7 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
 
-use super::{body::RequestBody, service::ReplyBody, settled::Rollback};
+use super::{body::RequestBody, service::InnerBody, settled::Rollback};
 use crate::record::{FinalResponse, ResourceId};
 
 /// Calls the inner service and buffers a response to remember: the part of
@@ -20,7 +20,7 @@ pub(crate) async fn run_owner<S, ResB>(
 ) -> Result<(http::response::Parts, Bytes), Rollback<ResB, S::Error>>
 where
     S: Service<Request<RequestBody>, Response = Response<ResB>>,
-    ResB: ReplyBody,
+    ResB: InnerBody,
 {
     let response = call_inner(inner, request)
         .await

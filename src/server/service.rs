@@ -150,9 +150,9 @@ impl<T, ResB> Inner<ResB> for T where
 
 /// Response bodies of the inner service (an alias for their bounds;
 /// public only to the sealed [`Mode`]).
-pub trait ReplyBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+pub trait InnerBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
 
-impl<T> ReplyBody for T where T: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+impl<T> InnerBody for T where T: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
 
 /// Phase 1 (admission), then the mode's flow (phases 2 to 5) on a task of
 /// its own, then the answer.
@@ -168,7 +168,7 @@ where
     R: ResolveTenant,
     M: Mode<St>,
     ReqB: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
-    ResB: ReplyBody,
+    ResB: InnerBody,
 {
     if is_safe(request.method()) {
         return pass_through(inner, request).await;
@@ -197,7 +197,7 @@ where
     // From the claim on, a connection may be inside a transaction: run to the
     // end on a task of our own, whether or not the client is still waiting.
     let running = setup.shared.operations.start();
-    let work = M::settle(setup, inner, admitted).instrument(span.clone());
+    let work = M::run(setup, inner, admitted).instrument(span.clone());
     let (settled, timings) = match tokio::spawn(async move {
         let _running = running;
         work.await

@@ -10,10 +10,10 @@ use http::Request;
 use super::{
     admit::Admitted,
     body::RequestBody,
-    coalesce::{coalesce, Coalesced},
+    coalesce::{coalesce, Coalesced, Proceed},
     endpoint::Setup,
     owner::run_owner,
-    service::{Inner, ReplyBody},
+    service::{Inner, InnerBody},
     settled::{Rollback, Settled, Timings},
 };
 use crate::{
@@ -33,7 +33,7 @@ macro_rules! fault_point {
 
 /// Phases 2 to 5 for a request that may own its key: coalesce, claim, run
 /// the owner, remember. Says how the request settled.
-pub(crate) async fn settle<S, St, F, R, ResB>(
+pub(crate) async fn run<S, St, F, R, ResB>(
     setup: Setup<St, F, R>,
     inner: S,
     admitted: Admitted,
@@ -41,7 +41,7 @@ pub(crate) async fn settle<S, St, F, R, ResB>(
 where
     S: Inner<ResB>,
     St: Store,
-    ResB: ReplyBody,
+    ResB: InnerBody,
 {
     let Admitted {
         mut parts,
@@ -69,8 +69,8 @@ where
 
     // 2. Coalesce.
     let in_process = coalesce(&setup, &claim, deadline).await;
-    let (lead, followed) = match in_process.go_on(&claim.fingerprint, &mut timings, 1) {
-        std::ops::ControlFlow::Continue(go_on) => go_on,
+    let Proceed { lead, followed } = match in_process.go_on(&claim.fingerprint, &mut timings, 1) {
+        std::ops::ControlFlow::Continue(proceed) => proceed,
         std::ops::ControlFlow::Break(settled) => return (settled, timings),
     };
     // Followers of this process answer from the record this request
