@@ -1,9 +1,10 @@
 //! Guides: how the pieces work together, one topic each.
 //!
 //! The crate's front page says what the crate guarantees and lists these
-//! guides; each module's own docs hold its API reference. Deploying behind
-//! poolers, across failover and shards is covered in `docs/deploying.md` in
-//! the repository.
+//! guides; each module's own docs hold its API reference.
+//!
+//! Deploying (poolers, failover, sharding): `docs/deploying.md` in the
+//! repository.
 
 pub mod request_flow {
     #![doc = include_str!("../docs/request_flow.md")]
