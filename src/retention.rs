@@ -1,20 +1,9 @@
 //! Retention: expired keys are removed in small batches, and the gauges an
 //! operator watches are refreshed.
 //!
-//! A completed record replays until its `expires_at` (completion + the
-//! layer's retention); after that the same key is a new operation, whether or
-//! not the row was removed yet. [`Cleanup`] removes expired rows so the table
-//! stays the size of the retention window:
-//!
-//! - in batches (`LIMIT`-ed `DELETE`s, each its own short transaction), found
-//!   through the index on `expires_at`, never by scanning the table;
-//! - with `FOR UPDATE SKIP LOCKED`, so any number of cleaners (one per app
-//!   instance is fine) never wait on each other or on a claim taking an
-//!   expired key over;
-//! - never touching a row a live owner holds (its lock is skipped); an
-//!   expired `in_progress` row nobody holds is an orphan and is removed.
-//!
-//! Cron users call [`Cleanup::run_once`] (or run the SQL it documents).
+//! [`Cleanup`] runs in every instance, or from cron ([`Cleanup::run_once`]).
+//! What the retention promises, how cleanup stays out of the claims' way, and
+//! the key table at scale: [the retention guide](crate::guide::retention).
 
 use std::{fmt, future::Future, time::Duration};
 

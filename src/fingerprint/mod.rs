@@ -1,13 +1,13 @@
 //! Request fingerprints: what makes two requests "the same request".
 //!
-//! A key names one operation; the fingerprint says what that operation was.
-//! A retry with the same key and the same fingerprint replays the first
-//! answer; the same key with another fingerprint is refused.
-//!
 //! - [`Fingerprint`] and the [`Fingerprinter`] trait live here.
 //! - [`JsonFingerprinter`]: any JSON body by its canonical form.
 //! - [`TypedFingerprinter`]: a DTO with validation, leaving
 //!   [`Validated`] for the handler.
+//!
+//! What the fingerprint covers, and which bodies are refused because two
+//! readers could read them differently:
+//! [the fingerprints guide](crate::guide::fingerprints).
 //!
 //! A closure is a fingerprinter. This one lets a header take part and refuses
 //! an empty body before the request claims its key:
@@ -42,10 +42,7 @@
 //! assert_eq!(empty.status(), StatusCode::UNPROCESSABLE_ENTITY);
 //! ```
 //!
-//! [`JsonFingerprinter`] needs no DTO: key order, white space and number
-//! spelling do not matter, values and array order do, and fields named with
-//! `ignore_field` are dropped; a body that is not JSON is a
-//! `422 validation_failed`.
+//! [`JsonFingerprinter`] needs no DTO:
 //!
 //! ```
 //! use tower_idempotency::{fingerprint::{Fingerprinter, JsonFingerprinter}};

@@ -1,45 +1,12 @@
 //! [`PgStore`]: keys arbitrated by a PostgreSQL primary key, responses
 //! committed in the handler's own transaction.
 //!
-//! The protocol, per request:
-//!
-//! 1. Claim first, in one round trip: `BEGIN ISOLATION LEVEL READ COMMITTED`
-//!    with `lock_timeout` set to the wait, pipelined with one statement that
-//!    either inserts the key's row (`INSERT … ON CONFLICT ON CONSTRAINT
-//!    idempotency_requests_pkey DO NOTHING RETURNING attempt_token, …`: this
-//!    request owns the key) or returns the key's committed record without a
-//!    lock. No `SELECT` before the insert decides the owner: the unique index
-//!    does. If another transaction holds the key, the insert waits on it;
-//!    `55P03` after the wait means in progress.
-//! 2. Not owned: a completed record is replayed, and the transaction, which
-//!    wrote nothing, ends behind the answer. A record committed while the
-//!    claim waited is read with a fresh snapshot. An expired record (or an
-//!    orphaned in-progress row) is taken over by a second statement in the
-//!    same transaction, `… ON CONFLICT DO UPDATE … WHERE expired`, as a new
-//!    attempt under a larger token.
-//! 3. The handler writes through [`PgTx`].
-//! 4. In one round trip: `UPDATE` the row with the response (its retention
-//!    counts from now, the completion), `COMMIT`, and a session reset. The
-//!    `UPDATE` matches only the row this transaction claimed (attempt token
-//!    and transaction id), and fails otherwise, so the pipelined `COMMIT`
-//!    rolls back; an `UPDATE` that cannot even be sent keeps the `COMMIT`
-//!    from being sent.
-//!
-//! One deadline (the request's wait) bounds steps 1 and 2: lock waits by
-//! `lock_timeout` (a lock on the whole table too: the claim statement is
-//! prepared inside the transaction on its first use), everything else (a
-//! slow server, a lost network) by the client, which then closes the
-//! connection.
-//!
-//! Every pooled connection that may be inside a transaction is held in a
-//! guard that closes it, rather than returning it to the pool, if it is
-//! dropped before `COMMIT`/`ROLLBACK` was acknowledged (a cancelled future, a
-//! panic): PostgreSQL then rolls back. A connection goes back to the pool
-//! only in a known state: after the owner's `COMMIT`/`ROLLBACK` its session
-//! is reset, and a connection lent to the application is rolled back and
-//! reset when it is returned.
-//!
-//! No `SELECT` decides ownership: the unique index does.
+//! The handler writes through [`PgTx`] (in the long-running mode,
+//! [`PgLease`]). The statements a request sends, and how long each may wait:
+//! [how a request flows](crate::guide::request_flow). What the handle refuses
+//! and how every pooled connection goes back clean:
+//! [the transaction handle](crate::guide::transaction). No `SELECT` decides
+//! ownership: the unique index does.
 
 // The code, one concern per file: the protocol's claim (`claim.rs`) and its
 // end (`finish.rs`); the connection guard and the application's connection

@@ -4,8 +4,8 @@
 //! [`MemoryStore`](crate::memory::MemoryStore) keeps the same contract in
 //! memory for unit tests and as the reference for custom stores;
 //! `tower_idempotency::sqlx::SqlxStore` (feature `sqlx`) is the store on a
-//! `sqlx::PgPool`, a second backend written from this trait alone. A
-//! custom store must provide these guarantees:
+//! `sqlx::PgPool`, a second backend written from this trait alone. Every
+//! store keeps this contract:
 //!
 //! 1. **One owner.** For one `(scope, key)` at most one [`Claim::Owned`] is
 //!    outstanding at a time, and at most one owner ever completes while the
@@ -26,37 +26,10 @@
 //!
 //! Long-running operations (leases and fencing tokens) add [`LeaseStore`].
 //!
-//! # Writing a store
-//!
-//! Start from the [`Store`] trait's per-method contract below, then read one
-//! of the two worked stores in the repository:
-//! [`examples/custom_store.rs`](https://github.com/tower-idempotency/tower-idempotency/blob/main/examples/custom_store.rs)
-//! (a decorator around an existing store, the smallest `Store` impl) and
-//! [`src/sqlx/`](https://github.com/tower-idempotency/tower-idempotency/tree/main/src/sqlx)
-//! (a store for another driver: claims by `INSERT … ON CONFLICT`, the
-//! handler's writes and the response in one `sqlx` transaction, bounded
-//! waits by `lock_timeout`, expiry takeover, and [`LeaseStore`] with
-//! fenced transactions). `tests/conformance_catches_broken_stores.rs`
-//! holds a store in memory written from these docs, and one variant per
-//! way of getting it wrong.
-//!
-//! # Checking a store
-//!
-//! With the `test-util` feature, one line in a test runs the conformance
-//! suite against your store and fails with a report naming every broken
-//! guarantee:
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() {
-//! # let store = tower_idempotency::memory::MemoryStore::new();
-//! tower_idempotency::testing::conformance::run_all(store).await.assert_passed();
-//! # }
-//! ```
-//!
-//! `conformance::run_all_with(store, writes)` also checks what the handler
-//! writes through your handle (the atomicity of completion, abort and
-//! drop); `conformance::run_leases(store)` checks a [`LeaseStore`].
+//! Writing a store (two worked stores to read beside the [`Store`] trait's
+//! per-method contract) and checking it with the conformance suite, which
+//! names the part of this contract each failure breaks:
+//! [custom stores](crate::guide::custom_stores).
 
 use std::{fmt, future::Future, time::Duration};
 
