@@ -69,7 +69,3 @@ pub use server::{
 #[doc(hidden)]
 pub use server::failpoints;
 
-// The README's examples compile as doctests.
-#[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-struct ReadmeDoctests;

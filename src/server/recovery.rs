@@ -34,7 +34,7 @@ use crate::{
 /// [`TenantId`](crate::scope::TenantId) extension and the lease handle, and
 /// the endpoint's fingerprinter runs again so that its validated value is in
 /// the extensions too. What the handler must do to be re-drivable is in the
-/// [module docs](super).
+/// [long-running guide](crate::guide::long_running).
 ///
 /// ```no_run
 /// # async fn run(layer: tower_idempotency::IdempotencyLayer<tower_idempotency::postgres::PgStore, tower_idempotency::fingerprint::JsonFingerprinter, tower_idempotency::scope::TenantFromExtension, tower_idempotency::lease::LongRunning>, handler: axum::Router) {
