@@ -68,4 +68,3 @@ pub use server::{
 #[cfg(feature = "failpoints")]
 #[doc(hidden)]
 pub use server::failpoints;
-
