@@ -15,9 +15,9 @@ use tower_service::Service;
 
 use super::{
     body::ResponseBody,
+    call::Shared,
     error::{AttemptError, BoxError},
     layer::Config,
-    policy::Shared,
 };
 
 /// The largest `409` body read for its `code`; the contract's problems are

@@ -50,6 +50,7 @@
 
 mod attempt;
 mod body;
+mod call;
 mod error;
 mod future;
 mod layer;

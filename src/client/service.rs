@@ -17,10 +17,11 @@ use tracing::Instrument;
 use super::{
     attempt::{Attempt, Outcome},
     body::{ReplayBody, ResponseBody},
+    call::Shared,
     error::{BoxError, ClientError, ClientErrorKind},
     future::ResponseFuture,
     layer::Config,
-    policy::{give_up, verdict, ClientPolicy, Shared},
+    policy::{give_up, verdict, ClientPolicy},
     report::{CallReport, GiveUp},
     IdempotentClientLayer,
 };

@@ -20,7 +20,7 @@ use std::{borrow::Cow, collections::HashSet, fmt};
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{map::Entry, Map, Number, Value};
 
-use super::{json::canonical_number, FieldError};
+use super::FieldError;
 
 /// Parses `body` as one JSON value, refusing duplicate member names anywhere.
 pub(crate) fn parse_value(body: &[u8]) -> Result<Value, FieldError> {
@@ -418,6 +418,28 @@ impl Decimal {
             exponent,
         })
     }
+}
+
+/// Numbers compare by value: integers print as integers, and a float with
+/// no fractional part prints as the integer it exactly is, so `2`, `2.0` and
+/// `2e0` (or `100000000000000000` and `1e17`) agree. Other floats print as
+/// the shortest decimal of their double. A written number whose value is not
+/// the one printed here is refused before hashing
+/// ([`refuse_inexact_numbers`]), so no two different values collide.
+pub(super) fn canonical_number(n: &serde_json::Number) -> String {
+    if let Some(i) = n.as_i64() {
+        return i.to_string();
+    }
+    if let Some(u) = n.as_u64() {
+        return u.to_string();
+    }
+    let f = n.as_f64().unwrap_or(f64::NAN);
+    // Every integral double below 2^127 converts to i128 exactly.
+    const I128_SAFE: f64 = 1.7014118346046923e38;
+    if f.fract() == 0.0 && f.abs() < I128_SAFE {
+        return (f as i128).to_string();
+    }
+    format!("{f:e}")
 }
 
 #[cfg(test)]
