@@ -139,6 +139,9 @@ mod settled;
 pub mod sqlx;
 pub mod store;
 
+#[doc = include_str!("../docs/deploying.md")]
+pub mod deploying {}
+
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 mod extract;

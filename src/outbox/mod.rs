@@ -29,10 +29,10 @@
 //! [`PgStore::migrate`](crate::postgres::PgStore::migrate). Operators re-drive an event
 //! by setting `published_at` (delivered) or `parked_at` (given up) back to NULL.
 
-mod event;
+pub(crate) mod event;
 pub mod inbox;
 mod key;
-mod relay;
+pub(crate) mod relay;
 
 pub use event::{enqueue, OutboxEvent};
 pub use key::derive_key;

@@ -188,10 +188,7 @@ fn ini_text(backend: &tokio_postgres::Config, dir: &Path, port: u16) -> Result<S
     let user = backend.get_user().unwrap_or("postgres");
     let mut target = format!("host={host} port={backend_port} user={user}");
     if let Some(password) = backend.get_password() {
-        target.push_str(&format!(
-            " password={}",
-            String::from_utf8_lossy(password)
-        ));
+        target.push_str(&format!(" password={}", String::from_utf8_lossy(password)));
     }
     let dir = dir.display();
     Ok(format!(
