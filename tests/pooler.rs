@@ -6,6 +6,10 @@
 //! asserts on rows read directly, not through the pooler.
 
 mod common;
+#[path = "common/example_binary.rs"]
+mod example_binary;
+#[path = "pooler/order_server.rs"]
+mod order_server;
 
 use std::{
     sync::{
