@@ -491,6 +491,49 @@ async fn cleanup_and_the_operator_api_work_through_the_pooler() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runaway_handler_statement_is_cancelled_through_the_pooler() {
+    let pooled = Pooled::new().await;
+    let pg = &pooled.pg;
+    let service = layer(pooled.store())
+        .handler_timeout(Duration::from_millis(300))
+        .layer(handler(|tx: PgTx| async move {
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ('runaway', $1)",
+                &[&tx.tenant()],
+            )
+            .await?;
+            tx.batch_execute("SELECT pg_sleep(30)").await?;
+            Ok(created("never"))
+        }));
+    let started = tokio::time::Instant::now();
+    let answer = send(service, tenant_a_post("runaway")).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        text(&answer)
+    );
+    // The statement is cancelled with the connection's cancel key, which
+    // PgBouncer forwards to the server connection the open transaction
+    // holds: it ends in a moment, not in 30 s, and its writes roll back.
+    let sleeping = "SELECT count(*) FROM pg_stat_activity \
+                    WHERE query = 'SELECT pg_sleep(30)' AND state = 'active'";
+    while pg.count(sleeping).await > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the runaway statement was not cancelled through the pooler"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(pg.count("SELECT count(*) FROM orders").await, 0);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests").await,
+        0
+    );
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_run_through_the_pooler_and_concurrently() {
     let db = TestDatabase::create().await;
     let bouncer = PgBouncer::start(&db.config());
