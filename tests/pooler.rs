@@ -491,6 +491,18 @@ async fn cleanup_and_the_operator_api_work_through_the_pooler() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_and_lease_conformance_suites_pass_through_the_pooler() {
+    let pooled = Pooled::new().await;
+    tower_idempotency::testing::conformance::run_all(pooled.store())
+        .await
+        .assert_passed();
+    tower_idempotency::testing::conformance::run_leases(pooled.store())
+        .await
+        .assert_passed();
+    assert_eq!(pooled.pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runaway_handler_statement_is_cancelled_through_the_pooler() {
     let pooled = Pooled::new().await;
     let pg = &pooled.pg;
