@@ -2,9 +2,10 @@
 //!
 //! The crate's front page says what the crate guarantees and lists these
 //! guides; each module's own docs hold its API reference.
-//!
-//! Deploying (poolers, failover, sharding): `docs/deploying.md` in the
-//! repository.
+
+pub mod deploying {
+    #![doc = include_str!("../docs/deploying.md")]
+}
 
 pub mod request_flow {
     #![doc = include_str!("../docs/request_flow.md")]

@@ -13,7 +13,7 @@
 //! [retention]: guide::retention
 //! [observability]: guide::observability
 //! [performance]: guide::performance
-//! [deploying]: https://github.com/tower-idempotency/tower-idempotency/blob/main/docs/deploying.md
+//! [deploying]: guide::deploying
 //! [order-server]: https://github.com/tower-idempotency/tower-idempotency/blob/main/examples/order_server/README.md
 //! [testing]: https://github.com/tower-idempotency/tower-idempotency/blob/main/TESTING.md
 //! [benchmarks]: https://github.com/tower-idempotency/tower-idempotency/blob/main/BENCHMARKS.md

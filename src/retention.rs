@@ -7,9 +7,13 @@
 
 use std::{fmt, future::Future, time::Duration};
 
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 
-use crate::{metrics, postgres::PgStore, store::StoreError};
+use crate::{
+    metrics,
+    postgres::{statements::Sql, PgStore},
+    store::StoreError,
+};
 
 // Expired rows; rows locked by a claim (an expired key being taken over, a
 // live owner) or by another cleaner are skipped, not waited for. An expired
@@ -20,6 +24,8 @@ const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
             WHERE expires_at <= now() \
             ORDER BY expires_at LIMIT $1::int8 FOR UPDATE SKIP LOCKED) AS d \
      WHERE r.tenant_id = d.tenant_id AND r.endpoint = d.endpoint AND r.idempotency_key = d.idempotency_key";
+
+pub(crate) const DELETE_BATCH_SQL: Sql<'static> = Sql::new(DELETE_BATCH, &[Type::INT8]);
 
 // Expired rows not yet removed (the cleanup backlog gauge).
 const CLEANUP_BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";
@@ -123,9 +129,8 @@ impl Cleanup {
     /// Removes one batch; returns how many rows went.
     pub async fn delete_batch(&self) -> Result<u64, StoreError> {
         let session = self.store.session().await?;
-        let statement = session.prepare(DELETE_BATCH).await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
-        let removed = session.execute(&statement, &limit).await?;
+        let removed = session.execute(DELETE_BATCH_SQL, &limit).await?;
         metrics::expired_removed(removed);
         Ok(removed)
     }
@@ -159,9 +164,9 @@ impl Cleanup {
     pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
         let session = self.store.session().await?;
         let (backlog, oldest, leases) = tokio::try_join!(
-            session.query_one(CLEANUP_BACKLOG, &[]),
-            session.query_one(OLDEST_IN_PROGRESS, &[]),
-            session.query_one(LEASES, &[])
+            session.query_one(Sql::new(CLEANUP_BACKLOG, &[]), &[]),
+            session.query_one(Sql::new(OLDEST_IN_PROGRESS, &[]), &[]),
+            session.query_one(Sql::new(LEASES, &[]), &[])
         )?;
         let backlog: i64 = backlog.get(0);
         let oldest: f64 = oldest.get(0);

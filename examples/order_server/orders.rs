@@ -8,6 +8,7 @@ use axum::{
 use http::{header, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use tokio_postgres::types::{ToSql, Type};
 use tower_idempotency::{
     fingerprint::{FieldError, TypedFingerprinter, Validated},
     outbox,
@@ -259,7 +260,11 @@ pub(crate) async fn get(
         body.fulfilment = row.try_get(7).map_err(|e| e.to_string())?;
         Ok(body)
     };
-    match client.query_opt(&sql, &[&id, &tenant.as_str()]).await {
+    // One round trip, no prepared statement: DATABASE_URL may name a
+    // transaction pooler, which would not keep one between round trips.
+    let params: [(&(dyn ToSql + Sync), Type); 2] =
+        [(&id, Type::TEXT), (&tenant.as_str(), Type::TEXT)];
+    match client.query_typed_opt(&sql, &params).await {
         Ok(Some(row)) => match read(&row) {
             Ok(body) => axum::Json(body).into_response(),
             Err(e) => {

@@ -23,6 +23,7 @@ use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokio_postgres::types::Type;
 use tower::ServiceExt;
 use tower_idempotency::{postgres::PgStore, problem::Problem, store::StoreError};
 
@@ -206,7 +207,14 @@ impl Warehouse {
     /// and returns the highest.
     async fn observe_token(&self, order_id: &str, token: i64) -> Result<i64, DbError> {
         let client = self.store.client().await?;
-        let row = client.query_one(RAISE_TOKEN, &[&order_id, &token]).await?;
+        // Outside a transaction: one round trip, no prepared statement (a
+        // transaction pooler would not keep one between round trips).
+        let row = client
+            .query_typed_one(
+                RAISE_TOKEN,
+                &[(&order_id, Type::TEXT), (&token, Type::INT8)],
+            )
+            .await?;
         Ok(row.try_get(0)?)
     }
 

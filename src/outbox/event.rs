@@ -2,7 +2,9 @@
 
 use serde_json::Value;
 
-use crate::{postgres::PgTx, postgres::TxError};
+use tokio_postgres::types::Type;
+
+use crate::postgres::{statements::Sql, PgTx, TxError};
 
 /// Adds an event to `outbox_events` inside the request's transaction: it
 /// commits with the business rows and the remembered response, or not at all.
@@ -24,14 +26,19 @@ pub async fn enqueue(
     payload: &Value,
 ) -> Result<String, TxError> {
     let row = tx
-        .query_one(
-            "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
-             VALUES ($1::text, $2::text, $3::text, $4::jsonb) RETURNING id::text",
+        .query_one_sql(
+            ENQUEUE,
             &[&tx.tenant(), &aggregate_id, &event_type, payload],
         )
         .await?;
     Ok(row.get(0))
 }
+
+pub(crate) const ENQUEUE: Sql<'static> = Sql::new(
+    "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
+     VALUES ($1::text, $2::text, $3::text, $4::jsonb) RETURNING id::text",
+    &[Type::TEXT, Type::TEXT, Type::TEXT, Type::JSONB],
+);
 
 /// An event as the relay hands it to a [`Sink`](super::Sink).
 #[derive(Debug, Clone, PartialEq)]

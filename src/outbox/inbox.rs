@@ -2,7 +2,9 @@
 
 use tokio_postgres::GenericClient;
 
-use crate::{postgres::PgTx, postgres::TxError};
+use tokio_postgres::types::Type;
+
+use crate::postgres::{statements::Sql, PgTx, TxError};
 
 /// Records that `consumer` processes `event_id`, inside the caller's own
 /// transaction; `true` the first time, `false` for every redelivery.
@@ -34,8 +36,10 @@ pub async fn first_delivery<C: GenericClient + Sync>(
 
 /// [`first_delivery`] inside the transaction of a request that owns its key.
 pub async fn first_delivery_in(tx: &PgTx, consumer: &str, event_id: &str) -> Result<bool, TxError> {
-    Ok(tx.execute(INSERT, &[&consumer, &event_id]).await? == 1)
+    Ok(tx.execute_sql(INSERT_SQL, &[&consumer, &event_id]).await? == 1)
 }
+
+pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT, &[Type::TEXT, Type::TEXT]);
 
 const INSERT: &str = "INSERT INTO inbox_events (consumer, event_id) VALUES ($1::text, $2::text) \
      ON CONFLICT (consumer, event_id) DO NOTHING";

@@ -8,10 +8,10 @@
 //! How delivery, retries, parking and re-drives work:
 //! [the outbox guide](crate::guide::outbox).
 
-mod event;
+pub(crate) mod event;
 pub mod inbox;
 mod key;
-mod relay;
+pub(crate) mod relay;
 
 pub use event::{enqueue, OutboxEvent};
 pub use key::derive_key;

@@ -12,10 +12,17 @@ use std::{
 
 use pin_project_lite::pin_project;
 use tokio::sync::Notify;
-use tokio_postgres::{types::ToSql, AsyncMessage};
+use tokio_postgres::{
+    types::{ToSql, Type},
+    AsyncMessage,
+};
 
 use super::event::OutboxEvent;
-use crate::{metrics, postgres::PgStore, store::StoreError};
+use crate::{
+    metrics,
+    postgres::{statements::Sql, PgStore},
+    store::StoreError,
+};
 
 /// Where the relay delivers events (a payment API, a message broker, …).
 ///
@@ -129,7 +136,11 @@ pub struct BatchReport {
 /// commit of every transaction that adds or re-drives events), so new events
 /// leave within milliseconds without polling the table in a tight loop; a
 /// fallback poll (default 1 s) picks up retries that come due and anything a
-/// lost listener connection missed.
+/// lost listener connection missed. Behind a transaction pooler
+/// ([`PgStoreBuilder::transaction_pooling`](crate::postgres::PgStoreBuilder::transaction_pooling))
+/// a `LISTEN` would stay on whichever server connection ran it, so the relay
+/// does not listen and relies on the poll alone: choose the poll interval as
+/// the delivery delay you accept.
 ///
 /// ```no_run
 /// # use tower_idempotency::{postgres::PgStore, outbox::{Relay, Sink, OutboxEvent, DeliveryError}};
@@ -198,6 +209,15 @@ const OUTBOX_BACKLOG: &str =
     "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) \
      FROM outbox_events WHERE published_at IS NULL AND parked_at IS NULL";
 
+pub(crate) const CLAIM_EVENTS_SQL: Sql<'static> = Sql::new(CLAIM_EVENTS, &[Type::INT8]);
+pub(crate) const MARK_DELIVERED_SQL: Sql<'static> = Sql::new(MARK_DELIVERED, &[Type::TEXT_ARRAY]);
+pub(crate) const MARK_FAILED_SQL: Sql<'static> = Sql::new(
+    MARK_FAILED,
+    &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::FLOAT8_ARRAY],
+);
+pub(crate) const MARK_PARKED_SQL: Sql<'static> =
+    Sql::new(MARK_PARKED, &[Type::TEXT_ARRAY, Type::TEXT_ARRAY]);
+
 impl<K: Sink> Relay<K> {
     /// A relay over `store`'s database delivering to `sink`.
     ///
@@ -262,13 +282,13 @@ impl<K: Sink> Relay<K> {
     /// [`run`](Self::run).
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
         let mut session = self.store.session().await?;
-        let claim = session.prepare(CLAIM_EVENTS).await?;
+        let claim = session.prepare(CLAIM_EVENTS_SQL).await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
         session.mark_dirty();
         let (_, rows) = tokio::try_join!(
             biased;
             session.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
-            session.query(&claim, &limit),
+            session.query_prepared(&claim, &limit),
         )?;
         let mut report = BatchReport {
             claimed: rows.len(),
@@ -334,18 +354,18 @@ impl<K: Sink> Relay<K> {
         report.retried = retry_ids.len();
         report.parked = park_ids.len();
         let (mark_delivered, mark_failed, mark_parked) = tokio::try_join!(
-            session.prepare(MARK_DELIVERED),
-            session.prepare(MARK_FAILED),
-            session.prepare(MARK_PARKED),
+            session.prepare(MARK_DELIVERED_SQL),
+            session.prepare(MARK_FAILED_SQL),
+            session.prepare(MARK_PARKED_SQL),
         )?;
         let delivered_params: [&(dyn ToSql + Sync); 1] = [&delivered];
         let failed_params: [&(dyn ToSql + Sync); 3] = [&retry_ids, &retry_errors, &retry_delays];
         let parked_params: [&(dyn ToSql + Sync); 2] = [&park_ids, &park_errors];
         let (.., committed) = tokio::try_join!(
             biased;
-            session.execute(&mark_delivered, &delivered_params),
-            session.execute(&mark_failed, &failed_params),
-            session.execute(&mark_parked, &parked_params),
+            session.execute_prepared(&mark_delivered, &delivered_params),
+            session.execute_prepared(&mark_failed, &failed_params),
+            session.execute_prepared(&mark_parked, &parked_params),
             session.commit(),
         )?;
         session.mark_clean(committed);
@@ -356,7 +376,9 @@ impl<K: Sink> Relay<K> {
     /// them as the backlog and lag gauges.
     pub async fn refresh_backlog(&self) -> Result<OutboxStatus, StoreError> {
         let session = self.store.session().await?;
-        let row = session.query_one(OUTBOX_BACKLOG, &[]).await?;
+        let row = session
+            .query_one(Sql::new(OUTBOX_BACKLOG, &[]), &[])
+            .await?;
         let (count, lag): (i64, f64) = (row.get(0), row.get(1));
         metrics::outbox_backlog(count as f64, lag);
         Ok(OutboxStatus {
@@ -375,7 +397,8 @@ impl<K: Sink> Relay<K> {
     pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StoreError> {
         let wake = Arc::new(Notify::new());
         // Aborted however `run` ends: returned, dropped, or unwound by a panic.
-        let _listener = AbortOnDrop(tokio::spawn(listen(self.store.clone(), wake.clone())));
+        let _listener = (!self.store.transaction_pooling())
+            .then(|| AbortOnDrop(tokio::spawn(listen(self.store.clone(), wake.clone()))));
         let mut shutdown = std::pin::pin!(shutdown);
         let mut gauges_due = tokio::time::Instant::now();
         loop {

@@ -3,8 +3,9 @@
 use std::time::SystemTime;
 
 use http::StatusCode;
+use tokio_postgres::types::Type;
 
-use super::{decode, PgStore};
+use super::{decode, statements::Sql, PgStore};
 use crate::{
     fingerprint::Fingerprint, key::IdempotencyKey, record::ResourceId, scope::Scope,
     store::StoreError,
@@ -14,10 +15,16 @@ use crate::{
 const INSPECT_KEY: &str =
     "SELECT tenant_id, endpoint, state, request_fingerprint, response_status, attempt_token, \
          created_at, completed_at, expires_at, resource_id \
-     FROM idempotency_requests WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
+     FROM idempotency_requests \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text";
 
-const REMOVE_KEY: &str =
-    "DELETE FROM idempotency_requests WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
+const REMOVE_KEY: &str = "DELETE FROM idempotency_requests \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text";
+
+// tenant, endpoint, key.
+const KEY_PARAMS: &[Type] = &[Type::TEXT, Type::TEXT, Type::TEXT];
+pub(super) const INSPECT_KEY_SQL: Sql<'static> = Sql::new(INSPECT_KEY, KEY_PARAMS);
+pub(super) const REMOVE_KEY_SQL: Sql<'static> = Sql::new(REMOVE_KEY, KEY_PARAMS);
 
 /// The state of a remembered key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +92,7 @@ impl PgStore {
         let session = self.session().await?;
         let (tenant, endpoint, key) = (scope.tenant().as_str(), scope.endpoint(), key.as_str());
         let row = session
-            .query_opt(INSPECT_KEY, &[&tenant, &endpoint, &key])
+            .query_opt(INSPECT_KEY_SQL, &[&tenant, &endpoint, &key])
             .await?;
         row.as_ref().map(decode::key_record).transpose()
     }
@@ -106,7 +113,7 @@ impl PgStore {
         let session = self.session().await?;
         let (tenant, endpoint) = (scope.tenant().as_str(), scope.endpoint());
         let removed = session
-            .execute(REMOVE_KEY, &[&tenant, &endpoint, &key.as_str()])
+            .execute(REMOVE_KEY_SQL, &[&tenant, &endpoint, &key.as_str()])
             .await?;
         tracing::warn!(
             target: "tower_idempotency::audit",

@@ -4,9 +4,13 @@
 
 use std::time::Duration;
 
-use tokio_postgres::{error::SqlState, types::ToSql, Row};
+use tokio_postgres::{
+    error::SqlState,
+    types::{ToSql, Type},
+    Row,
+};
 
-use super::{conn::Conn, decode, error::map_error, PgStore, PgTx};
+use super::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx};
 use crate::store::{Claim, ClaimRequest, StoreError, StoreErrorKind};
 
 // Parameters carry explicit casts so their types are fixed by the SQL text:
@@ -69,6 +73,19 @@ const CLAIM_KEY: &str = "INSERT INTO idempotency_requests AS r \
      WHERE r.expires_at <= now() \
          OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())) \
      RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";
+
+// The parameters of each: tenant, endpoint, key (and the fingerprint and
+// the retention in seconds).
+pub(super) const LOOKUP_SQL: Sql<'static> = Sql::new(LOOKUP, &[Type::TEXT, Type::TEXT, Type::TEXT]);
+const CLAIM_PARAMS: &[Type] = &[
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::BYTEA,
+    Type::FLOAT8,
+];
+pub(super) const CLAIM_SQL: Sql<'static> = Sql::new(CLAIM, CLAIM_PARAMS);
+pub(super) const CLAIM_KEY_SQL: Sql<'static> = Sql::new(CLAIM_KEY, CLAIM_PARAMS);
 
 /// How much longer than its wait a claim may take before the store gives up
 /// on the database: room for the server to report its own lock timeout.
@@ -191,9 +208,8 @@ enum Found {
 
 /// Reads the record of `request`'s key, if any (READ COMMITTED: a fresh snapshot).
 async fn lookup(conn: &Conn, request: &ClaimRequest) -> Result<Option<Row>, StoreError> {
-    let statement = conn.prepare_cached(LOOKUP).await.map_err(map_error)?;
     let (tenant, endpoint, key) = key_columns(request);
-    conn.query_opt(&statement, &[&tenant, &endpoint, &key])
+    conn.query_opt_sql(LOOKUP_SQL, &[&tenant, &endpoint, &key])
         .await
         .map_err(map_error)
 }
@@ -218,12 +234,9 @@ async fn try_claim(
     let (_, rows) = tokio::try_join!(
         biased;
         conn.batch_execute(&begin),
-        async {
-            // Cached after the first use: no round trip, and the claim is
-            // pipelined with the begin batch.
-            let claim = conn.prepare_cached(CLAIM).await?;
-            conn.query(&claim, &params).await
-        },
+        // Cached after the first use (or unnamed): no round trip, and the
+        // claim is pipelined with the begin batch.
+        conn.query_sql(CLAIM_SQL, &params),
     )
     .map_err(map_error)?;
     let Some(row) = rows.first() else {
@@ -237,9 +250,8 @@ async fn try_claim(
     }
     // Expired, or an orphan: take it over, as a second step of the same
     // transaction (rare: once per key per retention period).
-    let take_over = conn.prepare_cached(CLAIM_KEY).await.map_err(map_error)?;
     let taken = conn
-        .query_opt(&take_over, &params)
+        .query_opt_sql(CLAIM_KEY_SQL, &params)
         .await
         .map_err(map_error)?;
     Ok(match taken {

@@ -34,14 +34,32 @@ pub(super) struct Conn {
     /// Known to be outside any transaction, with nothing running on it: only
     /// then does it go back to the pool.
     clean: bool,
+    /// Reached through a transaction pooler: the crate's statements go out
+    /// unnamed, and nothing is left on the session (see `statements.rs`).
+    unnamed: bool,
 }
 
 impl Conn {
-    pub(super) fn new(object: Object) -> Self {
+    pub(super) fn new(object: Object, transaction_pooling: bool) -> Self {
         Conn {
             object: Some(object),
             clean: true,
+            unnamed: transaction_pooling,
         }
+    }
+
+    /// Behind a transaction pooler: statements go out unnamed, and the
+    /// session is the pooler's, not this connection's (see `statements.rs`).
+    pub(crate) fn unnamed(&self) -> bool {
+        self.unnamed
+    }
+
+    /// The statements that undo a request's session changes, sent behind
+    /// the end of its transaction; none behind a transaction pooler, where
+    /// they would run on whichever server connection the pooler picks next,
+    /// not on the one the transaction used.
+    pub(super) fn session_reset(&self) -> Option<&'static str> {
+        (!self.unnamed).then_some(SESSION_RESET)
     }
 
     /// The connection may be inside a transaction, or is in an unknown state
@@ -89,6 +107,12 @@ impl Drop for Conn {
 /// closed instead. Prepared statements are kept (the pool caches its own);
 /// an application that deallocates them costs the next claim on that
 /// connection a reconnect, nothing else.
+///
+/// Behind a transaction pooler the session belongs to the pooler: no reset
+/// is sent (it would reach another server connection), and a statement
+/// outside an explicit transaction must be one round trip (`query_typed`,
+/// `execute_typed`, `simple_query`): `query(&str, …)` prepares a named
+/// statement first, which the next round trip may not find.
 pub struct PooledClient(Option<Conn>);
 
 impl PooledClient {
@@ -99,6 +123,11 @@ impl PooledClient {
     }
 
     /// Prepares a statement, reusing this connection's cached one.
+    ///
+    /// Not behind a transaction pooler
+    /// ([`PgStoreBuilder::transaction_pooling`](super::PgStoreBuilder::transaction_pooling)):
+    /// the statement stays on the server connection it was prepared on,
+    /// which the next transaction may not get. Use `query_typed` there.
     pub async fn prepare_cached(
         &self,
         sql: &str,
@@ -160,7 +189,10 @@ async fn reset_borrowed(mut conn: Conn) {
         if in_transaction {
             conn.batch_execute("ROLLBACK").await?;
         }
-        conn.batch_execute(SESSION_RESET).await
+        match conn.session_reset() {
+            Some(reset) => conn.batch_execute(reset).await,
+            None => Ok(()),
+        }
     };
     match tokio::time::timeout(RESET_LIMIT, reset).await {
         Ok(Ok(())) => conn.mark_clean(),

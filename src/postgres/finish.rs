@@ -4,11 +4,15 @@
 
 use std::time::Duration;
 
-use tokio_postgres::{types::ToSql, NoTls};
+use tokio_postgres::{
+    types::{ToSql, Type},
+    NoTls,
+};
 
 use super::{
-    conn::{Conn, SESSION_RESET},
+    conn::Conn,
     error::map_error,
+    statements::{Prepared, Sql},
     tx::Take,
     PgTx,
 };
@@ -33,6 +37,23 @@ const COMPLETE: &str = "WITH done AS ( \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM done)";
 
+// tenant, endpoint, key, token, status, headers, body, retention, xid, resource.
+pub(super) const COMPLETE_SQL: Sql<'static> = Sql::new(
+    COMPLETE,
+    &[
+        Type::TEXT,
+        Type::TEXT,
+        Type::TEXT,
+        Type::INT8,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+        Type::FLOAT8,
+        Type::TEXT,
+        Type::TEXT,
+    ],
+);
+
 /// How long a `ROLLBACK` may queue behind a statement still running on the
 /// connection (a handler cut off at its deadline) before that statement is
 /// cancelled, and how long the cancelled statement then has to end.
@@ -48,7 +69,7 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
             "the transaction has already finished",
         ));
     };
-    let statement = match conn.prepare_cached(COMPLETE).await {
+    let statement = match conn.prepare_sql(COMPLETE_SQL).await {
         Ok(statement) => statement,
         Err(e) => {
             // The transaction is still open (or aborted): roll it back.
@@ -81,6 +102,12 @@ pub(crate) const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM ide
          AND attempt_token = $4::int8 AND state = 'in_progress' \
          AND pg_current_xact_id() = $5::text::xid8)";
 
+// tenant, endpoint, key, token, xid.
+pub(crate) const FENCED_CHECK_SQL: Sql<'static> = Sql::new(
+    FENCED_CHECK,
+    &[Type::TEXT, Type::TEXT, Type::TEXT, Type::INT8, Type::TEXT],
+);
+
 /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)
 /// for [`PgStore`](super::PgStore).
 pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
@@ -90,7 +117,7 @@ pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
             "the transaction has already finished",
         ));
     };
-    let statement = match conn.prepare_cached(FENCED_CHECK).await {
+    let statement = match conn.prepare_sql(FENCED_CHECK_SQL).await {
         Ok(statement) => statement,
         Err(e) => {
             let _ = finish(conn, None, "ROLLBACK").await;
@@ -142,11 +169,11 @@ pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
 
 /// Ends the owner's transaction with `end` (`COMMIT` or `ROLLBACK`),
 /// pipelined behind `update` when there is one, with the session reset
-/// behind it: one round trip. The connection goes back to the pool only
+/// behind it (none behind a transaction pooler): one round trip. The connection goes back to the pool only
 /// if all of it is known to have worked.
 pub(super) async fn finish(
     mut conn: Conn,
-    update: Option<(&tokio_postgres::Statement, &[&(dyn ToSql + Sync)])>,
+    update: Option<(&Prepared<'_>, &[&(dyn ToSql + Sync)])>,
     end: &'static str,
 ) -> Result<(), Finished> {
     let ended = async {
@@ -157,14 +184,20 @@ pub(super) async fn finish(
         match update {
             Some((statement, params)) => tokio::try_join!(
                 biased;
-                async { conn.query_one(statement, params).await.map_err(Finished::Update) },
+                async { conn.query_one_prepared(statement, params).await.map_err(Finished::Update) },
                 async { conn.batch_execute(end).await.map_err(Finished::End) },
             )
             .map(|_| ()),
             None => conn.batch_execute(end).await.map_err(Finished::End),
         }
     };
-    let (ended, reset) = tokio::join!(biased; ended, conn.batch_execute(SESSION_RESET));
+    let reset = async {
+        match conn.session_reset() {
+            Some(reset) => conn.batch_execute(reset).await,
+            None => Ok(()),
+        }
+    };
+    let (ended, reset) = tokio::join!(biased; ended, reset);
     if ended.is_ok() && reset.is_ok() {
         conn.mark_clean();
     }

@@ -1,6 +1,11 @@
 //! Versioned, idempotent schema migrations, safe to run from many processes.
 
-use super::session::{Committed, Session};
+use tokio_postgres::types::Type;
+
+use super::{
+    session::{Committed, Session},
+    statements::Sql,
+};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// Serialises concurrent migrators (any constant unique to this crate).
@@ -41,6 +46,13 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
 ];
 
+const APPLIED: &str = "SELECT version FROM tower_idempotency_migrations";
+
+pub(super) const RECORD_SQL: Sql<'static> = Sql::new(
+    "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)",
+    &[Type::INT4, Type::TEXT],
+);
+
 /// The newest schema version this build knows.
 pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
 
@@ -65,7 +77,7 @@ async fn apply(session: &Session) -> Result<Committed, StoreError> {
         ))
         .await?;
     let applied: Vec<i32> = session
-        .query("SELECT version FROM tower_idempotency_migrations", &[])
+        .query(Sql::new(APPLIED, &[]), &[])
         .await?
         .iter()
         .map(|row| row.get(0))
@@ -81,12 +93,7 @@ async fn apply(session: &Session) -> Result<Committed, StoreError> {
             continue;
         }
         session.batch_execute(sql).await?;
-        session
-            .execute(
-                "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
-                &[version, name],
-            )
-            .await?;
+        session.execute(RECORD_SQL, &[version, name]).await?;
         tracing::info!(version, name, "applied idempotency migration");
     }
     session.commit().await

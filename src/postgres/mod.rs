@@ -40,6 +40,7 @@ pub(crate) mod lexer;
 pub(crate) mod migrations;
 mod pool;
 mod session;
+pub(crate) mod statements;
 mod tx;
 
 pub use admin::{KeyRecord, KeyState};
@@ -68,6 +69,7 @@ use error::map_error;
 pub struct PgStore {
     pool: Pool,
     config: std::sync::Arc<tokio_postgres::Config>,
+    transaction_pooling: bool,
 }
 
 impl fmt::Debug for PgStore {
@@ -76,6 +78,7 @@ impl fmt::Debug for PgStore {
         f.debug_struct("PgStore")
             .field("max_connections", &status.max_size)
             .field("connections", &status.size)
+            .field("transaction_pooling", &self.transaction_pooling)
             .finish()
     }
 }
@@ -116,6 +119,12 @@ impl PgStore {
         // Unknown until the reset on drop proves otherwise.
         conn.mark_dirty();
         Ok(PooledClient::new(conn))
+    }
+
+    /// Whether the store was built for a transaction pooler
+    /// ([`PgStoreBuilder::transaction_pooling`]).
+    pub fn transaction_pooling(&self) -> bool {
+        self.transaction_pooling
     }
 
     /// Opens a dedicated connection outside the pool (e.g. for `LISTEN`).
@@ -210,4 +219,37 @@ impl LeaseStore for PgStore {
     ) -> Result<Option<Recovered<PgLease>>, StoreError> {
         lease::protocol::recover(self, endpoint, lease, retention, backoff).await
     }
+}
+
+/// Every statement the store sends with parameters, by name (for the check
+/// that each declares the types its text casts to).
+#[cfg(test)]
+pub(crate) fn all_statements() -> Vec<(&'static str, statements::Sql<'static>)> {
+    use lease::protocol as lp;
+    vec![
+        ("claim LOOKUP", claim::LOOKUP_SQL),
+        ("CLAIM", claim::CLAIM_SQL),
+        ("CLAIM_KEY", claim::CLAIM_KEY_SQL),
+        ("COMPLETE", finish::COMPLETE_SQL),
+        ("FENCED_CHECK", finish::FENCED_CHECK_SQL),
+        ("INSPECT_KEY", admin::INSPECT_KEY_SQL),
+        ("REMOVE_KEY", admin::REMOVE_KEY_SQL),
+        ("migration RECORD", migrations::RECORD_SQL),
+        ("lease LOOKUP", lp::LOOKUP_SQL),
+        ("ACQUIRE", lp::ACQUIRE_SQL),
+        ("HEARTBEAT", lp::HEARTBEAT_SQL),
+        ("HOLD", lp::HOLD_SQL),
+        ("FINISH", lp::FINISH_SQL),
+        ("RELEASE", lp::RELEASE_SQL),
+        ("FAIL", lp::FAIL_SQL),
+        ("OPERATION", lp::OPERATION_SQL),
+        ("RECOVER", lp::RECOVER_SQL),
+        ("DELETE_BATCH", crate::retention::DELETE_BATCH_SQL),
+        ("CLAIM_EVENTS", crate::outbox::relay::CLAIM_EVENTS_SQL),
+        ("MARK_DELIVERED", crate::outbox::relay::MARK_DELIVERED_SQL),
+        ("MARK_FAILED", crate::outbox::relay::MARK_FAILED_SQL),
+        ("MARK_PARKED", crate::outbox::relay::MARK_PARKED_SQL),
+        ("ENQUEUE", crate::outbox::event::ENQUEUE),
+        ("inbox INSERT", crate::outbox::inbox::INSERT_SQL),
+    ]
 }

@@ -17,6 +17,7 @@ pub struct PgStoreBuilder {
     acquire_timeout: Duration,
     connect_timeout: Duration,
     keepalive_idle: Duration,
+    transaction_pooling: bool,
 }
 
 impl PgStoreBuilder {
@@ -28,6 +29,7 @@ impl PgStoreBuilder {
             acquire_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             keepalive_idle: Duration::from_secs(15),
+            transaction_pooling: false,
         }
     }
 
@@ -63,6 +65,41 @@ impl PgStoreBuilder {
         self
     }
 
+    /// The connection string names a pooler in transaction pooling mode
+    /// (PgBouncer's `pool_mode = transaction`; RDS Proxy, Supavisor and PgCat
+    /// behave alike): the server connection behind a pooled connection may
+    /// change after every transaction, and after every statement outside
+    /// one. Default `false` (PostgreSQL reached directly, or through a pooler
+    /// in session mode).
+    ///
+    /// With `true`, nothing the store does relies on the server connection
+    /// outliving a transaction:
+    ///
+    /// - the store's own statements go out unnamed, with their parameter
+    ///   types given, in one round trip each (Parse, Bind, Execute and Sync
+    ///   in one message: tokio-postgres `query_typed`), instead of prepared
+    ///   once per connection and cached; the server plans them each time;
+    /// - [`PgTx`](super::PgTx)'s statements are prepared for their one use
+    ///   and closed inside the transaction, which costs a round trip each
+    ///   ([`PgTx::query_typed`](super::PgTx::query_typed) saves it);
+    /// - no session reset is sent after a transaction: it would run on
+    ///   whichever server connection the pooler picks next (settings a
+    ///   handler's function changed with `set_config(…, false)` are the
+    ///   pooler's to reset: PgBouncer's `server_reset_query_always`);
+    /// - the outbox [`Relay`](crate::outbox::Relay) does not `LISTEN`: it
+    ///   polls.
+    ///
+    /// Application statements on [`PgStore::client`] must follow the same
+    /// rule: inside an explicit transaction anything goes; outside one, use
+    /// `query_typed`/`execute_typed` or `simple_query`, never a prepared or
+    /// cached statement. Migrations work through the pooler (they hold a
+    /// transaction-scoped advisory lock). See the
+    /// [deploying guide](crate::guide::deploying) for the pooler's settings.
+    pub fn transaction_pooling(mut self, on: bool) -> Self {
+        self.transaction_pooling = on;
+        self
+    }
+
     /// Creates the store; connections are opened lazily.
     pub fn build(mut self) -> Result<PgStore, StoreError> {
         self.config
@@ -90,20 +127,29 @@ impl PgStoreBuilder {
                 StoreError::new(StoreErrorKind::Backend, "cannot build the connection pool")
                     .with_source(e)
             })?;
-        Ok(PgStore { pool, config })
+        Ok(PgStore {
+            pool,
+            config,
+            transaction_pooling: self.transaction_pooling,
+        })
     }
 }
 
 impl PgStore {
     /// A pooled connection, waiting up to the acquire timeout.
     pub(super) async fn conn(&self) -> Result<Conn, StoreError> {
-        self.pool.get().await.map(Conn::new).map_err(|e| {
-            let message = match &e {
-                PoolError::Timeout(_) => "timed out waiting for a pooled connection",
-                PoolError::Closed => "the connection pool is closed",
-                _ => "cannot open a database connection",
-            };
-            StoreError::new(StoreErrorKind::Unavailable, message).with_source(e)
-        })
+        let pooling = self.transaction_pooling;
+        self.pool
+            .get()
+            .await
+            .map(|o| Conn::new(o, pooling))
+            .map_err(|e| {
+                let message = match &e {
+                    PoolError::Timeout(_) => "timed out waiting for a pooled connection",
+                    PoolError::Closed => "the connection pool is closed",
+                    _ => "cannot open a database connection",
+                };
+                StoreError::new(StoreErrorKind::Unavailable, message).with_source(e)
+            })
     }
 }

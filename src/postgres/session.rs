@@ -10,15 +10,20 @@
 //! [`Session::mark_clean`]); otherwise it is closed, and PostgreSQL rolls
 //! back.
 //!
-//! The methods are thin: each sends exactly the statement the driver method
-//! of the same name would (a `&str` is prepared unnamed, a
-//! [`Statement`] from [`Session::prepare`] is cached per connection), so
-//! futures joined with `tokio::try_join!` are pipelined in one round trip as
-//! with the driver's own.
+//! The methods are thin: each sends the crate's [`Sql`] as the store sends
+//! its statements (prepared and cached per connection, or unnamed behind a
+//! transaction pooler; see `statements.rs`), so futures joined with
+//! `tokio::try_join!` are pipelined in one round trip as with the driver's
+//! own. Prepare ([`Session::prepare`]) what goes into a pipeline first.
 
-use tokio_postgres::{types::ToSql, Row, Statement, ToStatement};
+use tokio_postgres::{types::ToSql, Row};
 
-use super::{conn::Conn, error::map_error, PgStore};
+use super::{
+    conn::Conn,
+    error::map_error,
+    statements::{Prepared, Sql},
+    PgStore,
+};
 use crate::store::StoreError;
 
 /// A pooled connection for the crate's own statements; see the module docs.
@@ -42,64 +47,77 @@ impl PgStore {
 }
 
 impl Session {
-    /// Prepares `sql`, reusing this connection's cached statement.
-    pub(crate) async fn prepare(&self, sql: &str) -> Result<Statement, StoreError> {
-        self.conn.prepare_cached(sql).await.map_err(map_error)
+    /// Prepares `sql` for this connection: cached, or nothing to do when the
+    /// store sends unnamed statements (see `statements.rs`). Prepare what
+    /// you pipeline before pipelining it.
+    pub(crate) async fn prepare<'a>(&self, sql: Sql<'a>) -> Result<Prepared<'a>, StoreError> {
+        self.conn.prepare_sql(sql).await.map_err(map_error)
     }
 
-    /// Runs a statement and returns the number of rows it affected.
-    pub(crate) async fn execute<T>(
+    /// Runs a prepared statement and returns the number of rows it affected.
+    pub(crate) async fn execute_prepared(
         &self,
-        statement: &T,
+        statement: &Prepared<'_>,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<u64, StoreError>
-    where
-        T: ?Sized + ToStatement,
-    {
+    ) -> Result<u64, StoreError> {
         self.conn
-            .execute(statement, params)
+            .execute_prepared(statement, params)
             .await
             .map_err(map_error)
     }
 
-    /// Runs a query and returns its rows.
-    pub(crate) async fn query<T>(
+    /// Runs a prepared query and returns its rows.
+    pub(crate) async fn query_prepared(
         &self,
-        statement: &T,
+        statement: &Prepared<'_>,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError>
-    where
-        T: ?Sized + ToStatement,
-    {
-        self.conn.query(statement, params).await.map_err(map_error)
+    ) -> Result<Vec<Row>, StoreError> {
+        self.conn
+            .query_prepared(statement, params)
+            .await
+            .map_err(map_error)
+    }
+
+    /// Runs a statement and returns the number of rows it affected.
+    pub(crate) async fn execute(
+        &self,
+        sql: Sql<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, StoreError> {
+        let statement = self.prepare(sql).await?;
+        self.execute_prepared(&statement, params).await
+    }
+
+    /// Runs a query and returns its rows.
+    pub(crate) async fn query(
+        &self,
+        sql: Sql<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        self.conn.query_sql(sql, params).await.map_err(map_error)
     }
 
     /// Runs a query that returns exactly one row.
-    pub(crate) async fn query_one<T>(
+    pub(crate) async fn query_one(
         &self,
-        statement: &T,
+        sql: Sql<'_>,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Row, StoreError>
-    where
-        T: ?Sized + ToStatement,
-    {
+    ) -> Result<Row, StoreError> {
+        let statement = self.prepare(sql).await?;
         self.conn
-            .query_one(statement, params)
+            .query_one_prepared(&statement, params)
             .await
             .map_err(map_error)
     }
 
     /// Runs a query that returns at most one row.
-    pub(crate) async fn query_opt<T>(
+    pub(crate) async fn query_opt(
         &self,
-        statement: &T,
+        sql: Sql<'_>,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Option<Row>, StoreError>
-    where
-        T: ?Sized + ToStatement,
-    {
+    ) -> Result<Option<Row>, StoreError> {
         self.conn
-            .query_opt(statement, params)
+            .query_opt_sql(sql, params)
             .await
             .map_err(map_error)
     }

@@ -5,11 +5,16 @@ use std::{fmt, sync::Arc};
 use std::time::Duration;
 
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
-use tokio_postgres::{error::SqlState, types::ToSql, Row, Statement};
+use tokio_postgres::{
+    error::SqlState,
+    types::{ToSql, Type},
+    Row, Statement,
+};
 
 use super::{
     conn::Conn,
     lexer::{self, Refusal},
+    statements::Sql,
 };
 use crate::scope::Scope;
 
@@ -46,7 +51,10 @@ use crate::scope::Scope;
 /// transaction and refuses to remember the response.)
 ///
 /// Statements are prepared once per connection and cached: pass values as
-/// `$n` parameters and keep the SQL text static.
+/// `$n` parameters and keep the SQL text static. Behind a transaction pooler
+/// ([`PgStoreBuilder::transaction_pooling`](super::PgStoreBuilder::transaction_pooling))
+/// each statement is prepared for its one use instead, which costs a round
+/// trip; [`query_typed`](Self::query_typed) saves it.
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::postgres::PgTx) -> Result<(), tower_idempotency::postgres::TxError> {
@@ -171,6 +179,67 @@ impl PgTx {
         Ok(conn.query_opt(&statement, params).await?)
     }
 
+    /// Runs one query with the types of its parameters given, as one
+    /// unnamed statement in one round trip: nothing is prepared or cached,
+    /// which is what a transaction pooler keeps. Behind one it saves the
+    /// round trip [`query`](Self::query) spends preparing.
+    ///
+    /// ```no_run
+    /// # async fn handler(tx: tower_idempotency::postgres::PgTx) -> Result<(), tower_idempotency::postgres::TxError> {
+    /// use tokio_postgres::types::Type;
+    ///
+    /// let rows = tx
+    ///     .query_typed(
+    ///         "INSERT INTO orders (tenant_id, total) VALUES ($1, $2) RETURNING id",
+    ///         &[(&tx.tenant(), Type::TEXT), (&2400_i64, Type::INT8)],
+    ///     )
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn query_typed(
+        &self,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, TxError> {
+        let conn = self.guarded(sql).await?;
+        Ok(conn.query_typed(sql, params).await?)
+    }
+
+    /// [`query_typed`](Self::query_typed) for a statement whose rows are not
+    /// needed: returns the number of rows it affected.
+    pub async fn execute_typed(
+        &self,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<u64, TxError> {
+        let conn = self.guarded(sql).await?;
+        Ok(conn.execute_typed(sql, params).await?)
+    }
+
+    /// One of the crate's own statements, sent as the store sends its own
+    /// (cached, or unnamed behind a transaction pooler).
+    pub(crate) async fn query_one_sql(
+        &self,
+        sql: Sql<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Row, TxError> {
+        let conn = self.guarded(sql.text()).await?;
+        let statement = conn.prepare_sql(sql).await?;
+        Ok(conn.query_one_prepared(&statement, params).await?)
+    }
+
+    /// [`query_one_sql`](Self::query_one_sql) for a statement whose rows are
+    /// not needed: returns the number of rows it affected.
+    pub(crate) async fn execute_sql(
+        &self,
+        sql: Sql<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, TxError> {
+        let conn = self.guarded(sql.text()).await?;
+        let statement = conn.prepare_sql(sql).await?;
+        Ok(conn.execute_prepared(&statement, params).await?)
+    }
+
     /// Runs statements without parameters (e.g. `SAVEPOINT s1`).
     pub async fn batch_execute(&self, sql: &str) -> Result<(), TxError> {
         let conn = self.guarded(sql).await?;
@@ -187,13 +256,20 @@ impl PgTx {
             .map_err(|_| TxError::finished())
     }
 
-    /// [`guarded`](Self::guarded), with `sql` prepared (cached per connection).
+    /// [`guarded`](Self::guarded), with `sql` prepared: cached per
+    /// connection, or, behind a transaction pooler, prepared for this one
+    /// statement (the driver closes it when it is dropped, still inside the
+    /// transaction, so nothing is left on the pooler's server connection).
     async fn prepared(
         &self,
         sql: &str,
     ) -> Result<(MappedMutexGuard<'_, Conn>, Statement), TxError> {
         let conn = self.guarded(sql).await?;
-        let statement = conn.prepare_cached(sql).await?;
+        let statement = if conn.unnamed() {
+            conn.prepare(sql).await?
+        } else {
+            conn.prepare_cached(sql).await?
+        };
         Ok((conn, statement))
     }
 

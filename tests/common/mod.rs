@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod fault_proxy;
+pub(crate) mod pgbouncer;
 pub(crate) mod proxy;
 
 use std::{

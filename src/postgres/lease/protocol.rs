@@ -7,14 +7,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::Method;
-use tokio_postgres::{error::SqlState, types::ToSql, Row};
+use tokio_postgres::{
+    error::SqlState,
+    types::{ToSql, Type},
+    Row,
+};
 
 use super::{fenced_error, PgLease};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     metrics::FencedAt,
-    postgres::{conn::Conn, decode, error::map_error, PgStore, PgTx},
+    postgres::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx},
     record::{ResourceId, StoredResponse},
     scope::{Scope, TenantId},
     store::OperationId,
@@ -145,6 +149,62 @@ pub(crate) const RECOVER: &str = "WITH due AS ( \
      RETURNING r.tenant_id, r.idempotency_key, r.attempt_token, r.operation_id::text, \
          r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts";
 
+// The parameters of each, in order: the key's columns (tenant, endpoint,
+// key) first, then the token and the rest as each statement names them.
+const T: Type = Type::TEXT;
+pub(crate) const LOOKUP_SQL: Sql<'static> = Sql::new(LOOKUP, &[T, T, T]);
+pub(crate) const ACQUIRE_SQL: Sql<'static> = Sql::new(
+    ACQUIRE,
+    &[
+        T,
+        T,
+        T,
+        Type::BYTEA,
+        Type::FLOAT8,
+        Type::FLOAT8,
+        T,
+        T,
+        T,
+        Type::BYTEA,
+        Type::BYTEA,
+    ],
+);
+pub(crate) const HEARTBEAT_SQL: Sql<'static> =
+    Sql::new(HEARTBEAT, &[T, T, T, Type::INT8, Type::FLOAT8]);
+pub(crate) const HOLD_SQL: Sql<'static> = Sql::new(HOLD, &[T, T, T, Type::INT8]);
+pub(crate) const FINISH_SQL: Sql<'static> = Sql::new(
+    FINISH,
+    &[
+        T,
+        T,
+        T,
+        Type::INT8,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+        Type::FLOAT8,
+        T,
+    ],
+);
+pub(crate) const RELEASE_SQL: Sql<'static> = Sql::new(RELEASE, &[T, T, T, Type::INT8]);
+pub(crate) const FAIL_SQL: Sql<'static> = Sql::new(
+    FAIL,
+    &[
+        T,
+        T,
+        T,
+        Type::INT8,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+        Type::FLOAT8,
+        Type::INT4,
+    ],
+);
+pub(crate) const OPERATION_SQL: Sql<'static> = Sql::new(OPERATION, &[T, T]);
+pub(crate) const RECOVER_SQL: Sql<'static> =
+    Sql::new(RECOVER, &[T, Type::FLOAT8, Type::FLOAT8, Type::FLOAT8]);
+
 /// How long a heartbeat, completion or release waits for the row, and how
 /// long a fenced transaction waits to hold it (a takeover in flight).
 const ROW_WAIT: Duration = Duration::from_secs(5);
@@ -187,7 +247,7 @@ pub(in crate::postgres) async fn acquire(
         &body,
     ];
     let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-    let rows = match short_transaction(store, ACQUIRE, &params, remaining.max(MIN_WAIT)).await {
+    let rows = match short_transaction(store, ACQUIRE_SQL, &params, remaining.max(MIN_WAIT)).await {
         Ok(rows) => rows,
         Err(e) if e.sql_state() == Some(SqlState::LOCK_NOT_AVAILABLE.code()) => {
             return Ok(Acquired::InProgress)
@@ -231,7 +291,7 @@ async fn lookup(
     deadline: tokio::time::Instant,
 ) -> Result<Option<Acquired<PgLease>>, StoreError> {
     let (tenant, endpoint, key) = key_columns(&claim.scope, &claim.key);
-    let row = read_one(store, deadline, LOOKUP, &[&tenant, &endpoint, &key]).await?;
+    let row = read_one(store, deadline, LOOKUP_SQL, &[&tenant, &endpoint, &key]).await?;
     let Some(row) = row else { return Ok(None) };
     if let Some(record) = decode::record(&row)? {
         return Ok(Some(Acquired::Completed(record)));
@@ -262,7 +322,7 @@ pub(in crate::postgres) async fn heartbeat(
     let token = lease.attempt_token();
     let extend = extend.as_secs_f64();
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &extend];
-    let rows = short_execute(lease.store(), HEARTBEAT, &params).await?;
+    let rows = short_execute(lease.store(), HEARTBEAT_SQL, &params).await?;
     if rows == 0 {
         lease.mark_fenced(None);
         return Err(fenced_error());
@@ -276,7 +336,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     let store = lease.store();
     let mut conn = store.conn().await?;
     let hold = bounded(tokio::time::Instant::now() + ROW_WAIT, async {
-        conn.prepare_cached(HOLD).await.map_err(map_error)
+        conn.prepare_sql(HOLD_SQL).await.map_err(map_error)
     })
     .await;
     let hold = match hold {
@@ -307,7 +367,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
         tokio::try_join!(
             biased;
             conn.batch_execute(&begin),
-            conn.query_opt(&hold, &params),
+            conn.query_opt_prepared(&hold, &params),
         )
     })
     .await;
@@ -351,7 +411,7 @@ pub(in crate::postgres) async fn finish(
     let params: [&(dyn ToSql + Sync); 9] = [
         &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &resource,
     ];
-    let rows = short_execute(lease.store(), FINISH, &params).await?;
+    let rows = short_execute(lease.store(), FINISH_SQL, &params).await?;
     if rows == 0 {
         lease.mark_fenced(None);
         return Err(fenced_error());
@@ -364,7 +424,7 @@ pub(in crate::postgres) async fn release(lease: &PgLease) -> Result<(), StoreErr
     let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
     let token = lease.attempt_token();
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
-    let rows = short_execute(lease.store(), RELEASE, &params).await?;
+    let rows = short_execute(lease.store(), RELEASE_SQL, &params).await?;
     if rows == 0 {
         lease.mark_fenced(None);
         return Err(fenced_error());
@@ -388,7 +448,7 @@ pub(in crate::postgres) async fn fail(
     let params: [&(dyn ToSql + Sync); 9] = [
         &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &attempts,
     ];
-    let rows = short_execute(lease.store(), FAIL, &params).await?;
+    let rows = short_execute(lease.store(), FAIL_SQL, &params).await?;
     if rows == 0 {
         lease.mark_fenced(None);
         return Err(fenced_error());
@@ -404,7 +464,7 @@ pub(in crate::postgres) async fn operation(
 ) -> Result<Option<Operation>, StoreError> {
     let text = id.to_string();
     let deadline = tokio::time::Instant::now() + ROW_WAIT;
-    let row = read_one(store, deadline, OPERATION, &[&text, &tenant.as_str()]).await?;
+    let row = read_one(store, deadline, OPERATION_SQL, &[&text, &tenant.as_str()]).await?;
     let Some(row) = row else { return Ok(None) };
     let state: &str = row.get(0);
     let attempts = attempt_of(row.get(5));
@@ -438,7 +498,7 @@ pub(in crate::postgres) async fn recover(
     let first = backoff.first.as_secs_f64();
     let max = backoff.max.as_secs_f64();
     let params: [&(dyn ToSql + Sync); 4] = [&endpoint, &seconds, &first, &max];
-    let rows = short_transaction(store, RECOVER, &params, ROW_WAIT).await?;
+    let rows = short_transaction(store, RECOVER_SQL, &params, ROW_WAIT).await?;
     let Some(row) = rows.first() else {
         return Ok(None);
     };
@@ -477,14 +537,14 @@ pub(in crate::postgres) async fn recover(
 /// failed statement aborts the transaction, and the `COMMIT` rolls back.
 async fn short_transaction(
     store: &PgStore,
-    sql: &str,
+    sql: Sql<'_>,
     params: &[&(dyn ToSql + Sync)],
     wait: Duration,
 ) -> Result<Vec<Row>, StoreError> {
     let mut conn = store.conn().await?;
     let deadline = tokio::time::Instant::now() + wait + GRACE;
     let statement = match bounded(deadline, async {
-        conn.prepare_cached(sql).await.map_err(map_error)
+        conn.prepare_sql(sql).await.map_err(map_error)
     })
     .await
     {
@@ -503,7 +563,7 @@ async fn short_transaction(
         tokio::try_join!(
             biased;
             conn.batch_execute(&begin),
-            conn.query(&statement, params),
+            conn.query_prepared(&statement, params),
             conn.batch_execute("COMMIT"),
         )
     })
@@ -529,12 +589,12 @@ async fn short_transaction(
 /// [`short_transaction`] for a statement that returns no rows: how many it changed.
 async fn short_execute(
     store: &PgStore,
-    sql: &str,
+    sql: Sql<'_>,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<u64, StoreError> {
     // `RETURNING 1` makes the changed rows countable through `query`.
-    let sql = format!("{sql} RETURNING 1");
-    let rows = short_transaction(store, &sql, params, ROW_WAIT).await?;
+    let text = format!("{} RETURNING 1", sql.text());
+    let rows = short_transaction(store, sql.with_text(&text), params, ROW_WAIT).await?;
     Ok(rows.len() as u64)
 }
 
@@ -542,7 +602,7 @@ async fn short_execute(
 async fn read_one(
     store: &PgStore,
     deadline: tokio::time::Instant,
-    sql: &str,
+    sql: Sql<'_>,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<Option<Row>, StoreError> {
     bounded(deadline, async {
@@ -550,11 +610,7 @@ async fn read_one(
         // Until the answer is in, a cut-off statement would leave the
         // connection busy: it is closed rather than returned.
         conn.mark_dirty();
-        let statement = conn.prepare_cached(sql).await.map_err(map_error)?;
-        let row = conn
-            .query_opt(&statement, params)
-            .await
-            .map_err(map_error)?;
+        let row = conn.query_opt_sql(sql, params).await.map_err(map_error)?;
         conn.mark_clean();
         Ok(row)
     })

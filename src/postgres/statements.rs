@@ -1,0 +1,193 @@
+//! How the store sends its own statements: prepared once per connection and
+//! cached (the default), or, behind a transaction pooler, as unnamed
+//! statements with their parameter types given, which nothing outside one
+//! round trip has to remember ([`PgStoreBuilder::transaction_pooling`]).
+//!
+//! Every statement of the crate is a [`Sql`]: its text and the types of its
+//! parameters. The cached path prepares the text (the types come back from
+//! the server, as before); the unnamed path sends Parse, Bind, Describe,
+//! Execute and Sync in one message (tokio-postgres `query_typed`), so a
+//! pooler that hands the server connection to another client after each
+//! transaction, or even after each statement outside one, never splits a
+//! statement from its preparation.
+//!
+//! [`PgStoreBuilder::transaction_pooling`]: super::PgStoreBuilder::transaction_pooling
+
+use tokio_postgres::{
+    types::{ToSql, Type},
+    Row, Statement,
+};
+
+use super::conn::Conn;
+
+/// A statement of the crate: its text and the types of its parameters, in
+/// order (the text casts each parameter to the same type).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sql<'a> {
+    text: &'a str,
+    types: &'a [Type],
+}
+
+impl<'a> Sql<'a> {
+    pub(crate) const fn new(text: &'a str, types: &'a [Type]) -> Self {
+        Sql { text, types }
+    }
+
+    pub(crate) fn text(&self) -> &'a str {
+        self.text
+    }
+
+    /// The same parameters, with `text` (e.g. the text with a clause added).
+    pub(crate) fn with_text<'b>(self, text: &'b str) -> Sql<'b>
+    where
+        'a: 'b,
+    {
+        Sql {
+            text,
+            types: self.types,
+        }
+    }
+}
+
+/// A statement ready to run on one connection: prepared and cached on it,
+/// or to be sent unnamed.
+pub(crate) enum Prepared<'a> {
+    Cached(Statement),
+    Unnamed(Sql<'a>),
+}
+
+impl Conn {
+    /// Prepares `sql` (cached per connection) unless the store sends
+    /// unnamed statements, which need no round trip here. Prepare before
+    /// pipelining: a statement prepared inside a pipeline would send its
+    /// Parse, wait for the answer, and let the next statement of the
+    /// pipeline (a `COMMIT`) overtake its Bind.
+    pub(crate) async fn prepare_sql<'a>(
+        &self,
+        sql: Sql<'a>,
+    ) -> Result<Prepared<'a>, tokio_postgres::Error> {
+        if self.unnamed() {
+            Ok(Prepared::Unnamed(sql))
+        } else {
+            self.prepare_cached(sql.text).await.map(Prepared::Cached)
+        }
+    }
+
+    /// Runs a prepared statement and returns its rows.
+    pub(crate) async fn query_prepared(
+        &self,
+        statement: &Prepared<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        match statement {
+            Prepared::Cached(statement) => self.query(statement, params).await,
+            Prepared::Unnamed(sql) => self.query_typed(sql.text, &typed(*sql, params)).await,
+        }
+    }
+
+    /// Runs a prepared statement that returns exactly one row.
+    pub(crate) async fn query_one_prepared(
+        &self,
+        statement: &Prepared<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Row, tokio_postgres::Error> {
+        match statement {
+            Prepared::Cached(statement) => self.query_one(statement, params).await,
+            Prepared::Unnamed(sql) => self.query_typed_one(sql.text, &typed(*sql, params)).await,
+        }
+    }
+
+    /// Runs a prepared statement that returns at most one row.
+    pub(crate) async fn query_opt_prepared(
+        &self,
+        statement: &Prepared<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, tokio_postgres::Error> {
+        match statement {
+            Prepared::Cached(statement) => self.query_opt(statement, params).await,
+            Prepared::Unnamed(sql) => self.query_typed_opt(sql.text, &typed(*sql, params)).await,
+        }
+    }
+
+    /// Runs a prepared statement and returns the number of rows it affected.
+    pub(crate) async fn execute_prepared(
+        &self,
+        statement: &Prepared<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        match statement {
+            Prepared::Cached(statement) => self.execute(statement, params).await,
+            Prepared::Unnamed(sql) => self.execute_typed(sql.text, &typed(*sql, params)).await,
+        }
+    }
+
+    /// [`prepare_sql`](Self::prepare_sql) then [`query_prepared`](Self::query_prepared).
+    pub(crate) async fn query_sql(
+        &self,
+        sql: Sql<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        let statement = self.prepare_sql(sql).await?;
+        self.query_prepared(&statement, params).await
+    }
+
+    /// [`prepare_sql`](Self::prepare_sql) then [`query_opt_prepared`](Self::query_opt_prepared).
+    pub(crate) async fn query_opt_sql(
+        &self,
+        sql: Sql<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, tokio_postgres::Error> {
+        let statement = self.prepare_sql(sql).await?;
+        self.query_opt_prepared(&statement, params).await
+    }
+}
+
+/// Pairs each parameter with its declared type. A count that does not match
+/// is the crate's bug; the server then refuses the statement (the Bind
+/// supplies the wrong number of parameters) rather than run it.
+fn typed<'p>(
+    sql: Sql<'_>,
+    params: &[&'p (dyn ToSql + Sync)],
+) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
+    debug_assert_eq!(
+        params.len(),
+        sql.types.len(),
+        "parameters and declared types of {:?}",
+        sql.text
+    );
+    params
+        .iter()
+        .zip(sql.types)
+        .map(|(param, ty)| (*param, ty.clone()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every parameter of every statement is declared with the type its
+    /// text casts it to: the unnamed path binds with the declared types.
+    #[test]
+    fn declared_types_match_the_casts_in_the_text() {
+        for (name, sql) in super::super::all_statements() {
+            for (i, ty) in sql.types.iter().enumerate() {
+                let cast = format!("${}::{}", i + 1, ty.name());
+                let alias = match ty.name() {
+                    "_text" => format!("${}::text[]", i + 1),
+                    "_float8" => format!("${}::float8[]", i + 1),
+                    _ => cast.clone(),
+                };
+                assert!(
+                    sql.text.contains(&cast) || sql.text.contains(&alias),
+                    "{name}: parameter ${} is declared {} but the text does not cast it so",
+                    i + 1,
+                    ty.name()
+                );
+            }
+            let highest = (1..=20)
+                .rev()
+                .find(|n| sql.text.contains(&format!("${n}")))
+                .unwrap_or(0);
+            assert_eq!(highest, sql.types.len(), "{name}: parameters declared");
+        }
+    }
+}

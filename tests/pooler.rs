@@ -1,0 +1,586 @@
+//! Everything the crate sends, through PgBouncer in transaction pooling mode
+//! (a server connection belongs to a client for one transaction only), with
+//! a server pool smaller than the application's: claims and replays under 50
+//! concurrent duplicates, the outbox relay, the long-running mode and its
+//! recovery, retention cleanup, the operator API and migrations. Every test
+//! asserts on rows read directly, not through the pooler.
+
+mod common;
+#[path = "common/example_binary.rs"]
+mod example_binary;
+#[path = "pooler/order_server.rs"]
+mod order_server;
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use bytes::Bytes;
+use common::{pgbouncer::PgBouncer, *};
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use serde_json::json;
+use tokio::sync::Barrier;
+use tower::Layer;
+use tower_idempotency::{
+    fingerprint::JsonFingerprinter,
+    key::IdempotencyKey,
+    lease::{LeaseConfig, OperationId},
+    outbox::{self, DeliveryError, OutboxEvent, Relay, Sink},
+    postgres::{KeyState, PgLease, PgStore, PgStoreBuilder, PgTx},
+    retention::Cleanup,
+    scope::{Scope, TenantId},
+    store::{Acquired, ClaimRequest, LeaseRequest, LeaseStore, StoredRequest},
+    testing::TestDatabase,
+    IdempotencyLayer, RequestBody,
+};
+
+/// The application's pool: larger than PgBouncer's server pool, so that
+/// clients really share server connections.
+const APP_POOL: usize = 16;
+
+/// A test database, PgBouncer in front of it, a store that reaches the
+/// database only through PgBouncer, and a direct client for assertions.
+struct Pooled {
+    pg: Postgres,
+    /// Runs as long as the store needs it.
+    _bouncer: PgBouncer,
+}
+
+impl Pooled {
+    async fn new() -> Self {
+        Self::with_store(|builder| builder).await
+    }
+
+    async fn with_store(configure: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder) -> Self {
+        let db = TestDatabase::create().await;
+        let bouncer = PgBouncer::start(&db.config());
+        let store = pooled_store(&bouncer, &db, configure);
+        store
+            .migrate()
+            .await
+            .expect("migrations apply through the pooler");
+        let client = db.client().await;
+        client
+            .batch_execute(
+                "CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL); \
+                 CREATE TABLE charges (idempotency_key text PRIMARY KEY, order_id text NOT NULL)",
+            )
+            .await
+            .expect("tables");
+        Pooled {
+            pg: Postgres { db, store, client },
+            _bouncer: bouncer,
+        }
+    }
+
+    fn store(&self) -> PgStore {
+        self.pg.store.clone()
+    }
+}
+
+/// A store on `db` through `bouncer`, set up for a transaction pooler.
+fn pooled_store(
+    bouncer: &PgBouncer,
+    db: &TestDatabase,
+    configure: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+) -> PgStore {
+    configure(
+        PgStore::builder(bouncer.config(db.name()))
+            .max_connections(APP_POOL)
+            .transaction_pooling(true),
+    )
+    .build()
+    .expect("store builds")
+}
+
+/// The order handler: an order row and its outbox event, through the layer's
+/// transaction.
+fn ordering(calls: Arc<AtomicU64>) -> Handler {
+    handler(move |tx: PgTx| {
+        let calls = calls.clone();
+        async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let id = new_order_id();
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ($1, $2)",
+                &[&id, &tx.tenant()],
+            )
+            .await?;
+            outbox::enqueue(&tx, &id, "OrderCreated", &json!({"order_id": id})).await?;
+            Ok(created(id))
+        }
+    })
+}
+
+// Each start waits at the barrier, then hands back the spawned request.
+#[allow(clippy::async_yields_async)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_duplicates_through_the_pooler_commit_once_and_never_503() {
+    let pooled = Pooled::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(pooled.store()).layer(ordering(calls.clone()));
+    // Warm the pool: rounds of concurrent requests, so that every
+    // application connection has been used before, through whichever of
+    // PgBouncer's few server connections it got each time (a statement
+    // cache would now be full, and wrong for the next server).
+    for round in 0..3 {
+        let warm: Vec<_> = (0..APP_POOL)
+            .map(|i| spawn_send(service.clone(), tenant_a_post(&format!("warm-{round}-{i}"))))
+            .collect();
+        for answer in warm {
+            let answer = answer.await.unwrap();
+            assert_eq!(answer.status, StatusCode::CREATED, "{}", text(&answer));
+        }
+    }
+    let barrier = Arc::new(Barrier::new(50));
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (service, barrier) = (service.clone(), barrier.clone());
+            // Hands back the spawned request once all 50 are lined up.
+            tokio::spawn(async move {
+                barrier.wait().await;
+                spawn_send(service, tenant_a_post("key-50"))
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap().await.unwrap());
+    }
+    let statuses: Vec<_> = answers.iter().map(|a| a.status).collect();
+    for answer in &answers {
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "every duplicate is answered 201, first or replayed, never 503: {statuses:?}\n{}",
+            text(answer)
+        );
+    }
+    let first: Vec<_> = answers.iter().filter(|a| !a.replayed()).collect();
+    assert_eq!(first.len(), 1, "one original answer: {statuses:?}");
+    for answer in answers.iter().filter(|a| a.replayed()) {
+        assert_eq!(
+            answer.body, first[0].body,
+            "a replay carries the first body"
+        );
+    }
+    let pg = &pooled.pg;
+    assert_eq!(calls.load(Ordering::SeqCst), 3 * APP_POOL as u64 + 1);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests WHERE idempotency_key = 'key-50'")
+            .await,
+        1,
+        "one key row"
+    );
+    let order: Vec<u8> = pg
+        .value("SELECT response_body FROM idempotency_requests WHERE idempotency_key = 'key-50'")
+        .await;
+    let order = String::from_utf8(order).unwrap();
+    assert_eq!(
+        pg.count(&format!("SELECT count(*) FROM orders WHERE id = '{order}'"))
+            .await,
+        1,
+        "one order row for the key"
+    );
+    assert_eq!(
+        pg.count("SELECT count(*) FROM orders").await,
+        3 * APP_POOL as i64 + 1
+    );
+    assert_eq!(
+        pg.idle_in_transaction().await,
+        0,
+        "no transaction left open"
+    );
+}
+
+/// An answer's body, for assertion messages.
+fn text(answer: &Answer) -> String {
+    String::from_utf8_lossy(&answer.body).into_owned()
+}
+
+/// A payment provider keyed by the derived key (one `charges` row per key),
+/// reached through the store's pool, that is through the pooler.
+#[derive(Clone)]
+struct Payments {
+    store: PgStore,
+}
+
+impl Sink for Payments {
+    async fn deliver(&self, event: &OutboxEvent) -> Result<(), DeliveryError> {
+        let key = event.derived_key("payment.charge");
+        let client = self
+            .store
+            .client()
+            .await
+            .map_err(|e| DeliveryError::retryable(e.to_string()))?;
+        // Typed: one unnamed statement, which a transaction pooler keeps.
+        client
+            .execute_typed(
+                "INSERT INTO charges (idempotency_key, order_id) VALUES ($1, $2) \
+                 ON CONFLICT (idempotency_key) DO NOTHING",
+                &[
+                    (&key, tokio_postgres::types::Type::TEXT),
+                    (&event.aggregate_id, tokio_postgres::types::Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| DeliveryError::retryable(e.to_string()))?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_relay_delivers_through_the_pooler() {
+    let pooled = Pooled::new().await;
+    let service = layer(pooled.store()).layer(ordering(Default::default()));
+    for i in 0..20 {
+        let answer = send(service.clone(), tenant_a_post(&format!("k{i}"))).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{}", text(&answer));
+    }
+    let payments = Payments {
+        store: pooled.store(),
+    };
+    // Several relays at once, in small batches: their transactions share
+    // PgBouncer's few server connections.
+    let relays: Vec<_> = (0..3)
+        .map(|_| {
+            let relay = Relay::new(pooled.store(), payments.clone()).batch_size(3);
+            tokio::spawn(async move {
+                let mut delivered = 0;
+                loop {
+                    let report = relay.run_once().await.expect("a batch through the pooler");
+                    delivered += report.delivered;
+                    if report.claimed == 0 {
+                        return delivered;
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut delivered = 0;
+    for relay in relays {
+        delivered += relay.await.unwrap();
+    }
+    assert_eq!(delivered, 20);
+    let pg = &pooled.pg;
+    assert_eq!(
+        pg.count(
+            "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL AND attempts = 1"
+        )
+        .await,
+        20
+    );
+    assert_eq!(
+        pg.count("SELECT count(*) FROM charges c JOIN orders o ON o.id = c.order_id")
+            .await,
+        20,
+        "one charge per order"
+    );
+    let relay = Relay::new(pooled.store(), payments);
+    let status = relay
+        .refresh_backlog()
+        .await
+        .expect("the backlog through the pooler");
+    assert_eq!(status.backlog, 0);
+    // The running relay (its wake-up listener cannot work through a
+    // transaction pooler) still delivers by polling.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        let relay = relay.poll_interval(Duration::from_millis(50));
+        relay.run(async { drop(stopped.await) }).await
+    });
+    let answer = send(service.clone(), tenant_a_post("late")).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while pg.count("SELECT count(*) FROM charges").await < 21 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the late event was never delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+const LEASE: Duration = Duration::from_millis(600);
+
+/// A long-running handler: one order through a fenced transaction.
+fn fenced_orders(calls: Arc<AtomicU64>) -> Handler {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let calls = calls.clone();
+        async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let lease = request
+                .extensions()
+                .get::<PgLease>()
+                .cloned()
+                .ok_or("no lease")?;
+            let id = new_order_id();
+            let tx = lease.transaction().await?;
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ($1, $2)",
+                &[&id, &lease.tenant()],
+            )
+            .await?;
+            tx.commit().await?;
+            Ok::<_, BoxError>(
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(format!(r#"{{"id":"{id}"}}"#))))
+                    .unwrap(),
+            )
+        }
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_long_running_mode_works_through_the_pooler() {
+    let pooled = Pooled::new().await;
+    let (store, pg) = (pooled.store(), &pooled.pg);
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        "POST /orders v1",
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .wait(Duration::from_millis(500))
+    .long_running(
+        LeaseConfig::new(LEASE)
+            .heartbeat(Duration::from_millis(100))
+            .respond_within(Duration::from_secs(5))
+            .recovery_backoff(Duration::ZERO, Duration::ZERO),
+    );
+    let calls = Arc::new(AtomicU64::new(0));
+    // Acquire, heartbeat, fenced write, finish; then the replay.
+    let first = send(
+        layer.layer(fenced_orders(calls.clone())),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", text(&first));
+    let again = send(
+        layer.layer(fenced_orders(calls.clone())),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let operation: String = pg
+        .value("SELECT operation_id::text FROM idempotency_requests WHERE idempotency_key = 'k1'")
+        .await;
+    // The status resource.
+    let status = store
+        .operation(&TenantId::new("tenant-a"), operation.parse().unwrap())
+        .await
+        .expect("the status through the pooler")
+        .expect("the operation is known");
+    assert!(format!("{status:?}").contains("Completed"), "{status:?}");
+
+    // An owner that dies after acquiring: recovery takes it over through
+    // the pooler, with a larger token, and completes it.
+    let fingerprint: Vec<u8> = pg
+        .value("SELECT request_fingerprint FROM idempotency_requests WHERE idempotency_key = 'k1'")
+        .await;
+    let claim = ClaimRequest::new(
+        Scope::new(TenantId::new("tenant-a"), "POST /orders v1"),
+        IdempotencyKey::parse(b"k2").unwrap(),
+        tower_idempotency::fingerprint::Fingerprint::from_slice(&fingerprint).unwrap(),
+    )
+    .with_wait(Duration::from_millis(500));
+    let request = LeaseRequest::new(
+        LEASE,
+        OperationId::random(),
+        StoredRequest::new(
+            http::Method::POST,
+            "/orders",
+            vec![(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            )],
+            Bytes::from_static(BODY.as_bytes()),
+        ),
+    );
+    let dead = match store.acquire(&claim, &request).await {
+        Ok(Acquired::Owned(owned)) => owned,
+        other => panic!("the first owner must own the key: {other:?}"),
+    };
+    store
+        .heartbeat(&dead.lease, LEASE)
+        .await
+        .expect("a heartbeat through the pooler");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let recovery = layer.recovery(fenced_orders(calls.clone()));
+    loop {
+        if recovery
+            .run_once()
+            .await
+            .expect("recovery through the pooler")
+            == 1
+        {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never recovered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let row = pg
+        .row("SELECT state, attempt_token FROM idempotency_requests WHERE idempotency_key = 'k2'")
+        .await;
+    assert_eq!(row.get::<_, &str>(0), "completed");
+    assert!(row.get::<_, i64>(1) > dead.token);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(pg.count("SELECT count(*) FROM orders").await, 2);
+    // The dead owner's fenced transaction is refused: a larger token owns it.
+    let fenced = dead.lease.transaction().await;
+    assert!(
+        fenced.is_err(),
+        "a stale owner is fenced through the pooler too"
+    );
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_and_the_operator_api_work_through_the_pooler() {
+    let pooled = Pooled::new().await;
+    let (store, pg) = (pooled.store(), &pooled.pg);
+    let service = layer(store.clone()).layer(ordering(Default::default()));
+    for key in ["k1", "k2", "k3"] {
+        assert_eq!(
+            send(service.clone(), tenant_a_post(key)).await.status,
+            StatusCode::CREATED
+        );
+    }
+    let scope = Scope::new(TenantId::new("tenant-a"), "POST /orders v1");
+    let key = IdempotencyKey::parse(b"k1").unwrap();
+    let record = store
+        .inspect_key(&scope, &key)
+        .await
+        .expect("inspect_key through the pooler")
+        .expect("k1 is remembered");
+    assert_eq!(record.state, KeyState::Completed);
+    assert_eq!(record.response_status, Some(StatusCode::CREATED));
+    assert!(store.remove_key(&scope, &key, "test").await.unwrap());
+    assert!(store.inspect_key(&scope, &key).await.unwrap().is_none());
+    pg.exec("UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE idempotency_key = 'k2'")
+        .await;
+    let cleanup = Cleanup::new(store.clone()).batch_size(1);
+    assert_eq!(
+        cleanup
+            .run_once()
+            .await
+            .expect("cleanup through the pooler"),
+        1
+    );
+    let gauges = cleanup
+        .refresh_gauges()
+        .await
+        .expect("gauges through the pooler");
+    assert_eq!(gauges.cleanup_backlog, 0);
+    assert_eq!(
+        pg.column::<String>("SELECT idempotency_key FROM idempotency_requests")
+            .await,
+        ["k3"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_and_lease_conformance_suites_pass_through_the_pooler() {
+    let pooled = Pooled::new().await;
+    tower_idempotency::testing::conformance::run_all(pooled.store())
+        .await
+        .assert_passed();
+    tower_idempotency::testing::conformance::run_leases(pooled.store())
+        .await
+        .assert_passed();
+    assert_eq!(pooled.pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runaway_handler_statement_is_cancelled_through_the_pooler() {
+    let pooled = Pooled::new().await;
+    let pg = &pooled.pg;
+    let service = layer(pooled.store())
+        .handler_timeout(Duration::from_millis(300))
+        .layer(handler(|tx: PgTx| async move {
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ('runaway', $1)",
+                &[&tx.tenant()],
+            )
+            .await?;
+            tx.batch_execute("SELECT pg_sleep(30)").await?;
+            Ok(created("never"))
+        }));
+    let started = tokio::time::Instant::now();
+    let answer = send(service, tenant_a_post("runaway")).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        text(&answer)
+    );
+    // The statement is cancelled with the connection's cancel key, which
+    // PgBouncer forwards to the server connection the open transaction
+    // holds: it ends in a moment, not in 30 s, and its writes roll back.
+    let sleeping = "SELECT count(*) FROM pg_stat_activity \
+                    WHERE query = 'SELECT pg_sleep(30)' AND state = 'active'";
+    while pg.count(sleeping).await > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the runaway statement was not cancelled through the pooler"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(pg.count("SELECT count(*) FROM orders").await, 0);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests").await,
+        0
+    );
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_run_through_the_pooler_and_concurrently() {
+    let db = TestDatabase::create().await;
+    let bouncer = PgBouncer::start(&db.config());
+    // Eight processes' worth of stores migrating at once: they serialise on
+    // a transaction-scoped advisory lock, which a transaction pooler keeps.
+    let stores: Vec<_> = (0..8)
+        .map(|_| pooled_store(&bouncer, &db, |b| b.max_connections(2)))
+        .collect();
+    let runs: Vec<_> = stores
+        .iter()
+        .map(|store| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().expect("a migration through the pooler");
+    }
+    let client = db.client().await;
+    let versions: i64 = client
+        .query_one("SELECT count(*) FROM tower_idempotency_migrations", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(versions >= 7, "every migration applied once: {versions}");
+    let distinct: i64 = client
+        .query_one(
+            "SELECT count(DISTINCT version) FROM tower_idempotency_migrations",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(versions, distinct);
+    // Again: nothing to do, nothing doubled.
+    stores[0].migrate().await.expect("migrating again");
+    drop(bouncer);
+}
