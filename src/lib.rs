@@ -37,6 +37,7 @@ pub mod lease;
 pub mod memory;
 pub mod metrics;
 pub mod outbox;
+mod pg;
 pub mod postgres;
 pub mod problem;
 pub mod record;

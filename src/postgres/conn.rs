@@ -11,17 +11,7 @@ use std::{fmt, time::Duration};
 use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
-// What a request may have left on its session that would outlive it on a
-// pooled connection, undone before anyone else gets the connection: what
-// `DISCARD ALL` does except dropping prepared statements (the pool's cached
-// statements live on). Sent pipelined behind the COMMIT or ROLLBACK, in a
-// message of its own so that its outcome never blurs the commit's.
-// `PgTx` (and `SqlxStore`'s guarded connection) refuses the plain ways to
-// change the session; this catches the hidden ones (a function calling `set_config(…, false)` or taking a session
-// advisory lock).
-pub(crate) const SESSION_RESET: &str =
-    "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; CLOSE ALL; UNLISTEN *; \
-     SELECT pg_advisory_unlock_all(); DISCARD TEMP";
+pub(crate) use crate::pg::statements::SESSION_RESET;
 
 /// A pooled connection that may be inside a transaction.
 ///

@@ -17,25 +17,10 @@ use super::{
     PgTx,
 };
 use crate::{
+    pg::statements::{COMPLETE, FENCED_CHECK},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };
-
-// The COMMIT is pipelined behind this statement, so it must fail (aborting
-// the transaction) rather than match no row: the handler's writes must never
-// commit without the remembered response. Division by zero does that. The
-// transaction id check catches a handler that ended the claim's transaction.
-// Retention counts from the completion (one timestamp for both columns).
-const COMPLETE: &str = "WITH done AS ( \
-         UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
-             response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
-             completed_at = statement_timestamp(), \
-             expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
-         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-             AND attempt_token = $4::int8 AND state = 'in_progress' \
-             AND pg_current_xact_id() = $9::text::xid8 \
-         RETURNING 1) \
-     SELECT 1 / (SELECT count(*)::int FROM done)";
 
 // tenant, endpoint, key, token, status, headers, body, retention, xid, resource.
 pub(super) const COMPLETE_SQL: Sql<'static> = Sql::new(
@@ -91,16 +76,6 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
         .await
         .map_err(completion_error)
 }
-
-// A fenced transaction's commit, guarded like the completion: the check
-// fails (aborting the transaction, so the pipelined COMMIT rolls back) if
-// the handler let a statement fail and went on, if it ended the
-// transaction itself, or if the record is no longer at this token (it
-// cannot be while the row is held FOR SHARE; the check costs nothing).
-pub(crate) const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM idempotency_requests \
-     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-         AND attempt_token = $4::int8 AND state = 'in_progress' \
-         AND pg_current_xact_id() = $5::text::xid8)";
 
 // tenant, endpoint, key, token, xid.
 pub(crate) const FENCED_CHECK_SQL: Sql<'static> = Sql::new(

@@ -6,45 +6,8 @@ use super::{
     session::{Committed, Session},
     statements::Sql,
 };
+use crate::pg::migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK};
 use crate::store::{StoreError, StoreErrorKind};
-
-/// Serialises concurrent migrators (any constant unique to this crate).
-pub(crate) const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
-
-/// `(version, name, sql)`: append only; never edit an applied migration.
-pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
-    (
-        1,
-        "idempotency_requests",
-        include_str!("schema/0001_idempotency_requests.sql"),
-    ),
-    (
-        2,
-        "outbox_and_inbox",
-        include_str!("schema/0002_outbox_and_inbox.sql"),
-    ),
-    (3, "retention", include_str!("schema/0003_retention.sql")),
-    (
-        4,
-        "attempt_token_sequence",
-        include_str!("schema/0004_attempt_token_sequence.sql"),
-    ),
-    (
-        5,
-        "long_running_operations",
-        include_str!("schema/0005_long_running_operations.sql"),
-    ),
-    (
-        6,
-        "resource_id",
-        include_str!("schema/0006_resource_id.sql"),
-    ),
-    (
-        7,
-        "operation_attempts",
-        include_str!("schema/0007_operation_attempts.sql"),
-    ),
-];
 
 const APPLIED: &str = "SELECT version FROM tower_idempotency_migrations";
 
@@ -52,9 +15,6 @@ pub(super) const RECORD_SQL: Sql<'static> = Sql::new(
     "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)",
     &[Type::INT4, Type::TEXT],
 );
-
-/// The newest schema version this build knows.
-pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
 
 /// Applies what is missing, in one transaction; the caller marks `session`
 /// dirty first and clean with the returned [`Committed`].

@@ -36,7 +36,6 @@ mod decode;
 mod error;
 pub(crate) mod finish;
 pub(crate) mod lease;
-pub(crate) mod lexer;
 pub(crate) mod migrations;
 mod pool;
 mod session;

@@ -11,12 +11,11 @@ use tokio_postgres::{
     Row, Statement,
 };
 
-use super::{
-    conn::Conn,
-    lexer::{self, Refusal},
-    statements::Sql,
+use super::{conn::Conn, statements::Sql};
+use crate::{
+    pg::lexer::{self, Refusal},
+    scope::Scope,
 };
-use crate::scope::Scope;
 
 /// The open PostgreSQL transaction of the request that owns its key.
 ///

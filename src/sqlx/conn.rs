@@ -20,9 +20,9 @@ use ::sqlx::{
     Describe, Either, Execute, Executor, PgConnection, PgPool, Postgres,
 };
 
-use crate::postgres::{
-    conn::SESSION_RESET,
+use crate::pg::{
     lexer::{self, Refusal},
+    statements::SESSION_RESET,
 };
 
 /// What a [`SqlxConn`](super::SqlxConn) dereferences to: the claim's

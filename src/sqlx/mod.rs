@@ -95,7 +95,7 @@ use std::fmt;
 use ::sqlx::{Executor as _, PgPool};
 
 use crate::{
-    postgres::migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK},
+    pg::migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK},
     record::StoredResponse,
     store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind},
 };

@@ -17,27 +17,11 @@ use super::{
 };
 use crate::{
     key::IdempotencyKey,
+    pg::statements::{COMPLETE, FENCED_CHECK},
     record::StoredResponse,
     scope::Scope,
     store::{StoreError, StoreErrorKind},
 };
-
-// The ownership check and the response in one statement. It must fail
-// (aborting the transaction) rather than match no row, so that the handler's
-// writes never commit without the response: division by zero does that. The
-// token and state say this claim still owns the key; the transaction id says
-// the handler did not end the claim's transaction and begin another.
-// Retention counts from the completion.
-const COMPLETE: &str = "WITH done AS ( \
-         UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
-             response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
-             completed_at = statement_timestamp(), \
-             expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
-         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-             AND attempt_token = $4::int8 AND state = 'in_progress' \
-             AND pg_current_xact_id() = $9::text::xid8 \
-         RETURNING 1) \
-     SELECT 1 / (SELECT count(*)::int FROM done)";
 
 /// The transaction handle of a [`SqlxStore`](super::SqlxStore) owner: the
 /// claim's own `sqlx` transaction, in which the key's row is inserted.
@@ -303,7 +287,7 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
         return Err(finished());
     };
     let shared = &tx.inner;
-    let checked = ::sqlx::query(crate::postgres::finish::FENCED_CHECK)
+    let checked = ::sqlx::query(FENCED_CHECK)
         .bind(shared.scope.tenant().as_str())
         .bind(shared.scope.endpoint())
         .bind(shared.key.as_str())

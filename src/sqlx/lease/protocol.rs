@@ -8,7 +8,7 @@ use super::SqlxLease;
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    postgres::lease::protocol::{
+    pg::lease::{
         attempt_of, parse_id, stored_request, stored_response, ACQUIRE, FAIL, FINISH, HEARTBEAT,
         HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },

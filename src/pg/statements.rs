@@ -1,0 +1,41 @@
+//! The statements both drivers send outside the long-running mode: the
+//! short mode's completion, the fenced transaction's check, and the session
+//! reset. One text each; a driver adds only how it sends it.
+
+// The COMMIT is pipelined behind this statement, so it must fail (aborting
+// the transaction) rather than match no row: the handler's writes must never
+// commit without the remembered response. Division by zero does that. The
+// transaction id check catches a handler that ended the claim's transaction.
+// Retention counts from the completion (one timestamp for both columns).
+pub(crate) const COMPLETE: &str = "WITH done AS ( \
+         UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
+             response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
+             completed_at = statement_timestamp(), \
+             expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
+         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+             AND attempt_token = $4::int8 AND state = 'in_progress' \
+             AND pg_current_xact_id() = $9::text::xid8 \
+         RETURNING 1) \
+     SELECT 1 / (SELECT count(*)::int FROM done)";
+
+// A fenced transaction's commit, guarded like the completion: the check
+// fails (aborting the transaction, so the pipelined COMMIT rolls back) if
+// the handler let a statement fail and went on, if it ended the
+// transaction itself, or if the record is no longer at this token (it
+// cannot be while the row is held FOR SHARE; the check costs nothing).
+pub(crate) const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM idempotency_requests \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+         AND attempt_token = $4::int8 AND state = 'in_progress' \
+         AND pg_current_xact_id() = $5::text::xid8)";
+
+// What a request may have left on its session that would outlive it on a
+// pooled connection, undone before anyone else gets the connection: what
+// `DISCARD ALL` does except dropping prepared statements (the pool's cached
+// statements live on). Sent pipelined behind the COMMIT or ROLLBACK, in a
+// message of its own so that its outcome never blurs the commit's.
+// `PgTx` (and `SqlxStore`'s guarded connection) refuses the plain ways to
+// change the session; this catches the hidden ones (a function calling `set_config(…, false)` or taking a session
+// advisory lock).
+pub(crate) const SESSION_RESET: &str =
+    "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; CLOSE ALL; UNLISTEN *; \
+     SELECT pg_advisory_unlock_all(); DISCARD TEMP";
