@@ -38,9 +38,13 @@ pub mod memory;
 pub mod metrics;
 pub mod outbox;
 mod pg;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 pub mod problem;
 pub mod record;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod retention;
 pub mod scope;
 mod server;

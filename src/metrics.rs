@@ -187,27 +187,33 @@ pub(crate) fn handler_timeout(endpoint: &str) {
     metrics::counter!(HANDLER_TIMEOUTS_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) fn outbox_delivered(event_type: &str) {
     metrics::counter!(OUTBOX_DELIVERED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) fn outbox_failed(event_type: &str) {
     metrics::counter!(OUTBOX_FAILED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) fn outbox_parked(event_type: &str) {
     metrics::counter!(OUTBOX_PARKED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) fn outbox_backlog(events: f64, lag_seconds: f64) {
     metrics::gauge!(OUTBOX_BACKLOG).set(events);
     metrics::gauge!(OUTBOX_LAG_SECONDS).set(lag_seconds);
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) fn expired_removed(rows: u64) {
     metrics::counter!(EXPIRED_REMOVED_TOTAL).increment(rows);
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) fn retention_gauges(backlog: f64, oldest_in_progress_seconds: f64) {
     metrics::gauge!(CLEANUP_BACKLOG).set(backlog);
     metrics::gauge!(OLDEST_IN_PROGRESS_SECONDS).set(oldest_in_progress_seconds);
@@ -263,6 +269,7 @@ pub(crate) fn recovered(endpoint: &str) {
     metrics::counter!(RECOVERIES_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) fn lease_gauges(oldest_seconds: f64, expired: f64) {
     metrics::gauge!(OLDEST_LEASE_SECONDS).set(oldest_seconds);
     metrics::gauge!(EXPIRED_LEASES).set(expired);

@@ -8,11 +8,19 @@
 //! How delivery, retries, parking and re-drives work:
 //! [the outbox guide](crate::guide::outbox).
 
+#[cfg(feature = "postgres")]
 pub(crate) mod event;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod inbox;
 mod key;
+#[cfg(feature = "postgres")]
 pub(crate) mod relay;
 
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use event::{enqueue, OutboxEvent};
 pub use key::derive_key;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use relay::{BatchReport, DeliveryError, OutboxStatus, Relay, Sink};

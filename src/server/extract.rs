@@ -6,11 +6,9 @@ use axum_core::{
 };
 use http::{request::Parts, StatusCode};
 
-use crate::{
-    fingerprint::Validated,
-    postgres::{PgLease, PgTx},
-    problem::Problem,
-};
+#[cfg(feature = "postgres")]
+use crate::postgres::{PgLease, PgTx};
+use crate::{fingerprint::Validated, problem::Problem};
 
 /// The rejection when a handler asks for something the layer did not provide:
 /// the route is not behind [`IdempotencyLayer`](crate::IdempotencyLayer) (or
@@ -34,6 +32,7 @@ impl IntoResponse for MissingFromLayer {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl<S: Send + Sync> FromRequestParts<S> for PgTx {
     type Rejection = MissingFromLayer;
 
@@ -46,6 +45,7 @@ impl<S: Send + Sync> FromRequestParts<S> for PgTx {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl<S: Send + Sync> FromRequestParts<S> for PgLease {
     type Rejection = MissingFromLayer;
 
