@@ -136,29 +136,7 @@ impl LeaseStore for MemoryStore {
         lease: &MemoryLease,
         response: &StoredResponse,
     ) -> Result<(), StoreError> {
-        self.check_same(&lease.inner.state)?;
-        let mut state = lock(&self.state);
-        let State {
-            entries,
-            lease_changes,
-            ..
-        } = &mut *state;
-        let leased = leased_mut(entries, &lease.inner.entry_key, lease.inner.token)?;
-        let completed = Entry::Completed {
-            record: Record {
-                fingerprint: leased.fingerprint,
-                response: response.clone(),
-            },
-            expires_at: Instant::now() + leased.retention,
-            operation: Some(Ended {
-                id: leased.operation_id,
-                attempts: leased.attempts,
-                failed: false,
-            }),
-        };
-        entries.insert(lease.inner.entry_key.clone(), completed);
-        lease_changes.send_replace(());
-        Ok(())
+        self.end(lease, response, None)
     }
 
     async fn release(&self, lease: &MemoryLease) -> Result<(), StoreError> {
@@ -187,29 +165,7 @@ impl LeaseStore for MemoryStore {
         response: &StoredResponse,
         attempts: u32,
     ) -> Result<(), StoreError> {
-        self.check_same(&lease.inner.state)?;
-        let mut state = lock(&self.state);
-        let State {
-            entries,
-            lease_changes,
-            ..
-        } = &mut *state;
-        let leased = leased_mut(entries, &lease.inner.entry_key, lease.inner.token)?;
-        let failed = Entry::Completed {
-            record: Record {
-                fingerprint: leased.fingerprint,
-                response: response.clone(),
-            },
-            expires_at: Instant::now() + leased.retention,
-            operation: Some(Ended {
-                id: leased.operation_id,
-                attempts,
-                failed: true,
-            }),
-        };
-        entries.insert(lease.inner.entry_key.clone(), failed);
-        lease_changes.send_replace(());
-        Ok(())
+        self.end(lease, response, Some(attempts))
     }
 
     async fn operation(
@@ -285,6 +241,41 @@ impl LeaseStore for MemoryStore {
             entry_key.0.clone(),
             leased.request.clone(),
         )))
+    }
+}
+
+impl MemoryStore {
+    /// Finish (`failed_after: None`) or fail an operation with `response`,
+    /// if the lease's token is still the record's.
+    fn end(
+        &self,
+        lease: &MemoryLease,
+        response: &StoredResponse,
+        failed_after: Option<u32>,
+    ) -> Result<(), StoreError> {
+        self.check_same(&lease.inner.state)?;
+        let mut state = lock(&self.state);
+        let State {
+            entries,
+            lease_changes,
+            ..
+        } = &mut *state;
+        let leased = leased_mut(entries, &lease.inner.entry_key, lease.inner.token)?;
+        let ended = Entry::Completed {
+            record: Record {
+                fingerprint: leased.fingerprint,
+                response: response.clone(),
+            },
+            expires_at: Instant::now() + leased.retention,
+            operation: Some(Ended {
+                id: leased.operation_id,
+                attempts: failed_after.unwrap_or(leased.attempts),
+                failed: failed_after.is_some(),
+            }),
+        };
+        entries.insert(lease.inner.entry_key.clone(), ended);
+        lease_changes.send_replace(());
+        Ok(())
     }
 }
 

@@ -69,38 +69,28 @@ impl LongRunning {
     }
 }
 
-impl<St: Store> Mode<St> for ShortTransaction {}
+/// Each mode runs its own flow, for the stores it works with.
+macro_rules! mode {
+    ($mode:ty, $store:ident, $flow:path) => {
+        impl<St: $store> Mode<St> for $mode {}
 
-impl<St: Store> sealed::Sealed<St> for ShortTransaction {
-    fn run<S, F, R, ResB>(
-        setup: Setup<St, F, R, Self>,
-        inner: S,
-        admitted: Admitted,
-    ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
-    where
-        S: Inner<ResB>,
-        F: Fingerprinter,
-        R: ResolveTenant,
-        ResB: InnerBody,
-    {
-        short::run(setup, inner, admitted)
-    }
+        impl<St: $store> sealed::Sealed<St> for $mode {
+            fn run<S, F, R, ResB>(
+                setup: Setup<St, F, R, Self>,
+                inner: S,
+                admitted: Admitted,
+            ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
+            where
+                S: Inner<ResB>,
+                F: Fingerprinter,
+                R: ResolveTenant,
+                ResB: InnerBody,
+            {
+                $flow(setup, inner, admitted)
+            }
+        }
+    };
 }
 
-impl<St: LeaseStore> Mode<St> for LongRunning {}
-
-impl<St: LeaseStore> sealed::Sealed<St> for LongRunning {
-    fn run<S, F, R, ResB>(
-        setup: Setup<St, F, R, Self>,
-        inner: S,
-        admitted: Admitted,
-    ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
-    where
-        S: Inner<ResB>,
-        F: Fingerprinter,
-        R: ResolveTenant,
-        ResB: InnerBody,
-    {
-        long::run(setup, inner, admitted)
-    }
-}
+mode!(ShortTransaction, Store, short::run);
+mode!(LongRunning, LeaseStore, long::run);

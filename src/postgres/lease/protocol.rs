@@ -203,12 +203,7 @@ pub(in crate::postgres) async fn heartbeat(
     let token = lease.attempt_token();
     let extend = extend.as_secs_f64();
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &extend];
-    let rows = short_execute(lease.store(), HEARTBEAT_SQL, &params).await?;
-    if rows == 0 {
-        lease.mark_fenced(None);
-        return Err(fenced_error());
-    }
-    Ok(())
+    guarded(lease, HEARTBEAT_SQL, &params).await
 }
 
 /// Opens a fenced transaction for `lease`: `BEGIN`, the waits, and the
@@ -282,22 +277,8 @@ pub(in crate::postgres) async fn finish(
     lease: &PgLease,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
-    let status = response.status.as_u16() as i16;
-    let headers = response.encode_headers();
-    let body: &[u8] = &response.body;
-    let retention = lease.retention().as_secs_f64();
     let resource = response.resource_id.as_ref().map(|id| id.as_str());
-    let params: [&(dyn ToSql + Sync); 9] = [
-        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &resource,
-    ];
-    let rows = short_execute(lease.store(), FINISH_SQL, &params).await?;
-    if rows == 0 {
-        lease.mark_fenced(None);
-        return Err(fenced_error());
-    }
-    Ok(())
+    end_with(lease, FINISH_SQL, response, &resource).await
 }
 
 /// [`LeaseStore::release`](crate::store::LeaseStore::release).
@@ -305,12 +286,7 @@ pub(in crate::postgres) async fn release(lease: &PgLease) -> Result<(), StoreErr
     let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
     let token = lease.attempt_token();
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
-    let rows = short_execute(lease.store(), RELEASE_SQL, &params).await?;
-    if rows == 0 {
-        lease.mark_fenced(None);
-        return Err(fenced_error());
-    }
-    Ok(())
+    guarded(lease, RELEASE_SQL, &params).await
 }
 
 /// [`LeaseStore::fail`](crate::store::LeaseStore::fail).
@@ -319,18 +295,37 @@ pub(in crate::postgres) async fn fail(
     response: &StoredResponse,
     attempts: u32,
 ) -> Result<(), StoreError> {
+    let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
+    end_with(lease, FAIL_SQL, response, &attempts).await
+}
+
+/// Finish or fail: the record ends with `response` (and `last`, the
+/// statement's own parameter), if the token is still the record's.
+async fn end_with(
+    lease: &PgLease,
+    sql: Sql<'static>,
+    response: &StoredResponse,
+    last: &(dyn ToSql + Sync),
+) -> Result<(), StoreError> {
     let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
     let token = lease.attempt_token();
     let status = response.status.as_u16() as i16;
     let headers = response.encode_headers();
     let body: &[u8] = &response.body;
     let retention = lease.retention().as_secs_f64();
-    let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
     let params: [&(dyn ToSql + Sync); 9] = [
-        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &attempts,
+        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, last,
     ];
-    let rows = short_execute(lease.store(), FAIL_SQL, &params).await?;
-    if rows == 0 {
+    guarded(lease, sql, &params).await
+}
+
+/// Runs a statement guarded by the lease's token; no row changed: fenced.
+async fn guarded(
+    lease: &PgLease,
+    sql: Sql<'static>,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<(), StoreError> {
+    if short_execute(lease.store(), sql, params).await? == 0 {
         lease.mark_fenced(None);
         return Err(fenced_error());
     }

@@ -111,17 +111,8 @@ impl LeaseStore for SqlxStore {
     }
 
     async fn heartbeat(&self, lease: &SqlxLease, extend: Duration) -> Result<(), StoreError> {
-        let (tenant, endpoint, key, token) = lease.columns();
-        let mut tx = self.short(ROW_WAIT).await?;
-        let done = ::sqlx::query(HEARTBEAT)
-            .bind(tenant)
-            .bind(endpoint)
-            .bind(key)
-            .bind(token)
-            .bind(extend.as_secs_f64())
-            .execute(&mut *tx)
-            .await;
-        self.end_short(tx, done, lease).await
+        let query = keyed(HEARTBEAT, lease).bind(extend.as_secs_f64());
+        self.guarded(query, lease).await
     }
 
     async fn fenced(&self, lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
@@ -133,34 +124,13 @@ impl LeaseStore for SqlxStore {
     }
 
     async fn finish(&self, lease: &SqlxLease, response: &StoredResponse) -> Result<(), StoreError> {
-        let (tenant, endpoint, key, token) = lease.columns();
-        let mut tx = self.short(ROW_WAIT).await?;
-        let done = ::sqlx::query(FINISH)
-            .bind(tenant)
-            .bind(endpoint)
-            .bind(key)
-            .bind(token)
-            .bind(response.status.as_u16() as i16)
-            .bind(response.encode_headers())
-            .bind(response.body.as_ref())
-            .bind(lease.inner.retention.as_secs_f64())
-            .bind(response.resource_id.as_ref().map(|id| id.as_str()))
-            .execute(&mut *tx)
-            .await;
-        self.end_short(tx, done, lease).await
+        let query = with_response(keyed(FINISH, lease), lease, response)
+            .bind(response.resource_id.as_ref().map(|id| id.as_str()));
+        self.guarded(query, lease).await
     }
 
     async fn release(&self, lease: &SqlxLease) -> Result<(), StoreError> {
-        let (tenant, endpoint, key, token) = lease.columns();
-        let mut tx = self.short(ROW_WAIT).await?;
-        let done = ::sqlx::query(RELEASE)
-            .bind(tenant)
-            .bind(endpoint)
-            .bind(key)
-            .bind(token)
-            .execute(&mut *tx)
-            .await;
-        self.end_short(tx, done, lease).await
+        self.guarded(keyed(RELEASE, lease), lease).await
     }
 
     async fn fail(
@@ -169,21 +139,9 @@ impl LeaseStore for SqlxStore {
         response: &StoredResponse,
         attempts: u32,
     ) -> Result<(), StoreError> {
-        let (tenant, endpoint, key, token) = lease.columns();
-        let mut tx = self.short(ROW_WAIT).await?;
-        let done = ::sqlx::query(FAIL)
-            .bind(tenant)
-            .bind(endpoint)
-            .bind(key)
-            .bind(token)
-            .bind(response.status.as_u16() as i16)
-            .bind(response.encode_headers())
-            .bind(response.body.as_ref())
-            .bind(lease.inner.retention.as_secs_f64())
-            .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
-            .execute(&mut *tx)
-            .await;
-        self.end_short(tx, done, lease).await
+        let query = with_response(keyed(FAIL, lease), lease, response)
+            .bind(i32::try_from(attempts).unwrap_or(i32::MAX));
+        self.guarded(query, lease).await
     }
 
     async fn operation(
@@ -323,6 +281,14 @@ impl SqlxStore {
         Ok(tx)
     }
 
+    /// Runs a statement guarded by the lease's token in a short transaction
+    /// and commits it if it changed the row (see [`end_short`](Self::end_short)).
+    async fn guarded(&self, query: Keyed<'_>, lease: &SqlxLease) -> Result<(), StoreError> {
+        let mut tx = self.short(ROW_WAIT).await?;
+        let done = query.execute(&mut *tx).await;
+        self.end_short(tx, done, lease).await
+    }
+
     /// Commits a heartbeat, finish or release that changed one row; no row
     /// changed: the lease's token is not the record's, and the owner is
     /// fenced.
@@ -399,6 +365,33 @@ pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError>
         lease.inner.retention,
         true,
     ))
+}
+
+type Keyed<'q> = ::sqlx::query::Query<'q, Postgres, ::sqlx::postgres::PgArguments>;
+
+/// `sql` with the parameters every token-guarded statement starts with:
+/// tenant, endpoint, key, token.
+fn keyed<'q>(sql: &'q str, lease: &'q SqlxLease) -> Keyed<'q> {
+    let (tenant, endpoint, key, token) = lease.columns();
+    ::sqlx::query(sql)
+        .bind(tenant)
+        .bind(endpoint)
+        .bind(key)
+        .bind(token)
+}
+
+/// The answer's parameters of finish and fail: status, headers, body and
+/// the retention.
+fn with_response<'q>(
+    query: Keyed<'q>,
+    lease: &SqlxLease,
+    response: &'q StoredResponse,
+) -> Keyed<'q> {
+    query
+        .bind(response.status.as_u16() as i16)
+        .bind(response.encode_headers())
+        .bind(response.body.as_ref())
+        .bind(lease.inner.retention.as_secs_f64())
 }
 
 async fn rollback(tx: Transaction<'static, Postgres>) {
