@@ -8,12 +8,13 @@ use std::{
     time::Duration,
 };
 
-use ::sqlx::{Connection as _, PgConnection, PgPool};
+use ::sqlx::{Connection as _, Executor as _, PgConnection, PgPool};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
 use super::{
     conn::GuardedConnection,
     error::{map_commit_error, map_error},
+    query,
 };
 use crate::{
     key::IdempotencyKey,
@@ -79,6 +80,7 @@ struct Shared {
     // transaction's session.
     pool: PgPool,
     pid: i32,
+    transaction_pooling: bool,
     scope: Scope,
     key: IdempotencyKey,
     token: i64,
@@ -123,6 +125,7 @@ impl SqlxTx {
         tx: GuardedConnection,
         pool: PgPool,
         pid: i32,
+        transaction_pooling: bool,
         scope: Scope,
         key: IdempotencyKey,
         token: i64,
@@ -135,6 +138,7 @@ impl SqlxTx {
                 tx: Mutex::new(Some(tx)),
                 pool,
                 pid,
+                transaction_pooling,
                 scope,
                 key,
                 token,
@@ -200,11 +204,15 @@ impl SqlxTx {
 
     /// Cancels whatever statement runs on this transaction's session, from
     /// another pooled connection.
+    ///
+    /// Behind a transaction pooler too: the process id was read inside this
+    /// transaction, which is still open (its `ROLLBACK` waits for the
+    /// statement), so the pooler still lends this client that server
+    /// connection. The statement is a simple query (the id is a number of
+    /// ours, not client data): one round trip, nothing prepared.
     async fn cancel_running(&self) {
-        let cancelled = ::sqlx::query("SELECT pg_cancel_backend($1)")
-            .bind(self.inner.pid)
-            .execute(&self.inner.pool)
-            .await;
+        let cancel = format!("SELECT pg_cancel_backend({})", self.inner.pid);
+        let cancelled = (&self.inner.pool).execute(cancel.as_str()).await;
         if let Err(e) = cancelled {
             tracing::debug!(error = %e, "cancelling a statement left running failed");
         }
@@ -259,7 +267,7 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
         ));
     }
     let shared = &tx.inner;
-    let remembered = ::sqlx::query(COMPLETE)
+    let remembered = query(COMPLETE, shared.transaction_pooling)
         .bind(shared.scope.tenant().as_str())
         .bind(shared.scope.endpoint())
         .bind(shared.key.as_str())
@@ -303,14 +311,17 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
         return Err(finished());
     };
     let shared = &tx.inner;
-    let checked = ::sqlx::query(crate::postgres::finish::FENCED_CHECK)
-        .bind(shared.scope.tenant().as_str())
-        .bind(shared.scope.endpoint())
-        .bind(shared.key.as_str())
-        .bind(shared.token)
-        .bind(shared.xid.as_str())
-        .execute(transaction.raw())
-        .await;
+    let checked = query(
+        crate::postgres::finish::FENCED_CHECK,
+        shared.transaction_pooling,
+    )
+    .bind(shared.scope.tenant().as_str())
+    .bind(shared.scope.endpoint())
+    .bind(shared.key.as_str())
+    .bind(shared.token)
+    .bind(shared.xid.as_str())
+    .execute(transaction.raw())
+    .await;
     if let Err(e) = checked {
         let error = map_error(e);
         if let Err(rollback) = transaction.end("ROLLBACK", true).await {
