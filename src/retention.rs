@@ -162,12 +162,25 @@ impl Cleanup {
     /// Reads the cleanup backlog, the oldest in-progress age and the
     /// long-running operations' gauges, and sets them.
     pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
-        let session = self.store.session().await?;
+        let mut session = self.store.session().await?;
         let (backlog, oldest, leases) = tokio::try_join!(
-            session.query_one(Sql::new(CLEANUP_BACKLOG, &[]), &[]),
-            session.query_one(Sql::new(OLDEST_IN_PROGRESS, &[]), &[]),
-            session.query_one(Sql::new(LEASES, &[]), &[])
+            session.prepare(Sql::new(CLEANUP_BACKLOG, &[])),
+            session.prepare(Sql::new(OLDEST_IN_PROGRESS, &[])),
+            session.prepare(Sql::new(LEASES, &[])),
         )?;
+        // One transaction, one round trip: the three read one instant
+        // (`now()` is the transaction's), so the gauges agree with each
+        // other (the oldest lease is never older than the oldest operation).
+        session.mark_dirty();
+        let (_, backlog, oldest, leases, committed) = tokio::try_join!(
+            biased;
+            session.batch_execute("BEGIN READ ONLY"),
+            session.query_one_prepared(&backlog, &[]),
+            session.query_one_prepared(&oldest, &[]),
+            session.query_one_prepared(&leases, &[]),
+            session.commit(),
+        )?;
+        session.mark_clean(committed);
         let backlog: i64 = backlog.get(0);
         let oldest: f64 = oldest.get(0);
         let (oldest_lease, expired_leases): (f64, i64) = (leases.get(0), leases.get(1));

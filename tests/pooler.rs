@@ -34,6 +34,7 @@ use tower_idempotency::{
     postgres::{KeyState, PgLease, PgStore, PgStoreBuilder, PgTx},
     retention::Cleanup,
     scope::{Scope, TenantId},
+    sqlx::{SqlxStore, SqlxTx},
     store::{Acquired, ClaimRequest, LeaseRequest, LeaseStore, StoredRequest},
     testing::TestDatabase,
     IdempotencyLayer, RequestBody,
@@ -500,6 +501,120 @@ async fn the_store_and_lease_conformance_suites_pass_through_the_pooler() {
         .await
         .assert_passed();
     assert_eq!(pooled.pg.idle_in_transaction().await, 0);
+}
+
+/// `SqlxStore` on a sqlx pool whose connections go through PgBouncer.
+async fn pooled_sqlx(bouncer: &PgBouncer, db: &TestDatabase) -> SqlxStore {
+    let options = sqlx::postgres::PgConnectOptions::new()
+        .host("127.0.0.1")
+        .port(bouncer.port())
+        .username("postgres")
+        .database(db.name());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(APP_POOL as u32)
+        .connect_with(options)
+        .await
+        .expect("the pool connects through the pooler");
+    let store = SqlxStore::new(pool).transaction_pooling(true);
+    store
+        .migrate()
+        .await
+        .expect("migrations apply through the pooler");
+    store
+}
+
+/// The order handler for `SqlxStore`: its statement unnamed
+/// (`persistent(false)`), as the pooler needs.
+fn sqlx_ordering(calls: Arc<AtomicU64>) -> Handler {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let calls = calls.clone();
+        async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let tx = request
+                .extensions()
+                .get::<SqlxTx>()
+                .cloned()
+                .ok_or("no transaction")?;
+            let id = new_order_id();
+            let mut conn = tx.conn().await?;
+            sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ($1, $2)")
+                .persistent(false)
+                .bind(&id)
+                .bind(tx.tenant())
+                .execute(&mut *conn)
+                .await?;
+            Ok::<_, BoxError>(created(id))
+        }
+    }))
+}
+
+// Each start waits at the barrier, then hands back the spawned request.
+#[allow(clippy::async_yields_async)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sqlx_store_works_through_the_pooler() {
+    let db = TestDatabase::create().await;
+    let bouncer = PgBouncer::start(&db.config());
+    let store = pooled_sqlx(&bouncer, &db).await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL)")
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(store.clone()).layer(sqlx_ordering(calls.clone()));
+    for round in 0..3 {
+        let warm: Vec<_> = (0..APP_POOL)
+            .map(|i| spawn_send(service.clone(), tenant_a_post(&format!("warm-{round}-{i}"))))
+            .collect();
+        for answer in warm {
+            let answer = answer.await.unwrap();
+            assert_eq!(answer.status, StatusCode::CREATED, "{}", text(&answer));
+        }
+    }
+    let barrier = Arc::new(Barrier::new(50));
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (service, barrier) = (service.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                spawn_send(service, tenant_a_post("key-50"))
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap().await.unwrap());
+    }
+    let statuses: Vec<_> = answers.iter().map(|a| a.status).collect();
+    assert!(
+        answers.iter().all(|a| a.status == StatusCode::CREATED),
+        "every duplicate is answered 201, never 503: {statuses:?}"
+    );
+    assert_eq!(answers.iter().filter(|a| !a.replayed()).count(), 1);
+    assert_eq!(calls.load(Ordering::SeqCst), 3 * APP_POOL as u64 + 1);
+    let count = |sql: &'static str| {
+        let client = &client;
+        async move { client.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    assert_eq!(
+        count("SELECT count(*) FROM orders").await,
+        3 * APP_POOL as i64 + 1
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM idempotency_requests WHERE idempotency_key = 'key-50'").await,
+        1
+    );
+    // Every guarantee of both contracts, through the pooler.
+    tower_idempotency::testing::conformance::run_all(store.clone())
+        .await
+        .assert_passed();
+    tower_idempotency::testing::conformance::run_leases(store)
+        .await
+        .assert_passed();
+    assert_eq!(
+        count("SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND datname = current_database()").await,
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -78,6 +78,18 @@ impl Session {
             .map_err(map_error)
     }
 
+    /// Runs a prepared query that returns exactly one row.
+    pub(crate) async fn query_one_prepared(
+        &self,
+        statement: &Prepared<'_>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Row, StoreError> {
+        self.conn
+            .query_one_prepared(statement, params)
+            .await
+            .map_err(map_error)
+    }
+
     /// Runs a statement and returns the number of rows it affected.
     pub(crate) async fn execute(
         &self,
@@ -104,10 +116,7 @@ impl Session {
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Row, StoreError> {
         let statement = self.prepare(sql).await?;
-        self.conn
-            .query_one_prepared(&statement, params)
-            .await
-            .map_err(map_error)
+        self.query_one_prepared(&statement, params).await
     }
 
     /// Runs a query that returns at most one row.

@@ -11,7 +11,7 @@ use http::StatusCode;
 use super::{
     conn::GuardedConnection,
     error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
-    SqlxStore, SqlxTx,
+    query, SqlxStore, SqlxTx,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -83,11 +83,13 @@ pub(super) async fn claim(
     request: &ClaimRequest,
 ) -> Result<Claim<SqlxTx>, StoreError> {
     // Taking a connection is bounded by the pool's acquire timeout.
-    let mut tx = GuardedConnection::begin(&store.pool)
+    let pooling = store.transaction_pooling;
+    let mut tx = GuardedConnection::begin(&store.pool, pooling)
         .await
         .map_err(map_error)?;
     let wait = request.wait.max(MIN_WAIT);
-    let found = tokio::time::timeout(wait + GRACE, arbitrate(tx.raw(), request, wait)).await;
+    let found =
+        tokio::time::timeout(wait + GRACE, arbitrate(tx.raw(), request, wait, pooling)).await;
     // Cut off mid-statement, `tx` is dropped: its connection is closed, and
     // the server rolls back.
     let found = match found {
@@ -113,6 +115,7 @@ pub(super) async fn claim(
             tx,
             store.pool.clone(),
             pid,
+            pooling,
             request.scope.clone(),
             request.key.clone(),
             token,
@@ -137,18 +140,19 @@ async fn arbitrate(
     conn: &mut PgConnection,
     request: &ClaimRequest,
     wait: Duration,
+    pooling: bool,
 ) -> Result<Found, ::sqlx::Error> {
     // Should the owner's process freeze between two statements, the
     // server ends the session (and frees the key) after the hold limit.
-    let pid = set_waits(&mut *conn, wait, request.hold_limit).await?;
+    let pid = set_waits(&mut *conn, wait, request.hold_limit, pooling).await?;
     loop {
-        if let Some(row) = bind(::sqlx::query(INSERT), request)
+        if let Some(row) = bind(query(INSERT, pooling), request)
             .fetch_optional(&mut *conn)
             .await?
         {
             return Ok(Found::Owned(row.try_get(0)?, row.try_get(1)?, pid));
         }
-        let Some(row) = ::sqlx::query(LOOKUP)
+        let Some(row) = query(LOOKUP, pooling)
             .bind(request.scope.tenant().as_str())
             .bind(request.scope.endpoint())
             .bind(request.key.as_str())
@@ -165,7 +169,7 @@ async fn arbitrate(
                 None => Found::Running,
             });
         }
-        if let Some(row) = bind(::sqlx::query(TAKE_OVER), request)
+        if let Some(row) = bind(query(TAKE_OVER, pooling), request)
             .fetch_optional(&mut *conn)
             .await?
         {
@@ -183,13 +187,15 @@ pub(super) async fn set_waits(
     conn: &mut PgConnection,
     wait: Duration,
     idle: Option<Duration>,
+    pooling: bool,
 ) -> Result<i32, ::sqlx::Error> {
     // `0` would mean no limit, and PostgreSQL takes at most i32::MAX ms.
     let ms = |d: Duration| format!("{}ms", d.as_millis().clamp(1, i32::MAX as u128));
-    let row = ::sqlx::query(
+    let row = query(
         "SELECT pg_backend_pid(), set_config('lock_timeout', $1, true), \
              CASE WHEN $2::text IS NOT NULL \
                  THEN set_config('idle_in_transaction_session_timeout', $2, true) END",
+        pooling,
     )
     .bind(ms(wait))
     .bind(idle.map(ms))

@@ -52,16 +52,23 @@ pub struct GuardedConnection {
     /// Known to be outside any transaction, its session reset where one was
     /// due: only then does it go back to the pool.
     clean: bool,
+    /// Behind a transaction pooler: the session is the pooler's, so no
+    /// reset is sent (it would reach another server connection).
+    transaction_pooling: bool,
 }
 
 impl GuardedConnection {
     /// A pooled connection (waiting at most the pool's acquire timeout)
     /// inside a new transaction.
-    pub(super) async fn begin(pool: &PgPool) -> Result<Self, ::sqlx::Error> {
+    pub(super) async fn begin(
+        pool: &PgPool,
+        transaction_pooling: bool,
+    ) -> Result<Self, ::sqlx::Error> {
         let mut begun = GuardedConnection {
             conn: pool.acquire().await?,
             // From here on, dropped before `end` means closed.
             clean: false,
+            transaction_pooling,
         };
         begun.raw().execute("BEGIN").await?;
         Ok(begun)
@@ -79,7 +86,7 @@ impl GuardedConnection {
     /// otherwise it is closed (and PostgreSQL rolls back, if it had not).
     pub(super) async fn end(mut self, end: &'static str, reset: bool) -> Result<(), ::sqlx::Error> {
         self.raw().execute(end).await?;
-        if reset {
+        if reset && !self.transaction_pooling {
             if let Err(e) = self.raw().execute(SESSION_RESET).await {
                 tracing::warn!(error = %e, "could not reset a connection's session; closing it");
                 return Ok(());

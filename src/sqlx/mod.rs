@@ -89,6 +89,10 @@
 //! its transaction back (this store by `pg_cancel_backend` after half a
 //! second). This store's worth is the pool and the transaction type your
 //! code already uses.
+//!
+//! Behind a pooler in transaction pooling mode (PgBouncer), build it with
+//! [`SqlxStore::transaction_pooling`] and give your own statements
+//! `.persistent(false)`; see the [deploying guide](crate::deploying).
 
 use std::fmt;
 
@@ -112,6 +116,16 @@ pub use tx::{SqlxConn, SqlxTx};
 
 use error::map_error;
 
+/// One of the store's statements: prepared once per connection and cached
+/// by sqlx, or, behind a transaction pooler, unnamed (see
+/// [`SqlxStore::transaction_pooling`]).
+fn query(
+    sql: &str,
+    transaction_pooling: bool,
+) -> ::sqlx::query::Query<'_, ::sqlx::Postgres, ::sqlx::postgres::PgArguments> {
+    ::sqlx::query(sql).persistent(!transaction_pooling)
+}
+
 /// The [`Store`] on a `sqlx` PostgreSQL pool.
 ///
 /// Cheap to clone (a pool handle). Run [`migrate`](Self::migrate) once at
@@ -122,6 +136,7 @@ use error::map_error;
 #[derive(Clone)]
 pub struct SqlxStore {
     pool: PgPool,
+    transaction_pooling: bool,
 }
 
 impl fmt::Debug for SqlxStore {
@@ -129,6 +144,7 @@ impl fmt::Debug for SqlxStore {
         f.debug_struct("SqlxStore")
             .field("connections", &self.pool.size())
             .field("idle", &self.pool.num_idle())
+            .field("transaction_pooling", &self.transaction_pooling)
             .finish()
     }
 }
@@ -136,7 +152,35 @@ impl fmt::Debug for SqlxStore {
 impl SqlxStore {
     /// A store on `pool`.
     pub fn new(pool: PgPool) -> Self {
-        SqlxStore { pool }
+        SqlxStore {
+            pool,
+            transaction_pooling: false,
+        }
+    }
+
+    /// The pool reaches PostgreSQL through a pooler in transaction pooling
+    /// mode (PgBouncer's `pool_mode = transaction`, RDS Proxy, Supavisor,
+    /// PgCat). Default `false`.
+    ///
+    /// With `true`, every statement of the store is sent unnamed
+    /// (`persistent(false)`: nothing is left prepared on the server
+    /// connection) and inside a transaction (sqlx prepares even an unnamed
+    /// statement in a round trip of its own, which outside a transaction the
+    /// pooler may send to another server connection than the execution);
+    /// no session reset is sent after a transaction (it would reach another
+    /// server connection). Reads that ran on the pool run in a transaction
+    /// of their own, which costs two round trips more.
+    ///
+    /// The handler's own statements through [`SqlxTx::conn`] run inside the
+    /// claim's transaction; give each `.persistent(false)` (a persistent
+    /// statement stays on the pooler's server connection, where another
+    /// client's statement of the same name then fails). Turning the pool's
+    /// statement cache off is not enough: sqlx 0.8 still names the
+    /// statement and then never closes it. See the
+    /// [deploying guide](crate::deploying).
+    pub fn transaction_pooling(mut self, on: bool) -> Self {
+        self.transaction_pooling = on;
+        self
     }
 
     /// The pool, e.g. for the service's own queries outside the layer.
@@ -167,6 +211,7 @@ impl SqlxStore {
             .map_err(map_error)?;
         let applied: Vec<i32> =
             ::sqlx::query_scalar("SELECT version FROM tower_idempotency_migrations")
+                .persistent(!self.transaction_pooling)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(map_error)?;
@@ -183,8 +228,9 @@ impl SqlxStore {
                 continue;
             }
             (&mut *tx).execute(*sql).await.map_err(map_error)?;
-            ::sqlx::query(
+            query(
                 "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
+                self.transaction_pooling,
             )
             .bind(version)
             .bind(name)

@@ -8,12 +8,13 @@ use std::{
     time::Duration,
 };
 
-use ::sqlx::{Connection as _, PgConnection, PgPool};
+use ::sqlx::{Connection as _, Executor as _, PgConnection, PgPool};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
 use super::{
     conn::GuardedConnection,
     error::{map_commit_error, map_error},
+    query,
 };
 use crate::{
     key::IdempotencyKey,
@@ -63,6 +64,7 @@ struct Shared {
     // transaction's session.
     pool: PgPool,
     pid: i32,
+    transaction_pooling: bool,
     scope: Scope,
     key: IdempotencyKey,
     token: i64,
@@ -107,6 +109,7 @@ impl SqlxTx {
         tx: GuardedConnection,
         pool: PgPool,
         pid: i32,
+        transaction_pooling: bool,
         scope: Scope,
         key: IdempotencyKey,
         token: i64,
@@ -119,6 +122,7 @@ impl SqlxTx {
                 tx: Mutex::new(Some(tx)),
                 pool,
                 pid,
+                transaction_pooling,
                 scope,
                 key,
                 token,
@@ -184,11 +188,15 @@ impl SqlxTx {
 
     /// Cancels whatever statement runs on this transaction's session, from
     /// another pooled connection.
+    ///
+    /// Behind a transaction pooler too: the process id was read inside this
+    /// transaction, which is still open (its `ROLLBACK` waits for the
+    /// statement), so the pooler still lends this client that server
+    /// connection. The statement is a simple query (the id is a number of
+    /// ours, not client data): one round trip, nothing prepared.
     async fn cancel_running(&self) {
-        let cancelled = ::sqlx::query("SELECT pg_cancel_backend($1)")
-            .bind(self.inner.pid)
-            .execute(&self.inner.pool)
-            .await;
+        let cancel = format!("SELECT pg_cancel_backend({})", self.inner.pid);
+        let cancelled = (&self.inner.pool).execute(cancel.as_str()).await;
         if let Err(e) = cancelled {
             tracing::debug!(error = %e, "cancelling a statement left running failed");
         }
@@ -243,7 +251,7 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
         ));
     }
     let shared = &tx.inner;
-    let remembered = ::sqlx::query(COMPLETE)
+    let remembered = query(COMPLETE, shared.transaction_pooling)
         .bind(shared.scope.tenant().as_str())
         .bind(shared.scope.endpoint())
         .bind(shared.key.as_str())
@@ -287,7 +295,7 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
         return Err(finished());
     };
     let shared = &tx.inner;
-    let checked = ::sqlx::query(FENCED_CHECK)
+    let checked = query(FENCED_CHECK, shared.transaction_pooling)
         .bind(shared.scope.tenant().as_str())
         .bind(shared.scope.endpoint())
         .bind(shared.key.as_str())

@@ -18,7 +18,7 @@ use crate::{
         claim::set_waits,
         conn::GuardedConnection,
         error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
-        tx, SqlxStore, SqlxTx,
+        query, tx, SqlxStore, SqlxTx,
     },
     store::OperationId,
     store::{
@@ -55,7 +55,7 @@ impl LeaseStore for SqlxStore {
         let mut tx = self.short(remaining).await?;
         let acquired = tokio::time::timeout(
             remaining + GRACE,
-            ::sqlx::query(ACQUIRE)
+            query(ACQUIRE, self.transaction_pooling)
                 .bind(claim.scope.tenant().as_str())
                 .bind(claim.scope.endpoint())
                 .bind(claim.key.as_str())
@@ -149,10 +149,12 @@ impl LeaseStore for SqlxStore {
         tenant: &TenantId,
         id: OperationId,
     ) -> Result<Option<Operation>, StoreError> {
-        let row = ::sqlx::query(OPERATION)
-            .bind(id.to_string())
-            .bind(tenant.as_str())
-            .fetch_optional(&self.pool)
+        let row = self
+            .read_optional(
+                query(OPERATION, self.transaction_pooling)
+                    .bind(id.to_string())
+                    .bind(tenant.as_str()),
+            )
             .await
             .map_err(map_error)?;
         let Some(row) = row else { return Ok(None) };
@@ -174,7 +176,7 @@ impl LeaseStore for SqlxStore {
         backoff: Backoff,
     ) -> Result<Option<Recovered<SqlxLease>>, StoreError> {
         let mut tx = self.short(ROW_WAIT).await?;
-        let row = ::sqlx::query(RECOVER)
+        let row = query(RECOVER, self.transaction_pooling)
             .bind(endpoint)
             .bind(lease.as_secs_f64())
             .bind(backoff.first.as_secs_f64())
@@ -231,11 +233,13 @@ impl SqlxStore {
         &self,
         claim: &ClaimRequest,
     ) -> Result<Option<Acquired<SqlxLease>>, StoreError> {
-        let row = ::sqlx::query(LOOKUP)
-            .bind(claim.scope.tenant().as_str())
-            .bind(claim.scope.endpoint())
-            .bind(claim.key.as_str())
-            .fetch_optional(&self.pool)
+        let row = self
+            .read_optional(
+                query(LOOKUP, self.transaction_pooling)
+                    .bind(claim.scope.tenant().as_str())
+                    .bind(claim.scope.endpoint())
+                    .bind(claim.key.as_str()),
+            )
             .await
             .map_err(map_error)?;
         let Some(row) = row else { return Ok(None) };
@@ -270,10 +274,28 @@ impl SqlxStore {
         }
     }
 
+    /// Reads at most one row outside the store's transactions: on the pool,
+    /// or, behind a transaction pooler, in a transaction of its own (sqlx
+    /// prepares in a round trip of its own, which outside a transaction the
+    /// pooler may send to another server connection than the execution).
+    async fn read_optional(
+        &self,
+        statement: ::sqlx::query::Query<'_, Postgres, ::sqlx::postgres::PgArguments>,
+    ) -> Result<Option<PgRow>, ::sqlx::Error> {
+        if !self.transaction_pooling {
+            return statement.fetch_optional(&self.pool).await;
+        }
+        // Dropped on an error, the transaction rolls back.
+        let mut tx = self.pool.begin().await?;
+        let row = statement.fetch_optional(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+
     /// A short transaction whose lock waits last at most `wait`.
     async fn short(&self, wait: Duration) -> Result<Transaction<'static, Postgres>, StoreError> {
         let mut tx = self.pool.begin().await.map_err(map_error)?;
-        if let Err(e) = set_waits(&mut tx, wait, None).await {
+        if let Err(e) = set_waits(&mut tx, wait, None, self.transaction_pooling).await {
             let error = map_error(e);
             rollback(tx).await;
             return Err(error);
@@ -316,7 +338,7 @@ impl SqlxStore {
 /// Begins a fenced transaction and holds the record at the lease's token.
 pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
     let store = &lease.inner.store;
-    let mut tx = GuardedConnection::begin(&store.pool)
+    let mut tx = GuardedConnection::begin(&store.pool, store.transaction_pooling)
         .await
         .map_err(map_error)?;
     let (tenant, endpoint, key, token) = lease.columns();
@@ -327,9 +349,10 @@ pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError>
             tx.raw(),
             ROW_WAIT.min(lease.inner.lease / 2),
             Some(lease.inner.lease),
+            store.transaction_pooling,
         )
         .await?;
-        let row = ::sqlx::query(HOLD)
+        let row = query(HOLD, store.transaction_pooling)
             .bind(tenant)
             .bind(endpoint)
             .bind(key)
@@ -358,6 +381,7 @@ pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError>
         tx,
         store.pool.clone(),
         pid,
+        store.transaction_pooling,
         lease.inner.scope.clone(),
         lease.inner.key.clone(),
         token,
@@ -373,7 +397,7 @@ type Keyed<'q> = ::sqlx::query::Query<'q, Postgres, ::sqlx::postgres::PgArgument
 /// tenant, endpoint, key, token.
 fn keyed<'q>(sql: &'q str, lease: &'q SqlxLease) -> Keyed<'q> {
     let (tenant, endpoint, key, token) = lease.columns();
-    ::sqlx::query(sql)
+    query(sql, lease.inner.store.transaction_pooling)
         .bind(tenant)
         .bind(endpoint)
         .bind(key)
