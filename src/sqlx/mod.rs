@@ -92,7 +92,7 @@
 //!
 //! Behind a pooler in transaction pooling mode (PgBouncer), build it with
 //! [`SqlxStore::transaction_pooling`] and give your own statements
-//! `.persistent(false)`; see the [deploying guide](crate::deploying).
+//! `.persistent(false)`; see the [deploying guide](crate::guide::deploying).
 
 use std::fmt;
 
@@ -177,7 +177,7 @@ impl SqlxStore {
     /// client's statement of the same name then fails). Turning the pool's
     /// statement cache off is not enough: sqlx 0.8 still names the
     /// statement and then never closes it. See the
-    /// [deploying guide](crate::deploying).
+    /// [deploying guide](crate::guide::deploying).
     pub fn transaction_pooling(mut self, on: bool) -> Self {
         self.transaction_pooling = on;
         self
