@@ -1,15 +1,9 @@
 //! The operator API: look at one key, or forget it deliberately.
 
-use std::time::SystemTime;
-
-use http::StatusCode;
 use tokio_postgres::types::Type;
 
-use super::{decode, statements::Sql, PgStore};
-use crate::{
-    fingerprint::Fingerprint, key::IdempotencyKey, record::ResourceId, scope::Scope,
-    store::StoreError,
-};
+use super::{decode, key_record::KeyRecord, statements::Sql, PgStore};
+use crate::{key::IdempotencyKey, scope::Scope, store::StoreError};
 
 // Column order as `decode::key_record` reads it.
 const INSPECT_KEY: &str =
@@ -25,47 +19,6 @@ const REMOVE_KEY: &str = "DELETE FROM idempotency_requests \
 const KEY_PARAMS: &[Type] = &[Type::TEXT, Type::TEXT, Type::TEXT];
 pub(super) const INSPECT_KEY_SQL: Sql<'static> = Sql::new(INSPECT_KEY, KEY_PARAMS);
 pub(super) const REMOVE_KEY_SQL: Sql<'static> = Sql::new(REMOVE_KEY, KEY_PARAMS);
-
-/// The state of a remembered key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum KeyState {
-    /// An operation holds the key (committed in-progress rows only; a claim
-    /// still inside its transaction is invisible until it commits).
-    InProgress,
-    /// The response is remembered and replays until `expires_at`.
-    Completed,
-    /// A long-running operation ended `failed` after its last allowed
-    /// attempt; its `500 operation_failed` replays until `expires_at`.
-    Failed,
-}
-
-/// What an operator sees of one key: no body, no headers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct KeyRecord {
-    /// The tenant.
-    pub tenant_id: String,
-    /// The endpoint name.
-    pub endpoint: String,
-    /// In progress or completed.
-    pub state: KeyState,
-    /// The first request's fingerprint.
-    pub fingerprint: Fingerprint,
-    /// The remembered status, once completed.
-    pub response_status: Option<StatusCode>,
-    /// The resource the operation created or changed, if its handler named
-    /// one ([`ResourceId`]).
-    pub resource_id: Option<ResourceId>,
-    /// 1 for the first operation under this key, higher after expiry takeovers.
-    pub attempt_token: i64,
-    /// When the current operation claimed the key.
-    pub created_at: SystemTime,
-    /// When it completed.
-    pub completed_at: Option<SystemTime>,
-    /// When the key stops replaying and becomes a new operation.
-    pub expires_at: SystemTime,
-}
 
 impl PgStore {
     /// Looks up one key of one tenant on one endpoint.

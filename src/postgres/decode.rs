@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::StatusCode;
 use tokio_postgres::Row;
 
-use super::admin::{KeyRecord, KeyState};
+use super::key_record::{KeyRecord, KeyState};
 use crate::{
     fingerprint::Fingerprint,
     record::{Record, ResourceId, StoredResponse},

@@ -35,6 +35,7 @@ pub(crate) mod conn;
 mod decode;
 mod error;
 pub(crate) mod finish;
+mod key_record;
 pub(crate) mod lease;
 pub(crate) mod migrations;
 mod pool;
@@ -42,8 +43,8 @@ mod session;
 pub(crate) mod statements;
 mod tx;
 
-pub use admin::{KeyRecord, KeyState};
 pub use conn::PooledClient;
+pub use key_record::{KeyRecord, KeyState};
 pub use lease::{FencedTx, PgLease};
 pub use pool::PgStoreBuilder;
 pub use tx::{PgTx, TxError, TxErrorKind};
