@@ -357,7 +357,20 @@ async fn serves_the_contract_table() {
 
     // Health and metrics need no token.
     assert_eq!(server.get("/healthz", &[]).await.status, StatusCode::OK);
-    let metrics = server.metrics().await;
+    // The relay's first delivery (by notification, or by its poll when the
+    // server is built for a transaction pooler) makes its counter appear.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let metrics = loop {
+        let metrics = server.metrics().await;
+        if metrics.contains("outbox_delivered_total") {
+            break metrics;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the relay never delivered:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     for name in [
         "idempotency_claim_duration_seconds",
         "idempotency_key_held_seconds",
