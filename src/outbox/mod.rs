@@ -16,6 +16,8 @@ pub mod inbox;
 mod key;
 #[cfg(feature = "postgres")]
 pub(crate) mod relay;
+#[cfg(feature = "postgres")]
+mod sink;
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -23,4 +25,7 @@ pub use event::{enqueue, OutboxEvent};
 pub use key::derive_key;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use relay::{BatchReport, DeliveryError, OutboxStatus, Relay, Sink};
+pub use relay::Relay;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use sink::{BatchReport, DeliveryError, OutboxStatus, Sink};

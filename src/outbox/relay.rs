@@ -3,122 +3,27 @@
 use std::{
     fmt,
     future::Future,
-    panic::{catch_unwind, AssertUnwindSafe},
-    pin::Pin,
+    panic::AssertUnwindSafe,
     sync::Arc,
-    task::{Context, Poll},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use pin_project_lite::pin_project;
+use futures_util::FutureExt;
 use tokio::sync::Notify;
 use tokio_postgres::{
     types::{ToSql, Type},
     AsyncMessage,
 };
 
-use super::event::OutboxEvent;
+use super::{
+    event::OutboxEvent,
+    sink::{BatchReport, DeliveryError, OutboxStatus, Sink},
+};
 use crate::{
     metrics,
     postgres::{statements::Sql, PgStore},
     store::StoreError,
 };
-
-/// Where the relay delivers events (a payment API, a message broker, …).
-///
-/// Delivery is at least once: the same event may arrive again after a crash,
-/// a timeout or a re-drive, so the sink must make repeats harmless, typically
-/// by sending [`OutboxEvent::derived_key`] as the downstream idempotency key.
-///
-/// A delivery that panics counts as a failed, retryable attempt with
-/// `last_error` "the sink panicked" (the relay neither stores nor logs the
-/// panic's message: it may quote the payload); the rest of the batch goes
-/// on, and the same sink keeps delivering. This needs unwinding panics (not
-/// `panic = "abort"`).
-pub trait Sink: Send + Sync + 'static {
-    /// Delivers one event. `Err` schedules a retry (or parks the event).
-    fn deliver(
-        &self,
-        event: &OutboxEvent,
-    ) -> impl Future<Output = Result<(), DeliveryError>> + Send;
-}
-
-/// Why a delivery failed. Only the message is stored (`last_error`): keep
-/// payloads and secrets out of it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeliveryError {
-    message: String,
-    permanent: bool,
-}
-
-impl DeliveryError {
-    /// A failure worth retrying (timeouts, 5xx, `idempotency_in_progress`).
-    pub fn retryable(message: impl Into<String>) -> Self {
-        DeliveryError {
-            message: storable(message.into()),
-            permanent: false,
-        }
-    }
-
-    /// A failure no retry will fix: the event is parked at once.
-    pub fn permanent(message: impl Into<String>) -> Self {
-        DeliveryError {
-            message: storable(message.into()),
-            permanent: true,
-        }
-    }
-
-    /// The message stored as `last_error`.
-    pub fn message(&self) -> &str {
-        &self.message
-    }
-}
-
-/// `last_error` must always be writable: a text column refuses NUL, and a
-/// downstream may put anything in its error. Long messages are cut.
-fn storable(message: String) -> String {
-    const MAX_CHARS: usize = 1000;
-    let clean = message.replace('\0', "\u{fffd}");
-    match clean.char_indices().nth(MAX_CHARS) {
-        Some((cut, _)) => format!("{}…", &clean[..cut]),
-        None => clean,
-    }
-}
-
-impl fmt::Display for DeliveryError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for DeliveryError {}
-
-/// What the outbox gauges say, as [`Relay::refresh_backlog`] read them.
-#[derive(Debug, Clone, Copy, PartialEq)]
-#[non_exhaustive]
-pub struct OutboxStatus {
-    /// Undelivered, unparked events.
-    pub backlog: u64,
-    /// Age of the oldest of them (zero when none).
-    pub lag: Duration,
-}
-
-/// What one batch did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct BatchReport {
-    /// Events claimed in this batch.
-    pub claimed: usize,
-    /// Delivered and marked published.
-    pub delivered: usize,
-    /// Failed and scheduled for a retry.
-    pub retried: usize,
-    /// Failed for the last time (or permanently) and parked.
-    pub parked: usize,
-    /// Claimed but not attempted: the batch ran out of time. They stay due,
-    /// untouched, for the next batch.
-    pub deferred: usize,
-}
 
 /// Delivers undelivered `outbox_events` rows to a [`Sink`], at least once.
 ///
@@ -317,10 +222,14 @@ impl<K: Sink> Relay<K> {
             };
             // The async block defers the call to `deliver` into the first
             // poll, so a sink that panics before returning its future is caught too.
-            let delivery = CatchUnwind::new(async { self.sink.deliver(&event).await });
+            // Unwind safety is asserted: a panicked delivery is never polled
+            // again, and what the sink shares between deliveries is the
+            // sink's to keep sound. The panic's payload is dropped unread.
+            let delivery =
+                AssertUnwindSafe(async { self.sink.deliver(&event).await }).catch_unwind();
             let outcome = match tokio::time::timeout(self.delivery_timeout, delivery).await {
                 Ok(Ok(outcome)) => outcome,
-                Ok(Err(Panicked)) => {
+                Ok(Err(_panic)) => {
                     tracing::error!(event_id = %event.id, event_type = %event.event_type, "the outbox sink panicked; counted as a failed attempt");
                     Err(DeliveryError::retryable("the sink panicked"))
                 }
@@ -405,13 +314,13 @@ impl<K: Sink> Relay<K> {
             // A panic outside the sink (a bug) must not end the relay: the
             // batch's connection is closed on unwinding, so its transaction
             // rolls back and its events are claimed again later.
-            let report = match CatchUnwind::new(self.run_once()).await {
+            let report = match AssertUnwindSafe(self.run_once()).catch_unwind().await {
                 Ok(Ok(report)) => report,
                 Ok(Err(e)) => {
                     tracing::error!(error = %e, "outbox batch failed; retrying after the poll interval");
                     BatchReport::default()
                 }
-                Err(Panicked) => {
+                Err(_panic) => {
                     tracing::error!("outbox batch panicked; retrying after the poll interval");
                     BatchReport::default()
                 }
@@ -438,39 +347,6 @@ impl<K: Sink> Relay<K> {
             }
         }
         Ok(())
-    }
-}
-
-/// The future it wraps panicked; the payload is dropped unread.
-struct Panicked;
-
-pin_project! {
-    /// Turns a panic while polling `inner` into `Err(Panicked)`.
-    struct CatchUnwind<F> {
-        #[pin]
-        inner: F,
-    }
-}
-
-impl<F> CatchUnwind<F> {
-    fn new(inner: F) -> Self {
-        CatchUnwind { inner }
-    }
-}
-
-impl<F: Future> Future for CatchUnwind<F> {
-    type Output = Result<F::Output, Panicked>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let inner = self.project().inner;
-        // Unwind safety is asserted: a panicked future is never polled again
-        // (Ready is returned), and the relay's own state is only read here.
-        // What the sink shares between deliveries is the sink's to keep sound.
-        match catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
-            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
-            Ok(Poll::Pending) => Poll::Pending,
-            Err(_payload) => Poll::Ready(Err(Panicked)),
-        }
     }
 }
 
