@@ -75,7 +75,7 @@ impl fmt::Display for DeliveryError {
 
 impl std::error::Error for DeliveryError {}
 
-/// What the outbox gauges say, as [`Relay::refresh_backlog`] read them.
+/// What the outbox gauges say, as [`Relay::refresh_backlog`](super::Relay::refresh_backlog) read them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct OutboxStatus {
