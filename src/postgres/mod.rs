@@ -225,7 +225,7 @@ impl LeaseStore for PgStore {
 /// that each declares the types its text casts to).
 #[cfg(test)]
 pub(crate) fn all_statements() -> Vec<(&'static str, statements::Sql<'static>)> {
-    use lease::protocol as lp;
+    use lease::statements as lp;
     vec![
         ("claim LOOKUP", claim::LOOKUP_SQL),
         ("CLAIM", claim::CLAIM_SQL),

@@ -19,6 +19,7 @@ use crate::{
 };
 
 pub(crate) mod protocol;
+pub(crate) mod statements;
 
 /// The lease of a long-running operation's owner, in the handler's request
 /// extensions (with the `axum` feature also an extractor).

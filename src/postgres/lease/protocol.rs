@@ -5,17 +5,14 @@
 
 use std::time::Duration;
 
-use tokio_postgres::{
-    error::SqlState,
-    types::{ToSql, Type},
-    Row,
-};
+use tokio_postgres::{error::SqlState, types::ToSql, Row};
 
-use super::{fenced_error, PgLease};
-use crate::pg::lease::{
-    attempt_of, parse_id, stored_request, stored_response, ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD,
-    LOOKUP, OPERATION, RECOVER, RELEASE,
+use super::statements::{
+    ACQUIRE_SQL, FAIL_SQL, FINISH_SQL, HEARTBEAT_SQL, HOLD_SQL, LOOKUP_SQL, OPERATION_SQL,
+    RECOVER_SQL, RELEASE_SQL,
 };
+use super::{fenced_error, PgLease};
+use crate::pg::lease::{attempt_of, parse_id, stored_request, stored_response};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
@@ -29,62 +26,6 @@ use crate::{
         StoreError, StoreErrorKind,
     },
 };
-
-// The parameters of each, in order: the key's columns (tenant, endpoint,
-// key) first, then the token and the rest as each statement names them.
-const T: Type = Type::TEXT;
-pub(crate) const LOOKUP_SQL: Sql<'static> = Sql::new(LOOKUP, &[T, T, T]);
-pub(crate) const ACQUIRE_SQL: Sql<'static> = Sql::new(
-    ACQUIRE,
-    &[
-        T,
-        T,
-        T,
-        Type::BYTEA,
-        Type::FLOAT8,
-        Type::FLOAT8,
-        T,
-        T,
-        T,
-        Type::BYTEA,
-        Type::BYTEA,
-    ],
-);
-pub(crate) const HEARTBEAT_SQL: Sql<'static> =
-    Sql::new(HEARTBEAT, &[T, T, T, Type::INT8, Type::FLOAT8]);
-pub(crate) const HOLD_SQL: Sql<'static> = Sql::new(HOLD, &[T, T, T, Type::INT8]);
-pub(crate) const FINISH_SQL: Sql<'static> = Sql::new(
-    FINISH,
-    &[
-        T,
-        T,
-        T,
-        Type::INT8,
-        Type::INT2,
-        Type::BYTEA,
-        Type::BYTEA,
-        Type::FLOAT8,
-        T,
-    ],
-);
-pub(crate) const RELEASE_SQL: Sql<'static> = Sql::new(RELEASE, &[T, T, T, Type::INT8]);
-pub(crate) const FAIL_SQL: Sql<'static> = Sql::new(
-    FAIL,
-    &[
-        T,
-        T,
-        T,
-        Type::INT8,
-        Type::INT2,
-        Type::BYTEA,
-        Type::BYTEA,
-        Type::FLOAT8,
-        Type::INT4,
-    ],
-);
-pub(crate) const OPERATION_SQL: Sql<'static> = Sql::new(OPERATION, &[T, T]);
-pub(crate) const RECOVER_SQL: Sql<'static> =
-    Sql::new(RECOVER, &[T, Type::FLOAT8, Type::FLOAT8, Type::FLOAT8]);
 
 /// How long a heartbeat, completion or release waits for the row, and how
 /// long a fenced transaction waits to hold it (a takeover in flight).

@@ -1,0 +1,65 @@
+//! The lease protocol's statements (their text in `pg::lease`, shared with
+//! the sqlx store) with the parameter types tokio-postgres sends them with.
+
+use tokio_postgres::types::Type;
+
+use crate::{
+    pg::lease::{ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE},
+    postgres::statements::Sql,
+};
+
+// The parameters of each, in order: the key's columns (tenant, endpoint,
+// key) first, then the token and the rest as each statement names them.
+const T: Type = Type::TEXT;
+pub(crate) const LOOKUP_SQL: Sql<'static> = Sql::new(LOOKUP, &[T, T, T]);
+pub(crate) const ACQUIRE_SQL: Sql<'static> = Sql::new(
+    ACQUIRE,
+    &[
+        T,
+        T,
+        T,
+        Type::BYTEA,
+        Type::FLOAT8,
+        Type::FLOAT8,
+        T,
+        T,
+        T,
+        Type::BYTEA,
+        Type::BYTEA,
+    ],
+);
+pub(crate) const HEARTBEAT_SQL: Sql<'static> =
+    Sql::new(HEARTBEAT, &[T, T, T, Type::INT8, Type::FLOAT8]);
+pub(crate) const HOLD_SQL: Sql<'static> = Sql::new(HOLD, &[T, T, T, Type::INT8]);
+pub(crate) const FINISH_SQL: Sql<'static> = Sql::new(
+    FINISH,
+    &[
+        T,
+        T,
+        T,
+        Type::INT8,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+        Type::FLOAT8,
+        T,
+    ],
+);
+pub(crate) const RELEASE_SQL: Sql<'static> = Sql::new(RELEASE, &[T, T, T, Type::INT8]);
+pub(crate) const FAIL_SQL: Sql<'static> = Sql::new(
+    FAIL,
+    &[
+        T,
+        T,
+        T,
+        Type::INT8,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+        Type::FLOAT8,
+        Type::INT4,
+    ],
+);
+pub(crate) const OPERATION_SQL: Sql<'static> = Sql::new(OPERATION, &[T, T]);
+pub(crate) const RECOVER_SQL: Sql<'static> =
+    Sql::new(RECOVER, &[T, Type::FLOAT8, Type::FLOAT8, Type::FLOAT8]);
