@@ -1,0 +1,191 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use tokio::sync::Notify;
+use tower_service::Service;
+
+use super::*;
+use crate::{
+    fingerprint::JsonFingerprinter,
+    key::IdempotencyKey,
+    memory::{MemoryStore, MemoryTx},
+    record::StoredResponse,
+    scope::{Scope, TenantId},
+    server::body::RequestBody,
+    store::{Claim, ClaimRequest, StoreError},
+};
+
+/// A store that counts what it is asked.
+#[derive(Clone, Default)]
+struct Counting {
+    inner: MemoryStore,
+    claims: Arc<AtomicUsize>,
+    completions: Arc<AtomicUsize>,
+}
+
+impl Store for Counting {
+    type Tx = MemoryTx;
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<MemoryTx>, StoreError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(request).await
+    }
+    async fn complete(&self, tx: MemoryTx, response: &StoredResponse) -> Result<(), StoreError> {
+        self.completions.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(tx, response).await
+    }
+    async fn abort(&self, tx: MemoryTx) -> Result<(), StoreError> {
+        self.inner.abort(tx).await
+    }
+}
+
+fn post(body: &'static str) -> Request<http_body_util::Full<Bytes>> {
+    let mut request = Request::post("/orders")
+        .header("idempotency-key", "hot")
+        .body(http_body_util::Full::new(Bytes::from_static(
+            body.as_bytes(),
+        )))
+        .unwrap();
+    request.extensions_mut().insert(TenantId::new("t"));
+    request
+}
+
+/// 50 duplicates in one process cost one claim and one completion: the
+/// 49 that waited behind the first take its record from memory, and a
+/// different request under the key is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_in_one_process_answer_from_the_leaders_record() {
+    let store = Counting::default();
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (started, release, calls) = (started.clone(), release.clone(), calls.clone());
+        tower::service_fn(move |request: Request<RequestBody>| {
+            let (started, release, calls) = (started.clone(), release.clone(), calls.clone());
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let tx = request.extensions().get::<MemoryTx>().cloned().unwrap();
+                tx.insert("orders", serde_json::json!({"id": 1})).unwrap();
+                started.notify_one();
+                release.notified().await;
+                let mut response =
+                    Response::new(http_body_util::Full::new(Bytes::from_static(b"{\"id\":1}")));
+                *response.status_mut() = StatusCode::CREATED;
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        })
+    };
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        "POST /orders v1",
+        JsonFingerprinter::new("v1"),
+    )
+    .wait(Duration::from_secs(30));
+    let service = layer.layer(handler);
+    let send = |body: &'static str| {
+        let mut service = service.clone();
+        tokio::spawn(async move {
+            let response = service.call(post(body)).await.unwrap();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status();
+            let body = http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            (status, replayed, body)
+        })
+    };
+    let leader = send(r#"{"a":1}"#);
+    started.notified().await;
+    let duplicates: Vec<_> = (0..49).map(|_| send(r#"{ "a": 1 }"#)).collect();
+    let other = send(r#"{"a":2}"#);
+    let (scope, key) = (
+        Scope::new(TenantId::new("t"), "POST /orders v1"),
+        IdempotencyKey::parse(b"hot").unwrap(),
+    );
+    // Wait (bounded) until all 50 wait behind the leader in this process.
+    let in_flight = layer.setup.shared.in_flight.clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while in_flight.waiting(&scope, &key) < 50 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the duplicates never lined up"
+        );
+        tokio::task::yield_now().await;
+    }
+    release.notify_one();
+    let (status, replayed, first) = leader.await.unwrap();
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    for duplicate in duplicates {
+        let (status, replayed, body) = duplicate.await.unwrap();
+        assert_eq!((status, replayed), (StatusCode::CREATED, true));
+        assert_eq!(body, first, "the leader's bytes");
+    }
+    let (status, _, _) = other.await.unwrap();
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "a different request is refused from memory too"
+    );
+    assert_eq!(store.claims.load(Ordering::SeqCst), 1, "one claim");
+    assert_eq!(store.completions.load(Ordering::SeqCst), 1);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(store.inner.rows("orders").len(), 1);
+}
+
+/// A TTL beyond what the cache crate takes (it panics above 1000
+/// years) is clamped like the other durations; the cache still answers
+/// the retry.
+#[tokio::test]
+async fn replay_cache_with_the_longest_ttl_serves_replays() {
+    let store = Counting::default();
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        "POST /orders v1",
+        JsonFingerprinter::new("v1"),
+    )
+    .replay_cache(10, Duration::MAX);
+    let mut service = layer.layer(tower::service_fn(
+        |request: Request<RequestBody>| async move {
+            let tx = request.extensions().get::<MemoryTx>().cloned().unwrap();
+            tx.insert("orders", serde_json::json!({"id": 1})).unwrap();
+            let mut response =
+                Response::new(http_body_util::Full::new(Bytes::from_static(b"{\"id\":1}")));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, std::convert::Infallible>(response)
+        },
+    ));
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let response = service.call(post(r#"{"a":1}"#)).await.unwrap();
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        let status = response.status();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        answers.push((status, replayed, body));
+    }
+    assert_eq!((answers[0].0, answers[0].1), (StatusCode::CREATED, false));
+    assert_eq!((answers[1].0, answers[1].1), (StatusCode::CREATED, true));
+    assert_eq!(answers[1].2, answers[0].2, "the first answer's bytes");
+    assert_eq!(
+        store.claims.load(Ordering::SeqCst),
+        1,
+        "the retry came from the cache"
+    );
+    assert_eq!(store.inner.rows("orders").len(), 1);
+}
+
+#[test]
+fn limits_are_clamped_to_what_the_database_takes() {
+    let layer = IdempotencyLayer::new(MemoryStore::new(), "e", JsonFingerprinter::new("v1"))
+        .request_body_limit(usize::MAX)
+        .response_body_limit(usize::MAX)
+        .handler_timeout(Duration::MAX)
+        .wait(Duration::MAX);
+    assert_eq!(layer.setup.config.request_body_limit, MAX_BODY);
+    assert_eq!(layer.setup.config.response_body_limit, MAX_BODY);
+    assert_eq!(layer.setup.config.handler_timeout, MAX_WAIT);
+    assert_eq!(layer.setup.config.wait, MAX_WAIT);
+}
