@@ -620,6 +620,17 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
             create_with_retries(&server.http, &key, &format!("chk-{key}"), &no_crash, &log).await;
         lost.push((key, id));
     }
+    // What the relay had delivered for them on the old primary (the fake
+    // providers keep their charges in the same database).
+    let lost_ids: Vec<String> = lost.iter().map(|(_, id)| id.clone()).collect();
+    let lost_charged_before = primary_sql
+        .query_one(
+            "SELECT count(*) FROM payment_charges WHERE order_id = ANY($1)",
+            &[&lost_ids],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0);
     drop(primary_sql);
 
     pair.crash_primary().await;
@@ -714,6 +725,17 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         .collect();
     assert_eq!(orders, (kept.len() + lost.len()) as i64, "{checkouts:?}");
     assert_eq!(
+        sql.query_one(
+            "SELECT count(*) FROM payment_charges WHERE order_id = ANY($1)",
+            &[&lost_ids],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0),
+        0,
+        "the charges of the vanished orders vanished with them (same database)"
+    );
+    assert_eq!(
         count(
             &sql,
             "SELECT count(*) FROM idempotency_requests \
@@ -732,12 +754,40 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         0,
         "every order has exactly one OrderCreated event"
     );
+    // The relay on the promoted primary charges every order there once,
+    // those whose charge was lost with the old primary included.
+    let deadline = Instant::now() + DEADLINE;
+    while count(&sql, "SELECT count(DISTINCT order_id) FROM payment_charges").await != orders {
+        if Instant::now() > deadline {
+            let uncharged: Vec<String> = sql
+                .query(
+                    "SELECT aggregate_id || ' published_at ' || coalesce(published_at::text, '-') \
+                     FROM outbox_events e WHERE NOT EXISTS \
+                     (SELECT 1 FROM payment_charges c WHERE c.order_id = e.aggregate_id)",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            panic!("orders without a charge on the promoted primary: {uncharged:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        count(&sql, "SELECT count(*) FROM payment_charges").await,
+        orders,
+        "one charge per order"
+    );
     eprintln!(
         "asynchronous failover: {} of {} acknowledged creates vanished (key row, order and event \
-         together), {} kept; the retries (same keys) made {} new orders; {} answers 503 and {} \
+         together; {} of them had been charged on the old primary, and the charges vanished too), \
+         {} kept; the retries (same keys) made {} new orders; {} answers 503 and {} \
          transport errors before the first retry was created, {:?} after the crash",
         vanished,
         kept.len() + lost.len(),
+        lost_charged_before,
         kept.len(),
         lost.len(),
         retry_log.unavailable,
