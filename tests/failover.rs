@@ -164,19 +164,31 @@ impl Pair {
         tokio::task::block_in_place(|| primary.stop(Shutdown::Immediate)).unwrap();
     }
 
-    /// `SELECT pg_promote()` on the standby, waiting for the promotion to finish.
+    /// `SELECT pg_promote(false)` on the standby, then polls
+    /// `pg_is_in_recovery()` until it has left recovery (`pg_promote(true)`
+    /// would only check every 100 ms).
     async fn promote(&self) -> tokio_postgres::Client {
         let standby = connect(&self.standby.config(DB)).await;
-        let promoted: bool = standby
-            .query_one("SELECT pg_promote(true, 30)", &[])
+        let signalled: bool = standby
+            .query_one("SELECT pg_promote(false)", &[])
             .await
             .unwrap_or_else(|e| panic!("pg_promote: {e}; log:\n{}", self.standby.log()))
             .get(0);
-        assert!(
-            promoted,
-            "the standby was promoted; log:\n{}",
-            self.standby.log()
-        );
+        assert!(signalled, "pg_promote signalled the standby");
+        let deadline = Instant::now() + DEADLINE;
+        while standby
+            .query_one("SELECT pg_is_in_recovery()", &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the standby was not promoted in time; log:\n{}",
+                self.standby.log()
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         standby
     }
 }
@@ -400,6 +412,17 @@ async fn create_with_retries(
     }
 }
 
+/// How many of the orders `ids` have a charge.
+async fn charged(sql: &tokio_postgres::Client, ids: &[String]) -> i64 {
+    sql.query_one(
+        "SELECT count(*) FROM payment_charges WHERE order_id = ANY($1)",
+        &[&ids],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 async fn count(sql: &tokio_postgres::Client, query: &str) -> i64 {
     sql.query_one(query, &[])
         .await
@@ -602,7 +625,9 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
     })
     .await;
 
-    // The standby is cut off; the primary goes on acknowledging commits.
+    let kept_ids: Vec<String> = kept.iter().map(|(_, id)| id.clone()).collect();
+    // The standby is cut off as soon as it has the orders ; the primary
+    // goes on acknowledging commits.
     pair.standby.cut_off();
     let standby_sql = connect(&pair.standby.config(DB)).await;
     standby_sql
@@ -611,6 +636,12 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         .unwrap();
     eventually("the standby to stop streaming", || async {
         count(&primary_sql, "SELECT count(*) FROM pg_stat_replication").await == 0
+    })
+    .await;
+    // The relay charges the kept orders on the primary alone: their orders
+    // and events are on the standby, their charges will not be.
+    eventually("the kept orders' charges on the primary", || async {
+        charged(&primary_sql, &kept_ids).await == kept.len() as i64
     })
     .await;
     let mut lost = Vec::new();
@@ -623,6 +654,8 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
     // What the relay had delivered for them on the old primary (the fake
     // providers keep their charges in the same database).
     let lost_ids: Vec<String> = lost.iter().map(|(_, id)| id.clone()).collect();
+    // The standby is readable: what it holds of the kept orders' charges.
+    let kept_charged_on_standby = charged(&standby_sql, &kept_ids).await;
     let lost_charged_before = primary_sql
         .query_one(
             "SELECT count(*) FROM payment_charges WHERE order_id = ANY($1)",
@@ -780,15 +813,29 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         orders,
         "one charge per order"
     );
+    for row in sql
+        .query("SELECT order_id, idempotency_key FROM payment_charges", &[])
+        .await
+        .unwrap()
+    {
+        let (order_id, key): (String, String) = (row.get(0), row.get(1));
+        assert_eq!(
+            key,
+            tower_idempotency::outbox::derive_key(&order_id, "payment.charge"),
+            "each charge under the key derived from its order"
+        );
+    }
     eprintln!(
         "asynchronous failover: {} of {} acknowledged creates vanished (key row, order and event \
          together; {} of them had been charged on the old primary, and the charges vanished too), \
-         {} kept; the retries (same keys) made {} new orders; {} answers 503 and {} \
+         {} kept ({} of their charges, made on the old primary, had reached the standby; the relay \
+         made the others again, under the same derived keys, on the promoted primary); the retries (same keys) made {} new orders; {} answers 503 and {} \
          transport errors before the first retry was created, {:?} after the crash",
         vanished,
         kept.len() + lost.len(),
         lost_charged_before,
         kept.len(),
+        kept_charged_on_standby,
         lost.len(),
         retry_log.unavailable,
         retry_log.transport_errors,
