@@ -11,7 +11,10 @@
 //!   `Retry-After`) during the outage, then the pool found the new primary.
 //! - Asynchronous replication with the standby cut off: the commits it
 //!   never received vanish, each one's key row, order and event together;
-//!   a retry with the same key then makes exactly one order.
+//!   a retry with the same key then makes exactly one order. The charges of
+//!   the orders that survived, made on the old primary alone, vanish too, and
+//!   the relay makes them again under the same derived keys (which a replay
+//!   cache in the providers' layers used to answer from memory instead).
 //!
 //! The outage figures are printed (run with `--nocapture` to see them).
 
@@ -407,7 +410,8 @@ async fn create_with_retries(
             ),
             Err(_) => log.lock().unwrap().transport_errors += 1,
         }
-        // Retry-After says 1 s; these clients retry sooner to time the outage.
+        // Retry-After asks for whole seconds; these clients retry after 50 ms
+        // to time the outage.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
