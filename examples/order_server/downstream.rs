@@ -112,19 +112,35 @@ pub(crate) fn providers(store: PgStore) -> Router {
     Router::new()
         .route(
             "/charges",
-            post(charge).layer(IdempotencyLayer::new(
-                store.clone(),
-                "POST /charges v1",
-                TypedFingerprinter::<Charge>::new("charges.v1"),
-            )),
+            post(charge).layer(
+                IdempotencyLayer::new(
+                    store.clone(),
+                    "POST /charges v1",
+                    TypedFingerprinter::<Charge>::new("charges.v1"),
+                )
+                // These providers keep their rows in the order server's own
+                // database. After a failover to an asynchronous standby that
+                // lost a charge (while the order and its event survived), the
+                // relay delivers the event again; a replay cache would answer
+                // that delivery from memory with the lost charge's 201, and
+                // the event would be marked delivered with no charge in the
+                // database (seen in tests/failover.rs). A real provider's
+                // cache matches its own database; this one's must not outlive
+                // ours.
+                .without_replay_cache(),
+            ),
         )
         .route(
             "/reservations",
-            post(reserve).layer(IdempotencyLayer::new(
-                store,
-                "POST /reservations v1",
-                TypedFingerprinter::<Reservation>::new("reservations.v1"),
-            )),
+            post(reserve).layer(
+                IdempotencyLayer::new(
+                    store,
+                    "POST /reservations v1",
+                    TypedFingerprinter::<Reservation>::new("reservations.v1"),
+                )
+                // As for charges.
+                .without_replay_cache(),
+            ),
         )
         .route_layer(middleware::from_fn_with_state(
             tokens,
