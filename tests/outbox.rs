@@ -390,33 +390,45 @@ async fn inbox_processes_each_event_once_and_only_with_its_effect() {
     let pg = setup().await;
     let mut client = pg.db.client().await;
     let tx = client.transaction().await.unwrap();
-    assert!(inbox::first_delivery(&tx, "inventory", "event-1")
-        .await
-        .unwrap());
+    assert!(
+        inbox::first_delivery(&tx, "tenant-a", "inventory", "event-1")
+            .await
+            .unwrap()
+    );
     tx.rollback().await.unwrap();
     let tx = client.transaction().await.unwrap();
     assert!(
-        inbox::first_delivery(&tx, "inventory", "event-1")
+        inbox::first_delivery(&tx, "tenant-a", "inventory", "event-1")
             .await
             .unwrap(),
         "a rolled-back record does not count"
     );
-    assert!(!inbox::first_delivery(&tx, "inventory", "event-1")
-        .await
-        .unwrap());
     assert!(
-        inbox::first_delivery(&tx, "billing", "event-1")
+        !inbox::first_delivery(&tx, "tenant-a", "inventory", "event-1")
+            .await
+            .unwrap()
+    );
+    assert!(
+        inbox::first_delivery(&tx, "tenant-a", "billing", "event-1")
             .await
             .unwrap(),
         "consumers are independent"
     );
     tx.commit().await.unwrap();
     let tx = client.transaction().await.unwrap();
-    assert!(!inbox::first_delivery(&tx, "inventory", "event-1")
-        .await
-        .unwrap());
+    assert!(
+        !inbox::first_delivery(&tx, "tenant-a", "inventory", "event-1")
+            .await
+            .unwrap()
+    );
+    assert!(
+        inbox::first_delivery(&tx, "tenant-b", "inventory", "event-1")
+            .await
+            .unwrap(),
+        "tenants are independent"
+    );
     tx.commit().await.unwrap();
-    assert_eq!(pg.count("SELECT count(*) FROM inbox_events").await, 2);
+    assert_eq!(pg.count("SELECT count(*) FROM inbox_events").await, 3);
 }
 
 /// A sink whose error message holds a NUL byte (a downstream can say

@@ -59,9 +59,10 @@ async fn charge(tx: PgTx, charge: Validated<Charge>) -> Response {
         .query_one(
             "WITH new AS ( \
                  INSERT INTO payment_charges (tenant_id, idempotency_key, order_id, amount, currency) \
-                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (idempotency_key) DO NOTHING RETURNING id::text) \
+                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, idempotency_key) DO NOTHING RETURNING id::text) \
              SELECT id FROM new UNION ALL \
-             SELECT id::text FROM payment_charges WHERE idempotency_key = $2 AND NOT EXISTS (SELECT 1 FROM new)",
+             SELECT id::text FROM payment_charges \
+             WHERE tenant_id = $1 AND idempotency_key = $2 AND NOT EXISTS (SELECT 1 FROM new)",
             &[&tx.tenant(), &key, &charge.order_id, &charge.amount, &charge.currency],
         )
         .await;
@@ -86,7 +87,7 @@ async fn reserve(tx: PgTx, reservation: Validated<Reservation>) -> Response {
     let reserved = tx
         .execute(
             "INSERT INTO inventory_reservations (tenant_id, idempotency_key, order_id, items) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (idempotency_key) DO NOTHING",
+             ON CONFLICT (tenant_id, idempotency_key) DO NOTHING",
             &[&tx.tenant(), &key, &reservation.order_id, &reservation.items],
         )
         .await;

@@ -6,8 +6,10 @@ use tower_idempotency::{postgres::PgStore, store::StoreError};
 
 const SCHEMA: &str = r#"
 SELECT pg_advisory_xact_lock(7243410001);
+-- Every primary key and unique constraint starts with tenant_id, so the
+-- tables can be distributed by tenant (see the deploying guide).
 CREATE TABLE IF NOT EXISTS orders (
-    id                  uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    id                  uuid        NOT NULL DEFAULT gen_random_uuid(),
     tenant_id           text        NOT NULL,
     checkout_id         text        NOT NULL,
     status              text        NOT NULL DEFAULT 'created',
@@ -17,27 +19,32 @@ CREATE TABLE IF NOT EXISTS orders (
     coupon              text,
     shipping_address_id text        NOT NULL,
     created_at          timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT orders_pkey PRIMARY KEY (tenant_id, id),
     -- The permanent duplicate rule: it outlives the idempotency retention.
     CONSTRAINT orders_tenant_checkout_key UNIQUE (tenant_id, checkout_id)
 );
 -- What the fake payment provider charged: one row per idempotency key.
 CREATE TABLE IF NOT EXISTS payment_charges (
-    id               uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    id               uuid        NOT NULL DEFAULT gen_random_uuid(),
     tenant_id        text        NOT NULL,
-    idempotency_key  text        NOT NULL UNIQUE,
+    idempotency_key  text        NOT NULL,
     order_id         text        NOT NULL,
     amount           bigint      NOT NULL,
     currency         text        NOT NULL,
-    created_at       timestamptz NOT NULL DEFAULT now()
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, id),
+    UNIQUE (tenant_id, idempotency_key)
 );
 -- What the fake inventory service reserved: one row per idempotency key.
 CREATE TABLE IF NOT EXISTS inventory_reservations (
-    id               uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    id               uuid        NOT NULL DEFAULT gen_random_uuid(),
     tenant_id        text        NOT NULL,
-    idempotency_key  text        NOT NULL UNIQUE,
+    idempotency_key  text        NOT NULL,
     order_id         text        NOT NULL,
     items            jsonb       NOT NULL,
-    created_at       timestamptz NOT NULL DEFAULT now()
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, id),
+    UNIQUE (tenant_id, idempotency_key)
 );
 -- The order side of a fulfilment, written by the operation that shipped it
 -- (its derived warehouse key), so that a re-driven attempt recognises its
@@ -50,21 +57,25 @@ ALTER TABLE orders
 -- the attempts, takeovers and stale workers. The warehouse is another
 -- system: it knows the order id as the text it was sent, not as our uuid.
 CREATE TABLE IF NOT EXISTS warehouse_shipments (
-    shipment_id      text        PRIMARY KEY
+    shipment_id      text        NOT NULL
                                  DEFAULT 'shp_' || replace(gen_random_uuid()::text, '-', ''),
-    order_id         text        NOT NULL UNIQUE,
+    order_id         text        NOT NULL,
     idempotency_key  text        NOT NULL,
     fencing_token    bigint      NOT NULL,
     warehouse        text        NOT NULL,
     tenant_id        text        NOT NULL,
-    created_at       timestamptz NOT NULL DEFAULT now()
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, shipment_id),
+    UNIQUE (tenant_id, order_id)
 );
 -- The highest fencing token the warehouse has seen per order: a call that
 -- carries a lower one comes from an attempt that was taken over.
 CREATE TABLE IF NOT EXISTS warehouse_tokens (
-    order_id         text        PRIMARY KEY,
+    tenant_id        text        NOT NULL,
+    order_id         text        NOT NULL,
     highest_token    bigint      NOT NULL,
-    updated_at       timestamptz NOT NULL DEFAULT now()
+    updated_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, order_id)
 );
 "#;
 

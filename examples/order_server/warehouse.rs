@@ -42,8 +42,8 @@ pub(crate) const POISON: &str = "poison-";
 // and returns the highest: one statement, so no read-then-write race, and
 // it locks the row until the transaction ends.
 const RAISE_TOKEN: &str =
-    "INSERT INTO warehouse_tokens AS t (order_id, highest_token) VALUES ($1, $2) \
-     ON CONFLICT (order_id) DO UPDATE SET \
+    "INSERT INTO warehouse_tokens AS t (order_id, highest_token, tenant_id) VALUES ($1, $2, $3) \
+     ON CONFLICT (tenant_id, order_id) DO UPDATE SET \
          highest_token = GREATEST(t.highest_token, EXCLUDED.highest_token), updated_at = now() \
      RETURNING highest_token";
 
@@ -117,7 +117,10 @@ async fn ship(
     };
     // Record the token at once, atomically: from here on, any attempt with a
     // lower token is refused even while this call is still on its way.
-    let highest = match warehouse.observe_token(&request.order_id, token).await {
+    let highest = match warehouse
+        .observe_token(&request.tenant_id, &request.order_id, token)
+        .await
+    {
         Ok(highest) => highest,
         Err(e) => return unavailable(&e),
     };
@@ -205,14 +208,23 @@ enum Shipped {
 impl Warehouse {
     /// Raises the order's highest seen token to `token` if it is higher,
     /// and returns the highest.
-    async fn observe_token(&self, order_id: &str, token: i64) -> Result<i64, DbError> {
+    async fn observe_token(
+        &self,
+        tenant: &str,
+        order_id: &str,
+        token: i64,
+    ) -> Result<i64, DbError> {
         let client = self.store.client().await?;
         // Outside a transaction: one round trip, no prepared statement (a
         // transaction pooler would not keep one between round trips).
         let row = client
             .query_typed_one(
                 RAISE_TOKEN,
-                &[(&order_id, Type::TEXT), (&token, Type::INT8)],
+                &[
+                    (&order_id, Type::TEXT),
+                    (&token, Type::INT8),
+                    (&tenant, Type::TEXT),
+                ],
             )
             .await?;
         Ok(row.try_get(0)?)
@@ -236,7 +248,10 @@ impl Warehouse {
             .batch_execute("BEGIN; SET LOCAL lock_timeout = '5s'")
             .await?;
         let highest: i64 = client
-            .query_one(RAISE_TOKEN, &[&request.order_id, &token])
+            .query_one(
+                RAISE_TOKEN,
+                &[&request.order_id, &token, &request.tenant_id],
+            )
             .await?
             .try_get(0)?;
         if highest > token {
@@ -247,11 +262,11 @@ impl Warehouse {
             .query_one(
                 "WITH new AS ( \
                      INSERT INTO warehouse_shipments (order_id, idempotency_key, fencing_token, warehouse, tenant_id) \
-                     VALUES ($1, $2, $3, $4, $5) ON CONFLICT (order_id) DO NOTHING \
+                     VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, order_id) DO NOTHING \
                      RETURNING shipment_id, idempotency_key, warehouse, true AS created) \
                  SELECT * FROM new UNION ALL \
                  SELECT shipment_id, idempotency_key, warehouse, false FROM warehouse_shipments \
-                 WHERE order_id = $1 AND NOT EXISTS (SELECT 1 FROM new)",
+                 WHERE tenant_id = $5 AND order_id = $1 AND NOT EXISTS (SELECT 1 FROM new)",
                 &[&request.order_id, &key, &token, &request.warehouse, &request.tenant_id],
             )
             .await?;

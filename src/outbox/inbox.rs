@@ -6,8 +6,10 @@ use tokio_postgres::types::Type;
 
 use crate::postgres::{statements::Sql, PgTx, TxError};
 
-/// Records that `consumer` processes `event_id`, inside the caller's own
-/// transaction; `true` the first time, `false` for every redelivery.
+/// Records that `consumer` processes `event_id` of `tenant` (the event's
+/// [`tenant_id`](super::OutboxEvent::tenant_id)), inside the caller's own
+/// transaction; `true` the first time, `false` for every redelivery. The
+/// record's key includes the tenant, so the table can be distributed by it.
 ///
 /// Call it first in the transaction that applies the event's effect and skip
 /// the effect on `false`: the record and the effect commit together, so a
@@ -19,7 +21,7 @@ use crate::postgres::{statements::Sql, PgTx, TxError};
 /// use tower_idempotency::outbox::inbox;
 ///
 /// let tx = client.transaction().await?;
-/// if inbox::first_delivery(&tx, "inventory", event_id).await? {
+/// if inbox::first_delivery(&tx, "tenant-a", "inventory", event_id).await? {
 ///     tx.execute("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'SKU-1'", &[]).await?;
 /// }
 /// tx.commit().await?;
@@ -27,19 +29,31 @@ use crate::postgres::{statements::Sql, PgTx, TxError};
 /// ```
 pub async fn first_delivery<C: GenericClient + Sync>(
     client: &C,
+    tenant: &str,
     consumer: &str,
     event_id: &str,
 ) -> Result<bool, tokio_postgres::Error> {
-    let inserted = client.execute(INSERT, &[&consumer, &event_id]).await?;
+    let inserted = client
+        .execute(INSERT, &[&tenant, &consumer, &event_id])
+        .await?;
     Ok(inserted == 1)
 }
 
 /// [`first_delivery`] inside the transaction of a request that owns its key.
-pub async fn first_delivery_in(tx: &PgTx, consumer: &str, event_id: &str) -> Result<bool, TxError> {
-    Ok(tx.execute_sql(INSERT_SQL, &[&consumer, &event_id]).await? == 1)
+pub async fn first_delivery_in(
+    tx: &PgTx,
+    tenant: &str,
+    consumer: &str,
+    event_id: &str,
+) -> Result<bool, TxError> {
+    Ok(tx
+        .execute_sql(INSERT_SQL, &[&tenant, &consumer, &event_id])
+        .await?
+        == 1)
 }
 
-pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT, &[Type::TEXT, Type::TEXT]);
+pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT, &[Type::TEXT, Type::TEXT, Type::TEXT]);
 
-const INSERT: &str = "INSERT INTO inbox_events (consumer, event_id) VALUES ($1::text, $2::text) \
-     ON CONFLICT (consumer, event_id) DO NOTHING";
+const INSERT: &str = "INSERT INTO inbox_events (tenant_id, consumer, event_id) \
+     VALUES ($1::text, $2::text, $3::text) \
+     ON CONFLICT (tenant_id, consumer, event_id) DO NOTHING";

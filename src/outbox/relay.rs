@@ -94,20 +94,23 @@ const CLAIM_EVENTS: &str =
      LIMIT $1::int8 \
      FOR UPDATE SKIP LOCKED";
 
-const MARK_DELIVERED: &str = "UPDATE outbox_events \
-     SET published_at = clock_timestamp(), attempts = attempts + 1, last_error = NULL \
-     WHERE id = ANY($1::text[]::uuid[])";
+// Events are named by their key, (tenant, id): the first array holds the
+// tenants, the second the ids, in the same order.
+const MARK_DELIVERED: &str = "UPDATE outbox_events AS o \
+     SET published_at = clock_timestamp(), attempts = o.attempts + 1, last_error = NULL \
+     FROM unnest($1::text[], $2::text[]) AS f(tenant_id, id) \
+     WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid";
 
 const MARK_FAILED: &str = "UPDATE outbox_events AS o \
      SET attempts = o.attempts + 1, last_error = f.error, \
          next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond' \
-     FROM unnest($1::text[], $2::text[], $3::float8[]) AS f(id, error, delay_ms) \
-     WHERE o.id = f.id::uuid";
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::float8[]) AS f(tenant_id, id, error, delay_ms) \
+     WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid";
 
 const MARK_PARKED: &str = "UPDATE outbox_events AS o \
      SET attempts = o.attempts + 1, last_error = f.error, parked_at = clock_timestamp() \
-     FROM unnest($1::text[], $2::text[]) AS f(id, error) \
-     WHERE o.id = f.id::uuid";
+     FROM unnest($1::text[], $2::text[], $3::text[]) AS f(tenant_id, id, error) \
+     WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid";
 
 // Undelivered events and the age of the oldest (the backlog and lag gauges).
 const OUTBOX_BACKLOG: &str =
@@ -115,13 +118,21 @@ const OUTBOX_BACKLOG: &str =
      FROM outbox_events WHERE published_at IS NULL AND parked_at IS NULL";
 
 pub(crate) const CLAIM_EVENTS_SQL: Sql<'static> = Sql::new(CLAIM_EVENTS, &[Type::INT8]);
-pub(crate) const MARK_DELIVERED_SQL: Sql<'static> = Sql::new(MARK_DELIVERED, &[Type::TEXT_ARRAY]);
+pub(crate) const MARK_DELIVERED_SQL: Sql<'static> =
+    Sql::new(MARK_DELIVERED, &[Type::TEXT_ARRAY, Type::TEXT_ARRAY]);
 pub(crate) const MARK_FAILED_SQL: Sql<'static> = Sql::new(
     MARK_FAILED,
-    &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::FLOAT8_ARRAY],
+    &[
+        Type::TEXT_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::FLOAT8_ARRAY,
+    ],
 );
-pub(crate) const MARK_PARKED_SQL: Sql<'static> =
-    Sql::new(MARK_PARKED, &[Type::TEXT_ARRAY, Type::TEXT_ARRAY]);
+pub(crate) const MARK_PARKED_SQL: Sql<'static> = Sql::new(
+    MARK_PARKED,
+    &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY],
+);
 
 impl<K: Sink> Relay<K> {
     /// A relay over `store`'s database delivering to `sink`.
@@ -199,10 +210,12 @@ impl<K: Sink> Relay<K> {
             claimed: rows.len(),
             ..BatchReport::default()
         };
-        let mut delivered = Vec::new();
-        let (mut retry_ids, mut retry_errors, mut retry_delays) =
+        // Each event by its key: tenant and id, in parallel arrays.
+        let (mut delivered_tenants, mut delivered) = (Vec::new(), Vec::new());
+        let (mut retry_tenants, mut retry_ids, mut retry_errors, mut retry_delays) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut park_tenants, mut park_ids, mut park_errors) =
             (Vec::new(), Vec::new(), Vec::new());
-        let (mut park_ids, mut park_errors) = (Vec::new(), Vec::new());
         // The batch's transaction (and its row locks) stays open while it
         // delivers: whatever the sink does, it ends within about two
         // delivery timeouts. Events not attempted by then go to the next batch.
@@ -239,6 +252,7 @@ impl<K: Sink> Relay<K> {
             match outcome {
                 Ok(()) => {
                     metrics::outbox_delivered(&event_type);
+                    delivered_tenants.push(event.tenant_id);
                     delivered.push(event.id);
                 }
                 Err(error) => {
@@ -247,12 +261,14 @@ impl<K: Sink> Relay<K> {
                     if error.permanent || attempts >= self.max_attempts {
                         tracing::warn!(event_id = %event.id, event_type, attempts, error = %error, "outbox event parked");
                         metrics::outbox_parked(&event_type);
+                        park_tenants.push(event.tenant_id);
                         park_ids.push(event.id);
                         park_errors.push(error.message);
                     } else {
                         let delay = self.retry_delay(attempts, &event.id);
                         tracing::info!(event_id = %event.id, event_type, attempts, retry_in_ms = delay.as_millis() as u64, error = %error, "outbox delivery failed; will retry");
                         retry_delays.push(delay.as_secs_f64() * 1000.0);
+                        retry_tenants.push(event.tenant_id);
                         retry_ids.push(event.id);
                         retry_errors.push(error.message);
                     }
@@ -267,9 +283,10 @@ impl<K: Sink> Relay<K> {
             session.prepare(MARK_FAILED_SQL),
             session.prepare(MARK_PARKED_SQL),
         )?;
-        let delivered_params: [&(dyn ToSql + Sync); 1] = [&delivered];
-        let failed_params: [&(dyn ToSql + Sync); 3] = [&retry_ids, &retry_errors, &retry_delays];
-        let parked_params: [&(dyn ToSql + Sync); 2] = [&park_ids, &park_errors];
+        let delivered_params: [&(dyn ToSql + Sync); 2] = [&delivered_tenants, &delivered];
+        let failed_params: [&(dyn ToSql + Sync); 4] =
+            [&retry_tenants, &retry_ids, &retry_errors, &retry_delays];
+        let parked_params: [&(dyn ToSql + Sync); 3] = [&park_tenants, &park_ids, &park_errors];
         let (.., committed) = tokio::try_join!(
             biased;
             session.execute_prepared(&mark_delivered, &delivered_params),

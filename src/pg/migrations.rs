@@ -37,6 +37,11 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
         "operation_attempts",
         include_str!("schema/0007_operation_attempts.sql"),
     ),
+    (
+        8,
+        "tenant_in_every_key",
+        include_str!("schema/0008_tenant_in_every_key.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.

@@ -164,6 +164,38 @@ fn typed<'p>(
 
 #[cfg(test)]
 mod tests {
+    /// Background work that scans across tenants by design: the recovery
+    /// worker, cleanup, the outbox relay (each row it changes it names by
+    /// its tenant), and the migration record (a reference table).
+    const ACROSS_TENANTS: &[&str] = &[
+        "migration RECORD",
+        "RECOVER",
+        "DELETE_BATCH",
+        "CLAIM_EVENTS",
+        "MARK_DELIVERED",
+        "MARK_FAILED",
+        "MARK_PARKED",
+    ];
+
+    /// Every statement a request sends names one tenant: it compares
+    /// `tenant_id` with a parameter, or inserts a row whose `tenant_id` is
+    /// one. On a table distributed by tenant each is routed to one shard.
+    #[test]
+    fn every_statement_of_a_request_names_one_tenant() {
+        for (name, sql) in super::super::all_statements() {
+            if ACROSS_TENANTS.contains(&name) {
+                continue;
+            }
+            let text = sql.text;
+            let compares = text.contains("tenant_id = $");
+            let inserts = text.contains("INSERT INTO") && text.contains("(tenant_id,");
+            assert!(
+                compares || inserts,
+                "{name} does not name its tenant: {text}"
+            );
+        }
+    }
+
     /// Every parameter of every statement is declared with the type its
     /// text casts it to: the unnamed path binds with the declared types.
     #[test]
