@@ -197,8 +197,11 @@ mod tests {
             let _ = IdempotencyKey::parse(&raw);
         }
 
+        /// A key that is not in the quoted form (`"…"`, which means its
+        /// contents: `quoted_keys_round_trip`) is itself.
         #[test]
         fn visible_ascii_keys_round_trip(key in "[!-~]{1,255}") {
+            prop_assume!(!(key.len() >= 2 && key.starts_with('"') && key.ends_with('"')));
             let parsed = IdempotencyKey::parse(key.as_bytes()).unwrap();
             prop_assert_eq!(parsed.as_str(), key.as_str());
         }
