@@ -731,3 +731,48 @@ async fn a_failed_attempt_on_sqlx_store_keeps_the_operation_for_the_retry() {
     );
     assert_eq!(idle_in_transaction(&backend).await, 0);
 }
+
+/// A long-running operation that ran out of attempts is remembered like a
+/// completion: a short-mode claim of the same key (an endpoint moved back
+/// to the short mode) replays the failure, on both stores, instead of
+/// answering "in progress" until the retention ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_claim_replays_a_failed_operation_on_both_stores() {
+    let backend = Sqlx::new().await;
+    let pg = PgStore::builder(backend.db.config()).build().unwrap();
+    let failure = stored(br#"{"code":"operation_failed"}"#);
+    for (key, via_pg) in [("failed-sqlx", false), ("failed-pg", true)] {
+        let claim = claim_request(key, Duration::from_secs(2));
+        let request = LeaseRequest::new(
+            Duration::from_secs(60),
+            OperationId::random(),
+            StoredRequest::new(Method::POST, "/x", vec![], Bytes::new()),
+        );
+        let Acquired::Owned(owned) = backend.store.acquire(&claim, &request).await.unwrap() else {
+            panic!("a new operation is owned");
+        };
+        backend.store.fail(&owned.lease, &failure, 5).await.unwrap();
+        let replayed = if via_pg {
+            match pg.claim(&claim).await.unwrap() {
+                Claim::Completed(record) => Some(record.response),
+                _ => None,
+            }
+        } else {
+            match backend.store.claim(&claim).await.unwrap() {
+                Claim::Completed(record) => Some(record.response),
+                _ => None,
+            }
+        };
+        assert_eq!(
+            replayed.as_ref(),
+            Some(&failure),
+            "{key}: a failed operation must replay its failure"
+        );
+    }
+    assert_eq!(
+        backend
+            .count("SELECT count(*) FROM idempotency_requests WHERE state = 'failed'")
+            .await,
+        2
+    );
+}

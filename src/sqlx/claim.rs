@@ -216,10 +216,11 @@ fn bind<'q>(
         .bind(request.retention.as_secs_f64())
 }
 
-/// The record of a LOOKUP row; `None` if it is not completed.
+/// The record of a LOOKUP row; `None` if it is still in progress. A
+/// long-running operation's remembered failure replays as a completion does.
 fn decode(row: &::sqlx::postgres::PgRow) -> Result<Option<Record>, ::sqlx::Error> {
     let state: &str = row.try_get(1)?;
-    if state != "completed" {
+    if state != "completed" && state != "failed" {
         return Ok(None);
     }
     let corrupt =
