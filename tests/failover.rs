@@ -37,7 +37,7 @@ use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},
@@ -45,7 +45,7 @@ use tokio::{
 };
 use tower_idempotency::testing::{Shutdown, TempPostgres};
 
-use example_binary::example_binary;
+use example_binary::{example_binary, Answer};
 use standby::{socket_dir, Standby, PORT};
 
 const TOKEN_A: &str = "demo-token-a";
@@ -208,25 +208,6 @@ struct Server {
 struct Http {
     base: String,
     client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
-}
-
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: http::HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
-    }
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
 }
 
 impl Server {

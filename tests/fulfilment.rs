@@ -9,7 +9,7 @@
 #[path = "common/example_binary.rs"]
 mod example_binary;
 
-use example_binary::example_binary;
+use example_binary::{example_binary, Answer};
 
 use std::{future::Future, process::Stdio, time::Duration};
 
@@ -157,26 +157,7 @@ where
     }
 }
 
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: http::HeaderMap,
-    body: Bytes,
-}
-
 impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
-    }
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-    fn status_and_code(&self) -> (StatusCode, Value) {
-        (self.status, self.json()["code"].clone())
-    }
     /// The operation id of a `202`, checked against its `Location`.
     fn operation_id(&self) -> String {
         assert_eq!(self.status, StatusCode::ACCEPTED, "{self:?}");

@@ -5,7 +5,7 @@
 #[path = "common/example_binary.rs"]
 mod example_binary;
 
-use example_binary::example_binary;
+use example_binary::{example_binary, Answer};
 
 use std::{process::Stdio, time::Duration};
 
@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
     process::{Child, Command},
@@ -32,27 +32,7 @@ struct Server {
     http: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
 }
 
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: http::HeaderMap,
-    body: Bytes,
-}
-
 impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
-    }
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-    /// The status and the problem code of the answer.
-    fn status_and_code(&self) -> (StatusCode, Value) {
-        (self.status, self.json()["code"].clone())
-    }
     /// The id of the order in the body.
     fn order_id(&self) -> String {
         self.json()["id"].as_str().unwrap().to_owned()

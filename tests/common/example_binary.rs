@@ -1,6 +1,8 @@
 //! The examples' binaries, for the process-level tests (shared by
 //! `tests/order_server.rs`, `tests/fulfilment.rs`, `tests/two_instances.rs`
 //! and `tests/chaos.rs`).
+// Each test binary uses part of this module.
+#![allow(dead_code)]
 
 /// The example order server's binary (see [`example`]).
 pub(crate) fn example_binary() -> std::path::PathBuf {
@@ -53,4 +55,32 @@ fn newest_modification(path: &std::path::Path) -> Option<std::time::SystemTime> 
         .ok()?
         .filter_map(|entry| newest_modification(&entry.ok()?.path()))
         .max()
+}
+
+/// One answer of the example server, as the process tests read it.
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub(crate) status: http::StatusCode,
+    pub(crate) headers: http::HeaderMap,
+    pub(crate) body: bytes::Bytes,
+}
+
+impl Answer {
+    /// The body as JSON; the test fails on anything else.
+    pub(crate) fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+
+    /// Marked `Idempotent-Replayed: true`.
+    pub(crate) fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    /// The status and the problem code of the answer.
+    pub(crate) fn status_and_code(&self) -> (http::StatusCode, serde_json::Value) {
+        (self.status, self.json()["code"].clone())
+    }
 }

@@ -15,14 +15,17 @@ use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},
 };
 use tower_idempotency::{outbox::derive_key, testing::TestDatabase};
 
-use crate::{common::pgbouncer::PgBouncer, example_binary::example_binary};
+use crate::{
+    common::pgbouncer::PgBouncer,
+    example_binary::{example_binary, Answer},
+};
 
 const TOKEN_A: &str = "demo-token-a";
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -33,25 +36,6 @@ struct Server {
     /// Everything the server wrote to stderr so far.
     log: Arc<Mutex<String>>,
     http: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
-}
-
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: http::HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
-    }
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
 }
 
 impl Server {
