@@ -8,8 +8,28 @@ use http::Method;
 
 use crate::{
     record::{ResourceId, StoredResponse},
-    store::{OperationId, StoreError, StoreErrorKind, StoredRequest},
+    store::{OperationId, OperationState, StoreError, StoreErrorKind, StoredRequest},
 };
+
+/// Whether a record in `state` holds an answer to replay: a completion, or
+/// a long-running operation's remembered failure. Both drivers' claims and
+/// lookups read the `state` column through this one rule.
+pub(crate) fn answered(state: &str) -> bool {
+    matches!(state, "completed" | "failed")
+}
+
+/// An operation's state from its `state` column; `response` reads its
+/// stored answer, once there is one.
+pub(crate) fn operation_state(
+    state: &str,
+    response: impl FnOnce() -> Result<StoredResponse, StoreError>,
+) -> Result<OperationState, StoreError> {
+    Ok(match state {
+        "completed" => OperationState::Completed(response()?),
+        "failed" => OperationState::Failed(response()?),
+        _ => OperationState::Running,
+    })
+}
 
 /// Where a key stands, without a lock or a write.
 pub(crate) const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body, \

@@ -15,6 +15,7 @@ use super::{
 };
 use crate::{
     fingerprint::Fingerprint,
+    pg::lease::answered,
     record::{Record, ResourceId, StoredResponse},
     store::{Claim, ClaimRequest, StoreError, StoreErrorKind},
 };
@@ -220,7 +221,7 @@ fn bind<'q>(
 /// long-running operation's remembered failure replays as a completion does.
 fn decode(row: &::sqlx::postgres::PgRow) -> Result<Option<Record>, ::sqlx::Error> {
     let state: &str = row.try_get(1)?;
-    if state != "completed" && state != "failed" {
+    if !answered(state) {
         return Ok(None);
     }
     let corrupt =

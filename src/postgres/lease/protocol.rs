@@ -12,7 +12,7 @@ use super::statements::{
     RECOVER_SQL, RELEASE_SQL,
 };
 use super::{fenced_error, PgLease};
-use crate::pg::lease::{attempt_of, parse_id, stored_request, stored_response};
+use crate::pg::lease::{attempt_of, operation_state, parse_id, stored_request, stored_response};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
@@ -22,8 +22,8 @@ use crate::{
     scope::{Scope, TenantId},
     store::OperationId,
     store::{
-        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, OperationState, Owned, Recovered,
-        StoreError, StoreErrorKind,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, Owned, Recovered, StoreError,
+        StoreErrorKind,
     },
 };
 
@@ -285,21 +285,9 @@ pub(in crate::postgres) async fn operation(
     let Some(row) = row else { return Ok(None) };
     let state: &str = row.get(0);
     let attempts = attempt_of(row.get(5));
-    let state = match state {
-        "completed" => OperationState::Completed(stored_response(
-            row.get(1),
-            row.get(2),
-            row.get(3),
-            row.get(4),
-        )?),
-        "failed" => OperationState::Failed(stored_response(
-            row.get(1),
-            row.get(2),
-            row.get(3),
-            row.get(4),
-        )?),
-        _ => OperationState::Running,
-    };
+    let state = operation_state(state, || {
+        stored_response(row.get(1), row.get(2), row.get(3), row.get(4))
+    })?;
     Ok(Some(Operation::new(id, state, attempts)))
 }
 

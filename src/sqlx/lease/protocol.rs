@@ -9,8 +9,8 @@ use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     pg::lease::{
-        attempt_of, parse_id, stored_request, stored_response, ACQUIRE, FAIL, FINISH, HEARTBEAT,
-        HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
+        answered, attempt_of, operation_state, parse_id, stored_request, stored_response, ACQUIRE,
+        FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
     record::{Record, StoredResponse},
     scope::{Scope, TenantId},
@@ -22,8 +22,8 @@ use crate::{
     },
     store::OperationId,
     store::{
-        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState,
-        Owned, Recovered, StoreError, StoreErrorKind,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, Owned, Recovered,
+        StoreError, StoreErrorKind,
     },
 };
 use ::sqlx::{postgres::PgRow, Postgres, Row, Transaction};
@@ -160,11 +160,7 @@ impl LeaseStore for SqlxStore {
         let Some(row) = row else { return Ok(None) };
         let state: &str = row.try_get(0).map_err(map_error)?;
         let attempts = attempt_of(row.try_get(5).map_err(map_error)?);
-        let state = match state {
-            "completed" => OperationState::Completed(response_at(&row, 1)?),
-            "failed" => OperationState::Failed(response_at(&row, 1)?),
-            _ => OperationState::Running,
-        };
+        let state = operation_state(state, || response_at(&row, 1))?;
         Ok(Some(Operation::new(id, state, attempts)))
     }
 
@@ -248,7 +244,7 @@ impl SqlxStore {
         let fingerprint = Fingerprint::from_slice(fingerprint)
             .ok_or_else(|| corrupt("stored record has an invalid fingerprint"))?;
         // A failure after the last attempt is remembered as a completion is.
-        if state == "completed" || state == "failed" {
+        if answered(state) {
             return Ok(Some(Acquired::Completed(Record {
                 fingerprint,
                 response: response_at(&row, 2)?,
