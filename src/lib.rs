@@ -66,8 +66,8 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[cfg(feature = "axum")]
 pub use server::MissingFromLayer;
 pub use server::{
-    replay, Idempotency, IdempotencyLayer, KeyReuseStatus, RequestBody, ResponseBody,
-    ResponseFuture,
+    replay, ClaimAtCommit, Idempotency, IdempotencyLayer, KeyReuseStatus, RequestBody,
+    ResponseBody, ResponseFuture,
 };
 // Test-only fault points: behind a feature, and out of the documented API.
 #[cfg(feature = "failpoints")]

@@ -4,9 +4,10 @@
 //! custom store can be read against. Nothing survives the process. Time is
 //! `tokio::time`, so tests can pause and advance it to exercise expiry.
 //!
-//! Both modes are implemented: [`Store`] for the short transaction, with
-//! [`MemoryTx`] as the handle the handler writes through, and [`LeaseStore`]
-//! for long-running operations, with [`MemoryLease`] as the lease handle and
+//! Every mode is implemented: [`Store`] for the short transaction, with
+//! [`MemoryTx`] as the handle the handler writes through, [`CommitStore`]
+//! for the one-commit mode with the same handle, and [`LeaseStore`] for
+//! long-running operations, with [`MemoryLease`] as the lease handle and
 //! fenced [`MemoryTx`]s for the owner's writes.
 
 use std::{
@@ -23,8 +24,8 @@ use serde_json::Value;
 use tokio::{sync::watch, time::Instant};
 
 use crate::store::{
-    Acquired, Backoff, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, OperationState,
-    Owned, Recovered, Store, StoreError, StoreErrorKind, StoredRequest,
+    Acquired, Backoff, Claim, ClaimRequest, CommitStore, Committed, LeaseRequest, LeaseStore,
+    Operation, OperationState, Owned, Recovered, Store, StoreError, StoreErrorKind, StoredRequest,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -34,6 +35,7 @@ use crate::{
     store::OperationId,
 };
 
+mod commit;
 mod lease;
 #[cfg(test)]
 mod tests;
@@ -45,7 +47,7 @@ use tx::{failed, TxKind};
 
 type EntryKey = (Scope, IdempotencyKey);
 
-/// An in-memory [`Store`] and [`LeaseStore`].
+/// An in-memory [`Store`], [`CommitStore`] and [`LeaseStore`].
 ///
 /// In the short mode its transaction handle, [`MemoryTx`], stages JSON rows
 /// that become visible only when the operation completes. In the

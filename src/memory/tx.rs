@@ -10,6 +10,9 @@ use super::*;
 /// - A claim's transaction (the short mode) commits with
 ///   [`Store::complete`]; an abort, or dropping every clone of the handle
 ///   unfinished, discards its rows and frees the key.
+/// - A one-commit transaction ([`CommitStore::begin`]) holds nothing until
+///   [`CommitStore::commit`] claims the key and commits its rows, or finds
+///   the key taken and discards them.
 /// - A fenced transaction ([`MemoryLease::transaction`],
 ///   [`LeaseStore::fenced`]) commits with
 ///   [`LeaseStore::commit_fenced`], only if its lease's token is still the
@@ -41,6 +44,8 @@ pub(super) enum TxKind {
     },
     /// A long-running owner's write: the key is held by its lease.
     Fenced,
+    /// A one-commit owner: nothing is held until its commit.
+    AtCommit,
 }
 
 impl MemoryTx {
@@ -132,6 +137,7 @@ impl TxInner {
                     state.entries.remove(&self.entry_key);
                 }
             }
+            TxKind::AtCommit => {}
             TxKind::Fenced => {
                 let State {
                     entries,

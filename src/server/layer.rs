@@ -9,7 +9,7 @@ use super::{
     cache::RecordCache,
     endpoint::{Config, KeyReuseStatus, Setup, Shared},
     lease_config::LeaseConfig,
-    mode::{LongRunning, ShortTransaction},
+    mode::{ClaimAtCommit, LongRunning, ShortTransaction},
     recovery::Recovery,
     service::Idempotency,
     status::StatusService,
@@ -17,7 +17,7 @@ use super::{
 use crate::{
     fingerprint::Fingerprinter,
     scope::{ResolveTenant, TenantFromExtension},
-    store::{LeaseStore, Store},
+    store::{CommitStore, LeaseStore, Store},
 };
 
 /// PostgreSQL takes at most `i32::MAX` milliseconds for its timeouts.
@@ -127,11 +127,51 @@ where
     /// whole work; raise it for work that takes longer than 30 s.
     pub fn long_running(self, config: LeaseConfig) -> IdempotencyLayer<St, F, R, LongRunning> {
         crate::metrics::register_long_running(&self.setup.config.endpoint);
+        self.with_mode(LongRunning::new(config))
+    }
+}
+
+impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction>
+where
+    St: CommitStore,
+{
+    /// Switches the endpoint to the one-commit mode ([`ClaimAtCommit`]):
+    /// nothing is claimed before the handler runs; its writes come first,
+    /// and the key's record goes in with the response in the same
+    /// transaction, pipelined with the `COMMIT`, so that the key's
+    /// uniqueness decides at commit. A request costs about what the bare
+    /// handler costs (no claim round trip, no completion `UPDATE`).
+    ///
+    /// The guarantee changes from "one owner runs" to "one commit wins":
+    /// duplicates in this process are still coalesced (one handler run),
+    /// but duplicates that reach two processes at once may each run the
+    /// handler, and every loser's transaction rolls back and answers the
+    /// winner's response. Choose it only when **every effect of the
+    /// handler is in its transaction** (rows, outbox events; calls to
+    /// other systems go through the outbox): see
+    /// [choosing a mode](crate::guide::modes). A long-running endpoint
+    /// cannot use it: the two switches exist only on a default-mode layer.
+    ///
+    /// ```
+    /// use tower_idempotency::{fingerprint::JsonFingerprinter, memory::MemoryStore, IdempotencyLayer};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), "POST /orders v1", JsonFingerprinter::new("orders.v1"))
+    ///     .claim_at_commit();
+    /// # let _ = layer;
+    /// ```
+    pub fn claim_at_commit(self) -> IdempotencyLayer<St, F, R, ClaimAtCommit> {
+        self.with_mode(ClaimAtCommit)
+    }
+}
+
+impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction> {
+    /// The same layer in another mode.
+    fn with_mode<M>(self, mode: M) -> IdempotencyLayer<St, F, R, M> {
         let Setup {
             store,
             fingerprinter,
             resolver,
-            config: settings,
+            config,
             shared,
             ..
         } = self.setup;
@@ -140,8 +180,8 @@ where
                 store,
                 fingerprinter,
                 resolver,
-                config: settings,
-                mode: LongRunning::new(config),
+                config,
+                mode,
                 shared,
             },
         }

@@ -2,12 +2,13 @@
 //! service it makes, in tower-http's shape (a folder, a file per role).
 //!
 //! - `layer`: the builder; `endpoint`: what one layer sets up and shares.
-//! - `mode`: the mode as a value (short transaction, or long-running with
-//!   its `lease_config`).
+//! - `mode`: the mode as a value (short transaction, claim at commit, or
+//!   long-running with its `lease_config`).
 //! - `service`: the one `Service` impl: admission, then the mode's flow on a
 //!   task of its own, then the answer.
 //! - `admit`, `coalesce`, `cache`, `owner`: the phases both modes share.
-//! - `short`, `long`: the short-transaction and the long-running flows;
+//! - `short`, `long`: the one-transaction flow (the short-transaction and
+//!   the one-commit modes) and the long-running flow;
 //!   `recovery`, `status`: the long-running mode's two services.
 //! - `settled`: how a request ended, and **all** answer building.
 //! - `future`, `body`: the response future and bodies; `operations`: the
@@ -43,7 +44,7 @@ pub use extract::MissingFromLayer;
 pub use future::ResponseFuture;
 pub use layer::IdempotencyLayer;
 pub use lease_config::LeaseConfig;
-pub use mode::{LongRunning, Mode, ShortTransaction};
+pub use mode::{ClaimAtCommit, LongRunning, Mode, ShortTransaction};
 pub use recovery::Recovery;
 pub use service::Idempotency;
 pub use status::{StatusFuture, StatusService};

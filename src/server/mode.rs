@@ -1,6 +1,7 @@
-//! The layer's mode, as a value: [`ShortTransaction`] (the default) or
-//! [`LongRunning`], which carries its [`LeaseConfig`]. One `Service` impl
-//! serves both; the mode decides phases 2 to 5 of a request.
+//! The layer's mode, as a value: [`ShortTransaction`] (the default),
+//! [`ClaimAtCommit`] (opt-in: the commit claims the key) or [`LongRunning`],
+//! which carries its [`LeaseConfig`]. One `Service` impl serves all three;
+//! the mode decides phases 2 to 5 of a request.
 
 use std::future::Future;
 
@@ -16,12 +17,13 @@ use super::{
 use crate::{
     fingerprint::Fingerprinter,
     scope::ResolveTenant,
-    store::{LeaseStore, Store},
+    store::{CommitStore, LeaseStore, Store},
 };
 
 /// The mode of an [`IdempotencyLayer`](crate::IdempotencyLayer) over a
-/// store `St`: [`ShortTransaction`] for any [`Store`], [`LongRunning`] for a
-/// [`LeaseStore`]. Sealed: the crate's two modes are the only ones.
+/// store `St`: [`ShortTransaction`] for any [`Store`], [`ClaimAtCommit`]
+/// for a [`CommitStore`], [`LongRunning`] for a [`LeaseStore`]. Sealed: the
+/// crate's three modes are the only ones.
 pub trait Mode<St>: sealed::Sealed<St> + Clone + Send + Sync + 'static {}
 
 mod sealed {
@@ -47,6 +49,16 @@ mod sealed {
 #[derive(Debug, Clone, Copy, Default)]
 #[non_exhaustive]
 pub struct ShortTransaction;
+
+/// The one-commit mode, set by
+/// [`IdempotencyLayer::claim_at_commit`](crate::IdempotencyLayer::claim_at_commit):
+/// the handler writes first, and the key's record goes in with the response
+/// in the same transaction, pipelined with its `COMMIT`; the key's
+/// uniqueness decides at commit. Sound only when every effect of the
+/// handler is in that transaction: see [when to choose it](crate::guide::modes).
+#[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct ClaimAtCommit;
 
 /// The long-running mode, with its settings, set by
 /// [`IdempotencyLayer::long_running`](crate::IdempotencyLayer::long_running):
@@ -93,4 +105,5 @@ macro_rules! mode {
 }
 
 mode!(ShortTransaction, Store, short::run);
+mode!(ClaimAtCommit, CommitStore, short::run);
 mode!(LongRunning, LeaseStore, long::run);

@@ -1,8 +1,10 @@
-//! The short-transaction mode's flow (phases 2 to 5): coalesce, claim,
-//! run the owner inside the claim's transaction, remember (commit the
-//! response with the handler's writes) or roll back.
+//! The flow of the two modes whose owner writes in one transaction
+//! (phases 2 to 5): coalesce, open the owner's transaction, run the owner
+//! inside it, remember (commit the response with the handler's writes) or
+//! roll back. [`ShortTransaction`] claims the key first and the owner
+//! completes it; [`ClaimAtCommit`] claims it with the commit itself.
 
-use std::{sync::Arc, time::Instant};
+use std::{future::Future, sync::Arc, time::Instant};
 
 use bytes::Bytes;
 use http::Request;
@@ -12,14 +14,66 @@ use super::{
     body::RequestBody,
     coalesce::{coalesce, Coalesced, Proceed},
     endpoint::Setup,
+    mode::{ClaimAtCommit, ShortTransaction},
     owner::run_owner,
     service::{Inner, InnerBody},
     settled::{Rollback, Settled, Timings},
 };
 use crate::{
     record::{Record, StoredResponse},
-    store::{Claim, Store},
+    store::{Claim, ClaimRequest, CommitStore, Committed, Store, StoreError},
 };
+
+/// How a one-transaction mode opens the owner's transaction and ends it.
+pub(crate) trait OneTransaction<St: Store>: Send + Sync + 'static {
+    /// Phase 3: the handle the owner writes through, or the answer the
+    /// key already has.
+    fn open(
+        store: &St,
+        claim: &ClaimRequest,
+    ) -> impl Future<Output = Result<Claim<St::Tx>, StoreError>> + Send;
+
+    /// Phase 5: commits `response` with the owner's writes.
+    fn commit(
+        store: &St,
+        tx: St::Tx,
+        claim: &ClaimRequest,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Result<Committed, StoreError>> + Send;
+}
+
+impl<St: Store> OneTransaction<St> for ShortTransaction {
+    fn open(
+        store: &St,
+        claim: &ClaimRequest,
+    ) -> impl Future<Output = Result<Claim<St::Tx>, StoreError>> + Send {
+        store.claim(claim)
+    }
+
+    async fn commit(
+        store: &St,
+        tx: St::Tx,
+        _: &ClaimRequest,
+        response: &StoredResponse,
+    ) -> Result<Committed, StoreError> {
+        store.complete(tx, response).await.map(|()| Committed::Won)
+    }
+}
+
+impl<St: CommitStore> OneTransaction<St> for ClaimAtCommit {
+    async fn open(store: &St, claim: &ClaimRequest) -> Result<Claim<St::Tx>, StoreError> {
+        store.begin(claim).await.map(Claim::Owned)
+    }
+
+    fn commit(
+        store: &St,
+        tx: St::Tx,
+        claim: &ClaimRequest,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Result<Committed, StoreError>> + Send {
+        store.commit(tx, claim, response)
+    }
+}
 
 /// A named fault point of the request flow (feature `failpoints`, for
 /// tests): fires if the request carries an `InjectFault` for it, and
@@ -31,10 +85,10 @@ macro_rules! fault_point {
     };
 }
 
-/// Phases 2 to 5 for a request that may own its key: coalesce, claim, run
-/// the owner, remember. Says how the request settled.
-pub(crate) async fn run<S, St, F, R, ResB>(
-    setup: Setup<St, F, R>,
+/// Phases 2 to 5 for a request that may own its key: coalesce, claim (or
+/// open), run the owner, remember. Says how the request settled.
+pub(crate) async fn run<S, St, F, R, ResB, M>(
+    setup: Setup<St, F, R, M>,
     inner: S,
     admitted: Admitted,
 ) -> (Settled<ResB, S::Error>, Timings)
@@ -42,6 +96,7 @@ where
     S: Inner<ResB>,
     St: Store,
     ResB: InnerBody,
+    M: OneTransaction<St>,
 {
     let Admitted {
         mut parts,
@@ -81,11 +136,14 @@ where
         }
     };
 
-    // 3. Claim, with what is left of the wait. Should this process freeze
-    // past the handler's deadline, the database ends the claim by itself.
+    // 3. Claim (or only open the transaction), with what is left of the
+    // wait. Should this process freeze past the handler's deadline, the
+    // database ends the claim by itself. The record's retention counts from
+    // the claim (or the commit), so it ends no sooner than `expires`.
+    let expires = std::time::Instant::now() + config.retention;
     claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
-    let claimed = setup.store.claim(&claim).await;
+    let claimed = M::open(&setup.store, &claim).await;
     timings.claimed = Some(timings.since_arrival());
     if followed || matches!(claimed, Ok(Claim::InProgress)) {
         timings.waited = timings.claimed;
@@ -114,10 +172,17 @@ where
         fault_point!(faults, AfterHandler);
     }
 
-    // 5. Remember, or roll back. The record's retention counts from its
-    // commit, so it ends no sooner than `expires`.
-    let expires = std::time::Instant::now() + config.retention;
-    let ended = remember(&setup, tx, ran, faults).await;
+    // 5. Remember, or roll back.
+    let ended = match remember::<M, _, _, _, _, _>(&setup, tx, &claim, ran, faults).await {
+        Remembered::Settled(ended) => ended,
+        // One-commit mode: another commit had the key; answer its record.
+        Remembered::Lost(record) => {
+            let record = Arc::new(record);
+            answered(record.clone());
+            timings.held = Some(held_since.elapsed());
+            return (Coalesced::answer(&record, &claim.fingerprint), timings);
+        }
+    };
     if let Settled::Committed(parts, body) = &ended {
         fault_point!(faults, AfterCommit);
         let replayed = &config.replay_headers;
@@ -134,20 +199,30 @@ where
     (ended, timings)
 }
 
+/// How phase 5 ended.
+enum Remembered<B, E> {
+    Settled(Settled<B, E>),
+    /// The one-commit mode's commit lost to this record.
+    Lost(Record),
+}
+
 /// Commits the owner's response with its writes, or rolls its work back.
-async fn remember<St: Store, F, R, ResB, E>(
-    setup: &Setup<St, F, R>,
+async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
+    setup: &Setup<St, F, R, M>,
     tx: St::Tx,
+    claim: &ClaimRequest,
     ran: Result<(http::response::Parts, Bytes), Rollback<ResB, E>>,
     #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))] faults: Faults,
-) -> Settled<ResB, E> {
-    match ran {
+) -> Remembered<ResB, E> {
+    Remembered::Settled(match ran {
         Ok((parts, body)) => {
             let replayed = &setup.config.replay_headers;
             let stored = StoredResponse::remember(&parts, replayed, body);
             fault_point!(faults, BeforeCommit);
-            match setup.store.complete(tx, &stored).await {
-                Ok(()) => Settled::Committed(parts, stored.body),
+            match M::commit(&setup.store, tx, claim, &stored).await {
+                Ok(Committed::Won) => Settled::Committed(parts, stored.body),
+                Ok(Committed::Lost(record)) => return Remembered::Lost(record),
+                Ok(Committed::Held) => Settled::InProgress { retry_after: 1 },
                 Err(e) => Settled::CompletionFailed(e),
             }
         }
@@ -157,7 +232,7 @@ async fn remember<St: Store, F, R, ResB, E>(
             }
             Settled::RolledBack(rollback)
         }
-    }
+    })
 }
 
 /// The fault injected into this request, if any (feature `failpoints`).

@@ -24,7 +24,9 @@
 //! 6. **Expiry.** A record whose retention has passed is taken over by the next
 //!    claim as a new operation.
 //!
-//! Long-running operations (leases and fencing tokens) add [`LeaseStore`].
+//! Long-running operations (leases and fencing tokens) add [`LeaseStore`];
+//! the one-commit mode, where the commit itself claims the key, adds
+//! [`CommitStore`].
 //!
 //! Writing a store (two worked stores to read beside the [`Store`] trait's
 //! per-method contract) and checking it with the conformance suite, which
@@ -33,11 +35,13 @@
 
 use std::{fmt, future::Future, time::Duration};
 
+mod commit;
 pub(crate) mod id;
 mod lease;
 
 pub(crate) use id::OperationId;
 
+pub use commit::{CommitStore, Committed};
 pub use lease::{
     Acquired, Backoff, LeaseRequest, LeaseStore, Operation, OperationState, Owned, Recovered,
     StoredRequest,

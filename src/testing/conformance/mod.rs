@@ -63,6 +63,15 @@
 //! The individual checks are public too: each returns `Ok(())` or the
 //! [`CheckFailure`] naming the guarantee it found broken.
 //!
+//! # The one-commit mode
+//!
+//! A store that also implements [`CommitStore`](crate::store::CommitStore)
+//! runs [`run_at_commit`] (or [`run_at_commit_with`], with [`Writes`]): one
+//! commit wins, the loser gets the winner's record and rolls back, another
+//! request is told the first fingerprint, an abort leaves the key free,
+//! tenants are isolated, an expired record is won again. Its docs list each
+//! check.
+//!
 //! # Long-running operations
 //!
 //! A store that also implements [`LeaseStore`](crate::store::LeaseStore)
@@ -145,11 +154,19 @@ macro_rules! check {
     };
 }
 
+mod at_commit;
 mod checks;
 mod leases;
 mod report;
 mod writes;
 
+pub use at_commit::{
+    a_losers_writes_are_rolled_back, a_remembered_key_is_never_won_again,
+    an_aborted_transaction_leaves_the_key_free, an_expired_record_is_won_again,
+    another_request_gets_the_first_fingerprint, concurrent_commits_have_one_winner, run_at_commit,
+    run_at_commit_with, scopes_are_isolated_at_commit, the_loser_gets_the_winners_record,
+    the_winners_writes_commit_with_its_record,
+};
 pub use checks::{
     abort_frees_the_key, completed_record_replays_byte_for_byte, concurrent_claims_have_one_owner,
     dropped_handle_frees_the_key, expired_record_is_a_new_operation,
@@ -214,22 +231,14 @@ async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     let writes = writes.map(std::sync::Arc::new);
     macro_rules! with_writes {
         ($check:ident, $guarantee:ident) => {
-            match &writes {
-                Some(writes) => {
-                    let writes = writes.clone();
-                    run.check(
-                        stringify!($check),
-                        Guarantee::$guarantee,
-                        |store| async move { $check(&store, &*writes).await },
-                    )
-                    .await
-                }
-                None => run.skip(
-                    stringify!($check),
-                    Guarantee::$guarantee,
-                    "needs a way to write through the handle: run_all_with(store, writes)",
-                ),
-            }
+            run.with_writes(
+                stringify!($check),
+                Guarantee::$guarantee,
+                writes.clone(),
+                "needs a way to write through the handle: run_all_with(store, writes)",
+                |store, writes| async move { $check(&store, &*writes).await },
+            )
+            .await
         };
     }
     with_writes!(handler_writes_commit_with_the_response, AtomicCompletion);
@@ -288,9 +297,29 @@ impl<St: Clone + Send + Sync + 'static> Runner<St> {
             .push(name, guarantee, outcome, started.elapsed());
     }
 
-    fn skip(&mut self, name: &'static str, guarantee: Guarantee, why: &'static str) {
-        self.report
-            .push(name, guarantee, Outcome::Skipped(why), Duration::ZERO);
+    /// Runs a check that writes through the handle with `writes`, or
+    /// reports it skipped without them.
+    async fn with_writes<W, F, Fut>(
+        &mut self,
+        name: &'static str,
+        guarantee: Guarantee,
+        writes: Option<std::sync::Arc<W>>,
+        runner: &'static str,
+        check: F,
+    ) where
+        W: Send + Sync + 'static,
+        F: FnOnce(St, std::sync::Arc<W>) -> Fut,
+        Fut: Future<Output = Result<(), CheckFailure>> + Send + 'static,
+    {
+        match writes {
+            Some(writes) => {
+                self.check(name, guarantee, |store| check(store, writes))
+                    .await
+            }
+            None => self
+                .report
+                .push(name, guarantee, Outcome::Skipped(runner), Duration::ZERO),
+        }
     }
 
     fn finish(self) -> Report {

@@ -55,6 +55,12 @@ pub enum Guarantee {
     /// Long-running mode: an operation that ran out of attempts ends
     /// failed, and its failure replays like an answer.
     Failure,
+    /// One-commit mode: of concurrent commits of one key exactly one wins,
+    /// and none while the key's record lives.
+    OneCommit,
+    /// One-commit mode: nothing a losing commit's transaction wrote is
+    /// committed.
+    LoserRollsBack,
 }
 
 impl Guarantee {
@@ -78,6 +84,8 @@ impl Guarantee {
             Guarantee::Recovery => "recovery",
             Guarantee::Identity => "identity",
             Guarantee::Failure => "failure",
+            Guarantee::OneCommit => "one commit wins",
+            Guarantee::LoserRollsBack => "a loser rolls back",
         }
     }
 }

@@ -51,11 +51,11 @@ impl<Tx: Sync> Writes<Tx> for NoWrites {
     }
 }
 
-fn marker(what: &str) -> String {
+pub(super) fn marker(what: &str) -> String {
     format!("{what}-{}", unique_key().as_str())
 }
 
-async fn write<Tx, W: Writes<Tx>>(
+pub(super) async fn write<Tx, W: Writes<Tx>>(
     writes: &W,
     tx: &Tx,
     marker: &str,
@@ -67,7 +67,7 @@ async fn write<Tx, W: Writes<Tx>>(
         .map_err(|e| CheckFailure::new(guarantee, format!("the handler's write failed: {e}")))
 }
 
-async fn committed<Tx, W: Writes<Tx>>(
+pub(super) async fn committed<Tx, W: Writes<Tx>>(
     writes: &W,
     marker: &str,
     guarantee: Guarantee,

@@ -1,0 +1,472 @@
+//! The checks of the one-commit mode ([`CommitStore`]).
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use tokio::{sync::Barrier, task::JoinSet};
+
+use super::{
+    claim_bounded, describe, join_all, request, response, response_with, scope, unique_key,
+    writes::{committed, marker, write, NoWrites},
+    CheckFailure, Guarantee, Report, Runner, Writes, DAY, WAIT,
+};
+use crate::{
+    fingerprint::Fingerprint,
+    record::StoredResponse,
+    store::{Claim, ClaimRequest, CommitStore, Committed},
+};
+
+use super::report::{ensure, fail, OrFail};
+
+const SKIPPED: &str = "needs a way to write through the handle: run_at_commit_with(store, writes)";
+
+/// How many commits race in [`concurrent_commits_have_one_winner`].
+const RACERS: usize = 8;
+
+/// Runs every check of the one-commit mode ([`CommitStore`]) that needs
+/// nothing but the store; those that look at the handler's writes are
+/// reported skipped (see [`run_at_commit_with`]).
+///
+/// | check | guarantee | the store must |
+/// | --- | --- | --- |
+/// | [`concurrent_commits_have_one_winner`] | one commit wins | let exactly one of 8 concurrent commits of a new key win; every other one gets the winner's record |
+/// | [`a_remembered_key_is_never_won_again`] | one commit wins | answer a commit of a key with an unexpired record with that record, also after the same request's winner |
+/// | [`the_loser_gets_the_winners_record`] | replay | give the loser the winner's status, headers, body and fingerprint, byte for byte; a later claim finds the same record |
+/// | [`another_request_gets_the_first_fingerprint`] | replay | give a commit with another fingerprint the first request's record, so the layer refuses it |
+/// | [`an_aborted_transaction_leaves_the_key_free`] | abort frees the key | let the next commit win after an abort |
+/// | [`scopes_are_isolated_at_commit`] | tenant isolation | let the same raw key of two tenants win once each |
+/// | [`an_expired_record_is_won_again`] | expiry takeover | let a commit win a key whose record's retention ended |
+///
+/// With [`run_at_commit_with`], two more:
+///
+/// | check | guarantee | the store must |
+/// | --- | --- | --- |
+/// | [`the_winners_writes_commit_with_its_record`] | atomic completion | show the winner's write only once its commit returned |
+/// | [`a_losers_writes_are_rolled_back`] | a loser rolls back | commit nothing a loser wrote, the winner's write only |
+pub async fn run_at_commit<St: CommitStore>(store: St) -> Report {
+    run(store, None::<NoWrites>).await
+}
+
+/// [`run_at_commit`], plus the checks that write through the transaction
+/// handle with `writes` and look at what was committed.
+pub async fn run_at_commit_with<St: CommitStore, W: Writes<St::Tx>>(
+    store: St,
+    writes: W,
+) -> Report {
+    run(store, Some(writes)).await
+}
+
+async fn run<St: CommitStore, W: Writes<St::Tx>>(store: St, writes: Option<W>) -> Report {
+    let mut run = Runner::new("CommitStore", store);
+    check!(run, concurrent_commits_have_one_winner, OneCommit);
+    check!(run, a_remembered_key_is_never_won_again, OneCommit);
+    check!(run, the_loser_gets_the_winners_record, Replay);
+    check!(run, another_request_gets_the_first_fingerprint, Replay);
+    check!(
+        run,
+        an_aborted_transaction_leaves_the_key_free,
+        AbortFreesTheKey
+    );
+    check!(run, scopes_are_isolated_at_commit, TenantIsolation);
+    check!(run, an_expired_record_is_won_again, ExpiryTakeover);
+    let writes = writes.map(Arc::new);
+    run.with_writes(
+        "the_winners_writes_commit_with_its_record",
+        Guarantee::AtomicCompletion,
+        writes.clone(),
+        SKIPPED,
+        |store, writes| async move { the_winners_writes_commit_with_its_record(&store, &*writes).await },
+    )
+    .await;
+    run.with_writes(
+        "a_losers_writes_are_rolled_back",
+        Guarantee::LoserRollsBack,
+        writes,
+        SKIPPED,
+        |store, writes| async move { a_losers_writes_are_rolled_back(&store, &*writes).await },
+    )
+    .await;
+    run.finish()
+}
+
+/// Begins a transaction for `request`; an error fails the check.
+async fn begin<St: CommitStore>(
+    store: &St,
+    request: &ClaimRequest,
+    guarantee: Guarantee,
+) -> Result<St::Tx, CheckFailure> {
+    store.begin(request).await.or_fail(guarantee, "begin")
+}
+
+/// Begins and commits `response` at once; an error fails the check.
+async fn commit_new<St: CommitStore>(
+    store: &St,
+    request: &ClaimRequest,
+    response: &StoredResponse,
+    guarantee: Guarantee,
+) -> Result<Committed, CheckFailure> {
+    let tx = begin(store, request, guarantee).await?;
+    store
+        .commit(tx, request, response)
+        .await
+        .or_fail(guarantee, "commit")
+}
+
+fn describe_commit(committed: &Committed) -> String {
+    match committed {
+        Committed::Won => "Won".to_owned(),
+        Committed::Lost(record) => format!(
+            "Lost (body {:?})",
+            String::from_utf8_lossy(&record.response.body)
+        ),
+        Committed::Held => "Held".to_owned(),
+    }
+}
+
+/// A commit that must win: anything else fails the check.
+async fn must_win<St: CommitStore>(
+    store: &St,
+    request: &ClaimRequest,
+    response: &StoredResponse,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    match commit_new(store, request, response, guarantee).await? {
+        Committed::Won => Ok(()),
+        other => fail!(
+            guarantee,
+            "{what}: expected the commit to win, got {}",
+            describe_commit(&other)
+        ),
+    }
+}
+
+/// **One commit wins**: of 8 commits of a new key, begun before any of them
+/// commits and sent at once, exactly one wins; every other one is told the
+/// winner's record.
+pub async fn concurrent_commits_have_one_winner<St: CommitStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::OneCommit;
+    let key = unique_key();
+    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let begun = Arc::new(Barrier::new(RACERS));
+    let mut racers = JoinSet::new();
+    for racer in 0..RACERS {
+        let (store, req, begun) = (store.clone(), req.clone(), begun.clone());
+        racers.spawn(async move {
+            let tx = begin(&store, &req, G).await?;
+            begun.wait().await;
+            let body = Bytes::from(format!("racer {racer}"));
+            let committed = store.commit(tx, &req, &response_with(body.clone())).await;
+            Ok((body, committed.or_fail(G, "a concurrent commit")?))
+        });
+    }
+    let answers = join_all(racers, G).await?;
+    let winners: Vec<&Bytes> = answers
+        .iter()
+        .filter(|(_, c)| matches!(c, Committed::Won))
+        .map(|(body, _)| body)
+        .collect();
+    ensure!(
+        winners.len() == 1,
+        G,
+        "{} of {RACERS} concurrent commits of one key won; exactly one must",
+        winners.len()
+    );
+    for (_, committed) in &answers {
+        match committed {
+            Committed::Won => {}
+            Committed::Lost(record) => ensure!(
+                &record.response.body == winners[0],
+                G,
+                "a loser was told the record {:?}, not the winner's {:?}",
+                record.response.body,
+                winners[0]
+            ),
+            Committed::Held => fail!(G, "a loser was told Held, not the winner's record"),
+        }
+    }
+    Ok(())
+}
+
+/// **One commit wins**: once a key is remembered, no commit wins it again
+/// while the record lives, also one by the same request, and a claim of the
+/// default mode finds the record.
+pub async fn a_remembered_key_is_never_won_again<St: CommitStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::OneCommit;
+    let key = unique_key();
+    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    must_win(store, &req, &response(b"first"), G, "the first commit").await?;
+    for attempt in ["a retry", "another retry"] {
+        match commit_new(store, &req, &response(b"again"), G).await? {
+            Committed::Lost(record) => ensure!(
+                record.response.body == Bytes::from_static(b"first"),
+                G,
+                "{attempt} was told {:?}, not the remembered record",
+                record.response.body
+            ),
+            other => fail!(
+                G,
+                "{attempt} of a remembered key: expected Lost, got {}",
+                describe_commit(&other)
+            ),
+        }
+    }
+    match claim_bounded(store, &req, G, "a claim after the commit").await? {
+        Claim::Completed(record) => ensure!(
+            record.response.body == Bytes::from_static(b"first"),
+            G,
+            "a claim found {:?}, not the committed record",
+            record.response.body
+        ),
+        other => fail!(
+            G,
+            "a claim after the commit: expected Completed, got {}",
+            describe(&other)
+        ),
+    }
+    Ok(())
+}
+
+/// **Replay**: the loser of two commits gets the winner's status, headers
+/// (repeated ones in order), body and resource id byte for byte, with the
+/// winner's fingerprint.
+pub async fn the_loser_gets_the_winners_record<St: CommitStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Replay;
+    let key = unique_key();
+    let req = request(scope("t1"), &key, 3, DAY, WAIT);
+    let winner = begin(store, &req, G).await?;
+    let loser = begin(store, &req, G).await?;
+    let stored = response(b"\x00{\"id\":1}\xff");
+    match store
+        .commit(winner, &req, &stored)
+        .await
+        .or_fail(G, "the first commit")?
+    {
+        Committed::Won => {}
+        other => fail!(
+            Guarantee::OneCommit,
+            "the first commit of a new key: expected Won, got {}",
+            describe_commit(&other)
+        ),
+    }
+    match store
+        .commit(loser, &req, &response(b"the loser's"))
+        .await
+        .or_fail(G, "the second commit")?
+    {
+        Committed::Lost(record) => {
+            ensure!(
+                record.response == stored,
+                G,
+                "the loser was told {:?} instead of the winner's {:?}",
+                record.response,
+                stored
+            );
+            ensure!(
+                record.fingerprint == Fingerprint::from_bytes([3; 32]),
+                G,
+                "the loser's record must carry the winner's fingerprint"
+            );
+        }
+        other => fail!(
+            Guarantee::OneCommit,
+            "the second commit: expected Lost, got {}",
+            describe_commit(&other)
+        ),
+    }
+    Ok(())
+}
+
+/// **Replay**: a commit of another request under a remembered key is told
+/// the first request's record, fingerprint included, so that the layer
+/// refuses it as a reused key.
+pub async fn another_request_gets_the_first_fingerprint<St: CommitStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Replay;
+    let key = unique_key();
+    let first = request(scope("t1"), &key, 7, DAY, WAIT);
+    must_win(store, &first, &response(b"a"), G, "the first commit").await?;
+    let other = request(scope("t1"), &key, 8, DAY, WAIT);
+    match commit_new(store, &other, &response(b"b"), G).await? {
+        Committed::Lost(record) => ensure!(
+            record.fingerprint == Fingerprint::from_bytes([7; 32]),
+            G,
+            "the record must carry the first request's fingerprint, got {:?}",
+            record.fingerprint
+        ),
+        other => fail!(
+            Guarantee::OneCommit,
+            "another request under a remembered key: expected Lost, got {}",
+            describe_commit(&other)
+        ),
+    }
+    Ok(())
+}
+
+/// **Abort frees the key**: an aborted transaction remembers nothing; the
+/// next commit of its key wins.
+pub async fn an_aborted_transaction_leaves_the_key_free<St: CommitStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::AbortFreesTheKey;
+    let key = unique_key();
+    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let tx = begin(store, &req, G).await?;
+    store.abort(tx).await.or_fail(G, "abort")?;
+    must_win(store, &req, &response(b"b"), G, "the commit after an abort").await
+}
+
+/// **Tenant isolation**: the same raw key of two tenants names two
+/// operations; each wins once and keeps its own record.
+pub async fn scopes_are_isolated_at_commit<St: CommitStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::TenantIsolation;
+    let key = unique_key();
+    let a = request(scope("tenant-a"), &key, 1, DAY, WAIT);
+    let b = request(scope("tenant-b"), &key, 1, DAY, WAIT);
+    must_win(store, &a, &response(b"a"), G, "tenant a's commit").await?;
+    must_win(
+        store,
+        &b,
+        &response(b"b"),
+        G,
+        "tenant b's commit (same raw key)",
+    )
+    .await?;
+    match commit_new(store, &a, &response(b"again"), G).await? {
+        Committed::Lost(record) => ensure!(
+            record.response.body == Bytes::from_static(b"a"),
+            G,
+            "tenant a was told {:?}, not its own record",
+            record.response.body
+        ),
+        other => fail!(
+            G,
+            "tenant a's retry: expected Lost with its record, got {}",
+            describe_commit(&other)
+        ),
+    }
+    Ok(())
+}
+
+/// **Expiry takeover**: a record past its retention is a free key; the next
+/// commit wins it and its record replaces the old one.
+pub async fn an_expired_record_is_won_again<St: CommitStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::ExpiryTakeover;
+    let key = unique_key();
+    let short = request(scope("t1"), &key, 1, Duration::from_millis(200), WAIT);
+    must_win(store, &short, &response(b"old"), G, "the first commit").await?;
+    // The behaviour under test is time passing: the retention runs out.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let req = request(scope("t1"), &key, 2, DAY, WAIT);
+    must_win(
+        store,
+        &req,
+        &response(b"new"),
+        G,
+        "a commit after the retention",
+    )
+    .await?;
+    match commit_new(store, &req, &response(b"again"), G).await? {
+        Committed::Lost(record) => ensure!(
+            record.response.body == Bytes::from_static(b"new"),
+            G,
+            "the new record must replace the expired one, got {:?}",
+            record.response.body
+        ),
+        other => fail!(
+            G,
+            "a retry of the new record: expected Lost, got {}",
+            describe_commit(&other)
+        ),
+    }
+    Ok(())
+}
+
+/// **Atomic completion**: the winner's write is invisible until its commit
+/// returned, then committed with its record.
+pub async fn the_winners_writes_commit_with_its_record<St: CommitStore, W: Writes<St::Tx>>(
+    store: &St,
+    writes: &W,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::AtomicCompletion;
+    let key = unique_key();
+    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let tx = begin(store, &req, G).await?;
+    let mark = marker("winner");
+    write(writes, &tx, &mark, G).await?;
+    ensure!(
+        !committed(writes, &mark, G).await?,
+        G,
+        "the handler's write was visible before the commit"
+    );
+    match store
+        .commit(tx, &req, &response(b"w"))
+        .await
+        .or_fail(G, "commit")?
+    {
+        Committed::Won => {}
+        other => fail!(
+            Guarantee::OneCommit,
+            "the only commit of a new key: expected Won, got {}",
+            describe_commit(&other)
+        ),
+    }
+    ensure!(
+        committed(writes, &mark, G).await?,
+        G,
+        "the winner's write is not committed after its commit won"
+    );
+    Ok(())
+}
+
+/// **A loser rolls back**: of two transactions that both wrote, the winner's
+/// write is committed and the loser's is not, also when the loser commits
+/// after the winner's record exists.
+pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>(
+    store: &St,
+    writes: &W,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::LoserRollsBack;
+    let key = unique_key();
+    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let (winner, loser) = (begin(store, &req, G).await?, begin(store, &req, G).await?);
+    let (won, lost) = (marker("winner"), marker("loser"));
+    write(writes, &winner, &won, G).await?;
+    write(writes, &loser, &lost, G).await?;
+    let first = store.commit(winner, &req, &response(b"w")).await;
+    ensure!(
+        matches!(first, Ok(Committed::Won)),
+        Guarantee::OneCommit,
+        "the first commit of a new key: expected Won, got {:?}",
+        first.map(|c| describe_commit(&c))
+    );
+    let second = store.commit(loser, &req, &response(b"l")).await;
+    ensure!(
+        matches!(second, Ok(Committed::Lost(_))),
+        Guarantee::OneCommit,
+        "the second commit: expected Lost, got {:?}",
+        second.map(|c| describe_commit(&c))
+    );
+    ensure!(
+        committed(writes, &won, G).await?,
+        G,
+        "the winner's write is not committed"
+    );
+    ensure!(
+        !committed(writes, &lost, G).await?,
+        G,
+        "the loser's write was committed although its commit lost"
+    );
+    Ok(())
+}
