@@ -34,6 +34,26 @@ async fn pg_store_passes_the_conformance_suite() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_store_passes_the_one_commit_conformance_suite() {
+    let pg = Postgres::new().await;
+    let writes = PgWrites::new(&pg).await;
+    let report = conformance::run_at_commit_with(pg.store.clone(), writes).await;
+    report.assert_passed();
+    assert!(
+        report
+            .checks()
+            .iter()
+            .all(|c| *c.outcome() == conformance::Outcome::Passed),
+        "every check ran, none skipped:\n{report}"
+    );
+    assert_eq!(
+        pg.idle_in_transaction().await,
+        0,
+        "no transaction left open"
+    );
+}
+
 #[tokio::test]
 async fn memory_store_passes_the_conformance_suite() {
     let store = tower_idempotency::memory::MemoryStore::new();

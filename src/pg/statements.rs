@@ -39,3 +39,36 @@ pub(crate) const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM ide
 pub(crate) const SESSION_RESET: &str =
     "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; CLOSE ALL; UNLISTEN *; \
      SELECT pg_advisory_unlock_all(); DISCARD TEMP";
+
+// The one-commit mode's claim, sent last in the handler's transaction and
+// pipelined with its COMMIT: the key's record goes in completed, with the
+// response. The unique key decides: a free key (none, expired, or an
+// orphan, as the default mode's takeover) is won; a key another commit is
+// inserting makes this statement wait for that commit and then see its
+// record. Losing must abort the transaction, so that the pipelined COMMIT
+// rolls the handler's writes back: division by zero does that (SQLSTATE
+// 22012, which no other part of the statement can raise). A takeover
+// clears what the old record carried (an operation's id, lease, request).
+// Retention counts from this commit.
+pub(crate) const CLAIM_AT_COMMIT: &str = "WITH won AS ( \
+         INSERT INTO idempotency_requests AS r \
+             (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
+              response_headers, response_body, resource_id, completed_at, expires_at) \
+         VALUES ($1::text, $2::text, $3::text, $4::bytea, 'completed', $5::int2, $6::bytea, \
+             $7::bytea, $8::text, statement_timestamp(), \
+             statement_timestamp() + make_interval(secs => $9::float8)) \
+         ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
+             request_fingerprint = EXCLUDED.request_fingerprint, state = 'completed', \
+             attempt_token = EXCLUDED.attempt_token, response_status = EXCLUDED.response_status, \
+             response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body, \
+             resource_id = EXCLUDED.resource_id, created_at = EXCLUDED.created_at, \
+             completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at, attempts = 0, \
+             operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
+             request_target = NULL, request_headers = NULL, request_body = NULL \
+         WHERE r.expires_at <= now() \
+             OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())) \
+         RETURNING 1) \
+     SELECT 1 / (SELECT count(*)::int FROM won)";
+
+/// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: division by zero.
+pub(crate) const LOST_AT_COMMIT: &str = "22012";

@@ -207,7 +207,7 @@ enum Found {
 }
 
 /// Reads the record of `request`'s key, if any (READ COMMITTED: a fresh snapshot).
-async fn lookup(conn: &Conn, request: &ClaimRequest) -> Result<Option<Row>, StoreError> {
+pub(super) async fn lookup(conn: &Conn, request: &ClaimRequest) -> Result<Option<Row>, StoreError> {
     let (tenant, endpoint, key) = key_columns(request);
     conn.query_opt_sql(LOOKUP_SQL, &[&tenant, &endpoint, &key])
         .await

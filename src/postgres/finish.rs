@@ -208,7 +208,7 @@ pub(super) enum Finished {
 /// - The `COMMIT` failed in the server: a deferred constraint
 ///   ([`StoreErrorKind::TransactionAborted`]) or a serialization failure
 ///   ([`StoreErrorKind::Conflict`]); rolled back either way.
-fn completion_error(failed: Finished) -> StoreError {
+pub(super) fn completion_error(failed: Finished) -> StoreError {
     let (e, what) = match failed {
         Finished::Update(e) => (
             e,

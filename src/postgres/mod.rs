@@ -31,6 +31,7 @@ use crate::store::{
 
 mod admin;
 mod claim;
+mod commit;
 pub(crate) mod conn;
 mod decode;
 mod error;

@@ -1,0 +1,205 @@
+//! The one-commit mode ([`CommitStore`]) for [`PgStore`]: the handler's
+//! transaction is opened without a claim, and the key's record goes in
+//! with the response, pipelined with the `COMMIT`.
+
+use std::{future::Future, pin::pin, task::Poll};
+
+use tokio_postgres::types::{ToSql, Type};
+
+use super::{
+    claim::lookup,
+    conn::Conn,
+    decode,
+    error::map_error,
+    finish::{completion_error, Finished},
+    statements::Sql,
+    tx::Take,
+    PgStore, PgTx,
+};
+use crate::{
+    pg::statements::{CLAIM_AT_COMMIT, LOST_AT_COMMIT},
+    record::StoredResponse,
+    store::{ClaimRequest, CommitStore, Committed, StoreError, StoreErrorKind},
+};
+
+// tenant, endpoint, key, fingerprint, status, headers, body, resource, retention.
+const CLAIM_AT_COMMIT_SQL: Sql<'static> = Sql::new(
+    CLAIM_AT_COMMIT,
+    &[
+        Type::TEXT,
+        Type::TEXT,
+        Type::TEXT,
+        Type::BYTEA,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+        Type::TEXT,
+        Type::FLOAT8,
+    ],
+);
+
+/// The one-commit mode: see [`CommitStore`] and
+/// [`IdempotencyLayer::claim_at_commit`](crate::IdempotencyLayer::claim_at_commit).
+/// The handler writes through [`PgTx`] as in the default mode; its
+/// [`attempt_token`](PgTx::attempt_token) is `0`, as no claim drew one.
+impl CommitStore for PgStore {
+    async fn begin(&self, request: &ClaimRequest) -> Result<PgTx, StoreError> {
+        let mut conn = self.conn().await?;
+        conn.mark_dirty();
+        // Utility statements only: no planning, one message. Should this
+        // process freeze, the server ends the transaction by itself.
+        let hold = request.hold_limit.map_or(String::new(), |limit| {
+            let ms = limit.as_millis().clamp(1, i32::MAX as u128);
+            format!("; SET LOCAL idle_in_transaction_session_timeout = '{ms}ms'")
+        });
+        conn.batch_execute(&format!("BEGIN ISOLATION LEVEL READ COMMITTED{hold}"))
+            .await
+            .map_err(map_error)?;
+        Ok(PgTx::new(
+            conn,
+            request.scope.clone(),
+            request.key.clone(),
+            0,
+            String::new(),
+            request.retention,
+        ))
+    }
+
+    async fn commit(
+        &self,
+        tx: PgTx,
+        request: &ClaimRequest,
+        response: &StoredResponse,
+    ) -> Result<Committed, StoreError> {
+        let mut conn = match tx.try_take() {
+            Take::Taken(conn) => *conn,
+            Take::Finished => return Err(finished()),
+            // A statement of the handler still runs through a clone: the
+            // commit queues behind it, as in the default mode.
+            Take::Busy => tx.take().await.ok_or_else(finished)?,
+        };
+        let statement = match conn.prepare_sql(CLAIM_AT_COMMIT_SQL).await {
+            Ok(statement) => statement,
+            Err(e) => {
+                let _ = super::finish::finish(conn, None, "ROLLBACK").await;
+                return Err(map_error(e));
+            }
+        };
+        let (tenant, endpoint, key) = (
+            request.scope.tenant().as_str(),
+            request.scope.endpoint(),
+            request.key.as_str(),
+        );
+        let fingerprint = request.fingerprint.as_bytes().as_slice();
+        let status = response.status.as_u16() as i16;
+        let headers = response.encode_headers();
+        let body: &[u8] = &response.body;
+        let resource = response.resource_id.as_ref().map(|id| id.as_str());
+        let retention = request.retention.as_secs_f64();
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &tenant,
+            &endpoint,
+            &key,
+            &fingerprint,
+            &status,
+            &headers,
+            &body,
+            &resource,
+            &retention,
+        ];
+        let claimed = conn.query_one_prepared(&statement, &params);
+        let (ended, clean) = pipelined(&conn, claimed).await;
+        if clean {
+            conn.mark_clean();
+        }
+        match ended {
+            Ok(()) => Ok(Committed::Won),
+            // Lost: the COMMIT rolled everything back.
+            Err(Finished::Update(e))
+                if e.as_db_error()
+                    .is_some_and(|db| db.code().code() == LOST_AT_COMMIT) =>
+            {
+                lost(self, conn, clean, request).await
+            }
+            Err(failed) => Err(completion_error(failed)),
+        }
+    }
+}
+
+/// Sends the claim, the `COMMIT` behind it without waiting, and the session
+/// reset behind that: one round trip. The `COMMIT` goes out only once the
+/// claim was sent (its first poll pending): a claim that could not even be
+/// sent must not let the handler's writes commit without it. Also says
+/// whether the connection is clean (its transaction over, its session
+/// reset).
+async fn pipelined<F>(conn: &Conn, claimed: F) -> (Result<(), Finished>, bool)
+where
+    F: Future<Output = Result<tokio_postgres::Row, tokio_postgres::Error>>,
+{
+    let mut claimed = pin!(claimed);
+    let first = std::future::poll_fn(|cx| match claimed.as_mut().poll(cx) {
+        Poll::Ready(done) => Poll::Ready(Some(done)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await;
+    let end = match &first {
+        Some(Err(_)) => "ROLLBACK",
+        _ => "COMMIT",
+    };
+    let claim = async {
+        match first {
+            Some(done) => done,
+            None => claimed.await,
+        }
+    };
+    let reset = async {
+        match conn.session_reset() {
+            Some(reset) => conn.batch_execute(reset).await,
+            None => Ok(()),
+        }
+    };
+    let (claim, ended, reset) = tokio::join!(biased; claim, conn.batch_execute(end), reset);
+    let clean = ended.is_ok() && reset.is_ok();
+    let result = match (claim, ended) {
+        (Err(e), _) => Err(Finished::Update(e)),
+        (Ok(_), Err(e)) => Err(Finished::End(e)),
+        (Ok(_), Ok(())) => Ok(()),
+    };
+    (result, clean)
+}
+
+/// A lost commit: the winner's record, read with a fresh snapshot on the
+/// same connection when its transaction is known to be over, else on
+/// another one.
+async fn lost(
+    store: &PgStore,
+    conn: Conn,
+    clean: bool,
+    request: &ClaimRequest,
+) -> Result<Committed, StoreError> {
+    let conn = if clean {
+        conn
+    } else {
+        drop(conn);
+        store.conn().await?
+    };
+    let row = lookup(&conn, request).await?;
+    Ok(match row {
+        Some(row) => match decode::record(&row)? {
+            Some(record) => Committed::Lost(record),
+            // An operation of the long-running mode, still under its lease.
+            None => Committed::Held,
+        },
+        // The winner's record is gone already (removed by an operator, or
+        // its retention ended since): the key is free, but this
+        // transaction is over. The client's retry runs again.
+        None => Committed::Held,
+    })
+}
+
+fn finished() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::TransactionAborted,
+        "the transaction has already finished",
+    )
+}
