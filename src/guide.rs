@@ -11,6 +11,10 @@ pub mod request_flow {
     #![doc = include_str!("../docs/request_flow.md")]
 }
 
+pub mod modes {
+    #![doc = include_str!("../docs/modes.md")]
+}
+
 pub mod fingerprints {
     #![doc = include_str!("../docs/fingerprints.md")]
 }

@@ -29,6 +29,11 @@ pub const DUPLICATE_WAIT_SECONDS: &str = "idempotency_duplicate_wait_seconds";
 /// Counter: owners stopped and rolled back at the layer's handler timeout, by `endpoint`.
 pub const HANDLER_TIMEOUTS_TOTAL: &str = "idempotency_handler_timeouts_total";
 
+/// Counter: one-commit mode requests whose handler ran and whose commit
+/// lost to another commit of the key (rolled back, answered with the
+/// winner's record), by `endpoint`: handler work done and discarded.
+pub const COMMITS_LOST_TOTAL: &str = "idempotency_commits_lost_total";
+
 /// Gauge: long-running operations whose work runs in this process right
 /// now, by `endpoint`.
 pub const OPERATIONS_RUNNING: &str = "idempotency_operations_running";
@@ -181,6 +186,15 @@ pub(crate) fn claim_duration(endpoint: &str, outcome: Outcome, seconds: f64) {
 
 pub(crate) fn key_held(endpoint: &str, seconds: f64) {
     metrics::histogram!(KEY_HELD_SECONDS, "endpoint" => endpoint.to_owned()).record(seconds);
+}
+
+/// Creates the one-commit mode's series at zero.
+pub(crate) fn register_at_commit(endpoint: &str) {
+    metrics::counter!(COMMITS_LOST_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
+}
+
+pub(crate) fn commit_lost(endpoint: &str) {
+    metrics::counter!(COMMITS_LOST_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
 }
 
 pub(crate) fn handler_timeout(endpoint: &str) {

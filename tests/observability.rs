@@ -672,3 +672,63 @@ async fn a_long_running_handler_timeout_is_counted_once_and_attempts_and_failure
         1
     );
 }
+
+#[tokio::test]
+async fn a_lost_commit_is_counted_and_answered_as_a_replay() {
+    let installed = installed();
+    let endpoint = "POST /observability/at-commit v1";
+    let store = MemoryStore::new();
+    // Two instances on one store: the second one's retry runs the handler
+    // and loses at commit.
+    let first = v1_layer(store.clone(), endpoint).claim_at_commit();
+    let second = v1_layer(store.clone(), endpoint).claim_at_commit();
+    let values = snapshot(&installed.snapshotter);
+    assert!(
+        matches!(
+            metric(
+                &values,
+                "idempotency_commits_lost_total",
+                &[("endpoint", endpoint)]
+            ),
+            Some(DebugValue::Counter(0))
+        ),
+        "registered at zero"
+    );
+    let created = send(
+        first.layer(status_handler(StatusCode::CREATED)),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let retried = send(
+        second.layer(status_handler(StatusCode::CREATED)),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert!(retried.replayed());
+    let values = snapshot(&installed.snapshotter);
+    assert!(
+        matches!(
+            metric(
+                &values,
+                "idempotency_commits_lost_total",
+                &[("endpoint", endpoint)]
+            ),
+            Some(DebugValue::Counter(1))
+        ),
+        "{:?}",
+        metric(
+            &values,
+            "idempotency_commits_lost_total",
+            &[("endpoint", endpoint)]
+        )
+    );
+    assert!(
+        matches!(
+            outcome(&values, endpoint, "replayed"),
+            Some(DebugValue::Counter(1))
+        ),
+        "the loser is answered as a replay"
+    );
+    assert_eq!(store.completed_records(), 1);
+}

@@ -28,6 +28,7 @@ const EXPORTED: &[&str] = &[
     metrics::OLDEST_IN_PROGRESS_SECONDS,
     metrics::DUPLICATE_WAIT_SECONDS,
     metrics::HANDLER_TIMEOUTS_TOTAL,
+    metrics::COMMITS_LOST_TOTAL,
     metrics::OPERATIONS_RUNNING,
     metrics::LEASE_TAKEOVERS_TOTAL,
     metrics::FENCED_TOTAL,

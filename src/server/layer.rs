@@ -160,6 +160,7 @@ where
     /// # let _ = layer;
     /// ```
     pub fn claim_at_commit(self) -> IdempotencyLayer<St, F, R, ClaimAtCommit> {
+        crate::metrics::register_at_commit(&self.setup.config.endpoint);
         self.with_mode(ClaimAtCommit)
     }
 }

@@ -177,6 +177,7 @@ where
         Remembered::Settled(ended) => ended,
         // One-commit mode: another commit had the key; answer its record.
         Remembered::Lost(record) => {
+            crate::metrics::commit_lost(&config.endpoint);
             let record = Arc::new(record);
             answered(record.clone());
             timings.held = Some(held_since.elapsed());
