@@ -36,6 +36,17 @@ impl TwoInstances for Postgres {
     }
 }
 
+impl TwoInstances for Sqlx {
+    async fn second_store(&self) -> Self::Store {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(sqlx_options(&self.db))
+            .await
+            .expect("a second pool");
+        tower_idempotency::sqlx::SqlxStore::new(pool)
+    }
+}
+
 fn one_commit<St: CommitStore>(
     store: St,
 ) -> IdempotencyLayer<
@@ -276,4 +287,28 @@ async fn pg_store_a_retry_on_another_instance_rolls_back_and_replays() {
 async fn pg_store_a_failed_handler_commits_nothing() {
     let pg = Postgres::new().await;
     a_failed_handler_commits_nothing(&pg, &pg.client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_duplicates_on_two_instances_commit_once_and_answer_alike() {
+    let sqlx = Sqlx::new().await;
+    duplicates_on_two_instances_commit_once(&sqlx, &sqlx.client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_duplicates_in_one_instance_run_the_handler_once() {
+    let sqlx = Sqlx::new().await;
+    duplicates_in_one_instance_run_the_handler_once(&sqlx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_a_retry_on_another_instance_rolls_back_and_replays() {
+    let sqlx = Sqlx::new().await;
+    a_retry_on_another_instance_rolls_back_and_replays(&sqlx, &sqlx.client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_a_failed_handler_commits_nothing() {
+    let sqlx = Sqlx::new().await;
+    a_failed_handler_commits_nothing(&sqlx, &sqlx.client).await;
 }

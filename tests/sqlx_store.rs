@@ -81,6 +81,26 @@ async fn idle_in_transaction(backend: &Sqlx) -> i64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_passes_the_one_commit_conformance_suite() {
+    let backend = Sqlx::new().await;
+    let writes = SqlxWrites::new(&backend).await;
+    let report = conformance::run_at_commit_with(backend.store.clone(), writes).await;
+    report.assert_passed();
+    assert!(
+        report
+            .checks()
+            .iter()
+            .all(|c| *c.outcome() == Outcome::Passed),
+        "every check ran, none skipped:\n{report}"
+    );
+    assert_eq!(
+        idle_in_transaction(&backend).await,
+        0,
+        "no transaction left open"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlx_store_passes_the_conformance_suite() {
     let backend = Sqlx::new().await;
     let writes = SqlxWrites::new(&backend).await;

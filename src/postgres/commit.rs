@@ -23,7 +23,7 @@ use crate::{
 };
 
 // tenant, endpoint, key, fingerprint, status, headers, body, resource, retention.
-const CLAIM_AT_COMMIT_SQL: Sql<'static> = Sql::new(
+pub(super) const CLAIM_AT_COMMIT_SQL: Sql<'static> = Sql::new(
     CLAIM_AT_COMMIT,
     &[
         Type::TEXT,

@@ -232,6 +232,7 @@ pub(crate) fn all_statements() -> Vec<(&'static str, statements::Sql<'static>)> 
         ("CLAIM", claim::CLAIM_SQL),
         ("CLAIM_KEY", claim::CLAIM_KEY_SQL),
         ("COMPLETE", finish::COMPLETE_SQL),
+        ("CLAIM_AT_COMMIT", commit::CLAIM_AT_COMMIT_SQL),
         ("FENCED_CHECK", finish::FENCED_CHECK_SQL),
         ("INSPECT_KEY", admin::INSPECT_KEY_SQL),
         ("REMOVE_KEY", admin::REMOVE_KEY_SQL),

@@ -37,7 +37,7 @@ const INSERT: &str = "INSERT INTO idempotency_requests \
 // ended, or it is an in-progress row no transaction holds whose lease (if
 // any) expired. Short-mode owners never commit `in_progress`, so such a row
 // is an orphan or an abandoned long-running operation.
-const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, \
+pub(super) const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, \
          response_body, resource_id, \
          expires_at <= now() \
              OR (state = 'in_progress' AND (lease_expires_at IS NULL OR lease_expires_at <= now())) \
@@ -219,7 +219,7 @@ fn bind<'q>(
 
 /// The record of a LOOKUP row; `None` if it is still in progress. A
 /// long-running operation's remembered failure replays as a completion does.
-fn decode(row: &::sqlx::postgres::PgRow) -> Result<Option<Record>, ::sqlx::Error> {
+pub(super) fn decode(row: &::sqlx::postgres::PgRow) -> Result<Option<Record>, ::sqlx::Error> {
     let state: &str = row.try_get(1)?;
     if !answered(state) {
         return Ok(None);

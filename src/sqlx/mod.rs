@@ -105,6 +105,7 @@ use crate::{
 };
 
 mod claim;
+mod commit;
 mod conn;
 mod error;
 mod lease;

@@ -172,7 +172,7 @@ impl SqlxTx {
     /// [`CANCEL_GRACE`] more the store gives up (`Unavailable`; the
     /// transaction is rolled back once the statement ends and the last
     /// handle is dropped).
-    async fn take(&self) -> Result<Option<GuardedConnection>, StoreError> {
+    pub(super) async fn take(&self) -> Result<Option<GuardedConnection>, StoreError> {
         if let Ok(mut held) = tokio::time::timeout(ROLLBACK_PATIENCE, self.inner.tx.lock()).await {
             return Ok(held.take());
         }

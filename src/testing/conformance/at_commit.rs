@@ -178,7 +178,7 @@ pub async fn concurrent_commits_have_one_winner<St: CommitStore>(
         match committed {
             Committed::Won => {}
             Committed::Lost(record) => ensure!(
-                &record.response.body == winners[0],
+                record.response.body == *winners[0],
                 G,
                 "a loser was told the record {:?}, not the winner's {:?}",
                 record.response.body,
