@@ -85,6 +85,9 @@ where
     // past the handler's deadline, the database ends the claim by itself.
     claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
+    // The record's retention counts from its claim, which comes after this
+    // instant: a record this request commits lives at least until `expires`.
+    let expires = std::time::Instant::now() + config.retention;
     let claimed = setup.store.claim(&claim).await;
     timings.claimed = Some(timings.since_arrival());
     if followed || matches!(claimed, Ok(Claim::InProgress)) {
@@ -114,9 +117,7 @@ where
         fault_point!(faults, AfterHandler);
     }
 
-    // 5. Remember, or roll back. The record's retention counts from its
-    // commit, so it ends no sooner than `expires`.
-    let expires = std::time::Instant::now() + config.retention;
+    // 5. Remember, or roll back.
     let ended = remember(&setup, tx, ran, faults).await;
     if let Settled::Committed(parts, body) = &ended {
         fault_point!(faults, AfterCommit);
