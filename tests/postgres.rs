@@ -137,7 +137,7 @@ async fn stores_the_response_and_its_metadata() {
     let row = pg
         .row(
             "SELECT tenant_id, endpoint, idempotency_key, request_fingerprint, state, attempt_token, response_status, \
-                    response_headers, response_body, extract(epoch from expires_at - completed_at)::float8, completed_at IS NOT NULL \
+                    response_headers, response_body, extract(epoch from expires_at - created_at)::float8, completed_at IS NOT NULL \
              FROM idempotency_requests",
         )
         .await;
@@ -152,6 +152,7 @@ async fn stores_the_response_and_its_metadata() {
     assert!(headers.contains("location: /orders/"), "{headers}");
     assert!(!headers.contains("set-cookie"), "{headers}");
     assert_eq!(row.get::<_, &[u8]>(8), &answer.body[..]);
+    // Retention counts from the claim (the row's created_at).
     assert_eq!(row.get::<_, f64>(9), 86_400.0);
     assert!(row.get::<_, bool>(10));
 }
