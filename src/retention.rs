@@ -36,6 +36,15 @@ const CLEANUP_BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE e
 // committed in-progress rows not yet expired (an expired one holds nothing:
 // the next claim takes it over). Found through the table's lock, so claims
 // need no tag of their own.
+//
+// The committed rows that hold a key are long-running operations (a lease
+// set), found through the lease index. A short-mode row is committed only
+// `completed`: its owner is an open transaction, counted by the first term.
+// One committed `in_progress` without a lease is an orphan nobody creates
+// (the completion checks the claim's transaction id, the handle refuses
+// transaction control); it holds nothing either (the next claim takes it
+// over), and finding it would need an index on `state`, which would cost
+// every completion its HOT update.
 const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
      (SELECT COALESCE(max(EXTRACT(EPOCH FROM now() - a.xact_start)), 0)::float8 \
       FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
@@ -44,7 +53,7 @@ const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
         AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()), \
      (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 FROM idempotency_requests \
-      WHERE state = 'in_progress' AND expires_at > now()))";
+      WHERE state = 'in_progress' AND lease_expires_at IS NOT NULL AND expires_at > now()))";
 
 // Long-running operations: the oldest one still in progress, and how many
 // wait for a takeover (lease expired, record not).

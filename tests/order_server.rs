@@ -701,7 +701,7 @@ async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands() {
     let server = Server::start(&[("IDEMPOTENCY_RETENTION", "1h")]).await;
     let first = server.place_order("retained", "chk_retained").await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let window: f64 = server.value("SELECT extract(epoch from expires_at - completed_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'").await;
+    let window: f64 = server.value("SELECT extract(epoch from expires_at - created_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'").await;
     assert_eq!(window, 3600.0, "IDEMPOTENCY_RETENTION sets expires_at");
     assert!(
         server

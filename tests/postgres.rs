@@ -140,7 +140,7 @@ async fn migrations_are_idempotent_under_concurrency() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
     let fillfactor: String = client
         .query_one("SELECT array_to_string(reloptions, ',') FROM pg_class WHERE relname = 'idempotency_requests'", &[])
         .await
@@ -157,7 +157,7 @@ async fn stores_the_response_and_its_metadata() {
     let row = pg
         .row(
             "SELECT tenant_id, endpoint, idempotency_key, request_fingerprint, state, attempt_token, response_status, \
-                    response_headers, response_body, extract(epoch from expires_at - completed_at)::float8, completed_at IS NOT NULL \
+                    response_headers, response_body, extract(epoch from expires_at - created_at)::float8, completed_at IS NOT NULL \
              FROM idempotency_requests",
         )
         .await;
@@ -172,6 +172,7 @@ async fn stores_the_response_and_its_metadata() {
     assert!(headers.contains("location: /orders/"), "{headers}");
     assert!(!headers.contains("set-cookie"), "{headers}");
     assert_eq!(row.get::<_, &[u8]>(8), &answer.body[..]);
+    // Retention counts from the claim (the row's created_at).
     assert_eq!(row.get::<_, f64>(9), 86_400.0);
     assert!(row.get::<_, bool>(10));
 }

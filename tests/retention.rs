@@ -112,16 +112,22 @@ async fn gauges_report_backlog_and_the_oldest_operation_holding_a_key() {
     );
     assert!(busy.oldest_in_progress < Duration::from_secs(60));
     pg.store.abort(open).await.unwrap();
+    // A long-running operation two hours in holds its key; a short-mode row
+    // committed in progress three hours ago (an orphan: its transaction
+    // ended without completing it) holds nothing, the next claim takes it
+    // over.
     pg.exec(
-        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, created_at, expires_at)
-         VALUES ('t', 'e', 'stuck', '\\x00', 'in_progress', now() - interval '2 hours', now() + interval '1 hour'),
-                ('t', 'e', 'old', '\\x00', 'completed', now() - interval '2 days', now() - interval '1 day');",
+        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, created_at, expires_at, lease_expires_at)
+         VALUES ('t', 'e', 'stuck', '\\x00', 'in_progress', now() - interval '2 hours', now() + interval '1 hour', now() - interval '1 minute'),
+                ('t', 'e', 'orphan', '\\x00', 'in_progress', now() - interval '3 hours', now() + interval '1 hour', NULL),
+                ('t', 'e', 'old', '\\x00', 'completed', now() - interval '2 days', now() - interval '1 day', NULL);",
     )
     .await;
     let stuck = cleanup.refresh_gauges().await.unwrap();
     assert_eq!(stuck.cleanup_backlog, 1);
     assert!(
-        stuck.oldest_in_progress >= Duration::from_secs(7200),
+        stuck.oldest_in_progress >= Duration::from_secs(7200)
+            && stuck.oldest_in_progress < Duration::from_secs(3 * 3600),
         "{stuck:?}"
     );
 }

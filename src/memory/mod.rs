@@ -281,7 +281,10 @@ impl Store for MemoryStore {
                             token,
                             TxKind::Claim {
                                 fingerprint: request.fingerprint,
-                                retention: request.retention,
+                                // Retention counts from the claim, as in
+                                // PgStore (whose completion leaves the
+                                // claim's expiry alone).
+                                expires_at: now + request.retention,
                             },
                         )));
                     }
@@ -299,7 +302,7 @@ impl Store for MemoryStore {
     async fn complete(&self, tx: MemoryTx, response: &StoredResponse) -> Result<(), StoreError> {
         let TxKind::Claim {
             fingerprint,
-            retention,
+            expires_at,
         } = tx.inner.kind
         else {
             // Left unfinished: dropping it releases its hold, as an abort would.
@@ -327,7 +330,6 @@ impl Store for MemoryStore {
         for (table, row) in staged {
             state.tables.entry(table).or_default().push(row);
         }
-        let expires_at = Instant::now() + retention;
         let record = Record {
             fingerprint,
             response: response.clone(),

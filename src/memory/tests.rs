@@ -281,6 +281,31 @@ async fn a_leased_record_past_its_retention_is_a_new_operation() {
     assert!(second.token > first.token);
 }
 
+/// Retention counts from the claim, not from the completion (as in
+/// PgStore, whose completion leaves the claim's expiry alone so that it is
+/// a HOT update).
+#[tokio::test(start_paused = true)]
+async fn a_record_is_remembered_for_its_retention_from_its_claim() {
+    let store = MemoryStore::new();
+    let request = claim("k", 1).with_retention(Duration::from_secs(10));
+    let Claim::Owned(tx) = store.claim(&request).await.unwrap() else {
+        panic!("a new key is owned")
+    };
+    // The owner's work.
+    tokio::time::advance(Duration::from_secs(8)).await;
+    store.complete(tx, &response("done")).await.unwrap();
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert!(
+        matches!(store.claim(&request).await.unwrap(), Claim::Completed(_)),
+        "9 s after the claim the record replays"
+    );
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert!(
+        matches!(store.claim(&request).await.unwrap(), Claim::Owned(_)),
+        "10 s after the claim (2 s after the completion) the key is a new operation"
+    );
+}
+
 #[tokio::test]
 async fn transaction_kinds_commit_their_own_way() {
     let store = MemoryStore::new();

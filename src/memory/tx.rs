@@ -40,7 +40,8 @@ pub(super) enum TxKind {
     /// A short-mode owner: the key is held by this transaction itself.
     Claim {
         fingerprint: Fingerprint,
-        retention: Duration,
+        // When the record ends: the claim's time plus the retention.
+        expires_at: Instant,
     },
     /// A long-running owner's write: the key is held by its lease.
     Fenced,

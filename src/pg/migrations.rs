@@ -42,6 +42,11 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
         "tenant_in_every_key",
         include_str!("schema/0008_tenant_in_every_key.sql"),
     ),
+    (
+        9,
+        "hot_completion",
+        include_str!("schema/0009_hot_completion.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.

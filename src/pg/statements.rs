@@ -6,15 +6,23 @@
 // the transaction) rather than match no row: the handler's writes must never
 // commit without the remembered response. Division by zero does that. The
 // transaction id check catches a handler that ended the claim's transaction.
-// Retention counts from the completion (one timestamp for both columns).
+//
+// A heap-only-tuple (HOT) update: it changes no indexed column and no column
+// of an index's predicate (`state` is in none since migration 0009;
+// `tests/hot_completion.rs` checks both the catalog and the statistics), so
+// with the table's fillfactor the new row version stays on its page and no
+// index is touched. That is why it leaves `expires_at` (indexed, for
+// cleanup) as the claim set it: retention counts from the claim, and the
+// claim's transaction is bounded by the handler's timeout, seconds against
+// a retention of hours. `$8` (the retention) is no longer needed; it stays
+// a parameter so that both drivers bind the same list.
 pub(crate) const COMPLETE: &str = "WITH done AS ( \
          UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
              response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
-             completed_at = statement_timestamp(), \
-             expires_at = statement_timestamp() + make_interval(secs => $8::float8) \
+             completed_at = statement_timestamp() \
          WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
              AND attempt_token = $4::int8 AND state = 'in_progress' \
-             AND pg_current_xact_id() = $9::text::xid8 \
+             AND pg_current_xact_id() = $9::text::xid8 AND $8::float8 IS NOT NULL \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM done)";
 

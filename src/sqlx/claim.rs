@@ -56,7 +56,7 @@ const TAKE_OVER: &str = "INSERT INTO idempotency_requests AS r \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          attempt_token = EXCLUDED.attempt_token, response_status = NULL, \
          response_headers = NULL, response_body = NULL, resource_id = NULL, created_at = now(), \
-         completed_at = NULL, expires_at = EXCLUDED.expires_at \
+         completed_at = NULL, expires_at = EXCLUDED.expires_at, lease_expires_at = NULL \
      WHERE r.expires_at <= now() \
          OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())) \
      RETURNING attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true)";

@@ -83,7 +83,8 @@ pub struct ClaimRequest {
     pub key: IdempotencyKey,
     /// The request's fingerprint.
     pub fingerprint: Fingerprint,
-    /// How long the completed record is remembered (default 24 h).
+    /// How long the record is remembered, counted from the claim (in the
+    /// one-commit mode, from the commit; default 24 h).
     pub retention: Duration,
     /// How long to wait for an unfinished owner of the same key (default 5 s).
     pub wait: Duration,
@@ -199,7 +200,10 @@ pub trait Store: Clone + Send + Sync + 'static {
     ///   retention ended (taken over as a new operation: the old record is
     ///   replaced when the new owner completes), and for a record left
     ///   in progress by no live owner. The record will be remembered for
-    ///   [`ClaimRequest::retention`] from its completion.
+    ///   [`ClaimRequest::retention`] from this claim (not from its
+    ///   completion: the owner's work is bounded by the handler's timeout,
+    ///   and a completion that leaves the expiry alone is a cheap update for
+    ///   a SQL store).
     /// - [`Claim::Completed`] for an unexpired completed record, with the
     ///   fingerprint of the request that created it: the layer compares it
     ///   (a different one is a reused key, refused); the store does not.

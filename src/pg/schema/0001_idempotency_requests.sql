@@ -15,6 +15,7 @@ CREATE TABLE idempotency_requests (
     CONSTRAINT idempotency_requests_pkey
         PRIMARY KEY (tenant_id, endpoint, idempotency_key)
 ) WITH (fillfactor = 80);
--- The completion UPDATE changes no indexed column, so with free space on the
--- page (fillfactor) it is a HOT update.
+-- fillfactor leaves room on each page for the completion UPDATE's new row
+-- version: with it, and no index on a column the completion changes, the
+-- update is a HOT update (see 0009, which made that true).
 CREATE INDEX idempotency_requests_expires_at_idx ON idempotency_requests (expires_at);
