@@ -65,9 +65,9 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
     let status = response.status.as_u16() as i16;
     let headers = response.encode_headers();
     let body: &[u8] = &response.body;
-    let retention = tx.retention().as_secs_f64();
-    let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
-    let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
+    let retention = tx.identity().retention().as_secs_f64();
+    let (tenant, endpoint, key, token) = tx.identity().columns();
+    let xid = tx.identity().xid();
     let resource = response.resource_id.as_ref().map(|id| id.as_str());
     let params: [&(dyn ToSql + Sync); 10] = [
         &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid, &resource,
@@ -99,8 +99,8 @@ pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
             return Err(map_error(e));
         }
     };
-    let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
-    let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
+    let (tenant, endpoint, key, token) = tx.identity().columns();
+    let xid = tx.identity().xid();
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &xid];
     finish(conn, Some((&statement, &params)), "COMMIT")
         .await

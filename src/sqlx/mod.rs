@@ -107,6 +107,7 @@ use crate::{
 mod claim;
 mod conn;
 mod error;
+mod finish;
 mod lease;
 mod tx;
 
@@ -251,10 +252,10 @@ impl Store for SqlxStore {
     }
 
     async fn complete(&self, tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
-        tx::complete(tx, response).await
+        finish::complete(tx, response).await
     }
 
     async fn abort(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        tx::abort(tx).await
+        finish::abort(tx).await
     }
 }

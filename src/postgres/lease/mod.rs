@@ -2,18 +2,12 @@
 //! ownership, and [`FencedTx`], the transaction its writes go through.
 //! The protocol's statements are in `protocol.rs`.
 
-use std::{
-    fmt,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{fmt, sync::Arc, time::Duration};
 
 use super::{PgStore, PgTx, TxError};
 use crate::{
     key::IdempotencyKey,
+    pg::identity::LeaseIdentity,
     scope::Scope,
     store::{OperationId, StoreErrorKind},
 };
@@ -57,13 +51,7 @@ pub struct PgLease {
 
 struct Shared {
     store: PgStore,
-    scope: Scope,
-    key: IdempotencyKey,
-    token: i64,
-    operation_id: OperationId,
-    retention: Duration,
-    lease: Duration,
-    fenced: AtomicBool,
+    id: LeaseIdentity,
 }
 
 impl PgLease {
@@ -79,13 +67,7 @@ impl PgLease {
         PgLease {
             inner: Arc::new(Shared {
                 store,
-                scope,
-                key,
-                token,
-                operation_id,
-                retention,
-                lease,
-                fenced: AtomicBool::new(false),
+                id: LeaseIdentity::new(scope, key, token, operation_id, retention, lease),
             }),
         }
     }
@@ -93,35 +75,35 @@ impl PgLease {
     /// The operation's id: the same for every attempt, so the key for
     /// downstream calls.
     pub fn operation_id(&self) -> OperationId {
-        self.inner.operation_id
+        self.inner.id.operation_id()
     }
 
     /// This attempt's fencing token: larger than every earlier attempt's
     /// for this key, even after its record was removed.
     pub fn attempt_token(&self) -> i64 {
-        self.inner.token
+        self.inner.id.attempt_token()
     }
 
     /// The tenant the operation acts for.
     pub fn tenant(&self) -> &str {
-        self.inner.scope.tenant().as_str()
+        self.inner.id.tenant()
     }
 
     /// The scope (tenant and endpoint) of the operation.
     pub fn scope(&self) -> &Scope {
-        &self.inner.scope
+        self.inner.id.scope()
     }
 
     /// The client's idempotency key; keep it out of logs.
     pub fn idempotency_key(&self) -> &str {
-        self.inner.key.as_str()
+        self.inner.id.idempotency_key()
     }
 
     /// Whether the store has told this owner it was fenced (a heartbeat, a
     /// fenced transaction or the completion found a newer token). Once
     /// `true`, every write is refused; stop early.
     pub fn is_fenced(&self) -> bool {
-        self.inner.fenced.load(Ordering::Relaxed)
+        self.inner.id.is_fenced()
     }
 
     /// Opens a fenced transaction: the operation's record is held (`FOR
@@ -145,38 +127,24 @@ impl PgLease {
         &self.inner.store
     }
 
-    pub(super) fn key(&self) -> &IdempotencyKey {
-        &self.inner.key
-    }
-
-    pub(super) fn retention(&self) -> Duration {
-        self.inner.retention
-    }
-
-    pub(super) fn lease(&self) -> Duration {
-        self.inner.lease
+    pub(super) fn identity(&self) -> &LeaseIdentity {
+        &self.inner.id
     }
 
     /// Remembers that the store refused this owner. A refused write is
     /// counted here; heartbeats and completions are counted by the layer,
     /// whatever the store.
     pub(super) fn mark_fenced(&self, write: Option<crate::metrics::FencedAt>) {
-        self.inner.fenced.store(true, Ordering::Relaxed);
+        self.inner.id.mark_fenced();
         if let Some(at) = write {
-            crate::metrics::fenced(self.inner.scope.endpoint(), at);
+            crate::metrics::fenced(self.inner.id.endpoint(), at);
         }
     }
 }
 
 impl fmt::Debug for PgLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgLease")
-            .field("scope", &self.inner.scope)
-            .field("key", &self.inner.key)
-            .field("operation_id", &self.inner.operation_id)
-            .field("attempt_token", &self.inner.token)
-            .field("fenced", &self.is_fenced())
-            .finish_non_exhaustive()
+        self.inner.id.fmt_debug("PgLease", f)
     }
 }
 

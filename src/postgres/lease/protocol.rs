@@ -140,8 +140,7 @@ pub(in crate::postgres) async fn heartbeat(
     lease: &PgLease,
     extend: Duration,
 ) -> Result<(), StoreError> {
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let extend = extend.as_secs_f64();
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &extend];
     guarded(lease, HEARTBEAT_SQL, &params).await
@@ -163,8 +162,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
             return Err(e);
         }
     };
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
     // While the row is held, the owner's own heartbeats wait too. So no
     // lock wait in the transaction may outlast half a lease (the rest of
@@ -176,8 +174,8 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
          SET LOCAL lock_timeout = '{}ms'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
-        millis(ROW_WAIT.min(lease.lease() / 2)),
-        millis(lease.lease()),
+        millis(ROW_WAIT.min(lease.identity().lease() / 2)),
+        millis(lease.identity().lease()),
     );
     conn.mark_dirty();
     let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
@@ -203,13 +201,14 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
         return Err(fenced_error());
     };
     let xid: String = row.get(0);
+    let id = lease.identity();
     Ok(PgTx::new(
         conn,
-        lease.scope().clone(),
-        lease.key().clone(),
+        id.scope().clone(),
+        id.key().clone(),
         token,
         xid,
-        lease.retention(),
+        id.retention(),
     ))
 }
 
@@ -224,8 +223,7 @@ pub(in crate::postgres) async fn finish(
 
 /// [`LeaseStore::release`](crate::store::LeaseStore::release).
 pub(in crate::postgres) async fn release(lease: &PgLease) -> Result<(), StoreError> {
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
     guarded(lease, RELEASE_SQL, &params).await
 }
@@ -248,12 +246,11 @@ async fn end_with(
     response: &StoredResponse,
     last: &(dyn ToSql + Sync),
 ) -> Result<(), StoreError> {
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let status = response.status.as_u16() as i16;
     let headers = response.encode_headers();
     let body: &[u8] = &response.body;
-    let retention = lease.retention().as_secs_f64();
+    let retention = lease.identity().retention().as_secs_f64();
     let params: [&(dyn ToSql + Sync); 9] = [
         &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, last,
     ];

@@ -5,18 +5,12 @@
 //! the same decisions, one statement on the key's row each, guarded by the
 //! attempt token).
 
-use std::{
-    fmt,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{fmt, sync::Arc, time::Duration};
 
-use super::{tx, SqlxStore, SqlxTx};
+use super::{finish, SqlxStore, SqlxTx};
 use crate::{
     key::IdempotencyKey,
+    pg::identity::LeaseIdentity,
     scope::Scope,
     store::OperationId,
     store::{StoreError, StoreErrorKind},
@@ -56,13 +50,7 @@ pub struct SqlxLease {
 
 struct Shared {
     store: SqlxStore,
-    scope: Scope,
-    key: IdempotencyKey,
-    token: i64,
-    operation_id: OperationId,
-    retention: Duration,
-    lease: Duration,
-    fenced: AtomicBool,
+    id: LeaseIdentity,
 }
 
 impl SqlxLease {
@@ -78,13 +66,7 @@ impl SqlxLease {
         SqlxLease {
             inner: Arc::new(Shared {
                 store,
-                scope,
-                key,
-                token,
-                operation_id,
-                retention,
-                lease,
-                fenced: AtomicBool::new(false),
+                id: LeaseIdentity::new(scope, key, token, operation_id, retention, lease),
             }),
         }
     }
@@ -92,34 +74,34 @@ impl SqlxLease {
     /// The operation's id: the same for every attempt, so the key for
     /// downstream calls.
     pub fn operation_id(&self) -> OperationId {
-        self.inner.operation_id
+        self.inner.id.operation_id()
     }
 
     /// This attempt's fencing token: larger than every earlier attempt's
     /// for this key, even after its record was removed.
     pub fn attempt_token(&self) -> i64 {
-        self.inner.token
+        self.inner.id.attempt_token()
     }
 
     /// The tenant the operation acts for.
     pub fn tenant(&self) -> &str {
-        self.inner.scope.tenant().as_str()
+        self.inner.id.tenant()
     }
 
     /// The scope (tenant and endpoint) of the operation.
     pub fn scope(&self) -> &Scope {
-        &self.inner.scope
+        self.inner.id.scope()
     }
 
     /// The client's idempotency key; keep it out of logs.
     pub fn idempotency_key(&self) -> &str {
-        self.inner.key.as_str()
+        self.inner.id.idempotency_key()
     }
 
     /// Whether the store has told this owner it was fenced. Once `true`,
     /// every write is refused; stop early.
     pub fn is_fenced(&self) -> bool {
-        self.inner.fenced.load(Ordering::Relaxed)
+        self.inner.id.is_fenced()
     }
 
     /// Opens a fenced transaction: the operation's record is held (`FOR
@@ -139,35 +121,28 @@ impl SqlxLease {
     /// Commits a fenced transaction of this lease (as
     /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)).
     pub async fn commit(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        tx::commit_fenced(tx).await
+        finish::commit_fenced(tx).await
+    }
+
+    fn store(&self) -> &SqlxStore {
+        &self.inner.store
+    }
+
+    fn identity(&self) -> &LeaseIdentity {
+        &self.inner.id
     }
 
     fn fenced_error(&self) -> StoreError {
-        self.inner.fenced.store(true, Ordering::Relaxed);
+        self.inner.id.mark_fenced();
         StoreError::new(
             StoreErrorKind::Fenced,
             "another owner took the operation over with a larger attempt token",
-        )
-    }
-
-    fn columns(&self) -> (&str, &str, &str, i64) {
-        (
-            self.inner.scope.tenant().as_str(),
-            self.inner.scope.endpoint(),
-            self.inner.key.as_str(),
-            self.inner.token,
         )
     }
 }
 
 impl fmt::Debug for SqlxLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxLease")
-            .field("scope", &self.inner.scope)
-            .field("key", &self.inner.key)
-            .field("operation_id", &self.inner.operation_id)
-            .field("attempt_token", &self.inner.token)
-            .field("fenced", &self.is_fenced())
-            .finish_non_exhaustive()
+        self.inner.id.fmt_debug("SqlxLease", f)
     }
 }

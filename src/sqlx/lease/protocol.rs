@@ -18,7 +18,7 @@ use crate::{
         claim::set_waits,
         conn::GuardedConnection,
         error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
-        query, tx, SqlxStore, SqlxTx,
+        finish, query, SqlxStore, SqlxTx,
     },
     store::OperationId,
     store::{
@@ -120,7 +120,7 @@ impl LeaseStore for SqlxStore {
     }
 
     async fn commit_fenced(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        tx::commit_fenced(tx).await
+        finish::commit_fenced(tx).await
     }
 
     async fn finish(&self, lease: &SqlxLease, response: &StoredResponse) -> Result<(), StoreError> {
@@ -333,18 +333,19 @@ impl SqlxStore {
 
 /// Begins a fenced transaction and holds the record at the lease's token.
 pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
-    let store = &lease.inner.store;
+    let store = lease.store();
+    let id = lease.identity();
     let mut tx = GuardedConnection::begin(&store.pool, store.transaction_pooling)
         .await
         .map_err(map_error)?;
-    let (tenant, endpoint, key, token) = lease.columns();
+    let (tenant, endpoint, key, token) = id.columns();
     let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
         // A lock wait inside gives up after half a lease (at most the row
         // wait); left idle for a whole lease, the server ends it.
         let pid = set_waits(
             tx.raw(),
-            ROW_WAIT.min(lease.inner.lease / 2),
-            Some(lease.inner.lease),
+            ROW_WAIT.min(id.lease() / 2),
+            Some(id.lease()),
             store.transaction_pooling,
         )
         .await?;
@@ -378,11 +379,11 @@ pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError>
         store.pool.clone(),
         pid,
         store.transaction_pooling,
-        lease.inner.scope.clone(),
-        lease.inner.key.clone(),
+        id.scope().clone(),
+        id.key().clone(),
         token,
         xid,
-        lease.inner.retention,
+        id.retention(),
         true,
     ))
 }
@@ -392,8 +393,8 @@ type Keyed<'q> = ::sqlx::query::Query<'q, Postgres, ::sqlx::postgres::PgArgument
 /// `sql` with the parameters every token-guarded statement starts with:
 /// tenant, endpoint, key, token.
 fn keyed<'q>(sql: &'q str, lease: &'q SqlxLease) -> Keyed<'q> {
-    let (tenant, endpoint, key, token) = lease.columns();
-    query(sql, lease.inner.store.transaction_pooling)
+    let (tenant, endpoint, key, token) = lease.identity().columns();
+    query(sql, lease.store().transaction_pooling)
         .bind(tenant)
         .bind(endpoint)
         .bind(key)
@@ -411,7 +412,7 @@ fn with_response<'q>(
         .bind(response.status.as_u16() as i16)
         .bind(response.encode_headers())
         .bind(response.body.as_ref())
-        .bind(lease.inner.retention.as_secs_f64())
+        .bind(lease.identity().retention().as_secs_f64())
 }
 
 async fn rollback(tx: Transaction<'static, Postgres>) {
