@@ -34,6 +34,13 @@ pub(crate) struct Tx {
     xid: String,
 }
 
+impl Tx {
+    /// `xid`: the transaction id the claim ran in (text form of `xid8`).
+    pub(crate) fn new(xid: String) -> Self {
+        Tx { xid }
+    }
+}
+
 /// What a lease's owner adds: the operation, how long a heartbeat renews
 /// the lease for, and whether the store has told this owner a newer one
 /// took over (a fenced owner is an owner no more).
@@ -43,7 +50,35 @@ pub(crate) struct Lease {
     fenced: AtomicBool,
 }
 
+impl Lease {
+    /// A lease on `operation_id`, renewed for `lease` at each heartbeat;
+    /// not fenced (yet).
+    pub(crate) fn new(operation_id: OperationId, lease: Duration) -> Self {
+        Lease {
+            operation_id,
+            lease,
+            fenced: AtomicBool::new(false),
+        }
+    }
+}
+
 impl<R> Identity<R> {
+    pub(crate) fn new(
+        scope: Scope,
+        key: IdempotencyKey,
+        token: i64,
+        retention: Duration,
+        role: R,
+    ) -> Self {
+        Identity {
+            scope,
+            key,
+            token,
+            retention,
+            role,
+        }
+    }
+
     /// The tenant the request acts for.
     pub(crate) fn tenant(&self) -> &str {
         self.scope.tenant().as_str()
@@ -88,22 +123,6 @@ impl<R> Identity<R> {
 }
 
 impl TxIdentity {
-    pub(crate) fn new(
-        scope: Scope,
-        key: IdempotencyKey,
-        token: i64,
-        xid: String,
-        retention: Duration,
-    ) -> Self {
-        Identity {
-            scope,
-            key,
-            token,
-            retention,
-            role: Tx { xid },
-        }
-    }
-
     /// The transaction id the claim ran in (text form of `xid8`).
     pub(crate) fn xid(&self) -> &str {
         &self.role.xid
@@ -132,27 +151,6 @@ impl TxIdentity {
 }
 
 impl LeaseIdentity {
-    pub(crate) fn new(
-        scope: Scope,
-        key: IdempotencyKey,
-        token: i64,
-        operation_id: OperationId,
-        retention: Duration,
-        lease: Duration,
-    ) -> Self {
-        Identity {
-            scope,
-            key,
-            token,
-            retention,
-            role: Lease {
-                operation_id,
-                lease,
-                fenced: AtomicBool::new(false),
-            },
-        }
-    }
-
     /// The operation's id: the same for every attempt.
     pub(crate) fn operation_id(&self) -> OperationId {
         self.role.operation_id
@@ -184,3 +182,79 @@ impl LeaseIdentity {
             .finish_non_exhaustive()
     }
 }
+
+/// The public accessors of a transaction handle (`PgTx`, `SqlxTx`), for
+/// its `impl` block: both drivers' handles answer and document them alike.
+/// The handle has a `fn identity(&self) -> &TxIdentity`.
+macro_rules! tx_accessors {
+    () => {
+        /// The tenant the request acts for, as a string (handy as a query
+        /// parameter).
+        pub fn tenant(&self) -> &str {
+            self.identity().tenant()
+        }
+
+        /// The scope (tenant and endpoint) of the owned key.
+        pub fn scope(&self) -> &$crate::scope::Scope {
+            self.identity().scope()
+        }
+
+        /// This attempt's token: a new owner of the key (the first, or one
+        /// that took over an expired record) always gets a larger one than
+        /// every owner before it, even after the key's row was removed.
+        /// Tokens come from one sequence, so they are not consecutive per
+        /// key.
+        pub fn attempt_token(&self) -> i64 {
+            self.identity().attempt_token()
+        }
+
+        /// The idempotency key this transaction owns, as the client sent it.
+        /// Handlers may store it (a provider recording which key charged);
+        /// keep it out of logs.
+        pub fn idempotency_key(&self) -> &str {
+            self.identity().idempotency_key()
+        }
+    };
+}
+
+/// The public accessors of a lease handle (`PgLease`, `SqlxLease`), for its
+/// `impl` block. The handle has a `fn identity(&self) -> &LeaseIdentity`.
+macro_rules! lease_accessors {
+    () => {
+        /// The operation's id: the same for every attempt, so the key for
+        /// downstream calls.
+        pub fn operation_id(&self) -> $crate::store::OperationId {
+            self.identity().operation_id()
+        }
+
+        /// This attempt's fencing token: larger than every earlier attempt's
+        /// for this key, even after its record was removed.
+        pub fn attempt_token(&self) -> i64 {
+            self.identity().attempt_token()
+        }
+
+        /// The tenant the operation acts for.
+        pub fn tenant(&self) -> &str {
+            self.identity().tenant()
+        }
+
+        /// The scope (tenant and endpoint) of the operation.
+        pub fn scope(&self) -> &$crate::scope::Scope {
+            self.identity().scope()
+        }
+
+        /// The client's idempotency key; keep it out of logs.
+        pub fn idempotency_key(&self) -> &str {
+            self.identity().idempotency_key()
+        }
+
+        /// Whether the store has told this owner it was fenced (a heartbeat,
+        /// a fenced transaction or the completion found a newer token). Once
+        /// `true`, every write is refused; stop early.
+        pub fn is_fenced(&self) -> bool {
+            self.identity().is_fenced()
+        }
+    };
+}
+
+pub(crate) use {lease_accessors, tx_accessors};

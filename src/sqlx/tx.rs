@@ -17,7 +17,7 @@ use super::{
 };
 use crate::{
     key::IdempotencyKey,
-    pg::identity::TxIdentity,
+    pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
     scope::Scope,
     store::{StoreError, StoreErrorKind},
 };
@@ -117,7 +117,7 @@ impl SqlxTx {
                 pool,
                 pid,
                 transaction_pooling,
-                id: TxIdentity::new(scope, key, token, xid, retention),
+                id: Identity::new(scope, key, token, retention, Tx::new(xid)),
                 fenced,
             }),
         }
@@ -134,25 +134,7 @@ impl SqlxTx {
         Ok(SqlxConn { conn })
     }
 
-    /// The tenant the request acts for.
-    pub fn tenant(&self) -> &str {
-        self.inner.id.tenant()
-    }
-
-    /// The tenant and endpoint of the claimed key.
-    pub fn scope(&self) -> &Scope {
-        self.inner.id.scope()
-    }
-
-    /// The claim's attempt token: larger than every earlier one for this key.
-    pub fn attempt_token(&self) -> i64 {
-        self.inner.id.attempt_token()
-    }
-
-    /// The idempotency key the request carried.
-    pub fn idempotency_key(&self) -> &str {
-        self.inner.id.idempotency_key()
-    }
+    tx_accessors!();
 
     /// Who owns the key, for the statements that end the transaction.
     pub(super) fn identity(&self) -> &TxIdentity {

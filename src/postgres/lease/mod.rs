@@ -2,14 +2,12 @@
 //! ownership, and [`FencedTx`], the transaction its writes go through.
 //! The protocol's statements are in `protocol.rs`.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{fmt, sync::Arc};
 
 use super::{PgStore, PgTx, TxError};
 use crate::{
-    key::IdempotencyKey,
-    pg::identity::LeaseIdentity,
-    scope::Scope,
-    store::{OperationId, StoreErrorKind},
+    pg::identity::{lease_accessors, LeaseIdentity},
+    store::StoreErrorKind,
 };
 
 pub(crate) mod protocol;
@@ -55,56 +53,13 @@ struct Shared {
 }
 
 impl PgLease {
-    pub(super) fn new(
-        store: PgStore,
-        scope: Scope,
-        key: IdempotencyKey,
-        token: i64,
-        operation_id: OperationId,
-        retention: Duration,
-        lease: Duration,
-    ) -> Self {
+    pub(super) fn new(store: PgStore, id: LeaseIdentity) -> Self {
         PgLease {
-            inner: Arc::new(Shared {
-                store,
-                id: LeaseIdentity::new(scope, key, token, operation_id, retention, lease),
-            }),
+            inner: Arc::new(Shared { store, id }),
         }
     }
 
-    /// The operation's id: the same for every attempt, so the key for
-    /// downstream calls.
-    pub fn operation_id(&self) -> OperationId {
-        self.inner.id.operation_id()
-    }
-
-    /// This attempt's fencing token: larger than every earlier attempt's
-    /// for this key, even after its record was removed.
-    pub fn attempt_token(&self) -> i64 {
-        self.inner.id.attempt_token()
-    }
-
-    /// The tenant the operation acts for.
-    pub fn tenant(&self) -> &str {
-        self.inner.id.tenant()
-    }
-
-    /// The scope (tenant and endpoint) of the operation.
-    pub fn scope(&self) -> &Scope {
-        self.inner.id.scope()
-    }
-
-    /// The client's idempotency key; keep it out of logs.
-    pub fn idempotency_key(&self) -> &str {
-        self.inner.id.idempotency_key()
-    }
-
-    /// Whether the store has told this owner it was fenced (a heartbeat, a
-    /// fenced transaction or the completion found a newer token). Once
-    /// `true`, every write is refused; stop early.
-    pub fn is_fenced(&self) -> bool {
-        self.inner.id.is_fenced()
-    }
+    lease_accessors!();
 
     /// Opens a fenced transaction: the operation's record is held (`FOR
     /// SHARE`) at this lease's token until [`FencedTx::commit`], so the

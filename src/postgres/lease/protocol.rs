@@ -12,7 +12,9 @@ use super::statements::{
     RECOVER_SQL, RELEASE_SQL,
 };
 use super::{fenced_error, PgLease};
-use crate::pg::lease::{attempt_of, operation_state, parse_id, stored_request, stored_response};
+use crate::pg::lease::{
+    acquired, attempt_of, operation_state, parse_id, recovered, stored_response, RecoverRow,
+};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
@@ -22,7 +24,7 @@ use crate::{
     scope::{Scope, TenantId},
     store::OperationId,
     store::{
-        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, Owned, Recovered, StoreError,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, Recovered, StoreError,
         StoreErrorKind,
     },
 };
@@ -77,25 +79,11 @@ pub(in crate::postgres) async fn acquire(
         Err(e) => return Err(e),
     };
     if let Some(row) = rows.first() {
-        let token: i64 = row.get(0);
-        let id: String = row.get(1);
-        let attempt = attempt_of(row.get(2));
-        let operation_id = parse_id(&id)?;
-        let handle = PgLease::new(
-            store.clone(),
-            claim.scope.clone(),
-            claim.key.clone(),
-            token,
-            operation_id,
-            claim.retention,
-            request.lease,
-        );
-        return Ok(Acquired::Owned(Owned::new(
-            handle,
-            operation_id,
-            token,
-            attempt,
-        )));
+        let columns = (row.get(0), row.get(1), row.get(2));
+        let owned = acquired(claim, request, columns, |id| {
+            PgLease::new(store.clone(), id)
+        })?;
+        return Ok(Acquired::Owned(owned));
     }
     // Someone else's record: a live lease, a completion, another request.
     let deadline = tokio::time::Instant::now() + MIN_WAIT.max(GRACE);
@@ -304,34 +292,21 @@ pub(in crate::postgres) async fn recover(
     let Some(row) = rows.first() else {
         return Ok(None);
     };
-    let tenant: String = row.get(0);
-    let key: String = row.get(1);
-    let token: i64 = row.get(2);
-    let id: String = row.get(3);
-    let method: Option<String> = row.get(4);
-    let target: Option<String> = row.get(5);
-    let headers: Option<&[u8]> = row.get(6);
-    let body: Option<&[u8]> = row.get(7);
-    let attempt = attempt_of(row.get(8));
-    let scope = Scope::new(TenantId::new(tenant), endpoint.to_owned());
-    let key = IdempotencyKey::parse(key.as_bytes())
-        .map_err(|_| corrupt("stored record has an invalid key"))?;
-    let operation_id = parse_id(&id)?;
-    let request = stored_request(method, target, headers, body)?;
-    let handle = PgLease::new(
-        store.clone(),
-        scope.clone(),
-        key,
-        token,
-        operation_id,
-        retention,
-        lease,
-    );
-    Ok(Some(Recovered::new(
-        Owned::new(handle, operation_id, token, attempt),
-        scope,
-        request,
-    )))
+    let row = RecoverRow {
+        tenant: row.get(0),
+        key: row.get(1),
+        token: row.get(2),
+        operation_id: row.get(3),
+        method: row.get(4),
+        target: row.get(5),
+        headers: row.get(6),
+        body: row.get(7),
+        attempts: row.get(8),
+    };
+    let recovered = recovered(row, endpoint, lease, retention, |id| {
+        PgLease::new(store.clone(), id)
+    })?;
+    Ok(Some(recovered))
 }
 
 /// Runs one statement in a transaction of its own, with `lock_timeout` set

@@ -9,7 +9,11 @@ use tokio_postgres::{
 };
 
 use super::{conn::Conn, statements::Sql};
-use crate::{key::IdempotencyKey, pg::identity::TxIdentity, scope::Scope};
+use crate::{
+    key::IdempotencyKey,
+    pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
+    scope::Scope,
+};
 
 mod error;
 
@@ -91,35 +95,12 @@ impl PgTx {
             inner: Arc::new(Shared {
                 cancel: conn.cancel_token(),
                 conn: Mutex::new(Some(conn)),
-                id: TxIdentity::new(scope, key, token, xid, retention),
+                id: Identity::new(scope, key, token, retention, Tx::new(xid)),
             }),
         }
     }
 
-    /// The tenant the request acts for, as a string (handy as a query parameter).
-    pub fn tenant(&self) -> &str {
-        self.inner.id.tenant()
-    }
-
-    /// The scope (tenant and endpoint) of the owned key.
-    pub fn scope(&self) -> &Scope {
-        self.inner.id.scope()
-    }
-
-    /// This attempt's token: a new owner of the key (the first, or one that
-    /// took over an expired record) always gets a larger one than every
-    /// owner before it, even after the key's row was removed. Tokens come
-    /// from one sequence, so they are not consecutive per key.
-    pub fn attempt_token(&self) -> i64 {
-        self.inner.id.attempt_token()
-    }
-
-    /// The idempotency key this transaction owns, as the client sent it.
-    /// Handlers may store it (a provider recording which key charged);
-    /// keep it out of logs.
-    pub fn idempotency_key(&self) -> &str {
-        self.inner.id.idempotency_key()
-    }
+    tx_accessors!();
 
     /// Who owns the key, for the statements that end the transaction.
     pub(super) fn identity(&self) -> &TxIdentity {

@@ -7,13 +7,12 @@ use std::time::Duration;
 use super::SqlxLease;
 use crate::{
     fingerprint::Fingerprint,
-    key::IdempotencyKey,
     pg::lease::{
-        answered, attempt_of, operation_state, parse_id, stored_request, stored_response, ACQUIRE,
-        FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
+        acquired, answered, attempt_of, operation_state, parse_id, recovered, stored_response,
+        RecoverRow, ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
     record::{Record, StoredResponse},
-    scope::{Scope, TenantId},
+    scope::TenantId,
     sqlx::{
         claim::set_waits,
         conn::GuardedConnection,
@@ -22,7 +21,7 @@ use crate::{
     },
     store::OperationId,
     store::{
-        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, Owned, Recovered,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered,
         StoreError, StoreErrorKind,
     },
 };
@@ -53,7 +52,7 @@ impl LeaseStore for SqlxStore {
             .saturating_duration_since(tokio::time::Instant::now())
             .max(MIN_WAIT);
         let mut tx = self.short(remaining).await?;
-        let acquired = tokio::time::timeout(
+        let taken = tokio::time::timeout(
             remaining + GRACE,
             query(ACQUIRE, self.transaction_pooling)
                 .bind(claim.scope.tenant().as_str())
@@ -70,7 +69,7 @@ impl LeaseStore for SqlxStore {
                 .fetch_optional(&mut *tx),
         )
         .await;
-        let row = match acquired {
+        let row = match taken {
             Err(_) => return Err(timed_out()),
             Ok(Err(e)) if sql_state(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                 rollback(tx).await;
@@ -89,25 +88,15 @@ impl LeaseStore for SqlxStore {
             // say where it stands.
             return Ok(self.lookup(claim).await?.unwrap_or(Acquired::InProgress));
         };
-        let token: i64 = row.try_get(0).map_err(map_error)?;
-        let id: String = row.try_get(1).map_err(map_error)?;
-        let attempt = attempt_of(row.try_get(2).map_err(map_error)?);
-        let operation_id = parse_id(&id)?;
-        let lease = SqlxLease::new(
-            self.clone(),
-            claim.scope.clone(),
-            claim.key.clone(),
-            token,
-            operation_id,
-            claim.retention,
-            request.lease,
+        let columns = (
+            row.try_get(0).map_err(map_error)?,
+            row.try_get(1).map_err(map_error)?,
+            row.try_get(2).map_err(map_error)?,
         );
-        Ok(Acquired::Owned(Owned::new(
-            lease,
-            operation_id,
-            token,
-            attempt,
-        )))
+        let owned = acquired(claim, request, columns, |id| {
+            SqlxLease::new(self.clone(), id)
+        })?;
+        Ok(Acquired::Owned(owned))
     }
 
     async fn heartbeat(&self, lease: &SqlxLease, extend: Duration) -> Result<(), StoreError> {
@@ -190,34 +179,21 @@ impl LeaseStore for SqlxStore {
         tx.commit().await.map_err(map_error)?;
         let Some(row) = row else { return Ok(None) };
         let column = |e: ::sqlx::Error| map_error(e);
-        let tenant: String = row.try_get(0).map_err(column)?;
-        let key: String = row.try_get(1).map_err(column)?;
-        let token: i64 = row.try_get(2).map_err(column)?;
-        let id: String = row.try_get(3).map_err(column)?;
-        let method: Option<String> = row.try_get(4).map_err(column)?;
-        let target: Option<String> = row.try_get(5).map_err(column)?;
-        let headers: Option<Vec<u8>> = row.try_get(6).map_err(column)?;
-        let body: Option<Vec<u8>> = row.try_get(7).map_err(column)?;
-        let attempt = attempt_of(row.try_get(8).map_err(column)?);
-        let scope = Scope::new(TenantId::new(tenant), endpoint.to_owned());
-        let key = IdempotencyKey::parse(key.as_bytes())
-            .map_err(|_| corrupt("stored record has an invalid key"))?;
-        let operation_id = parse_id(&id)?;
-        let request = stored_request(method, target, headers.as_deref(), body.as_deref())?;
-        let handle = SqlxLease::new(
-            self.clone(),
-            scope.clone(),
-            key,
-            token,
-            operation_id,
-            retention,
-            lease,
-        );
-        Ok(Some(Recovered::new(
-            Owned::new(handle, operation_id, token, attempt),
-            scope,
-            request,
-        )))
+        let row = RecoverRow {
+            tenant: row.try_get(0).map_err(column)?,
+            key: row.try_get(1).map_err(column)?,
+            token: row.try_get(2).map_err(column)?,
+            operation_id: row.try_get(3).map_err(column)?,
+            method: row.try_get(4).map_err(column)?,
+            target: row.try_get(5).map_err(column)?,
+            headers: row.try_get(6).map_err(column)?,
+            body: row.try_get(7).map_err(column)?,
+            attempts: row.try_get(8).map_err(column)?,
+        };
+        let recovered = recovered(row, endpoint, lease, retention, |id| {
+            SqlxLease::new(self.clone(), id)
+        })?;
+        Ok(Some(recovered))
     }
 }
 
