@@ -3,8 +3,6 @@
 //! after the check that it still holds the record) or rolled back, with the
 //! session reset behind it.
 
-use std::time::Duration;
-
 use ::sqlx::{postgres::PgQueryResult, Connection as _, PgConnection};
 
 use super::{
@@ -14,6 +12,7 @@ use super::{
 };
 use crate::{
     pg::statements::{COMPLETE, FENCED_CHECK},
+    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };
@@ -108,12 +107,6 @@ async fn commit_unless_failed(
         .await
         .map_err(map_commit_error)
 }
-
-/// How long a `ROLLBACK` may queue behind a statement still running on the
-/// connection (a handler cut off at its deadline) before that statement is
-/// cancelled, and how long the cancelled statement then has to end.
-pub(super) const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
-pub(super) const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
 /// [`Store::abort`](crate::store::Store::abort): rolls back and resets the
 /// session; a no-op once the transaction ended.

@@ -11,13 +11,11 @@ use std::{
 use ::sqlx::{Executor as _, PgPool};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
-use super::{
-    conn::GuardedConnection,
-    finish::{finished, CANCEL_GRACE, ROLLBACK_PATIENCE},
-};
+use super::{conn::GuardedConnection, finish::finished};
 use crate::{
     key::IdempotencyKey,
     pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
+    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     scope::Scope,
     store::{StoreError, StoreErrorKind},
 };

@@ -19,6 +19,7 @@ use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     metrics::FencedAt,
+    pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     postgres::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx},
     record::StoredResponse,
     scope::{Scope, TenantId},
@@ -28,14 +29,6 @@ use crate::{
         StoreErrorKind,
     },
 };
-
-/// How long a heartbeat, completion or release waits for the row, and how
-/// long a fenced transaction waits to hold it (a takeover in flight).
-const ROW_WAIT: Duration = Duration::from_secs(5);
-/// Room beyond a wait for the server to report its own lock timeout.
-const GRACE: Duration = Duration::from_millis(250);
-/// The shortest wait an acquire gets.
-const MIN_WAIT: Duration = Duration::from_millis(100);
 
 /// [`LeaseStore::acquire`](crate::store::LeaseStore::acquire).
 pub(in crate::postgres) async fn acquire(

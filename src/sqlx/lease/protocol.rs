@@ -11,6 +11,7 @@ use crate::{
         acquired, answered, attempt_of, operation_state, parse_id, recovered, stored_response,
         RecoverRow, ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
+    pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     record::{Record, StoredResponse},
     scope::TenantId,
     sqlx::{
@@ -26,14 +27,6 @@ use crate::{
     },
 };
 use ::sqlx::{postgres::PgRow, Postgres, Row, Transaction};
-
-/// How long a heartbeat, finish, release or recovery waits for the row, and
-/// how long a fenced transaction waits to hold it (a takeover in flight).
-const ROW_WAIT: Duration = Duration::from_secs(5);
-/// Room beyond a wait for the server to report its own lock timeout.
-const GRACE: Duration = Duration::from_millis(250);
-/// The shortest wait an acquire gets.
-const MIN_WAIT: Duration = Duration::from_millis(100);
 
 impl LeaseStore for SqlxStore {
     type Lease = SqlxLease;
