@@ -9,13 +9,14 @@ use http::Method;
 use std::time::Duration;
 
 use crate::{
+    fingerprint::Fingerprint,
     key::IdempotencyKey,
     pg::identity::{Identity, Lease, LeaseIdentity},
     record::{ResourceId, StoredResponse},
     scope::{Scope, TenantId},
     store::{
-        ClaimRequest, LeaseRequest, OperationId, OperationState, Owned, Recovered, StoreError,
-        StoreErrorKind, StoredRequest,
+        Acquired, ClaimRequest, LeaseRequest, OperationId, OperationState, Owned, Recovered,
+        StoreError, StoreErrorKind, StoredRequest,
     },
 };
 
@@ -182,6 +183,31 @@ pub(crate) fn acquired<L>(
     Ok(Owned::new(handle(identity), operation_id, token, attempt))
 }
 
+/// Whether a key without an answer to replay is taken, from the columns
+/// [`LOOKUP`] returns: a live lease, or an expired one that another request
+/// started (the layer refuses a reused key; only the same request takes an
+/// operation over). `None`: an acquire may own it (an orphan, an expired
+/// lease of the same request).
+pub(crate) fn running<L>(
+    claim: &ClaimRequest,
+    fingerprint: Fingerprint,
+    operation_id: Option<&str>,
+    live: Option<bool>,
+) -> Result<Option<Acquired<L>>, StoreError> {
+    let taken = match live {
+        Some(true) => true,
+        Some(false) => fingerprint != claim.fingerprint,
+        None => false,
+    };
+    match operation_id {
+        Some(id) if taken => Ok(Some(Acquired::Running {
+            operation_id: parse_id(id)?,
+            fingerprint,
+        })),
+        _ => Ok(None),
+    }
+}
+
 /// The columns of the row [`RECOVER`] returns, as a driver reads them.
 pub(crate) struct RecoverRow<'r> {
     pub(crate) tenant: String,
@@ -258,6 +284,14 @@ pub(crate) fn stored_response(
 /// The `attempts` column (never negative; 0 for records older than the count).
 pub(crate) fn attempt_of(attempts: i32) -> u32 {
     u32::try_from(attempts).unwrap_or(0)
+}
+
+/// `Fenced`, for an owner whose attempt token is no longer the record's.
+pub(crate) fn fenced() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Fenced,
+        "another owner took the operation over with a larger attempt token",
+    )
 }
 
 pub(crate) fn parse_id(id: &str) -> Result<OperationId, StoreError> {

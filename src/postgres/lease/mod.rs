@@ -5,10 +5,7 @@
 use std::{fmt, sync::Arc};
 
 use super::{PgStore, PgTx, TxError};
-use crate::{
-    pg::identity::{lease_accessors, LeaseIdentity},
-    store::StoreErrorKind,
-};
+use crate::pg::identity::{lease_accessors, LeaseIdentity};
 
 pub(crate) mod protocol;
 pub(crate) mod statements;
@@ -117,8 +114,8 @@ pub struct FencedTx {
 
 impl FencedTx {
     /// Commits the writes. [`TxErrorKind::Store`](super::TxErrorKind::Store)
-    /// with [`StoreErrorKind::OutcomeUnknown`] if the connection was lost
-    /// during the commit.
+    /// with [`StoreErrorKind::OutcomeUnknown`](crate::store::StoreErrorKind::OutcomeUnknown)
+    /// if the connection was lost during the commit.
     pub async fn commit(self) -> Result<(), TxError> {
         Ok(super::finish::commit_fenced(self.tx).await?)
     }
@@ -135,12 +132,4 @@ impl std::ops::Deref for FencedTx {
     fn deref(&self) -> &PgTx {
         &self.tx
     }
-}
-
-/// `Fenced` from the store, as the lease's owner sees it.
-pub(super) fn fenced_error() -> crate::store::StoreError {
-    crate::store::StoreError::new(
-        StoreErrorKind::Fenced,
-        "another owner took the operation over with a larger attempt token",
-    )
 }

@@ -11,9 +11,9 @@ use super::statements::{
     ACQUIRE_SQL, FAIL_SQL, FINISH_SQL, HEARTBEAT_SQL, HOLD_SQL, LOOKUP_SQL, OPERATION_SQL,
     RECOVER_SQL, RELEASE_SQL,
 };
-use super::{fenced_error, PgLease};
+use super::PgLease;
 use crate::pg::lease::{
-    acquired, attempt_of, operation_state, parse_id, recovered, stored_response, RecoverRow,
+    acquired, attempt_of, fenced, operation_state, recovered, running, stored_response, RecoverRow,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -99,21 +99,9 @@ async fn lookup(
     if let Some(record) = decode::record(&row)? {
         return Ok(Some(Acquired::Completed(record)));
     }
-    let id: Option<String> = row.get(6);
-    let live: Option<bool> = row.get(7);
     let fingerprint = Fingerprint::from_slice(row.get(0))
         .ok_or_else(|| corrupt("stored record has an invalid fingerprint"))?;
-    let running = |id: &str| -> Result<_, StoreError> {
-        Ok(Some(Acquired::Running {
-            operation_id: parse_id(id)?,
-            fingerprint,
-        }))
-    };
-    match (id, live) {
-        (Some(id), Some(true)) => running(&id),
-        (Some(id), Some(false)) if fingerprint != claim.fingerprint => running(&id),
-        _ => Ok(None),
-    }
+    running(claim, fingerprint, row.get(6), row.get(7))
 }
 
 /// [`LeaseStore::heartbeat`](crate::store::LeaseStore::heartbeat).
@@ -179,7 +167,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     let Some(row) = row else {
         let _ = rollback(conn).await;
         lease.mark_fenced(Some(FencedAt::Write));
-        return Err(fenced_error());
+        return Err(fenced());
     };
     let xid: String = row.get(0);
     let id = lease.identity();
@@ -246,7 +234,7 @@ async fn guarded(
 ) -> Result<(), StoreError> {
     if short_execute(lease.store(), sql, params).await? == 0 {
         lease.mark_fenced(None);
-        return Err(fenced_error());
+        return Err(fenced());
     }
     Ok(())
 }

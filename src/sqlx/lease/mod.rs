@@ -10,7 +10,8 @@ use std::{fmt, sync::Arc};
 use super::{finish, SqlxStore, SqlxTx};
 use crate::{
     pg::identity::{lease_accessors, LeaseIdentity},
-    store::{StoreError, StoreErrorKind},
+    pg::lease::fenced,
+    store::StoreError,
 };
 
 mod protocol;
@@ -22,9 +23,10 @@ mod protocol;
 /// through a fenced transaction from [`transaction`](Self::transaction),
 /// which holds the operation's record at this token until
 /// [`commit`](Self::commit): a takeover by a newer owner cannot come in
-/// between, and a stale owner gets [`StoreErrorKind::Fenced`] and must
-/// stop. The layer renews the lease with heartbeats while the handler runs
-/// and stores its answer by a compare-and-swap on the token.
+/// between, and a stale owner gets
+/// [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) and
+/// must stop. The layer renews the lease with heartbeats while the handler
+/// runs and stores its answer by a compare-and-swap on the token.
 ///
 /// ```no_run
 /// # async fn handler(lease: tower_idempotency::sqlx::SqlxLease) -> Result<(), Box<dyn std::error::Error>> {
@@ -68,7 +70,8 @@ impl SqlxLease {
     /// it. Never hold one across a slow external call; PostgreSQL ends one
     /// left idle for longer than the lease.
     ///
-    /// [`StoreErrorKind::Fenced`] if another owner took the operation over.
+    /// [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) if
+    /// another owner took the operation over.
     pub async fn transaction(&self) -> Result<SqlxTx, StoreError> {
         protocol::open_fenced(self).await
     }
@@ -87,12 +90,10 @@ impl SqlxLease {
         &self.inner.id
     }
 
+    /// Remembers that the store refused this owner, and says so.
     fn fenced_error(&self) -> StoreError {
         self.inner.id.mark_fenced();
-        StoreError::new(
-            StoreErrorKind::Fenced,
-            "another owner took the operation over with a larger attempt token",
-        )
+        fenced()
     }
 }
 

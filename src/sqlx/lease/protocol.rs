@@ -8,7 +8,7 @@ use super::SqlxLease;
 use crate::{
     fingerprint::Fingerprint,
     pg::lease::{
-        acquired, answered, attempt_of, operation_state, parse_id, recovered, stored_response,
+        acquired, answered, attempt_of, operation_state, recovered, running, stored_response,
         RecoverRow, ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
     pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
@@ -219,24 +219,9 @@ impl SqlxStore {
                 response: response_at(&row, 2)?,
             })));
         }
-        let id: Option<String> = row.try_get(6).map_err(map_error)?;
+        let id: Option<&str> = row.try_get(6).map_err(map_error)?;
         let live: Option<bool> = row.try_get(7).map_err(map_error)?;
-        match (id, live) {
-            // A live lease; or an expired one that another request started
-            // (the layer refuses a reused key; only the same request takes
-            // an operation over).
-            (Some(id), Some(true)) => Ok(Some(Acquired::Running {
-                operation_id: parse_id(&id)?,
-                fingerprint,
-            })),
-            (Some(id), Some(false)) if fingerprint != claim.fingerprint => {
-                Ok(Some(Acquired::Running {
-                    operation_id: parse_id(&id)?,
-                    fingerprint,
-                }))
-            }
-            _ => Ok(None),
-        }
+        running(claim, fingerprint, id, live)
     }
 
     /// Reads at most one row outside the store's transactions: on the pool,
