@@ -2,6 +2,8 @@
 //! `PgLease`/`SqlxLease`) know about the owner they stand for, and the one
 //! place that answers their accessors. Each handle holds an [`Identity`]
 //! and delegates to it; only the connection or pool differs per driver.
+//! The handles' public accessors are written once, in `tx_accessors!` and
+//! `lease_accessors!`, which each handle's `impl` block invokes.
 
 use std::{
     fmt,
