@@ -6,9 +6,18 @@
 use bytes::Bytes;
 use http::Method;
 
+use std::time::Duration;
+
 use crate::{
+    fingerprint::Fingerprint,
+    key::IdempotencyKey,
+    pg::identity::{Identity, Lease, LeaseIdentity},
     record::{ResourceId, StoredResponse},
-    store::{OperationId, OperationState, StoreError, StoreErrorKind, StoredRequest},
+    scope::{Scope, TenantId},
+    store::{
+        Acquired, ClaimRequest, LeaseRequest, OperationId, OperationState, Owned, Recovered,
+        StoreError, StoreErrorKind, StoredRequest,
+    },
 };
 
 /// Whether a record in `state` holds an answer to replay: a completion, or
@@ -152,6 +161,87 @@ pub(crate) const RECOVER: &str = "WITH due AS ( \
      RETURNING r.tenant_id, r.idempotency_key, r.attempt_token, r.operation_id::text, \
          r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts";
 
+/// The owner an acquire made, from the row [`ACQUIRE`] returns (attempt
+/// token, operation id, attempts); `handle` makes the driver's lease of
+/// its identity.
+pub(crate) fn acquired<L>(
+    claim: &ClaimRequest,
+    request: &LeaseRequest,
+    (token, id, attempts): (i64, &str, i32),
+    handle: impl FnOnce(LeaseIdentity) -> L,
+) -> Result<Owned<L>, StoreError> {
+    let operation_id = parse_id(id)?;
+    let lease = Lease::new(operation_id, request.lease);
+    let identity = Identity::new(
+        claim.scope.clone(),
+        claim.key.clone(),
+        token,
+        claim.retention,
+        lease,
+    );
+    let attempt = attempt_of(attempts);
+    Ok(Owned::new(handle(identity), operation_id, token, attempt))
+}
+
+/// Whether a key without an answer to replay is taken, from the columns
+/// [`LOOKUP`] returns: a live lease, or an expired one that another request
+/// started (the layer refuses a reused key; only the same request takes an
+/// operation over). `None`: an acquire may own it (an orphan, an expired
+/// lease of the same request).
+pub(crate) fn running<L>(
+    claim: &ClaimRequest,
+    fingerprint: Fingerprint,
+    operation_id: Option<&str>,
+    live: Option<bool>,
+) -> Result<Option<Acquired<L>>, StoreError> {
+    let taken = match live {
+        Some(true) => true,
+        Some(false) => fingerprint != claim.fingerprint,
+        None => false,
+    };
+    match operation_id {
+        Some(id) if taken => Ok(Some(Acquired::Running {
+            operation_id: parse_id(id)?,
+            fingerprint,
+        })),
+        _ => Ok(None),
+    }
+}
+
+/// The columns of the row [`RECOVER`] returns, as a driver reads them.
+pub(crate) struct RecoverRow<'r> {
+    pub(crate) tenant: String,
+    pub(crate) key: &'r str,
+    pub(crate) token: i64,
+    pub(crate) operation_id: &'r str,
+    pub(crate) method: Option<String>,
+    pub(crate) target: Option<String>,
+    pub(crate) headers: Option<&'r [u8]>,
+    pub(crate) body: Option<&'r [u8]>,
+    pub(crate) attempts: i32,
+}
+
+/// The owner a recovery on `endpoint` took over, with the request to
+/// re-drive; `handle` makes the driver's lease of its identity.
+pub(crate) fn recovered<L>(
+    row: RecoverRow<'_>,
+    endpoint: &str,
+    lease: Duration,
+    retention: Duration,
+    handle: impl FnOnce(LeaseIdentity) -> L,
+) -> Result<Recovered<L>, StoreError> {
+    let scope = Scope::new(TenantId::new(row.tenant), endpoint.to_owned());
+    let key = IdempotencyKey::parse(row.key.as_bytes())
+        .map_err(|_| corrupt("stored record has an invalid key"))?;
+    let operation_id = parse_id(row.operation_id)?;
+    let request = stored_request(row.method, row.target, row.headers, row.body)?;
+    let lease = Lease::new(operation_id, lease);
+    let identity = Identity::new(scope.clone(), key, row.token, retention, lease);
+    let attempt = attempt_of(row.attempts);
+    let owned = Owned::new(handle(identity), operation_id, row.token, attempt);
+    Ok(Recovered::new(owned, scope, request))
+}
+
 /// The request a recovery worker re-drives, from its stored columns
 /// (shared with the sqlx store, which reads the same table).
 pub(crate) fn stored_request(
@@ -194,6 +284,14 @@ pub(crate) fn stored_response(
 /// The `attempts` column (never negative; 0 for records older than the count).
 pub(crate) fn attempt_of(attempts: i32) -> u32 {
     u32::try_from(attempts).unwrap_or(0)
+}
+
+/// `Fenced`, for an owner whose attempt token is no longer the record's.
+pub(crate) fn fenced() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Fenced,
+        "another owner took the operation over with a larger attempt token",
+    )
 }
 
 pub(crate) fn parse_id(id: &str) -> Result<OperationId, StoreError> {

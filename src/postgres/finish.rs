@@ -2,8 +2,6 @@
 //! transaction ends, committed with its remembered response or rolled back,
 //! with the session reset behind it, in one round trip.
 
-use std::time::Duration;
-
 use tokio_postgres::{
     types::{ToSql, Type},
     NoTls,
@@ -18,6 +16,7 @@ use super::{
 };
 use crate::{
     pg::statements::{COMPLETE, FENCED_CHECK},
+    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };
@@ -39,42 +38,20 @@ pub(super) const COMPLETE_SQL: Sql<'static> = Sql::new(
     ],
 );
 
-/// How long a `ROLLBACK` may queue behind a statement still running on the
-/// connection (a handler cut off at its deadline) before that statement is
-/// cancelled, and how long the cancelled statement then has to end.
-const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
-const CANCEL_GRACE: Duration = Duration::from_secs(5);
-
 /// [`Store::complete`](crate::store::Store::complete) for
 /// [`PgStore`](super::PgStore).
 pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
-    let Some(conn) = tx.take().await else {
-        return Err(StoreError::new(
-            StoreErrorKind::TransactionAborted,
-            "the transaction has already finished",
-        ));
-    };
-    let statement = match conn.prepare_sql(COMPLETE_SQL).await {
-        Ok(statement) => statement,
-        Err(e) => {
-            // The transaction is still open (or aborted): roll it back.
-            let _ = finish(conn, None, "ROLLBACK").await;
-            return Err(map_error(e));
-        }
-    };
     let status = response.status.as_u16() as i16;
     let headers = response.encode_headers();
     let body: &[u8] = &response.body;
-    let retention = tx.retention().as_secs_f64();
-    let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
-    let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
+    let retention = tx.identity().retention().as_secs_f64();
+    let (tenant, endpoint, key, token) = tx.identity().columns();
+    let xid = tx.identity().xid();
     let resource = response.resource_id.as_ref().map(|id| id.as_str());
     let params: [&(dyn ToSql + Sync); 10] = [
         &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid, &resource,
     ];
-    finish(conn, Some((&statement, &params)), "COMMIT")
-        .await
-        .map_err(completion_error)
+    commit_behind(&tx, COMPLETE_SQL, &params).await
 }
 
 // tenant, endpoint, key, token, xid.
@@ -86,23 +63,35 @@ pub(crate) const FENCED_CHECK_SQL: Sql<'static> = Sql::new(
 /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)
 /// for [`PgStore`](super::PgStore).
 pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
+    let (tenant, endpoint, key, token) = tx.identity().columns();
+    let xid = tx.identity().xid();
+    let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &xid];
+    commit_behind(&tx, FENCED_CHECK_SQL, &params).await
+}
+
+/// Ends the transaction of `tx` with `COMMIT` behind `sql`, the statement
+/// that decides whether it may commit (the completion's UPDATE, the fenced
+/// check). Should `sql` not even prepare, the transaction rolls back.
+async fn commit_behind(
+    tx: &PgTx,
+    sql: Sql<'static>,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<(), StoreError> {
     let Some(conn) = tx.take().await else {
         return Err(StoreError::new(
             StoreErrorKind::TransactionAborted,
             "the transaction has already finished",
         ));
     };
-    let statement = match conn.prepare_sql(FENCED_CHECK_SQL).await {
+    let statement = match conn.prepare_sql(sql).await {
         Ok(statement) => statement,
         Err(e) => {
+            // The transaction is still open (or aborted): roll it back.
             let _ = finish(conn, None, "ROLLBACK").await;
             return Err(map_error(e));
         }
     };
-    let (tenant, endpoint) = (tx.scope().tenant().as_str(), tx.scope().endpoint());
-    let (key, token, xid) = (tx.key().as_str(), tx.attempt_token(), tx.xid());
-    let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &xid];
-    finish(conn, Some((&statement, &params)), "COMMIT")
+    finish(conn, Some((&statement, params)), "COMMIT")
         .await
         .map_err(completion_error)
 }

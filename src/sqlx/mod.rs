@@ -108,6 +108,7 @@ mod claim;
 mod commit;
 mod conn;
 mod error;
+mod finish;
 mod lease;
 mod tx;
 
@@ -252,10 +253,10 @@ impl Store for SqlxStore {
     }
 
     async fn complete(&self, tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
-        tx::complete(tx, response).await
+        finish::complete(tx, response).await
     }
 
     async fn abort(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        tx::abort(tx).await
+        finish::abort(tx).await
     }
 }

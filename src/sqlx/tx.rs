@@ -8,18 +8,14 @@ use std::{
     time::Duration,
 };
 
-use ::sqlx::{Connection as _, Executor as _, PgConnection, PgPool};
+use ::sqlx::{Executor as _, PgPool};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
-use super::{
-    conn::GuardedConnection,
-    error::{map_commit_error, map_error},
-    query,
-};
+use super::{conn::GuardedConnection, finish::finished};
 use crate::{
     key::IdempotencyKey,
-    pg::statements::{COMPLETE, FENCED_CHECK},
-    record::StoredResponse,
+    pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
+    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     scope::Scope,
     store::{StoreError, StoreErrorKind},
 };
@@ -65,11 +61,7 @@ struct Shared {
     pool: PgPool,
     pid: i32,
     transaction_pooling: bool,
-    scope: Scope,
-    key: IdempotencyKey,
-    token: i64,
-    xid: String,
-    retention: Duration,
+    id: TxIdentity,
     // A long-running owner's fenced transaction (LeaseStore::fenced), not
     // a claim's.
     fenced: bool,
@@ -123,11 +115,7 @@ impl SqlxTx {
                 pool,
                 pid,
                 transaction_pooling,
-                scope,
-                key,
-                token,
-                xid,
-                retention,
+                id: Identity::new(scope, key, token, retention, Tx::new(xid)),
                 fenced,
             }),
         }
@@ -144,29 +132,28 @@ impl SqlxTx {
         Ok(SqlxConn { conn })
     }
 
-    /// The tenant the request acts for.
-    pub fn tenant(&self) -> &str {
-        self.inner.scope.tenant().as_str()
+    tx_accessors!();
+
+    /// Who owns the key, for the statements that end the transaction.
+    pub(super) fn identity(&self) -> &TxIdentity {
+        &self.inner.id
     }
 
-    /// The tenant and endpoint of the claimed key.
-    pub fn scope(&self) -> &Scope {
-        &self.inner.scope
+    /// Whether this is a long-running owner's fenced transaction
+    /// ([`SqlxLease::transaction`](super::SqlxLease::transaction)) rather
+    /// than a claim's.
+    pub(super) fn is_fenced(&self) -> bool {
+        self.inner.fenced
     }
 
-    /// The claim's attempt token: larger than every earlier one for this key.
-    pub fn attempt_token(&self) -> i64 {
-        self.inner.token
-    }
-
-    /// The idempotency key the request carried.
-    pub fn idempotency_key(&self) -> &str {
-        self.inner.key.as_str()
+    /// Whether the store sends unnamed statements (behind a transaction
+    /// pooler).
+    pub(super) fn transaction_pooling(&self) -> bool {
+        self.inner.transaction_pooling
     }
 
     /// Takes the transaction out to end it; `None` if it already ended.
-    /// Waits for a statement running through a clone.
-    /// Takes the transaction to end it. A task the handler spawned may
+    /// Waits for a statement running through a clone: a task the handler spawned may
     /// still hold the connection in a statement: after
     /// [`ROLLBACK_PATIENCE`] that statement is cancelled, and after
     /// [`CANCEL_GRACE`] more the store gives up (`Unavailable`; the
@@ -194,7 +181,7 @@ impl SqlxTx {
     /// statement), so the pooler still lends this client that server
     /// connection. The statement is a simple query (the id is a number of
     /// ours, not client data): one round trip, nothing prepared.
-    async fn cancel_running(&self) {
+    pub(super) async fn cancel_running(&self) {
         let cancel = format!("SELECT pg_cancel_backend({})", self.inner.pid);
         let cancelled = (&self.inner.pool).execute(cancel.as_str()).await;
         if let Err(e) = cancelled {
@@ -205,11 +192,7 @@ impl SqlxTx {
 
 impl fmt::Debug for SqlxTx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxTx")
-            .field("scope", &self.inner.scope)
-            .field("key", &self.inner.key)
-            .field("attempt_token", &self.inner.token)
-            .finish_non_exhaustive()
+        self.inner.id.fmt_debug("SqlxTx", f)
     }
 }
 
@@ -218,154 +201,7 @@ impl Drop for Shared {
         if self.tx.get_mut().is_some() {
             // The connection closes instead of going back to the pool
             // (`GuardedConnection`'s drop); PostgreSQL rolls back.
-            tracing::warn!(
-                endpoint = self.scope.endpoint(),
-                key_hash = %self.key.short_hash(),
-                "idempotency transaction dropped unfinished; closing its connection (rolled back)"
-            );
+            self.id.warn_dropped_unfinished();
         }
-    }
-}
-
-fn finished() -> StoreError {
-    StoreError::new(
-        StoreErrorKind::TransactionAborted,
-        "the transaction has already finished",
-    )
-}
-
-/// [`Store::complete`](crate::store::Store::complete): the response, checked
-/// against the claim's token and transaction, then `COMMIT` and the session
-/// reset.
-pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
-    let Some(mut transaction) = tx.take().await? else {
-        return Err(finished());
-    };
-    if tx.inner.fenced {
-        if let Err(e) = transaction.end("ROLLBACK", true).await {
-            tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
-        }
-        return Err(StoreError::new(
-            StoreErrorKind::TransactionAborted,
-            "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
-        ));
-    }
-    let shared = &tx.inner;
-    let remembered = query(COMPLETE, shared.transaction_pooling)
-        .bind(shared.scope.tenant().as_str())
-        .bind(shared.scope.endpoint())
-        .bind(shared.key.as_str())
-        .bind(shared.token)
-        .bind(response.status.as_u16() as i16)
-        .bind(response.encode_headers())
-        .bind(response.body.as_ref())
-        .bind(shared.retention.as_secs_f64())
-        .bind(shared.xid.as_str())
-        .bind(response.resource_id.as_ref().map(|id| id.as_str()))
-        .execute(transaction.raw())
-        .await;
-    if let Err(e) = remembered {
-        let error = map_error(e);
-        // Should the rollback fail, the connection is closed, and the
-        // server rolls back.
-        if let Err(rollback) = transaction.end("ROLLBACK", true).await {
-            tracing::debug!(error = %rollback, "rolling back a failed completion failed");
-        }
-        return Err(error);
-    }
-    transaction
-        .end("COMMIT", true)
-        .await
-        .map_err(map_commit_error)
-}
-
-/// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced):
-/// the check that the transaction is intact and still holds the record at
-/// its token (it cannot have lost it while holding the row `FOR SHARE`,
-/// unless the handler ended the transaction), then `COMMIT` and the session
-/// reset.
-pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
-    if !tx.inner.fenced {
-        return Err(StoreError::new(
-            StoreErrorKind::TransactionAborted,
-            "a claim's transaction commits with Store::complete",
-        ));
-    }
-    let Some(mut transaction) = tx.take().await? else {
-        return Err(finished());
-    };
-    let shared = &tx.inner;
-    let checked = query(FENCED_CHECK, shared.transaction_pooling)
-        .bind(shared.scope.tenant().as_str())
-        .bind(shared.scope.endpoint())
-        .bind(shared.key.as_str())
-        .bind(shared.token)
-        .bind(shared.xid.as_str())
-        .execute(transaction.raw())
-        .await;
-    if let Err(e) = checked {
-        let error = map_error(e);
-        if let Err(rollback) = transaction.end("ROLLBACK", true).await {
-            tracing::debug!(error = %rollback, "rolling back a failed fenced commit failed");
-        }
-        return Err(error);
-    }
-    transaction
-        .end("COMMIT", true)
-        .await
-        .map_err(map_commit_error)
-}
-
-/// How long a `ROLLBACK` may queue behind a statement still running on the
-/// connection (a handler cut off at its deadline) before that statement is
-/// cancelled, and how long the cancelled statement then has to end.
-const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
-const CANCEL_GRACE: Duration = Duration::from_secs(5);
-
-/// [`Store::abort`](crate::store::Store::abort): rolls back and resets the
-/// session; a no-op once the transaction ended.
-///
-/// A statement the handler started may still run on the connection (its
-/// future was dropped at the layer's deadline, which released the handle):
-/// the `ROLLBACK` then waits behind it, and the key stays held. If it does
-/// not end soon, it is cancelled (`pg_cancel_backend` from another pooled
-/// connection: this session's transaction is ours until the rollback, so
-/// nothing else runs on it).
-pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
-    let Some(mut transaction) = tx.take().await? else {
-        return Ok(());
-    };
-    let drained = {
-        let mut drain = std::pin::pin!(drain(transaction.raw()));
-        match tokio::time::timeout(ROLLBACK_PATIENCE, &mut drain).await {
-            Ok(drained) => drained,
-            Err(_) => {
-                tx.cancel_running().await;
-                match tokio::time::timeout(CANCEL_GRACE, drain).await {
-                    Ok(drained) => drained,
-                    // Dropped, the connection is closed; the server rolls
-                    // back once the statement ends.
-                    Err(_) => {
-                        return Err(StoreError::new(
-                            StoreErrorKind::Unavailable,
-                            "a statement left running on the connection did not end",
-                        ))
-                    }
-                }
-            }
-        }
-    };
-    // The connection itself failed: dropped, the transaction ends with it.
-    drained.map_err(map_error)?;
-    transaction.end("ROLLBACK", true).await.map_err(map_error)
-}
-
-/// Waits until nothing runs on the connection any more. The answer of a
-/// statement whose future was dropped may still be on its way: an error in
-/// it (a cancelled statement) comes back once, then the connection is idle.
-async fn drain(conn: &mut PgConnection) -> Result<(), ::sqlx::Error> {
-    match conn.ping().await {
-        Err(::sqlx::Error::Database(_)) => conn.ping().await,
-        other => other,
     }
 }

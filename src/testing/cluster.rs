@@ -1,10 +1,9 @@
 //! The throwaway cluster: [`TempPostgres`], a private PostgreSQL server in a temporary
 //! directory, found on this machine, initialised (as the `postgres` user when running as
 //! root), watched so that it stops when the process exits, and removed on drop, along with
-//! clusters left behind by test processes that were killed. Also [`HarnessError`], shared
-//! with the per-test databases of the `database` module.
+//! clusters left behind by test processes that were killed (`host.rs`). Also
+//! [`HarnessError`] (`error.rs`), shared with the per-test databases of the `database` module.
 
-use std::error::Error as _;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -12,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
-use std::{fmt, io};
 
 const DIR_PREFIX: &str = "tower-idempotency-pg-";
 // Only names the socket file: the server listens on a private socket directory, never on TCP.
@@ -24,105 +22,16 @@ const INSTALL: &str =
 
 static DIR_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// Why a temporary cluster or test database could not be provided.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum HarnessError {
-    /// No usable `initdb`/`postgres` pair was found.
-    BinariesNotFound {
-        /// The places that were looked at.
-        searched: String,
-    },
-    /// Running as root, which `initdb` refuses, with no `postgres` user to switch to.
-    PostgresUserMissing,
-    /// A filesystem or process operation failed.
-    Io {
-        /// What was being done.
-        context: String,
-        /// The underlying error.
-        source: io::Error,
-    },
-    /// `initdb` exited unsuccessfully.
-    Initdb {
-        /// Its output.
-        stderr: String,
-    },
-    /// The server process exited before accepting connections.
-    ServerExited {
-        /// The exit status.
-        status: String,
-        /// The end of the server log.
-        log_tail: String,
-    },
-    /// The server did not accept connections within 30 seconds.
-    StartTimeout {
-        /// The end of the server log.
-        log_tail: String,
-    },
-    /// `DATABASE_URL` could not be parsed.
-    InvalidDatabaseUrl(tokio_postgres::Error),
-    /// The cluster shared by the test process failed to start; holds the original message.
-    SharedCluster(String),
-    /// Talking to the server failed.
-    Database(tokio_postgres::Error),
-}
+mod error;
+mod host;
 
-impl fmt::Display for HarnessError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // tokio_postgres::Error's Display omits its cause, which holds the useful part.
-        let pg = |f: &mut fmt::Formatter<'_>, e: &tokio_postgres::Error| match e.source() {
-            Some(cause) => write!(f, "{e}: {cause}"),
-            None => write!(f, "{e}"),
-        };
-        match self {
-            Self::BinariesNotFound { searched } => write!(
-                f,
-                "PostgreSQL server binaries (initdb, postgres) not found; {INSTALL} or set \
-                 PG_BIN_DIR, or set DATABASE_URL to use an existing server (searched: {searched})"
-            ),
-            Self::PostgresUserMissing => write!(
-                f,
-                "running as root, which initdb refuses, and /etc/passwd has no `postgres` user \
-                 to run it as; {INSTALL}, which creates that user, or run as a non-root user"
-            ),
-            Self::Io { context, source } => write!(f, "{context}: {source}"),
-            Self::Initdb { stderr } => write!(f, "initdb failed:\n{stderr}"),
-            Self::ServerExited { status, log_tail } => {
-                write!(
-                    f,
-                    "postgres exited during startup ({status}); log tail:\n{log_tail}"
-                )
-            }
-            Self::StartTimeout { log_tail } => {
-                write!(
-                    f,
-                    "postgres did not become ready in time; log tail:\n{log_tail}"
-                )
-            }
-            Self::InvalidDatabaseUrl(e) => {
-                f.write_str("DATABASE_URL is not a valid connection string: ")?;
-                pg(f, e)
-            }
-            Self::SharedCluster(msg) => write!(f, "the shared test cluster failed to start: {msg}"),
-            Self::Database(e) => pg(f, e),
-        }
-    }
-}
+pub use error::HarnessError;
+pub(super) use host::left_by_dead_process;
 
-impl std::error::Error for HarnessError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Io { source, .. } => Some(source),
-            Self::InvalidDatabaseUrl(e) | Self::Database(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> HarnessError {
-    let context = context.into();
-    move |source| HarnessError::Io { context, source }
-}
+use error::io_err;
+use host::{
+    effective_uid, find_bin_dir, passwd_ids, quiet, signal_int, spawn_watchdog, sweep_stale_dirs,
+};
 
 /// Options for a [`TempPostgres`]; obtained from [`TempPostgres::builder`].
 #[derive(Debug, Clone, Default)]
@@ -417,126 +326,6 @@ impl Drop for TempPostgres {
         }
         let _ = fs::remove_dir_all(&self.dir);
     }
-}
-
-fn find_bin_dir() -> Result<PathBuf, HarnessError> {
-    let usable = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
-    let mut searched = Vec::new();
-    if let Some(dir) = std::env::var_os("PG_BIN_DIR").map(PathBuf::from) {
-        if usable(&dir) {
-            return Ok(dir);
-        }
-        searched.push(format!("PG_BIN_DIR={}", dir.display()));
-    }
-    // Debian ships pg_config in libpq-dev, so it may name a bindir without the server.
-    if let Ok(out) = quiet(Command::new("pg_config").arg("--bindir")).output() {
-        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if out.status.success() && usable(&dir) {
-            return Ok(dir);
-        }
-        searched.push(format!("pg_config --bindir ({})", dir.display()));
-    }
-    let version = |name: &str| {
-        name.split('.')
-            .map(str::parse)
-            .collect::<Result<Vec<u32>, _>>()
-    };
-    let mut versions: Vec<(Vec<u32>, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| Some((version(e.file_name().to_str()?).ok()?, e.path().join("bin"))))
-        .collect();
-    versions.sort();
-    if let Some((_, dir)) = versions.into_iter().rev().find(|(_, dir)| usable(dir)) {
-        return Ok(dir);
-    }
-    searched.push("/usr/lib/postgresql/*/bin".into());
-    // Resolve symlinks so postgres and pg_isready are looked up next to the real initdb.
-    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
-        let real = fs::canonicalize(dir.join("initdb")).ok();
-        if let Some(dir) = real.as_deref().and_then(Path::parent).filter(|d| usable(d)) {
-            return Ok(dir.to_path_buf());
-        }
-    }
-    searched.push("initdb on PATH".into());
-    Err(HarnessError::BinariesNotFound {
-        searched: searched.join(", "),
-    })
-}
-
-// Statics are never dropped, so the shared cluster relies on this to stop once we exit.
-// Its own process group keeps a terminal Ctrl-C from killing it before it cleans up.
-fn spawn_watchdog(pg_pid: u32, dir: &Path) -> Option<Child> {
-    let me = std::process::id();
-    let dir = dir.to_string_lossy().replace('\'', r"'\''");
-    let script = format!(
-        "while kill -0 {me} 2>/dev/null; do sleep 1; done; kill -INT {pg_pid} 2>/dev/null; \
-         i=0; while kill -0 {pg_pid} 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; \
-         i=$((i+1)); done; rm -rf '{dir}'"
-    );
-    let mut cmd = Command::new("sh");
-    let spawned = quiet(cmd.arg("-c").arg(script).process_group(0)).spawn();
-    spawned
-        .map_err(|e| tracing::warn!(error = %e, "could not start the watchdog"))
-        .ok()
-}
-
-// Clusters of test processes that died without running Drop (killed, or whose watchdog was).
-fn sweep_stale_dirs() {
-    if !Path::new("/proc/self").exists() {
-        return;
-    }
-    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    for path in entries.flatten().map(|entry| entry.path()) {
-        let name = path.file_name().unwrap_or_default().to_string_lossy();
-        if !left_by_dead_process(&name, DIR_PREFIX, '-') {
-            continue;
-        }
-        let postmaster = fs::read_to_string(path.join("data/postmaster.pid")).unwrap_or_default();
-        if let Some(Ok(pg_pid)) = postmaster.lines().next().map(|l| l.trim().parse()) {
-            signal_int(pg_pid);
-        }
-        let _ = fs::remove_dir_all(&path);
-    }
-}
-
-// Names are `<prefix><pid><sep>...`; true when that pid is neither ours nor running.
-pub(super) fn left_by_dead_process(name: &str, prefix: &str, sep: char) -> bool {
-    let pid = name
-        .strip_prefix(prefix)
-        .and_then(|rest| rest.split(sep).next());
-    let pid = pid.and_then(|pid| pid.parse::<u32>().ok());
-    pid.is_some_and(|pid| pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists())
-}
-
-// Through the `kill` command because std can only send SIGKILL.
-fn signal_int(pid: u32) {
-    let _ = quiet(Command::new("kill").arg("-INT").arg(pid.to_string())).status();
-}
-
-fn quiet(cmd: &mut Command) -> &mut Command {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-}
-
-fn effective_uid() -> Option<u32> {
-    let status = fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
-    line.split_whitespace().nth(2)?.parse().ok() // "Uid: real effective saved fs"
-}
-
-fn passwd_ids(user: &str) -> Option<(u32, u32)> {
-    let passwd = fs::read_to_string("/etc/passwd").ok()?;
-    passwd
-        .lines()
-        .find_map(|line| match line.split(':').collect::<Vec<_>>()[..] {
-            [name, _, uid, gid, ..] if name == user => Some((uid.parse().ok()?, gid.parse().ok()?)),
-            _ => None,
-        })
 }
 
 fn log_tail(path: &Path) -> String {

@@ -2,21 +2,10 @@
 //! ownership, and [`FencedTx`], the transaction its writes go through.
 //! The protocol's statements are in `protocol.rs`.
 
-use std::{
-    fmt,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{fmt, sync::Arc};
 
 use super::{PgStore, PgTx, TxError};
-use crate::{
-    key::IdempotencyKey,
-    scope::Scope,
-    store::{OperationId, StoreErrorKind},
-};
+use crate::pg::identity::{lease_accessors, LeaseIdentity};
 
 pub(crate) mod protocol;
 pub(crate) mod statements;
@@ -57,72 +46,17 @@ pub struct PgLease {
 
 struct Shared {
     store: PgStore,
-    scope: Scope,
-    key: IdempotencyKey,
-    token: i64,
-    operation_id: OperationId,
-    retention: Duration,
-    lease: Duration,
-    fenced: AtomicBool,
+    id: LeaseIdentity,
 }
 
 impl PgLease {
-    pub(super) fn new(
-        store: PgStore,
-        scope: Scope,
-        key: IdempotencyKey,
-        token: i64,
-        operation_id: OperationId,
-        retention: Duration,
-        lease: Duration,
-    ) -> Self {
+    pub(super) fn new(store: PgStore, id: LeaseIdentity) -> Self {
         PgLease {
-            inner: Arc::new(Shared {
-                store,
-                scope,
-                key,
-                token,
-                operation_id,
-                retention,
-                lease,
-                fenced: AtomicBool::new(false),
-            }),
+            inner: Arc::new(Shared { store, id }),
         }
     }
 
-    /// The operation's id: the same for every attempt, so the key for
-    /// downstream calls.
-    pub fn operation_id(&self) -> OperationId {
-        self.inner.operation_id
-    }
-
-    /// This attempt's fencing token: larger than every earlier attempt's
-    /// for this key, even after its record was removed.
-    pub fn attempt_token(&self) -> i64 {
-        self.inner.token
-    }
-
-    /// The tenant the operation acts for.
-    pub fn tenant(&self) -> &str {
-        self.inner.scope.tenant().as_str()
-    }
-
-    /// The scope (tenant and endpoint) of the operation.
-    pub fn scope(&self) -> &Scope {
-        &self.inner.scope
-    }
-
-    /// The client's idempotency key; keep it out of logs.
-    pub fn idempotency_key(&self) -> &str {
-        self.inner.key.as_str()
-    }
-
-    /// Whether the store has told this owner it was fenced (a heartbeat, a
-    /// fenced transaction or the completion found a newer token). Once
-    /// `true`, every write is refused; stop early.
-    pub fn is_fenced(&self) -> bool {
-        self.inner.fenced.load(Ordering::Relaxed)
-    }
+    lease_accessors!();
 
     /// Opens a fenced transaction: the operation's record is held (`FOR
     /// SHARE`) at this lease's token until [`FencedTx::commit`], so the
@@ -145,38 +79,24 @@ impl PgLease {
         &self.inner.store
     }
 
-    pub(super) fn key(&self) -> &IdempotencyKey {
-        &self.inner.key
-    }
-
-    pub(super) fn retention(&self) -> Duration {
-        self.inner.retention
-    }
-
-    pub(super) fn lease(&self) -> Duration {
-        self.inner.lease
+    pub(super) fn identity(&self) -> &LeaseIdentity {
+        &self.inner.id
     }
 
     /// Remembers that the store refused this owner. A refused write is
     /// counted here; heartbeats and completions are counted by the layer,
     /// whatever the store.
     pub(super) fn mark_fenced(&self, write: Option<crate::metrics::FencedAt>) {
-        self.inner.fenced.store(true, Ordering::Relaxed);
+        self.inner.id.mark_fenced();
         if let Some(at) = write {
-            crate::metrics::fenced(self.inner.scope.endpoint(), at);
+            crate::metrics::fenced(self.inner.id.endpoint(), at);
         }
     }
 }
 
 impl fmt::Debug for PgLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgLease")
-            .field("scope", &self.inner.scope)
-            .field("key", &self.inner.key)
-            .field("operation_id", &self.inner.operation_id)
-            .field("attempt_token", &self.inner.token)
-            .field("fenced", &self.is_fenced())
-            .finish_non_exhaustive()
+        self.inner.id.fmt_debug("PgLease", f)
     }
 }
 
@@ -194,8 +114,8 @@ pub struct FencedTx {
 
 impl FencedTx {
     /// Commits the writes. [`TxErrorKind::Store`](super::TxErrorKind::Store)
-    /// with [`StoreErrorKind::OutcomeUnknown`] if the connection was lost
-    /// during the commit.
+    /// with [`StoreErrorKind::OutcomeUnknown`](crate::store::StoreErrorKind::OutcomeUnknown)
+    /// if the connection was lost during the commit.
     pub async fn commit(self) -> Result<(), TxError> {
         Ok(super::finish::commit_fenced(self.tx).await?)
     }
@@ -212,12 +132,4 @@ impl std::ops::Deref for FencedTx {
     fn deref(&self) -> &PgTx {
         &self.tx
     }
-}
-
-/// `Fenced` from the store, as the lease's owner sees it.
-pub(super) fn fenced_error() -> crate::store::StoreError {
-    crate::store::StoreError::new(
-        StoreErrorKind::Fenced,
-        "another owner took the operation over with a larger attempt token",
-    )
 }

@@ -11,29 +11,24 @@ use super::statements::{
     ACQUIRE_SQL, FAIL_SQL, FINISH_SQL, HEARTBEAT_SQL, HOLD_SQL, LOOKUP_SQL, OPERATION_SQL,
     RECOVER_SQL, RELEASE_SQL,
 };
-use super::{fenced_error, PgLease};
-use crate::pg::lease::{attempt_of, operation_state, parse_id, stored_request, stored_response};
+use super::PgLease;
+use crate::pg::lease::{
+    acquired, attempt_of, fenced, operation_state, recovered, running, stored_response, RecoverRow,
+};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     metrics::FencedAt,
+    pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     postgres::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx},
     record::StoredResponse,
     scope::{Scope, TenantId},
     store::OperationId,
     store::{
-        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, Owned, Recovered, StoreError,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, Operation, Recovered, StoreError,
         StoreErrorKind,
     },
 };
-
-/// How long a heartbeat, completion or release waits for the row, and how
-/// long a fenced transaction waits to hold it (a takeover in flight).
-const ROW_WAIT: Duration = Duration::from_secs(5);
-/// Room beyond a wait for the server to report its own lock timeout.
-const GRACE: Duration = Duration::from_millis(250);
-/// The shortest wait an acquire gets.
-const MIN_WAIT: Duration = Duration::from_millis(100);
 
 /// [`LeaseStore::acquire`](crate::store::LeaseStore::acquire).
 pub(in crate::postgres) async fn acquire(
@@ -77,25 +72,11 @@ pub(in crate::postgres) async fn acquire(
         Err(e) => return Err(e),
     };
     if let Some(row) = rows.first() {
-        let token: i64 = row.get(0);
-        let id: String = row.get(1);
-        let attempt = attempt_of(row.get(2));
-        let operation_id = parse_id(&id)?;
-        let handle = PgLease::new(
-            store.clone(),
-            claim.scope.clone(),
-            claim.key.clone(),
-            token,
-            operation_id,
-            claim.retention,
-            request.lease,
-        );
-        return Ok(Acquired::Owned(Owned::new(
-            handle,
-            operation_id,
-            token,
-            attempt,
-        )));
+        let columns = (row.get(0), row.get(1), row.get(2));
+        let owned = acquired(claim, request, columns, |id| {
+            PgLease::new(store.clone(), id)
+        })?;
+        return Ok(Acquired::Owned(owned));
     }
     // Someone else's record: a live lease, a completion, another request.
     let deadline = tokio::time::Instant::now() + MIN_WAIT.max(GRACE);
@@ -118,21 +99,9 @@ async fn lookup(
     if let Some(record) = decode::record(&row)? {
         return Ok(Some(Acquired::Completed(record)));
     }
-    let id: Option<String> = row.get(6);
-    let live: Option<bool> = row.get(7);
     let fingerprint = Fingerprint::from_slice(row.get(0))
         .ok_or_else(|| corrupt("stored record has an invalid fingerprint"))?;
-    let running = |id: &str| -> Result<_, StoreError> {
-        Ok(Some(Acquired::Running {
-            operation_id: parse_id(id)?,
-            fingerprint,
-        }))
-    };
-    match (id, live) {
-        (Some(id), Some(true)) => running(&id),
-        (Some(id), Some(false)) if fingerprint != claim.fingerprint => running(&id),
-        _ => Ok(None),
-    }
+    running(claim, fingerprint, row.get(6), row.get(7))
 }
 
 /// [`LeaseStore::heartbeat`](crate::store::LeaseStore::heartbeat).
@@ -140,8 +109,7 @@ pub(in crate::postgres) async fn heartbeat(
     lease: &PgLease,
     extend: Duration,
 ) -> Result<(), StoreError> {
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let extend = extend.as_secs_f64();
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &extend];
     guarded(lease, HEARTBEAT_SQL, &params).await
@@ -163,8 +131,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
             return Err(e);
         }
     };
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
     // While the row is held, the owner's own heartbeats wait too. So no
     // lock wait in the transaction may outlast half a lease (the rest of
@@ -176,8 +143,8 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
          SET LOCAL lock_timeout = '{}ms'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
-        millis(ROW_WAIT.min(lease.lease() / 2)),
-        millis(lease.lease()),
+        millis(ROW_WAIT.min(lease.identity().lease() / 2)),
+        millis(lease.identity().lease()),
     );
     conn.mark_dirty();
     let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
@@ -200,16 +167,17 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     let Some(row) = row else {
         let _ = rollback(conn).await;
         lease.mark_fenced(Some(FencedAt::Write));
-        return Err(fenced_error());
+        return Err(fenced());
     };
     let xid: String = row.get(0);
+    let id = lease.identity();
     Ok(PgTx::new(
         conn,
-        lease.scope().clone(),
-        lease.key().clone(),
+        id.scope().clone(),
+        id.key().clone(),
         token,
         xid,
-        lease.retention(),
+        id.retention(),
     ))
 }
 
@@ -224,8 +192,7 @@ pub(in crate::postgres) async fn finish(
 
 /// [`LeaseStore::release`](crate::store::LeaseStore::release).
 pub(in crate::postgres) async fn release(lease: &PgLease) -> Result<(), StoreError> {
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let params: [&(dyn ToSql + Sync); 4] = [&tenant, &endpoint, &key, &token];
     guarded(lease, RELEASE_SQL, &params).await
 }
@@ -248,12 +215,11 @@ async fn end_with(
     response: &StoredResponse,
     last: &(dyn ToSql + Sync),
 ) -> Result<(), StoreError> {
-    let (tenant, endpoint, key) = key_columns(lease.scope(), lease.key());
-    let token = lease.attempt_token();
+    let (tenant, endpoint, key, token) = lease.identity().columns();
     let status = response.status.as_u16() as i16;
     let headers = response.encode_headers();
     let body: &[u8] = &response.body;
-    let retention = lease.retention().as_secs_f64();
+    let retention = lease.identity().retention().as_secs_f64();
     let params: [&(dyn ToSql + Sync); 9] = [
         &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, last,
     ];
@@ -268,7 +234,7 @@ async fn guarded(
 ) -> Result<(), StoreError> {
     if short_execute(lease.store(), sql, params).await? == 0 {
         lease.mark_fenced(None);
-        return Err(fenced_error());
+        return Err(fenced());
     }
     Ok(())
 }
@@ -307,34 +273,21 @@ pub(in crate::postgres) async fn recover(
     let Some(row) = rows.first() else {
         return Ok(None);
     };
-    let tenant: String = row.get(0);
-    let key: String = row.get(1);
-    let token: i64 = row.get(2);
-    let id: String = row.get(3);
-    let method: Option<String> = row.get(4);
-    let target: Option<String> = row.get(5);
-    let headers: Option<&[u8]> = row.get(6);
-    let body: Option<&[u8]> = row.get(7);
-    let attempt = attempt_of(row.get(8));
-    let scope = Scope::new(TenantId::new(tenant), endpoint.to_owned());
-    let key = IdempotencyKey::parse(key.as_bytes())
-        .map_err(|_| corrupt("stored record has an invalid key"))?;
-    let operation_id = parse_id(&id)?;
-    let request = stored_request(method, target, headers, body)?;
-    let handle = PgLease::new(
-        store.clone(),
-        scope.clone(),
-        key,
-        token,
-        operation_id,
-        retention,
-        lease,
-    );
-    Ok(Some(Recovered::new(
-        Owned::new(handle, operation_id, token, attempt),
-        scope,
-        request,
-    )))
+    let row = RecoverRow {
+        tenant: row.get(0),
+        key: row.get(1),
+        token: row.get(2),
+        operation_id: row.get(3),
+        method: row.get(4),
+        target: row.get(5),
+        headers: row.get(6),
+        body: row.get(7),
+        attempts: row.get(8),
+    };
+    let recovered = recovered(row, endpoint, lease, retention, |id| {
+        PgLease::new(store.clone(), id)
+    })?;
+    Ok(Some(recovered))
 }
 
 /// Runs one statement in a transaction of its own, with `lock_timeout` set

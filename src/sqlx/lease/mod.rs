@@ -5,21 +5,13 @@
 //! the same decisions, one statement on the key's row each, guarded by the
 //! attempt token).
 
-use std::{
-    fmt,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{fmt, sync::Arc};
 
-use super::{tx, SqlxStore, SqlxTx};
+use super::{finish, SqlxStore, SqlxTx};
 use crate::{
-    key::IdempotencyKey,
-    scope::Scope,
-    store::OperationId,
-    store::{StoreError, StoreErrorKind},
+    pg::identity::{lease_accessors, LeaseIdentity},
+    pg::lease::fenced,
+    store::StoreError,
 };
 
 mod protocol;
@@ -31,9 +23,10 @@ mod protocol;
 /// through a fenced transaction from [`transaction`](Self::transaction),
 /// which holds the operation's record at this token until
 /// [`commit`](Self::commit): a takeover by a newer owner cannot come in
-/// between, and a stale owner gets [`StoreErrorKind::Fenced`] and must
-/// stop. The layer renews the lease with heartbeats while the handler runs
-/// and stores its answer by a compare-and-swap on the token.
+/// between, and a stale owner gets
+/// [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) and
+/// must stop. The layer renews the lease with heartbeats while the handler
+/// runs and stores its answer by a compare-and-swap on the token.
 ///
 /// ```no_run
 /// # async fn handler(lease: tower_idempotency::sqlx::SqlxLease) -> Result<(), Box<dyn std::error::Error>> {
@@ -56,71 +49,17 @@ pub struct SqlxLease {
 
 struct Shared {
     store: SqlxStore,
-    scope: Scope,
-    key: IdempotencyKey,
-    token: i64,
-    operation_id: OperationId,
-    retention: Duration,
-    lease: Duration,
-    fenced: AtomicBool,
+    id: LeaseIdentity,
 }
 
 impl SqlxLease {
-    fn new(
-        store: SqlxStore,
-        scope: Scope,
-        key: IdempotencyKey,
-        token: i64,
-        operation_id: OperationId,
-        retention: Duration,
-        lease: Duration,
-    ) -> Self {
+    fn new(store: SqlxStore, id: LeaseIdentity) -> Self {
         SqlxLease {
-            inner: Arc::new(Shared {
-                store,
-                scope,
-                key,
-                token,
-                operation_id,
-                retention,
-                lease,
-                fenced: AtomicBool::new(false),
-            }),
+            inner: Arc::new(Shared { store, id }),
         }
     }
 
-    /// The operation's id: the same for every attempt, so the key for
-    /// downstream calls.
-    pub fn operation_id(&self) -> OperationId {
-        self.inner.operation_id
-    }
-
-    /// This attempt's fencing token: larger than every earlier attempt's
-    /// for this key, even after its record was removed.
-    pub fn attempt_token(&self) -> i64 {
-        self.inner.token
-    }
-
-    /// The tenant the operation acts for.
-    pub fn tenant(&self) -> &str {
-        self.inner.scope.tenant().as_str()
-    }
-
-    /// The scope (tenant and endpoint) of the operation.
-    pub fn scope(&self) -> &Scope {
-        &self.inner.scope
-    }
-
-    /// The client's idempotency key; keep it out of logs.
-    pub fn idempotency_key(&self) -> &str {
-        self.inner.key.as_str()
-    }
-
-    /// Whether the store has told this owner it was fenced. Once `true`,
-    /// every write is refused; stop early.
-    pub fn is_fenced(&self) -> bool {
-        self.inner.fenced.load(Ordering::Relaxed)
-    }
+    lease_accessors!();
 
     /// Opens a fenced transaction: the operation's record is held (`FOR
     /// SHARE`) at this lease's token until [`commit`](Self::commit) (or
@@ -131,7 +70,8 @@ impl SqlxLease {
     /// it. Never hold one across a slow external call; PostgreSQL ends one
     /// left idle for longer than the lease.
     ///
-    /// [`StoreErrorKind::Fenced`] if another owner took the operation over.
+    /// [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) if
+    /// another owner took the operation over.
     pub async fn transaction(&self) -> Result<SqlxTx, StoreError> {
         protocol::open_fenced(self).await
     }
@@ -139,35 +79,26 @@ impl SqlxLease {
     /// Commits a fenced transaction of this lease (as
     /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)).
     pub async fn commit(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        tx::commit_fenced(tx).await
+        finish::commit_fenced(tx).await
     }
 
+    fn store(&self) -> &SqlxStore {
+        &self.inner.store
+    }
+
+    fn identity(&self) -> &LeaseIdentity {
+        &self.inner.id
+    }
+
+    /// Remembers that the store refused this owner, and says so.
     fn fenced_error(&self) -> StoreError {
-        self.inner.fenced.store(true, Ordering::Relaxed);
-        StoreError::new(
-            StoreErrorKind::Fenced,
-            "another owner took the operation over with a larger attempt token",
-        )
-    }
-
-    fn columns(&self) -> (&str, &str, &str, i64) {
-        (
-            self.inner.scope.tenant().as_str(),
-            self.inner.scope.endpoint(),
-            self.inner.key.as_str(),
-            self.inner.token,
-        )
+        self.inner.id.mark_fenced();
+        fenced()
     }
 }
 
 impl fmt::Debug for SqlxLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxLease")
-            .field("scope", &self.inner.scope)
-            .field("key", &self.inner.key)
-            .field("operation_id", &self.inner.operation_id)
-            .field("attempt_token", &self.inner.token)
-            .field("fenced", &self.is_fenced())
-            .finish_non_exhaustive()
+        self.inner.id.fmt_debug("SqlxLease", f)
     }
 }

@@ -7,34 +7,26 @@ use std::time::Duration;
 use super::SqlxLease;
 use crate::{
     fingerprint::Fingerprint,
-    key::IdempotencyKey,
     pg::lease::{
-        answered, attempt_of, operation_state, parse_id, stored_request, stored_response, ACQUIRE,
-        FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
+        acquired, answered, attempt_of, operation_state, recovered, running, stored_response,
+        RecoverRow, ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
+    pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     record::{Record, StoredResponse},
-    scope::{Scope, TenantId},
+    scope::TenantId,
     sqlx::{
         claim::set_waits,
         conn::GuardedConnection,
         error::{map_error, sql_state, LOCK_NOT_AVAILABLE},
-        query, tx, SqlxStore, SqlxTx,
+        finish, query, SqlxStore, SqlxTx,
     },
     store::OperationId,
     store::{
-        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, Owned, Recovered,
+        Acquired, Backoff, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered,
         StoreError, StoreErrorKind,
     },
 };
 use ::sqlx::{postgres::PgRow, Postgres, Row, Transaction};
-
-/// How long a heartbeat, finish, release or recovery waits for the row, and
-/// how long a fenced transaction waits to hold it (a takeover in flight).
-const ROW_WAIT: Duration = Duration::from_secs(5);
-/// Room beyond a wait for the server to report its own lock timeout.
-const GRACE: Duration = Duration::from_millis(250);
-/// The shortest wait an acquire gets.
-const MIN_WAIT: Duration = Duration::from_millis(100);
 
 impl LeaseStore for SqlxStore {
     type Lease = SqlxLease;
@@ -53,7 +45,7 @@ impl LeaseStore for SqlxStore {
             .saturating_duration_since(tokio::time::Instant::now())
             .max(MIN_WAIT);
         let mut tx = self.short(remaining).await?;
-        let acquired = tokio::time::timeout(
+        let taken = tokio::time::timeout(
             remaining + GRACE,
             query(ACQUIRE, self.transaction_pooling)
                 .bind(claim.scope.tenant().as_str())
@@ -70,7 +62,7 @@ impl LeaseStore for SqlxStore {
                 .fetch_optional(&mut *tx),
         )
         .await;
-        let row = match acquired {
+        let row = match taken {
             Err(_) => return Err(timed_out()),
             Ok(Err(e)) if sql_state(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                 rollback(tx).await;
@@ -89,25 +81,15 @@ impl LeaseStore for SqlxStore {
             // say where it stands.
             return Ok(self.lookup(claim).await?.unwrap_or(Acquired::InProgress));
         };
-        let token: i64 = row.try_get(0).map_err(map_error)?;
-        let id: String = row.try_get(1).map_err(map_error)?;
-        let attempt = attempt_of(row.try_get(2).map_err(map_error)?);
-        let operation_id = parse_id(&id)?;
-        let lease = SqlxLease::new(
-            self.clone(),
-            claim.scope.clone(),
-            claim.key.clone(),
-            token,
-            operation_id,
-            claim.retention,
-            request.lease,
+        let columns = (
+            row.try_get(0).map_err(map_error)?,
+            row.try_get(1).map_err(map_error)?,
+            row.try_get(2).map_err(map_error)?,
         );
-        Ok(Acquired::Owned(Owned::new(
-            lease,
-            operation_id,
-            token,
-            attempt,
-        )))
+        let owned = acquired(claim, request, columns, |id| {
+            SqlxLease::new(self.clone(), id)
+        })?;
+        Ok(Acquired::Owned(owned))
     }
 
     async fn heartbeat(&self, lease: &SqlxLease, extend: Duration) -> Result<(), StoreError> {
@@ -120,7 +102,7 @@ impl LeaseStore for SqlxStore {
     }
 
     async fn commit_fenced(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        tx::commit_fenced(tx).await
+        finish::commit_fenced(tx).await
     }
 
     async fn finish(&self, lease: &SqlxLease, response: &StoredResponse) -> Result<(), StoreError> {
@@ -190,34 +172,21 @@ impl LeaseStore for SqlxStore {
         tx.commit().await.map_err(map_error)?;
         let Some(row) = row else { return Ok(None) };
         let column = |e: ::sqlx::Error| map_error(e);
-        let tenant: String = row.try_get(0).map_err(column)?;
-        let key: String = row.try_get(1).map_err(column)?;
-        let token: i64 = row.try_get(2).map_err(column)?;
-        let id: String = row.try_get(3).map_err(column)?;
-        let method: Option<String> = row.try_get(4).map_err(column)?;
-        let target: Option<String> = row.try_get(5).map_err(column)?;
-        let headers: Option<Vec<u8>> = row.try_get(6).map_err(column)?;
-        let body: Option<Vec<u8>> = row.try_get(7).map_err(column)?;
-        let attempt = attempt_of(row.try_get(8).map_err(column)?);
-        let scope = Scope::new(TenantId::new(tenant), endpoint.to_owned());
-        let key = IdempotencyKey::parse(key.as_bytes())
-            .map_err(|_| corrupt("stored record has an invalid key"))?;
-        let operation_id = parse_id(&id)?;
-        let request = stored_request(method, target, headers.as_deref(), body.as_deref())?;
-        let handle = SqlxLease::new(
-            self.clone(),
-            scope.clone(),
-            key,
-            token,
-            operation_id,
-            retention,
-            lease,
-        );
-        Ok(Some(Recovered::new(
-            Owned::new(handle, operation_id, token, attempt),
-            scope,
-            request,
-        )))
+        let row = RecoverRow {
+            tenant: row.try_get(0).map_err(column)?,
+            key: row.try_get(1).map_err(column)?,
+            token: row.try_get(2).map_err(column)?,
+            operation_id: row.try_get(3).map_err(column)?,
+            method: row.try_get(4).map_err(column)?,
+            target: row.try_get(5).map_err(column)?,
+            headers: row.try_get(6).map_err(column)?,
+            body: row.try_get(7).map_err(column)?,
+            attempts: row.try_get(8).map_err(column)?,
+        };
+        let recovered = recovered(row, endpoint, lease, retention, |id| {
+            SqlxLease::new(self.clone(), id)
+        })?;
+        Ok(Some(recovered))
     }
 }
 
@@ -250,24 +219,9 @@ impl SqlxStore {
                 response: response_at(&row, 2)?,
             })));
         }
-        let id: Option<String> = row.try_get(6).map_err(map_error)?;
+        let id: Option<&str> = row.try_get(6).map_err(map_error)?;
         let live: Option<bool> = row.try_get(7).map_err(map_error)?;
-        match (id, live) {
-            // A live lease; or an expired one that another request started
-            // (the layer refuses a reused key; only the same request takes
-            // an operation over).
-            (Some(id), Some(true)) => Ok(Some(Acquired::Running {
-                operation_id: parse_id(&id)?,
-                fingerprint,
-            })),
-            (Some(id), Some(false)) if fingerprint != claim.fingerprint => {
-                Ok(Some(Acquired::Running {
-                    operation_id: parse_id(&id)?,
-                    fingerprint,
-                }))
-            }
-            _ => Ok(None),
-        }
+        running(claim, fingerprint, id, live)
     }
 
     /// Reads at most one row outside the store's transactions: on the pool,
@@ -333,18 +287,19 @@ impl SqlxStore {
 
 /// Begins a fenced transaction and holds the record at the lease's token.
 pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError> {
-    let store = &lease.inner.store;
+    let store = lease.store();
+    let id = lease.identity();
     let mut tx = GuardedConnection::begin(&store.pool, store.transaction_pooling)
         .await
         .map_err(map_error)?;
-    let (tenant, endpoint, key, token) = lease.columns();
+    let (tenant, endpoint, key, token) = id.columns();
     let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
         // A lock wait inside gives up after half a lease (at most the row
         // wait); left idle for a whole lease, the server ends it.
         let pid = set_waits(
             tx.raw(),
-            ROW_WAIT.min(lease.inner.lease / 2),
-            Some(lease.inner.lease),
+            ROW_WAIT.min(id.lease() / 2),
+            Some(id.lease()),
             store.transaction_pooling,
         )
         .await?;
@@ -378,11 +333,11 @@ pub(super) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, StoreError>
         store.pool.clone(),
         pid,
         store.transaction_pooling,
-        lease.inner.scope.clone(),
-        lease.inner.key.clone(),
+        id.scope().clone(),
+        id.key().clone(),
         token,
         xid,
-        lease.inner.retention,
+        id.retention(),
         true,
     ))
 }
@@ -392,8 +347,8 @@ type Keyed<'q> = ::sqlx::query::Query<'q, Postgres, ::sqlx::postgres::PgArgument
 /// `sql` with the parameters every token-guarded statement starts with:
 /// tenant, endpoint, key, token.
 fn keyed<'q>(sql: &'q str, lease: &'q SqlxLease) -> Keyed<'q> {
-    let (tenant, endpoint, key, token) = lease.columns();
-    query(sql, lease.inner.store.transaction_pooling)
+    let (tenant, endpoint, key, token) = lease.identity().columns();
+    query(sql, lease.store().transaction_pooling)
         .bind(tenant)
         .bind(endpoint)
         .bind(key)
@@ -411,7 +366,7 @@ fn with_response<'q>(
         .bind(response.status.as_u16() as i16)
         .bind(response.encode_headers())
         .bind(response.body.as_ref())
-        .bind(lease.inner.retention.as_secs_f64())
+        .bind(lease.identity().retention().as_secs_f64())
 }
 
 async fn rollback(tx: Transaction<'static, Postgres>) {

@@ -1,21 +1,25 @@
 //! [`PgTx`]: the open transaction a key's owner writes through.
 
-use std::{fmt, sync::Arc};
-
-use std::time::Duration;
+use std::{fmt, sync::Arc, time::Duration};
 
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tokio_postgres::{
-    error::SqlState,
     types::{ToSql, Type},
     Row, Statement,
 };
 
 use super::{conn::Conn, statements::Sql};
 use crate::{
-    pg::lexer::{self, Refusal},
+    key::IdempotencyKey,
+    pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
     scope::Scope,
 };
+
+mod error;
+
+pub use error::{TxError, TxErrorKind};
+
+use error::refuse_transaction_control;
 
 /// The open PostgreSQL transaction of the request that owns its key.
 ///
@@ -75,18 +79,14 @@ struct Shared {
     conn: Mutex<Option<Conn>>,
     // Outside the mutex: a statement holding the mutex is what it cancels.
     cancel: tokio_postgres::CancelToken,
-    scope: Scope,
-    key: crate::key::IdempotencyKey,
-    token: i64,
-    xid: String,
-    retention: Duration,
+    id: TxIdentity,
 }
 
 impl PgTx {
     pub(super) fn new(
         conn: Conn,
         scope: Scope,
-        key: crate::key::IdempotencyKey,
+        key: IdempotencyKey,
         token: i64,
         xid: String,
         retention: Duration,
@@ -95,51 +95,16 @@ impl PgTx {
             inner: Arc::new(Shared {
                 cancel: conn.cancel_token(),
                 conn: Mutex::new(Some(conn)),
-                scope,
-                key,
-                token,
-                xid,
-                retention,
+                id: Identity::new(scope, key, token, retention, Tx::new(xid)),
             }),
         }
     }
 
-    /// The tenant the request acts for, as a string (handy as a query parameter).
-    pub fn tenant(&self) -> &str {
-        self.inner.scope.tenant().as_str()
-    }
+    tx_accessors!();
 
-    /// The scope (tenant and endpoint) of the owned key.
-    pub fn scope(&self) -> &Scope {
-        &self.inner.scope
-    }
-
-    /// This attempt's token: a new owner of the key (the first, or one that
-    /// took over an expired record) always gets a larger one than every
-    /// owner before it, even after the key's row was removed. Tokens come
-    /// from one sequence, so they are not consecutive per key.
-    pub fn attempt_token(&self) -> i64 {
-        self.inner.token
-    }
-
-    /// The idempotency key this transaction owns, as the client sent it.
-    /// Handlers may store it (a provider recording which key charged);
-    /// keep it out of logs.
-    pub fn idempotency_key(&self) -> &str {
-        self.inner.key.as_str()
-    }
-
-    pub(super) fn key(&self) -> &crate::key::IdempotencyKey {
-        &self.inner.key
-    }
-
-    /// The transaction id the claim ran in (text form of `xid8`).
-    pub(super) fn xid(&self) -> &str {
-        &self.inner.xid
-    }
-
-    pub(super) fn retention(&self) -> Duration {
-        self.inner.retention
+    /// Who owns the key, for the statements that end the transaction.
+    pub(super) fn identity(&self) -> &TxIdentity {
+        &self.inner.id
     }
 
     /// Runs one statement and returns the number of rows it affected.
@@ -310,164 +275,13 @@ impl Drop for Shared {
             // The transaction never reached commit or rollback; the `Conn`
             // closes its connection instead of returning it, and PostgreSQL
             // rolls back.
-            tracing::warn!(
-                endpoint = self.scope.endpoint(),
-                key_hash = %self.key.short_hash(),
-                "idempotency transaction dropped unfinished; closing its connection (rolled back)"
-            );
+            self.id.warn_dropped_unfinished();
         }
     }
 }
 
 impl fmt::Debug for PgTx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgTx")
-            .field("scope", &self.inner.scope)
-            .field("key", &self.inner.key)
-            .field("attempt_token", &self.inner.token)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Statements that would end the layer's transaction or change the session.
-fn refuse_transaction_control(sql: &str) -> Result<(), TxError> {
-    match lexer::refusal(sql) {
-        None => Ok(()),
-        Some(refusal) => Err(TxError {
-            kind: match refusal {
-                Refusal::TransactionControl => TxErrorKind::TransactionControl,
-                Refusal::SessionState => TxErrorKind::SessionState,
-            },
-            source: None,
-        }),
-    }
-}
-
-/// What went wrong with a statement run through [`PgTx`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum TxErrorKind {
-    /// The layer already committed or rolled the transaction back (e.g. a
-    /// spawned task wrote after the handler returned).
-    Finished,
-    /// The statement would begin, commit or roll back the transaction, which
-    /// only the layer may do; or the guard could not read the SQL text with
-    /// certainty (an unterminated quote or comment, a control character
-    /// outside a string), and refuses rather than guesses.
-    TransactionControl,
-    /// The statement would change the session beyond this request, on a
-    /// connection other requests reuse: a `SET` without `LOCAL`, `RESET`,
-    /// prepared statements, `LISTEN`, temporary objects, `WITH HOLD` cursors,
-    /// `set_config`, session advisory locks.
-    SessionState,
-    /// PostgreSQL answered with an error; see [`TxError::code`].
-    Database,
-    /// A long-running operation's fenced transaction was refused (or its
-    /// commit was): another owner took the operation over with a larger
-    /// token. Nothing was written; stop the work.
-    Fenced,
-    /// The store could not open or commit a fenced transaction (see
-    /// [`TxError::store_error`]).
-    Store,
-}
-
-/// An error from a statement run through [`PgTx`].
-#[derive(Debug)]
-pub struct TxError {
-    kind: TxErrorKind,
-    source: Option<Source>,
-}
-
-#[derive(Debug)]
-enum Source {
-    Postgres(tokio_postgres::Error),
-    Store(crate::store::StoreError),
-}
-
-impl TxError {
-    fn finished() -> Self {
-        TxError {
-            kind: TxErrorKind::Finished,
-            source: None,
-        }
-    }
-
-    /// The category.
-    pub fn kind(&self) -> TxErrorKind {
-        self.kind
-    }
-
-    /// The SQLSTATE, when PostgreSQL answered with an error
-    /// (e.g. [`SqlState::UNIQUE_VIOLATION`]).
-    pub fn code(&self) -> Option<&SqlState> {
-        self.as_postgres().and_then(|e| e.code())
-    }
-
-    /// The underlying driver error.
-    pub fn as_postgres(&self) -> Option<&tokio_postgres::Error> {
-        match &self.source {
-            Some(Source::Postgres(e)) => Some(e),
-            _ => None,
-        }
-    }
-
-    /// The store's error, for [`TxErrorKind::Store`] and [`TxErrorKind::Fenced`].
-    pub fn store_error(&self) -> Option<&crate::store::StoreError> {
-        match &self.source {
-            Some(Source::Store(e)) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl From<tokio_postgres::Error> for TxError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        TxError {
-            kind: TxErrorKind::Database,
-            source: Some(Source::Postgres(e)),
-        }
-    }
-}
-
-impl From<crate::store::StoreError> for TxError {
-    fn from(e: crate::store::StoreError) -> Self {
-        let kind = match e.kind() {
-            crate::store::StoreErrorKind::Fenced => TxErrorKind::Fenced,
-            _ => TxErrorKind::Store,
-        };
-        TxError {
-            kind,
-            source: Some(Source::Store(e)),
-        }
-    }
-}
-
-impl fmt::Display for TxError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match (self.kind, &self.source) {
-            (TxErrorKind::Finished, _) => f.write_str("the idempotency transaction has already finished"),
-            (TxErrorKind::TransactionControl, _) => f.write_str(
-                "transaction control statements (and SQL text the guard cannot read with certainty) are reserved for the idempotency layer; savepoints are allowed",
-            ),
-            (TxErrorKind::SessionState, _) => f.write_str(
-                "the statement would change the pooled session beyond this request; use SET LOCAL, pg_advisory_xact_lock or transaction-scoped objects",
-            ),
-            (TxErrorKind::Fenced, _) => f.write_str(
-                "fenced: another owner took the operation over with a larger attempt token; nothing was written",
-            ),
-            (_, Some(Source::Store(e))) => write!(f, "store error: {e}"),
-            (_, Some(Source::Postgres(e))) => write!(f, "database error: {e}"),
-            (_, None) => f.write_str("database error"),
-        }
-    }
-}
-
-impl std::error::Error for TxError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match &self.source {
-            Some(Source::Postgres(e)) => Some(e),
-            Some(Source::Store(e)) => Some(e),
-            None => None,
-        }
+        self.inner.id.fmt_debug("PgTx", f)
     }
 }

@@ -1,0 +1,151 @@
+//! [`TxError`]: what a statement through [`PgTx`](super::PgTx) can fail
+//! with, and the guard that refuses statements before they are sent.
+
+use std::fmt;
+
+use tokio_postgres::error::SqlState;
+
+use crate::pg::lexer::{self, Refusal};
+
+/// Statements that would end the layer's transaction or change the session.
+pub(super) fn refuse_transaction_control(sql: &str) -> Result<(), TxError> {
+    match lexer::refusal(sql) {
+        None => Ok(()),
+        Some(refusal) => Err(TxError {
+            kind: match refusal {
+                Refusal::TransactionControl => TxErrorKind::TransactionControl,
+                Refusal::SessionState => TxErrorKind::SessionState,
+            },
+            source: None,
+        }),
+    }
+}
+
+/// What went wrong with a statement run through [`PgTx`](super::PgTx).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TxErrorKind {
+    /// The layer already committed or rolled the transaction back (e.g. a
+    /// spawned task wrote after the handler returned).
+    Finished,
+    /// The statement would begin, commit or roll back the transaction, which
+    /// only the layer may do; or the guard could not read the SQL text with
+    /// certainty (an unterminated quote or comment, a control character
+    /// outside a string), and refuses rather than guesses.
+    TransactionControl,
+    /// The statement would change the session beyond this request, on a
+    /// connection other requests reuse: a `SET` without `LOCAL`, `RESET`,
+    /// prepared statements, `LISTEN`, temporary objects, `WITH HOLD` cursors,
+    /// `set_config`, session advisory locks.
+    SessionState,
+    /// PostgreSQL answered with an error; see [`TxError::code`].
+    Database,
+    /// A long-running operation's fenced transaction was refused (or its
+    /// commit was): another owner took the operation over with a larger
+    /// token. Nothing was written; stop the work.
+    Fenced,
+    /// The store could not open or commit a fenced transaction (see
+    /// [`TxError::store_error`]).
+    Store,
+}
+
+/// An error from a statement run through [`PgTx`](super::PgTx).
+#[derive(Debug)]
+pub struct TxError {
+    kind: TxErrorKind,
+    source: Option<Source>,
+}
+
+#[derive(Debug)]
+enum Source {
+    Postgres(tokio_postgres::Error),
+    Store(crate::store::StoreError),
+}
+
+impl TxError {
+    pub(super) fn finished() -> Self {
+        TxError {
+            kind: TxErrorKind::Finished,
+            source: None,
+        }
+    }
+
+    /// The category.
+    pub fn kind(&self) -> TxErrorKind {
+        self.kind
+    }
+
+    /// The SQLSTATE, when PostgreSQL answered with an error
+    /// (e.g. [`SqlState::UNIQUE_VIOLATION`]).
+    pub fn code(&self) -> Option<&SqlState> {
+        self.as_postgres().and_then(|e| e.code())
+    }
+
+    /// The underlying driver error.
+    pub fn as_postgres(&self) -> Option<&tokio_postgres::Error> {
+        match &self.source {
+            Some(Source::Postgres(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The store's error, for [`TxErrorKind::Store`] and [`TxErrorKind::Fenced`].
+    pub fn store_error(&self) -> Option<&crate::store::StoreError> {
+        match &self.source {
+            Some(Source::Store(e)) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for TxError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        TxError {
+            kind: TxErrorKind::Database,
+            source: Some(Source::Postgres(e)),
+        }
+    }
+}
+
+impl From<crate::store::StoreError> for TxError {
+    fn from(e: crate::store::StoreError) -> Self {
+        let kind = match e.kind() {
+            crate::store::StoreErrorKind::Fenced => TxErrorKind::Fenced,
+            _ => TxErrorKind::Store,
+        };
+        TxError {
+            kind,
+            source: Some(Source::Store(e)),
+        }
+    }
+}
+
+impl fmt::Display for TxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.kind, &self.source) {
+            (TxErrorKind::Finished, _) => f.write_str("the idempotency transaction has already finished"),
+            (TxErrorKind::TransactionControl, _) => f.write_str(
+                "transaction control statements (and SQL text the guard cannot read with certainty) are reserved for the idempotency layer; savepoints are allowed",
+            ),
+            (TxErrorKind::SessionState, _) => f.write_str(
+                "the statement would change the pooled session beyond this request; use SET LOCAL, pg_advisory_xact_lock or transaction-scoped objects",
+            ),
+            (TxErrorKind::Fenced, _) => f.write_str(
+                "fenced: another owner took the operation over with a larger attempt token; nothing was written",
+            ),
+            (_, Some(Source::Store(e))) => write!(f, "store error: {e}"),
+            (_, Some(Source::Postgres(e))) => write!(f, "database error: {e}"),
+            (_, None) => f.write_str("database error"),
+        }
+    }
+}
+
+impl std::error::Error for TxError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.source {
+            Some(Source::Postgres(e)) => Some(e),
+            Some(Source::Store(e)) => Some(e),
+            None => None,
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! The end of an owner's transaction on a [`SqlxStore`](super::SqlxStore):
+//! committed with its remembered response (or, for a fenced transaction,
+//! after the check that it still holds the record) or rolled back, with the
+//! session reset behind it.
+
+use ::sqlx::{postgres::PgQueryResult, Connection as _, PgConnection};
+
+use super::{
+    conn::GuardedConnection,
+    error::{map_commit_error, map_error},
+    query, SqlxTx,
+};
+use crate::{
+    pg::statements::{COMPLETE, FENCED_CHECK},
+    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
+    record::StoredResponse,
+    store::{StoreError, StoreErrorKind},
+};
+
+pub(super) fn finished() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::TransactionAborted,
+        "the transaction has already finished",
+    )
+}
+
+/// [`Store::complete`](crate::store::Store::complete): the response, checked
+/// against the claim's token and transaction, then `COMMIT` and the session
+/// reset.
+pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
+    let Some(mut transaction) = tx.take().await? else {
+        return Err(finished());
+    };
+    if tx.is_fenced() {
+        if let Err(e) = transaction.end("ROLLBACK", true).await {
+            tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
+        }
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
+        ));
+    }
+    let id = tx.identity();
+    let (tenant, endpoint, key, token) = id.columns();
+    let remembered = query(COMPLETE, tx.transaction_pooling())
+        .bind(tenant)
+        .bind(endpoint)
+        .bind(key)
+        .bind(token)
+        .bind(response.status.as_u16() as i16)
+        .bind(response.encode_headers())
+        .bind(response.body.as_ref())
+        .bind(id.retention().as_secs_f64())
+        .bind(id.xid())
+        .bind(response.resource_id.as_ref().map(|id| id.as_str()))
+        .execute(transaction.raw())
+        .await;
+    commit_unless_failed(transaction, remembered, "completion").await
+}
+
+/// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced):
+/// the check that the transaction is intact and still holds the record at
+/// its token (it cannot have lost it while holding the row `FOR SHARE`,
+/// unless the handler ended the transaction), then `COMMIT` and the session
+/// reset.
+pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
+    if !tx.is_fenced() {
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a claim's transaction commits with Store::complete",
+        ));
+    }
+    let Some(mut transaction) = tx.take().await? else {
+        return Err(finished());
+    };
+    let (tenant, endpoint, key, token) = tx.identity().columns();
+    let checked = query(FENCED_CHECK, tx.transaction_pooling())
+        .bind(tenant)
+        .bind(endpoint)
+        .bind(key)
+        .bind(token)
+        .bind(tx.identity().xid())
+        .execute(transaction.raw())
+        .await;
+    commit_unless_failed(transaction, checked, "fenced commit").await
+}
+
+/// `COMMIT` and the session reset behind the statement that decides the
+/// commit (`written`); if it failed, `ROLLBACK` and its error. `what` names
+/// the step in the log line of a failed rollback.
+async fn commit_unless_failed(
+    transaction: GuardedConnection,
+    written: Result<PgQueryResult, ::sqlx::Error>,
+    what: &str,
+) -> Result<(), StoreError> {
+    if let Err(e) = written {
+        let error = map_error(e);
+        // Should the rollback fail, the connection is closed, and the
+        // server rolls back.
+        if let Err(rollback) = transaction.end("ROLLBACK", true).await {
+            tracing::debug!(error = %rollback, "rolling back a failed {what} failed");
+        }
+        return Err(error);
+    }
+    transaction
+        .end("COMMIT", true)
+        .await
+        .map_err(map_commit_error)
+}
+
+/// [`Store::abort`](crate::store::Store::abort): rolls back and resets the
+/// session; a no-op once the transaction ended.
+///
+/// A statement the handler started may still run on the connection (its
+/// future was dropped at the layer's deadline, which released the handle):
+/// the `ROLLBACK` then waits behind it, and the key stays held. If it does
+/// not end soon, it is cancelled (`pg_cancel_backend` from another pooled
+/// connection: this session's transaction is ours until the rollback, so
+/// nothing else runs on it).
+pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
+    let Some(mut transaction) = tx.take().await? else {
+        return Ok(());
+    };
+    let drained = {
+        let mut drain = std::pin::pin!(drain(transaction.raw()));
+        match tokio::time::timeout(ROLLBACK_PATIENCE, &mut drain).await {
+            Ok(drained) => drained,
+            Err(_) => {
+                tx.cancel_running().await;
+                match tokio::time::timeout(CANCEL_GRACE, drain).await {
+                    Ok(drained) => drained,
+                    // Dropped, the connection is closed; the server rolls
+                    // back once the statement ends.
+                    Err(_) => {
+                        return Err(StoreError::new(
+                            StoreErrorKind::Unavailable,
+                            "a statement left running on the connection did not end",
+                        ))
+                    }
+                }
+            }
+        }
+    };
+    // The connection itself failed: dropped, the transaction ends with it.
+    drained.map_err(map_error)?;
+    transaction.end("ROLLBACK", true).await.map_err(map_error)
+}
+
+/// Waits until nothing runs on the connection any more. The answer of a
+/// statement whose future was dropped may still be on its way: an error in
+/// it (a cancelled statement) comes back once, then the connection is idle.
+async fn drain(conn: &mut PgConnection) -> Result<(), ::sqlx::Error> {
+    match conn.ping().await {
+        Err(::sqlx::Error::Database(_)) => conn.ping().await,
+        other => other,
+    }
+}
