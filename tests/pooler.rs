@@ -492,12 +492,15 @@ async fn cleanup_and_the_operator_api_work_through_the_pooler() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_store_and_lease_conformance_suites_pass_through_the_pooler() {
+async fn the_store_lease_and_one_commit_conformance_suites_pass_through_the_pooler() {
     let pooled = Pooled::new().await;
     tower_idempotency::testing::conformance::run_all(pooled.store())
         .await
         .assert_passed();
     tower_idempotency::testing::conformance::run_leases(pooled.store())
+        .await
+        .assert_passed();
+    tower_idempotency::testing::conformance::run_at_commit(pooled.store())
         .await
         .assert_passed();
     assert_eq!(pooled.pg.idle_in_transaction().await, 0);
@@ -604,11 +607,14 @@ async fn the_sqlx_store_works_through_the_pooler() {
         count("SELECT count(*) FROM idempotency_requests WHERE idempotency_key = 'key-50'").await,
         1
     );
-    // Every guarantee of both contracts, through the pooler.
+    // Every guarantee of the three contracts, through the pooler.
     tower_idempotency::testing::conformance::run_all(store.clone())
         .await
         .assert_passed();
-    tower_idempotency::testing::conformance::run_leases(store)
+    tower_idempotency::testing::conformance::run_leases(store.clone())
+        .await
+        .assert_passed();
+    tower_idempotency::testing::conformance::run_at_commit(store)
         .await
         .assert_passed();
     assert_eq!(

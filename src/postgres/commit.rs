@@ -8,7 +8,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use super::{
     claim::lookup,
-    conn::Conn,
+    conn::{behind, Conn},
     decode,
     error::map_error,
     finish::{completion_error, Finished},
@@ -42,19 +42,30 @@ pub(super) const CLAIM_AT_COMMIT_SQL: Sql<'static> = Sql::new(
 /// [`IdempotencyLayer::claim_at_commit`](crate::IdempotencyLayer::claim_at_commit).
 /// The handler writes through [`PgTx`] as in the default mode; its
 /// [`attempt_token`](PgTx::attempt_token) is `0`, as no claim drew one.
+/// The `BEGIN` goes out with the handler's first statement, and the key's
+/// record with the `COMMIT`: a create costs the handler's own round trips
+/// (behind a transaction pooler, one more: the `BEGIN` is sent first).
 impl CommitStore for PgStore {
     async fn begin(&self, request: &ClaimRequest) -> Result<PgTx, StoreError> {
         let mut conn = self.conn().await?;
-        conn.mark_dirty();
         // Utility statements only: no planning, one message. Should this
         // process freeze, the server ends the transaction by itself.
         let hold = request.hold_limit.map_or(String::new(), |limit| {
             let ms = limit.as_millis().clamp(1, i32::MAX as u128);
             format!("; SET LOCAL idle_in_transaction_session_timeout = '{ms}ms'")
         });
-        conn.batch_execute(&format!("BEGIN ISOLATION LEVEL READ COMMITTED{hold}"))
-            .await
-            .map_err(map_error)?;
+        let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED{hold}");
+        if conn.unnamed() {
+            // Behind a transaction pooler, a statement prepared before the
+            // BEGIN may reach another server connection than the
+            // transaction: begin now.
+            conn.mark_dirty();
+            conn.batch_execute(&begin).await.map_err(map_error)?;
+        } else {
+            // Sent with the handler's first statement (or with the claim,
+            // if the handler sends none): no round trip of its own.
+            conn.defer_begin(begin);
+        }
         Ok(PgTx::new(
             conn,
             request.scope.clone(),
@@ -107,7 +118,9 @@ impl CommitStore for PgStore {
             &resource,
             &retention,
         ];
-        let claimed = conn.query_one_prepared(&statement, &params);
+        // A handler that sent no statement left the BEGIN to go out here.
+        let begin = conn.take_begin();
+        let claimed = behind(&conn, begin, conn.query_one_prepared(&statement, &params));
         let (ended, clean) = pipelined(&conn, claimed).await;
         if clean {
             conn.mark_clean();

@@ -27,6 +27,9 @@ pub(super) struct Conn {
     /// Reached through a transaction pooler: the crate's statements go out
     /// unnamed, and nothing is left on the session (see `statements.rs`).
     unnamed: bool,
+    /// A `BEGIN` not sent yet: it goes out with the next statement, in the
+    /// same round trip (the one-commit mode's transaction).
+    deferred_begin: Option<String>,
 }
 
 impl Conn {
@@ -35,7 +38,27 @@ impl Conn {
             object: Some(object),
             clean: true,
             unnamed: transaction_pooling,
+            deferred_begin: None,
         }
+    }
+
+    /// Defers `begin` (utility statements only: nothing to plan, nothing to
+    /// fail) to the next statement, which it is pipelined with: the
+    /// transaction costs no round trip of its own. Until then the connection
+    /// is outside any transaction.
+    pub(super) fn defer_begin(&mut self, begin: String) {
+        self.deferred_begin = Some(begin);
+    }
+
+    /// The deferred `BEGIN`, taken to be sent now, before the statement
+    /// about to go out: from here on the connection is inside a transaction.
+    /// Take it only where it is sent in the same poll (see [`behind`]).
+    pub(super) fn take_begin(&mut self) -> Option<String> {
+        let begin = self.deferred_begin.take();
+        if begin.is_some() {
+            self.clean = false;
+        }
+        begin
     }
 
     /// Behind a transaction pooler: statements go out unnamed, and the
@@ -63,6 +86,23 @@ impl Conn {
     /// one is due): the connection may go back to the pool.
     pub(super) fn mark_clean(&mut self) {
         self.clean = true;
+    }
+}
+
+/// Runs `statement` on `conn`, pipelined behind `begin` when there is one:
+/// one round trip for both. `biased`: the `BEGIN` is polled, and so sent,
+/// first; both are sent by the time the first poll returns, and a failed
+/// `BEGIN` fails the statement's answer too.
+pub(super) async fn behind<T>(
+    conn: &Conn,
+    begin: Option<String>,
+    statement: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, tokio_postgres::Error> {
+    match begin {
+        None => statement.await,
+        Some(begin) => {
+            tokio::try_join!(biased; conn.batch_execute(&begin), statement).map(|((), done)| done)
+        }
     }
 }
 

@@ -113,17 +113,24 @@ impl CommitStore for SqlxStore {
 }
 
 impl SqlxStore {
-    /// The record a lost commit lost to, with a fresh snapshot.
+    /// The record a lost commit lost to, with a fresh snapshot. Read inside
+    /// a transaction of its own, as every statement of this store is (behind
+    /// a transaction pooler an unnamed statement outside one may reach
+    /// another server connection than its own preparation).
     async fn winner(&self, request: &ClaimRequest) -> Result<Committed, StoreError> {
-        let row = query(LOOKUP, self.transaction_pooling)
+        let pooling = self.transaction_pooling;
+        let mut tx = GuardedConnection::begin(&self.pool, pooling)
+            .await
+            .map_err(map_error)?;
+        let row = query(LOOKUP, pooling)
             .bind(request.scope.tenant().as_str())
             .bind(request.scope.endpoint())
             .bind(request.key.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(map_error)?;
-        let record = row.as_ref().map(decode).transpose().map_err(map_error)?;
-        Ok(match record.flatten() {
+            .fetch_optional(tx.raw())
+            .await;
+        let record = row.and_then(|row| row.as_ref().map(decode).transpose());
+        tx.rollback_quietly().await;
+        Ok(match record.map_err(map_error)?.flatten() {
             Some(record) => Committed::Lost(record),
             // An operation of the long-running mode under its lease, or a
             // record already gone: this transaction is over either way.

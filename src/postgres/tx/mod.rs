@@ -8,7 +8,10 @@ use tokio_postgres::{
     Row, Statement,
 };
 
-use super::{conn::Conn, statements::Sql};
+use super::{
+    conn::{behind, Conn},
+    statements::Sql,
+};
 use crate::{
     key::IdempotencyKey,
     pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
@@ -109,8 +112,9 @@ impl PgTx {
 
     /// Runs one statement and returns the number of rows it affected.
     pub async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, TxError> {
-        let (conn, statement) = self.prepared(sql).await?;
-        Ok(conn.execute(&statement, params).await?)
+        let (mut conn, statement) = self.prepared(sql).await?;
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.execute(&statement, params)).await?)
     }
 
     /// Runs one query and returns its rows.
@@ -119,8 +123,9 @@ impl PgTx {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, TxError> {
-        let (conn, statement) = self.prepared(sql).await?;
-        Ok(conn.query(&statement, params).await?)
+        let (mut conn, statement) = self.prepared(sql).await?;
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.query(&statement, params)).await?)
     }
 
     /// Runs a query that returns exactly one row.
@@ -129,8 +134,9 @@ impl PgTx {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Row, TxError> {
-        let (conn, statement) = self.prepared(sql).await?;
-        Ok(conn.query_one(&statement, params).await?)
+        let (mut conn, statement) = self.prepared(sql).await?;
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.query_one(&statement, params)).await?)
     }
 
     /// Runs a query that returns at most one row.
@@ -139,8 +145,9 @@ impl PgTx {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Option<Row>, TxError> {
-        let (conn, statement) = self.prepared(sql).await?;
-        Ok(conn.query_opt(&statement, params).await?)
+        let (mut conn, statement) = self.prepared(sql).await?;
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.query_opt(&statement, params)).await?)
     }
 
     /// Runs one query with the types of its parameters given, as one
@@ -165,8 +172,9 @@ impl PgTx {
         sql: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, TxError> {
-        let conn = self.guarded(sql).await?;
-        Ok(conn.query_typed(sql, params).await?)
+        let mut conn = self.guarded(sql).await?;
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.query_typed(sql, params)).await?)
     }
 
     /// [`query_typed`](Self::query_typed) for a statement whose rows are not
@@ -176,8 +184,9 @@ impl PgTx {
         sql: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<u64, TxError> {
-        let conn = self.guarded(sql).await?;
-        Ok(conn.execute_typed(sql, params).await?)
+        let mut conn = self.guarded(sql).await?;
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.execute_typed(sql, params)).await?)
     }
 
     /// One of the crate's own statements, sent as the store sends its own
@@ -187,9 +196,10 @@ impl PgTx {
         sql: Sql<'_>,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Row, TxError> {
-        let conn = self.guarded(sql.text()).await?;
+        let mut conn = self.guarded(sql.text()).await?;
         let statement = conn.prepare_sql(sql).await?;
-        Ok(conn.query_one_prepared(&statement, params).await?)
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.query_one_prepared(&statement, params)).await?)
     }
 
     /// [`query_one_sql`](Self::query_one_sql) for a statement whose rows are
@@ -199,15 +209,17 @@ impl PgTx {
         sql: Sql<'_>,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, TxError> {
-        let conn = self.guarded(sql.text()).await?;
+        let mut conn = self.guarded(sql.text()).await?;
         let statement = conn.prepare_sql(sql).await?;
-        Ok(conn.execute_prepared(&statement, params).await?)
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.execute_prepared(&statement, params)).await?)
     }
 
     /// Runs statements without parameters (e.g. `SAVEPOINT s1`).
     pub async fn batch_execute(&self, sql: &str) -> Result<(), TxError> {
-        let conn = self.guarded(sql).await?;
-        Ok(conn.batch_execute(sql).await?)
+        let mut conn = self.guarded(sql).await?;
+        let begin = conn.take_begin();
+        Ok(behind(&conn, begin, conn.batch_execute(sql)).await?)
     }
 
     /// The path every statement takes: refused if it would end the
