@@ -29,25 +29,30 @@ use crate::{
 /// Key space the keys' first 12 hex digits spread over.
 const SPACE: u64 = 1 << 48;
 /// A ~150-byte body, as the load's answers are.
-const BODY: &str = r#"convert_to('{"id":"' || md5(n::text)::uuid || '","checkout_id":"chk-fill-' || n || '","customer_id":' || (n % 10000) || ',"total":2400,"currency":"EUR","status":"created"}', 'UTF8')"#;
+const BODY: &str = r#"convert_to('{"id":"' || k || '","checkout_id":"chk-fill-' || n || '","customer_id":' || (n % 10000) || ',"total":2400,"currency":"EUR","status":"created"}', 'UTF8')"#;
 /// The headers a real completion of the endpoint stored.
 const HEADERS: &str = "COALESCE((SELECT response_headers FROM idempotency_requests \
      WHERE endpoint = 'POST /orders v1' AND state = 'completed' LIMIT 1), ''::bytea)";
+/// Each fill runs as this many `INSERT`s at once, on disjoint ranges of keys.
+pub(crate) const FILL_SESSIONS: u64 = 2;
 
-/// The rows `(first..last)` of the live fill of at most `max` keys, or of
-/// the expired fill, as one `INSERT … SELECT`.
-fn fill_sql(max: u64, range: (u64, u64), expired: bool) -> String {
+/// The live fill of keys `range.0..range.1` out of at most `max` keys, or
+/// the expired fill: one `INSERT … SELECT` per session, each over its part
+/// of the key space. The random-looking digits come from PostgreSQL's
+/// integer hashes (`md5` costs twice as much per row).
+fn fill_sql(max: u64, range: (u64, u64), expired: bool) -> Vec<String> {
     let stride = SPACE / max.max(1);
     let multiplier = [7919u64, 7907, 7901]
         .into_iter()
         .find(|a| gcd(*a, max) == 1)
         .unwrap_or(1);
-    let (prefix, filter, created) = if expired {
+    let (prefix, filter, created, seed) = if expired {
         // Between the live keys, created 48 to 25 hours ago: all expired.
         (
             format!("n * {stride} + {}", stride / 2),
-            format!("n < {}", range.1),
+            "true".to_owned(),
             "now() - interval '48 hours' + interval '23 hours' * (n::float8 / MAX)",
+            100,
         )
     } else {
         (
@@ -57,21 +62,34 @@ fn fill_sql(max: u64, range: (u64, u64), expired: bool) -> String {
                 range.0, range.1
             ),
             "now() - interval '23 hours' + interval '23 hours' * (n::float8 / MAX)",
+            0,
         )
     };
-    let salt = if expired { "x" } else { "" };
-    format!(
-        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, \
-             attempt_token, response_status, response_headers, response_body, created_at, completed_at, expires_at) \
-         SELECT 'bench', 'POST /orders v1', k, decode(md5(k) || md5(k || 'f'), 'hex'), 'completed', n, 201, \
-             {HEADERS}, {BODY}, c, c + interval '3 ms', c + interval '24 hours' \
-         FROM (SELECT n, substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-4' || substr(h, 13, 3) || '-a' \
-                      || substr(h, 16, 3) || '-' || substr(h, 19, 12) AS k, {created} AS c \
-               FROM (SELECT n, lpad(to_hex({prefix}), 12, '0') || md5('{salt}' || n) AS h \
-                     FROM generate_series(0::bigint, MAX - 1) n WHERE {filter}) s) t \
-         ON CONFLICT DO NOTHING"
-    )
-    .replace("MAX", &max.to_string())
+    let part = max.div_ceil(FILL_SESSIONS);
+    (0..FILL_SESSIONS)
+        .map(|i| {
+            let (first, last) = (i * part, ((i + 1) * part).min(max));
+            format!(
+                "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, \
+                     attempt_token, response_status, response_headers, response_body, created_at, completed_at, expires_at) \
+                 SELECT 'bench', 'POST /orders v1', k, \
+                     int8send(hashint8extended(n, {s1})) || int8send(hashint8extended(n, {s2})) \
+                     || int8send(hashint8extended(n, {s3})) || int8send(hashint8extended(n, {s4})), \
+                     'completed', n, 201, {HEADERS}, {BODY}, c, c + interval '3 ms', c + interval '24 hours' \
+                 FROM (SELECT n, substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-4' || substr(h, 13, 3) || '-a' \
+                              || substr(h, 16, 3) || '-' || substr(h, 19, 12) AS k, {created} AS c \
+                       FROM (SELECT n, lpad(to_hex({prefix}), 12, '0') || lpad(to_hex(hashint8extended(n, {s5})), 16, '0') \
+                                    || lpad(to_hex(hashint8(n + {seed})), 8, '0') AS h \
+                             FROM generate_series({first}::bigint, {last} - 1) n WHERE {filter}) s) t",
+                s1 = seed + 1,
+                s2 = seed + 2,
+                s3 = seed + 3,
+                s4 = seed + 4,
+                s5 = seed + 5,
+            )
+            .replace("MAX", &max.to_string())
+        })
+        .collect()
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -114,26 +132,50 @@ fn free_gb(dir: &std::path::Path) -> Option<f64> {
     Some(kb / 1048576.0)
 }
 
-/// Runs `sql` with a larger `max_wal_size` (fewer checkpoints, so fewer
-/// full-page images, while it runs), then `VACUUM ANALYZE` and a
-/// `CHECKPOINT`, so that the runs after it do not pay for the fill.
+/// Runs `sql`, then `VACUUM ANALYZE`, with `fsync` and `full_page_writes`
+/// off and a larger `max_wal_size` (a bulk load's settings: with them on,
+/// every dirty page the load evicts waits for a WAL flush), then puts them
+/// back, and `CHECKPOINT` and `sync` write everything out, so that the runs
+/// after it neither lack durability nor pay for the fill.
 /// Returns (fill seconds, vacuum + checkpoint seconds).
-async fn fill(store: &PgStore, sql: &str) -> (f64, f64) {
+async fn fill(store: &PgStore, sql: &[String]) -> (f64, f64) {
     let client = store.client().await.expect("client");
     let client = &*client;
     let run = |sql: &'static str| async move {
         client.batch_execute(sql).await.expect(sql);
+        if sql.contains("reload") {
+            // Every process rereads the settings at its next idle moment.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
     };
+    run("ALTER SYSTEM SET fsync = off").await;
+    run("ALTER SYSTEM SET full_page_writes = off").await;
     run("ALTER SYSTEM SET max_wal_size = '16GB'").await;
     run("SELECT pg_reload_conf()").await;
     let started = Instant::now();
-    client.batch_execute(sql).await.expect("fill");
+    let sessions = sql.iter().map(|sql| async move {
+        let client = store.client().await.expect("client");
+        client.batch_execute(sql).await.expect("fill");
+    });
+    futures_util::future::join_all(sessions).await;
     let filled = started.elapsed().as_secs_f64();
-    run("ALTER SYSTEM RESET max_wal_size").await;
-    run("SELECT pg_reload_conf()").await;
     let started = Instant::now();
     run("VACUUM ANALYZE idempotency_requests").await;
+    run("ALTER SYSTEM RESET fsync").await;
+    run("ALTER SYSTEM RESET full_page_writes").await;
+    run("ALTER SYSTEM RESET max_wal_size").await;
+    run("SELECT pg_reload_conf()").await;
     run("CHECKPOINT").await;
+    let _ = tokio::process::Command::new("sync").status().await;
+    let on: String = client
+        .query_one(
+            "SELECT current_setting('fsync') || current_setting('full_page_writes')",
+            &[],
+        )
+        .await
+        .expect("settings")
+        .get(0);
+    assert_eq!(on, "onon", "fsync and full_page_writes are back on");
     (filled, started.elapsed().as_secs_f64())
 }
 
@@ -184,7 +226,7 @@ pub(crate) async fn run(
     for &keys in sizes {
         let (fill_s, settle_s);
         if keys > filled {
-            // Roughly 550 bytes a key: heap, indexes, and the WAL of the fill.
+            // About 650 bytes a key in the heap and indexes, and the fill's WAL.
             let needed = (keys - filled) as f64 * 1.1e-6 + 5.0;
             if let Some(free) = free_gb(data_dir).filter(|free| *free < needed) {
                 println!("growth: skipping {keys} keys and more: {free:.1} GB free, about {needed:.0} GB needed");
@@ -194,7 +236,7 @@ pub(crate) async fn run(
             (fill_s, settle_s) = fill(store, &fill_sql(max, (filled, keys), false)).await;
             filled = keys;
         } else {
-            (fill_s, settle_s) = (0.0, fill(store, "SELECT 1").await.1);
+            (fill_s, settle_s) = (0.0, fill(store, &[]).await.1);
         }
         let (rows, heap_mb, index_mb) = table_size(store).await;
         println!(
