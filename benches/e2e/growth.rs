@@ -227,7 +227,7 @@ pub(crate) async fn run(
         let (fill_s, settle_s);
         if keys > filled {
             // About 650 bytes a key in the heap and indexes, and the fill's WAL.
-            let needed = (keys - filled) as f64 * 1.1e-6 + 5.0;
+            let needed = ((keys - filled) as f64).mul_add(1.1e-6, 5.0);
             if let Some(free) = free_gb(data_dir).filter(|free| *free < needed) {
                 println!("growth: skipping {keys} keys and more: {free:.1} GB free, about {needed:.0} GB needed");
                 break;

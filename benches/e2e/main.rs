@@ -40,7 +40,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use tower_idempotency::{postgres::PgStore, testing::TempPostgres};
 
 use crate::{
-    load::{Body, Kind, Load, Run, Scenario, MAIN_KEYS},
+    load::{Body, Kind, Load, Scenario, MAIN_KEYS},
     report::{Proxied, Report, Stats},
 };
 
@@ -124,11 +124,7 @@ fn main() {
 }
 
 /// Closed loop, `rounds` rounds of every scenario in turn.
-async fn rounds(
-    load: &Arc<Load>,
-    scenarios: &[Scenario],
-    s: &Settings,
-) -> Vec<(&'static str, Vec<Run>)> {
+async fn rounds(load: &Arc<Load>, scenarios: &[Scenario], s: &Settings) -> report::Rows {
     let mut results: Vec<_> = scenarios.iter().map(|s| (s.name, Vec::new())).collect();
     for round in 1..=s.rounds {
         for (i, scenario) in scenarios.iter().enumerate() {
@@ -146,7 +142,7 @@ async fn open_rounds(
     scenarios: &[Scenario],
     rate: f64,
     s: &Settings,
-) -> Vec<(&'static str, Vec<Run>)> {
+) -> report::Rows {
     let mut results: Vec<_> = scenarios.iter().map(|s| (s.name, Vec::new())).collect();
     for round in 1..=s.rounds {
         for (i, scenario) in scenarios.iter().enumerate() {

@@ -67,10 +67,15 @@ pub(crate) struct Proxied {
     pub(crate) rows: Vec<(&'static str, Vec<Run>, Vec<Run>)>,
 }
 
+/// Each scenario's name and runs.
+pub(crate) type Rows = Vec<(&'static str, Vec<Run>)>;
+/// A target: what it says, this run's value, whether the value meets it.
+type Target = (String, Option<f64>, fn(f64) -> bool);
+
 #[derive(Default)]
 pub(crate) struct Report {
-    pub(crate) main: Vec<(&'static str, Vec<Run>)>,
-    pub(crate) open: Option<(f64, Vec<(&'static str, Vec<Run>)>)>,
+    pub(crate) main: Rows,
+    pub(crate) open: Option<(f64, Rows)>,
     pub(crate) proxy: Option<Proxied>,
     pub(crate) growth: Option<Vec<Step>>,
     pub(crate) cleanup: Option<CleanupRun>,
@@ -144,7 +149,7 @@ impl Report {
             pgbench::print_variants(results);
         }
         if let Some(proxy) = &self.proxy {
-            self.print_proxy(proxy);
+            Self::print_proxy(proxy);
         }
         if let Some(steps) = &self.growth {
             growth::print(steps);
@@ -159,7 +164,7 @@ impl Report {
         self.print_targets();
     }
 
-    fn print_proxy(&self, p: &Proxied) {
+    fn print_proxy(p: &Proxied) {
         println!();
         println!(
             "Database behind a loopback proxy adding {:.1} ms each way (delay measured per chunk: p50 {:.2} ms, p99 {:.2} ms); open loop at {:.0} req/s (half the proxied layered create throughput):",
@@ -211,7 +216,7 @@ impl Report {
         } else {
             "claim at commit, the experiment until the mode is merged"
         };
-        let targets: [(String, Option<f64>, fn(f64) -> bool); 6] = [
+        let targets: [Target; 6] = [
             (
                 format!("{which}: create >= 0.90 x bare"),
                 ratio(at_commit, bare, tput),
