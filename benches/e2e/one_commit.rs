@@ -5,7 +5,7 @@
 //! Not compiled until the mode is merged (`#[cfg(any())]` on `mod
 //! one_commit;` in main.rs); until then the rows labelled "one-commit" in the
 //! open-loop and proxy tables run the hand-written experiment instead. To
-//! enable it, see `servers_one_commit` in main.rs.
+//! enable it, see `one_commit_server` in main.rs (three lines).
 
 use std::net::SocketAddr;
 
