@@ -1,0 +1,292 @@
+//! The tables, the targets and the `RATIOS` line (the last line of output).
+
+use crate::{
+    growth::{self, CleanupRun, Step},
+    load::{median, percentile, Run},
+    pgbench,
+};
+
+pub(crate) const BARE: &str = "1 bare (no layer)";
+pub(crate) const CREATE: &str = "2 layered create";
+pub(crate) const REPLAY: &str = "3 replay";
+pub(crate) const MIXED: &str = "4 mixed 5% retry, 0.1% reuse";
+pub(crate) const HOT: &str = "5 hot key (50 duplicates)";
+pub(crate) const EXPERIMENT: &str = "6 create, claim at commit (experiment)";
+pub(crate) const ONE_COMMIT: &str = "7 create, one-commit mode";
+pub(crate) const TYPED: &str = "8 layered create, typed unnamed statements";
+pub(crate) const BARE_FIVE: &str = "9 bare, five statements";
+pub(crate) const LAYERED_FIVE: &str = "10 layered create, five statements";
+
+/// Medians over rounds.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stats {
+    pub(crate) tput: f64,
+    pub(crate) p50: f64,
+    pub(crate) p99: f64,
+    pub(crate) unexpected: usize,
+}
+
+impl Stats {
+    pub(crate) fn of(runs: &[Run]) -> Stats {
+        let of = |f: &dyn Fn(&Run) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
+        Stats {
+            tput: of(&Run::throughput),
+            p50: of(&|r| r.percentile(0.5)),
+            p99: of(&|r| r.percentile(0.99)),
+            unexpected: runs.iter().map(|r| r.unexpected).sum(),
+        }
+    }
+}
+
+pub(crate) fn print_round(round: usize, name: &str, run: &Run) {
+    println!(
+        "round {round} {name:<30} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
+        run.throughput(),
+        run.percentile(0.5),
+        run.percentile(0.99),
+        run.unexpected
+    );
+}
+
+pub(crate) fn print_open_round(round: usize, name: &str, rate: f64, run: &Run) {
+    println!(
+        "round {round} {name:<30} at {rate:.0} req/s: p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
+        run.percentile(0.5),
+        run.percentile(0.99),
+        run.unexpected
+    );
+}
+
+/// The proxy section's results.
+pub(crate) struct Proxied {
+    pub(crate) delay_ms: f64,
+    /// The delay chunks really got, (p50, p99) ms.
+    pub(crate) measured: (f64, f64),
+    pub(crate) rate: f64,
+    /// Name, closed-loop runs, open-loop runs.
+    pub(crate) rows: Vec<(&'static str, Vec<Run>, Vec<Run>)>,
+}
+
+/// Each scenario's name and runs.
+pub(crate) type Rows = Vec<(&'static str, Vec<Run>)>;
+/// A target: what it says, this run's value, whether the value meets it.
+type Target = (String, Option<f64>, fn(f64) -> bool);
+
+#[derive(Default)]
+pub(crate) struct Report {
+    pub(crate) main: Rows,
+    pub(crate) open: Option<(f64, Rows)>,
+    pub(crate) proxy: Option<Proxied>,
+    pub(crate) growth: Option<Vec<Step>>,
+    pub(crate) cleanup: Option<CleanupRun>,
+    pub(crate) memory: Option<(f64, usize)>,
+    pub(crate) pgbench: Option<pgbench::Results>,
+    /// Whether the one-commit mode ran (false: its rows ran the experiment).
+    pub(crate) one_commit: bool,
+}
+
+impl Report {
+    fn main(&self, name: &str) -> Option<Stats> {
+        let (_, runs) = self.main.iter().find(|(n, _)| *n == name)?;
+        Some(Stats::of(runs))
+    }
+
+    fn open(&self, name: &str) -> Option<Stats> {
+        let (_, rows) = self.open.as_ref()?;
+        let (_, runs) = rows.iter().find(|(n, _)| *n == name)?;
+        Some(Stats::of(runs))
+    }
+
+    /// The one-commit row's name: the mode once merged, else the experiment.
+    fn at_commit_name(&self) -> &'static str {
+        if self.one_commit {
+            ONE_COMMIT
+        } else {
+            EXPERIMENT
+        }
+    }
+
+    pub(crate) fn print(&self) {
+        if !self.main.is_empty() {
+            println!();
+            println!("| scenario | req/s | p50 ms | p99 ms | unexpected answers |");
+            println!("| --- | ---: | ---: | ---: | ---: |");
+            for (name, runs) in &self.main {
+                let s = Stats::of(runs);
+                println!(
+                    "| {name} | {:.0} | {:.2} | {:.2} | {} |",
+                    s.tput, s.p50, s.p99, s.unexpected
+                );
+            }
+        }
+        if let Some((rate, rows)) = &self.open {
+            println!();
+            println!("At a fixed {rate:.0} req/s (half the layered create throughput), open loop:");
+            println!();
+            println!("| scenario | p50 ms | p99 ms |");
+            println!("| --- | ---: | ---: |");
+            for (name, runs) in rows {
+                let s = Stats::of(runs);
+                println!("| {name} | {:.2} | {:.2} |", s.p50, s.p99);
+            }
+        }
+        if let Some((_, runs)) = self.main.iter().find(|(n, _)| *n == HOT) {
+            let hot: Vec<i64> = runs
+                .iter()
+                .flat_map(|r| r.duplicate_extra_us.iter().copied())
+                .collect();
+            println!();
+            println!(
+                "hot key: duplicates answered at p99 {:.2} ms after their first request's own answer (target <= 50 ms)",
+                percentile(&hot, 0.99) as f64 / 1000.0
+            );
+        }
+        if let Some((memory, body)) = self.memory {
+            println!("layer memory per in-flight request (excluding the {body}-byte buffered body): {memory:.0} bytes");
+        }
+        if let Some(results) = &self.pgbench {
+            pgbench::print_summary(results);
+            pgbench::print_variants(results);
+        }
+        if let Some(proxy) = &self.proxy {
+            Self::print_proxy(proxy);
+        }
+        if let Some(steps) = &self.growth {
+            growth::print(steps);
+            if let Some((normalized, raw)) = growth::create_10m_vs_0(steps) {
+                println!();
+                println!("growth: create at 10,000,000 keys vs at 0: {normalized:.2} (each over bare in the same step; raw throughput ratio {raw:.2})");
+            }
+        }
+        if let Some(cleanup) = &self.cleanup {
+            growth::print_cleanup(cleanup);
+        }
+        self.print_targets();
+    }
+
+    fn print_proxy(p: &Proxied) {
+        println!();
+        println!(
+            "Database behind a loopback proxy adding {:.1} ms each way (delay measured per chunk: p50 {:.2} ms, p99 {:.2} ms); open loop at {:.0} req/s (half the proxied layered create throughput):",
+            p.delay_ms, p.measured.0, p.measured.1, p.rate
+        );
+        println!();
+        println!("| scenario | req/s | p50 ms | p99 ms | open-loop p50 ms | open-loop p99 ms | unexpected answers |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        for (name, closed, open) in &p.rows {
+            let (c, o) = (Stats::of(closed), Stats::of(open));
+            println!(
+                "| {name} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+                c.tput,
+                c.p50,
+                c.p99,
+                o.p50,
+                o.p99,
+                c.unexpected + o.unexpected
+            );
+        }
+    }
+
+    fn print_targets(&self) {
+        let (bare, create, replay, mixed) = (
+            self.main(BARE),
+            self.main(CREATE),
+            self.main(REPLAY),
+            self.main(MIXED),
+        );
+        let at_commit = self.main(self.at_commit_name());
+        let ratio =
+            |a: Option<Stats>, b: Option<Stats>, f: fn(&Stats) -> f64| Some(f(&a?) / f(&b?));
+        let tput = |s: &Stats| s.tput;
+        let p99 = |s: &Stats| s.p99;
+        let growth = self
+            .growth
+            .as_deref()
+            .and_then(growth::create_10m_vs_0)
+            .map(|g| g.0);
+        let open_gap = (|| Some(self.open(self.at_commit_name())?.p50 - self.open(BARE)?.p50))();
+        let fmt = |v: Option<f64>| v.map_or("n/a".to_owned(), |v| format!("{v:.2}"));
+        let met = |v: Option<f64>, ok: fn(f64) -> bool| match v {
+            Some(v) if ok(v) => "yes",
+            Some(_) => "no",
+            None => "not run",
+        };
+        let which = if self.one_commit {
+            "one-commit mode"
+        } else {
+            "claim at commit, the experiment until the mode is merged"
+        };
+        let targets: [Target; 6] = [
+            (
+                format!("{which}: create >= 0.90 x bare"),
+                ratio(at_commit, bare, tput),
+                |v| v >= 0.90,
+            ),
+            (
+                format!("{which}: open-loop p50 <= bare + 0.3 ms (ms over bare)"),
+                open_gap,
+                |v| v <= 0.3,
+            ),
+            (
+                "default create >= 0.75 x bare".to_owned(),
+                ratio(create, bare, tput),
+                |v| v >= 0.75,
+            ),
+            (
+                "default create p99 <= 1.3 x bare".to_owned(),
+                ratio(create, bare, p99),
+                |v| v <= 1.3,
+            ),
+            (
+                "replay >= 4 x create".to_owned(),
+                ratio(replay, create, tput),
+                |v| v >= 4.0,
+            ),
+            (
+                "create at 10 M keys >= 0.9 x at 0".to_owned(),
+                growth,
+                |v| v >= 0.9,
+            ),
+        ];
+        println!();
+        println!("| target | this run | met? |");
+        println!("| --- | ---: | --- |");
+        for (name, value, ok) in &targets {
+            println!("| {name} | {} | {} |", fmt(*value), met(*value, *ok));
+        }
+        println!();
+        if let (Some(experiment), Some(b), Some(c)) = (self.main(EXPERIMENT), bare, create) {
+            println!(
+                "claim at commit (experiment, end to end): {:.2} of bare, {:.2} of the layered create (ship gate: >= 1.15)",
+                experiment.tput / b.tput,
+                experiment.tput / c.tput
+            );
+        }
+        if let (Some(mode), Some(b), Some(c)) = (self.main(ONE_COMMIT), bare, create) {
+            println!(
+                "one-commit mode (end to end): {:.2} of bare, {:.2} of the layered create",
+                mode.tput / b.tput,
+                mode.tput / c.tput
+            );
+        }
+        if let (Some(typed), Some(c)) = (self.main(TYPED), create) {
+            println!("typed unnamed statements: {:.2} of the default create (cached prepared statements)", typed.tput / c.tput);
+        }
+        if let (Some(five), Some(bare_five)) = (self.main(LAYERED_FIVE), self.main(BARE_FIVE)) {
+            println!(
+                "five statements: layered create {:.2} of bare, p99 {:.2} of bare",
+                five.tput / bare_five.tput,
+                five.p99 / bare_five.p99
+            );
+        }
+        println!(
+            "RATIOS create_vs_bare={} replay_vs_create={} p99_create_vs_bare={} mixed_vs_bare={} atcommit_vs_bare={} create_10m_vs_0={}",
+            fmt(ratio(create, bare, tput)),
+            fmt(ratio(replay, create, tput)),
+            fmt(ratio(create, bare, p99)),
+            fmt(ratio(mixed, bare, tput)),
+            fmt(ratio(at_commit, bare, tput)),
+            fmt(growth),
+        );
+    }
+}
