@@ -27,12 +27,6 @@ mod proxy;
 mod report;
 mod servers;
 
-// The one-commit mode (`IdempotencyLayer::claim_at_commit()`) is not in this
-// branch yet; one_commit.rs is written against its API. After the merge:
-// (1) delete the `#[cfg(any())]` line below, and in `one_commit_server`
-// (2) delete the `let _unmerged = store;` line and (3) replace `None` by
-// `Some(one_commit::server(store).await)`.
-#[cfg(any())]
 mod one_commit;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
@@ -44,12 +38,11 @@ use crate::{
     report::{Proxied, Report, Stats},
 };
 
-/// A server in the one-commit mode on `store`, or `None` while the mode is
-/// not merged: its rows in the open-loop and proxy tables then run the
-/// hand-written experiment, and the main table has no row 7.
+/// A server in the one-commit mode on `store` (`None` would run the
+/// hand-written experiment in its place in the open-loop and proxy tables,
+/// and leave out row 7).
 async fn one_commit_server(store: PgStore) -> Option<SocketAddr> {
-    let _unmerged = store;
-    None
+    Some(one_commit::server(store).await)
 }
 
 const SECTIONS: [&str; 7] = [

@@ -1,11 +1,6 @@
 //! The one-commit mode (`IdempotencyLayer::claim_at_commit()`, the store
 //! trait `tower_idempotency::store::CommitStore`): the handler writes first,
 //! and the key row goes in with the response, pipelined with `COMMIT`.
-//!
-//! Not compiled until the mode is merged (`#[cfg(any())]` on `mod
-//! one_commit;` in main.rs); until then the rows labelled "one-commit" in the
-//! open-loop and proxy tables run the hand-written experiment instead. To
-//! enable it, see `one_commit_server` in main.rs (three lines).
 
 use std::net::SocketAddr;
 

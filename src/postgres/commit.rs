@@ -165,12 +165,7 @@ where
             None => claimed.await,
         }
     };
-    let reset = async {
-        match conn.session_reset() {
-            Some(reset) => conn.batch_execute(reset).await,
-            None => Ok(()),
-        }
-    };
+    let reset = conn.reset_session();
     let (claim, ended, reset) = tokio::join!(biased; claim, conn.batch_execute(end), reset);
     let clean = ended.is_ok() && reset.is_ok();
     let result = match (claim, ended) {

@@ -4,14 +4,14 @@
 //! inside a transaction (or whose state is unknown) is closed on drop instead
 //! of being returned. [`PooledClient`] is the connection lent to the
 //! application, rolled back and reset before anyone else gets it.
-//! [`SESSION_RESET`] is what undoes a request's session changes.
+//! [`Conn::reset_session`] undoes a request's session changes.
 
 use std::{fmt, time::Duration};
 
 use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
-pub(crate) use crate::pg::statements::SESSION_RESET;
+use crate::pg::statements::SESSION_RESET_STATEMENTS;
 
 /// A pooled connection that may be inside a transaction.
 ///
@@ -67,12 +67,19 @@ impl Conn {
         self.unnamed
     }
 
-    /// The statements that undo a request's session changes, sent behind
-    /// the end of its transaction; none behind a transaction pooler, where
-    /// they would run on whichever server connection the pooler picks next,
-    /// not on the one the transaction used.
-    pub(super) fn session_reset(&self) -> Option<&'static str> {
-        (!self.unnamed).then_some(SESSION_RESET)
+    /// Undoes a request's session changes: the statements of
+    /// `SESSION_RESET_STATEMENTS`, each its own message, all pipelined (one
+    /// round trip, and sent on the first poll, so that the reset goes out
+    /// right behind whatever was polled before it). Nothing behind a
+    /// transaction pooler, where they would run on whichever server
+    /// connection the pooler picks next, not on the one the transaction
+    /// used.
+    pub(super) async fn reset_session(&self) -> Result<(), tokio_postgres::Error> {
+        if self.unnamed {
+            return Ok(());
+        }
+        let sent = SESSION_RESET_STATEMENTS.map(|statement| self.batch_execute(statement));
+        futures_util::future::try_join_all(sent).await.map(|_| ())
     }
 
     /// The connection may be inside a transaction, or is in an unknown state
@@ -219,10 +226,7 @@ async fn reset_borrowed(mut conn: Conn) {
         if in_transaction {
             conn.batch_execute("ROLLBACK").await?;
         }
-        match conn.session_reset() {
-            Some(reset) => conn.batch_execute(reset).await,
-            None => Ok(()),
-        }
+        conn.reset_session().await
     };
     match tokio::time::timeout(RESET_LIMIT, reset).await {
         Ok(Ok(())) => conn.mark_clean(),

@@ -155,12 +155,7 @@ pub(super) async fn finish(
             None => conn.batch_execute(end).await.map_err(Finished::End),
         }
     };
-    let reset = async {
-        match conn.session_reset() {
-            Some(reset) => conn.batch_execute(reset).await,
-            None => Ok(()),
-        }
-    };
+    let reset = conn.reset_session();
     let (ended, reset) = tokio::join!(biased; ended, reset);
     if ended.is_ok() && reset.is_ok() {
         conn.mark_clean();
