@@ -4,7 +4,7 @@
 use std::future::Future;
 
 use super::{
-    describe, must_own, request, response, scope, unique_key, CheckFailure, Guarantee, DAY,
+    must_own, must_replay, request, response, scope, unique_key, CheckFailure, Guarantee, DAY,
     DROP_WAIT, FREE_WAIT, WAIT,
 };
 use crate::store::{Claim, Store, StoreErrorKind};
@@ -113,19 +113,13 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
         G,
         "complete returned Ok but the handler's write was not committed"
     );
-    match super::claim_bounded(store, &req, G, "a claim after complete").await? {
-        Claim::Completed(record) => ensure!(
-            record.response.body == b"with writes"[..],
-            G,
-            "the key replays {:?}, not the completed response",
-            String::from_utf8_lossy(&record.response.body)
-        ),
-        other => fail!(
-            G,
-            "after complete: expected Completed, got {}",
-            describe(&other)
-        ),
-    }
+    let record = must_replay(store, &req, G, "a claim after complete").await?;
+    ensure!(
+        record.response.body == b"with writes"[..],
+        G,
+        "the key replays {:?}, not the completed response",
+        String::from_utf8_lossy(&record.response.body)
+    );
     Ok(())
 }
 
