@@ -6,8 +6,8 @@ use bytes::Bytes;
 use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    claim_bounded, describe, join_all, must_own, must_replay, request, response, response_with,
-    scope, unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
+    claim_bounded, describe, join_all, must_own, must_replay, new_request, request, response,
+    response_with, scope, unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -26,8 +26,7 @@ pub async fn completed_record_replays_byte_for_byte<St: Store>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     let stored = response(b"\x00{\"id\":1}\xff");
     store.complete(tx, &stored).await.or_fail(G, "complete")?;
@@ -202,8 +201,7 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
 /// (within a short wait: nothing holds it any more).
 pub async fn abort_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, FREE_WAIT);
+    let req = new_request(FREE_WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     store.abort(tx).await.or_fail(G, "abort")?;
     let tx = must_own(store, &req, G, "the claim after the abort").await?;
@@ -216,8 +214,7 @@ pub async fn abort_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailu
 /// key.
 pub async fn dropped_handle_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::DropFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, DROP_WAIT);
+    let req = new_request(DROP_WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     let clone = tx.clone();
     drop(tx);

@@ -298,6 +298,12 @@ fn request(
     .with_wait(wait)
 }
 
+/// A request of tenant `t1` under a key never used before: fingerprint 1,
+/// kept a day, waiting at most `wait`.
+fn new_request(wait: Duration) -> ClaimRequest {
+    request(scope("t1"), &unique_key(), 1, DAY, wait)
+}
+
 fn response(body: &'static [u8]) -> StoredResponse {
     response_with(Bytes::from_static(body))
 }

@@ -4,8 +4,8 @@
 use std::future::Future;
 
 use super::{
-    must_own, must_replay, request, response, scope, unique_key, CheckFailure, Guarantee, DAY,
-    DROP_WAIT, FREE_WAIT, WAIT,
+    must_own, must_replay, new_request, response, unique_key, CheckFailure, Guarantee, DROP_WAIT,
+    FREE_WAIT, WAIT,
 };
 use crate::store::{Claim, Store, StoreErrorKind};
 
@@ -89,8 +89,7 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let marker = marker("committed");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;
@@ -134,8 +133,7 @@ pub async fn failed_write_fails_the_completion<St: Store, W: Writes<St::Tx>>(
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, FREE_WAIT);
+    let req = new_request(FREE_WAIT);
     let marker = marker("failed");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;
@@ -181,8 +179,7 @@ pub async fn abort_discards_the_handler_writes<St: Store, W: Writes<St::Tx>>(
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, FREE_WAIT);
+    let req = new_request(FREE_WAIT);
     let marker = marker("aborted");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;
@@ -204,8 +201,7 @@ pub async fn dropped_handle_discards_the_handler_writes<St: Store, W: Writes<St:
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::DropFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, DROP_WAIT);
+    let req = new_request(DROP_WAIT);
     let marker = marker("dropped");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;

@@ -6,8 +6,8 @@ use bytes::Bytes;
 use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    join_all, must_replay, request, response, response_with, scope, unique_key, writes::NoWrites,
-    CheckFailure, Guarantee, Report, Runner, Writes, DAY, WAIT,
+    join_all, must_replay, new_request, request, response, response_with, scope, unique_key,
+    writes::NoWrites, CheckFailure, Guarantee, Report, Runner, Writes, DAY, WAIT,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -193,8 +193,7 @@ pub async fn concurrent_commits_have_one_winner<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneCommit;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let begun = Arc::new(Barrier::new(RACERS));
     let mut racers = JoinSet::new();
     for racer in 0..RACERS {
@@ -242,8 +241,7 @@ pub async fn a_remembered_key_is_never_won_again<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneCommit;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     must_win(store, &req, &response(b"first"), G, "the first commit").await?;
     for attempt in ["a retry", "another retry"] {
         let what = format!("{attempt} of a remembered key");
@@ -327,8 +325,7 @@ pub async fn an_aborted_transaction_leaves_the_key_free<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let tx = begin(store, &req, G).await?;
     store.abort(tx).await.or_fail(G, "abort")?;
     must_win(store, &req, &response(b"b"), G, "the commit after an abort").await

@@ -5,10 +5,11 @@ use super::{begin, expect_lost, expect_won};
 use crate::{
     store::CommitStore,
     testing::conformance::{
+        new_request,
         report::{ensure, OrFail},
-        request, response, scope, unique_key,
+        response,
         writes::{committed, marker, write},
-        CheckFailure, Guarantee, Writes, DAY, WAIT,
+        CheckFailure, Guarantee, Writes, WAIT,
     },
 };
 
@@ -19,8 +20,7 @@ pub async fn the_winners_writes_commit_with_its_record<St: CommitStore, W: Write
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let tx = begin(store, &req, G).await?;
     let mark = marker("winner");
     write(writes, &tx, &mark, G).await?;
@@ -48,8 +48,7 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::LoserRollsBack;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let (winner, loser) = (begin(store, &req, G).await?, begin(store, &req, G).await?);
     let (won, lost) = (marker("winner"), marker("loser"));
     write(writes, &winner, &won, G).await?;
