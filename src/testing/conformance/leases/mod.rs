@@ -122,12 +122,16 @@ async fn must_acquire<St: LeaseStore>(
 }
 
 /// `Running` under `operation_id`, or a failure of `guarantee` naming `what`.
+/// What one racer of an acquire race saw: the operation owned, or running
+/// under an id.
+type Sighting<L> = (Option<Owned<L>>, Option<OperationId>);
+
 /// Waits for `racers`, each of which either owned the operation or saw it
 /// running under an id: the one owner and the ids the others saw. Any
 /// number of owners but one fails the check with `guarantee`, saying what
 /// the owners `did`.
 async fn one_owner<L: 'static>(
-    racers: JoinSet<Result<(Option<Owned<L>>, Option<OperationId>), CheckFailure>>,
+    racers: JoinSet<Result<Sighting<L>, CheckFailure>>,
     guarantee: Guarantee,
     did: &str,
 ) -> Result<(Owned<L>, Vec<OperationId>), CheckFailure> {
