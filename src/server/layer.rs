@@ -139,23 +139,8 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self,
         resolver: R2,
     ) -> IdempotencyLayer<St, F, R2, M> {
-        let Setup {
-            store,
-            fingerprinter,
-            config,
-            mode,
-            shared,
-            ..
-        } = self.setup;
         IdempotencyLayer {
-            setup: Setup {
-                store,
-                fingerprinter,
-                resolver: Arc::new(resolver),
-                config,
-                mode,
-                shared,
-            },
+            setup: self.setup.swap(|_, mode| (Arc::new(resolver), mode)),
         }
     }
 

@@ -6,7 +6,6 @@ use crate::{
     fingerprint::Fingerprinter,
     scope::ResolveTenant,
     server::{
-        endpoint::Setup,
         lease_config::LeaseConfig,
         mode::{ClaimAtCommit, LongRunning, ShortTransaction},
         recovery::Recovery,
@@ -74,23 +73,8 @@ where
 impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction> {
     /// The same layer in another mode.
     fn with_mode<M>(self, mode: M) -> IdempotencyLayer<St, F, R, M> {
-        let Setup {
-            store,
-            fingerprinter,
-            resolver,
-            config,
-            shared,
-            ..
-        } = self.setup;
         IdempotencyLayer {
-            setup: Setup {
-                store,
-                fingerprinter,
-                resolver,
-                config,
-                mode,
-                shared,
-            },
+            setup: self.setup.swap(|resolver, _| (resolver, mode)),
         }
     }
 }
