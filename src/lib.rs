@@ -34,6 +34,7 @@ pub mod client;
 pub mod fingerprint;
 pub mod key;
 pub mod lease;
+mod macros;
 pub mod memory;
 pub mod metrics;
 pub mod outbox;

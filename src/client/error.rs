@@ -55,6 +55,7 @@ impl ClientErrorKind {
 /// retry the same operation later with the same key.
 ///
 /// Its `Debug` and `Display` show the key only as a short hash.
+#[derive(Debug)]
 pub struct ClientError {
     kind: ClientErrorKind,
     attempts: u32,
@@ -97,17 +98,6 @@ impl ClientError {
     /// server replays it if one of the attempts got through.
     pub fn key(&self) -> Option<&IdempotencyKey> {
         self.key.as_ref()
-    }
-}
-
-impl fmt::Debug for ClientError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ClientError")
-            .field("kind", &self.kind)
-            .field("attempts", &self.attempts)
-            .field("key", &self.key)
-            .field("source", &self.source)
-            .finish()
     }
 }
 

@@ -53,20 +53,7 @@ impl<S> IdempotentClient<S> {
         IdempotentClientLayer::new()
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// The wrapped service, unwrapped.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    crate::macros::define_inner_service_accessors!();
 }
 
 impl<S: fmt::Debug> fmt::Debug for IdempotentClient<S> {

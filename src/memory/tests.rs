@@ -40,6 +40,13 @@ async fn own(store: &MemoryStore, claim: &ClaimRequest, lease: Duration) -> Owne
     }
 }
 
+/// A fenced transaction of `lease` that has written the order `id`.
+fn fenced_order(lease: &MemoryLease, id: u32) -> MemoryTx {
+    let tx = lease.transaction().unwrap();
+    tx.insert("orders", json!({ "id": id })).unwrap();
+    tx
+}
+
 fn is_fenced<T>(result: Result<T, StoreError>) -> bool {
     matches!(result, Err(e) if e.kind() == StoreErrorKind::Fenced)
 }
@@ -48,8 +55,7 @@ fn is_fenced<T>(result: Result<T, StoreError>) -> bool {
 async fn fenced_tx_commits_all_rows_at_once() {
     let store = MemoryStore::new();
     let owned = own(&store, &claim("k", 1), LONG).await;
-    let tx = owned.lease.transaction().unwrap();
-    tx.insert("orders", json!({"id": 1})).unwrap();
+    let tx = fenced_order(&owned.lease, 1);
     tx.insert("outbox", json!({"order": 1})).unwrap();
     assert!(
         store.rows("orders").is_empty(),
@@ -73,14 +79,12 @@ async fn fenced_tx_commits_all_rows_at_once() {
 async fn fenced_tx_applies_nothing_once_its_token_is_not_the_records() {
     let store = MemoryStore::new();
     let owned = own(&store, &claim("k", 1), LONG).await;
-    let released = owned.lease.transaction().unwrap();
-    released.insert("orders", json!({"id": 1})).unwrap();
+    let released = fenced_order(&owned.lease, 1);
     store.release(&owned.lease).await.unwrap();
     assert!(is_fenced(store.commit_fenced(released).await));
 
     let owned = own(&store, &claim("k", 1), LONG).await;
-    let finished = owned.lease.transaction().unwrap();
-    finished.insert("orders", json!({"id": 2})).unwrap();
+    let finished = fenced_order(&owned.lease, 2);
     store.finish(&owned.lease, &response("done")).await.unwrap();
     assert!(is_fenced(store.commit_fenced(finished).await));
     assert!(store.rows("orders").is_empty(), "no row of a fenced commit");
@@ -105,13 +109,11 @@ async fn stale_lease_opens_no_fenced_tx() {
 async fn dropping_a_fenced_tx_unfinished_keeps_the_lease() {
     let store = MemoryStore::new();
     let owned = own(&store, &claim("k", 1), LONG).await;
-    let tx = owned.lease.transaction().unwrap();
-    tx.insert("orders", json!({"id": 1})).unwrap();
+    let tx = fenced_order(&owned.lease, 1);
     let clone = tx.clone();
     drop(tx);
     drop(clone);
-    let aborted = owned.lease.transaction().unwrap();
-    aborted.insert("orders", json!({"id": 2})).unwrap();
+    let aborted = fenced_order(&owned.lease, 2);
     store.abort(aborted).await.unwrap();
     assert!(
         store.rows("orders").is_empty(),
@@ -153,8 +155,7 @@ async fn ended_fenced_txs_do_not_hold_the_record() {
 async fn an_open_fenced_tx_holds_off_takeovers() {
     let store = MemoryStore::new();
     let owned = own(&store, &claim("k", 1), SHORT).await;
-    let tx = owned.lease.transaction().unwrap();
-    tx.insert("orders", json!({"id": 1})).unwrap();
+    let tx = fenced_order(&owned.lease, 1);
     tokio::time::sleep(PAST_SHORT).await;
     assert!(matches!(
         store

@@ -112,6 +112,25 @@ pub struct Setup<St, F, R, M = ShortTransaction> {
     pub(crate) shared: Shared,
 }
 
+impl<St, F, R, M> Setup<St, F, R, M> {
+    /// The same setup with the resolver and the mode that `swap` makes of
+    /// the current ones (the builders that change a type parameter).
+    pub(crate) fn swap<R2, M2>(
+        self,
+        swap: impl FnOnce(Arc<R>, M) -> (Arc<R2>, M2),
+    ) -> Setup<St, F, R2, M2> {
+        let (resolver, mode) = swap(self.resolver, self.mode);
+        Setup {
+            store: self.store,
+            fingerprinter: self.fingerprinter,
+            resolver,
+            config: self.config,
+            mode,
+            shared: self.shared,
+        }
+    }
+}
+
 impl<St: Clone, F, R, M: Clone> Clone for Setup<St, F, R, M> {
     fn clone(&self) -> Self {
         Setup {

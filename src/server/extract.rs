@@ -8,6 +8,8 @@ use http::{request::Parts, StatusCode};
 
 #[cfg(feature = "postgres")]
 use crate::postgres::{PgLease, PgTx};
+#[cfg(feature = "sqlx")]
+use crate::sqlx::{SqlxLease, SqlxTx};
 use crate::{fingerprint::Validated, problem::Problem};
 
 /// The rejection when a handler asks for something the layer did not provide:
@@ -32,30 +34,33 @@ impl IntoResponse for MissingFromLayer {
     }
 }
 
-#[cfg(feature = "postgres")]
-impl<S: Send + Sync> FromRequestParts<S> for PgTx {
-    type Rejection = MissingFromLayer;
+/// Extracts each handle `$handle` from the request extensions, where the
+/// layer puts it.
+macro_rules! from_extensions {
+    ($($(#[$cfg:meta])* $handle:ident,)*) => {$(
+        $(#[$cfg])*
+        impl<S: Send + Sync> FromRequestParts<S> for $handle {
+            type Rejection = MissingFromLayer;
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<PgTx>()
-            .cloned()
-            .ok_or(MissingFromLayer("PgTx"))
-    }
+            async fn from_request_parts(
+                parts: &mut Parts,
+                _state: &S,
+            ) -> Result<Self, Self::Rejection> {
+                parts
+                    .extensions
+                    .get::<$handle>()
+                    .cloned()
+                    .ok_or(MissingFromLayer(stringify!($handle)))
+            }
+        }
+    )*};
 }
 
-#[cfg(feature = "postgres")]
-impl<S: Send + Sync> FromRequestParts<S> for PgLease {
-    type Rejection = MissingFromLayer;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<PgLease>()
-            .cloned()
-            .ok_or(MissingFromLayer("PgLease"))
-    }
+from_extensions! {
+    #[cfg(feature = "postgres")] PgTx,
+    #[cfg(feature = "postgres")] PgLease,
+    #[cfg(feature = "sqlx")] SqlxTx,
+    #[cfg(feature = "sqlx")] SqlxLease,
 }
 
 impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for Validated<T> {
@@ -67,31 +72,5 @@ impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for Validated
             .get::<Validated<T>>()
             .cloned()
             .ok_or(MissingFromLayer("Validated<T>"))
-    }
-}
-
-#[cfg(feature = "sqlx")]
-impl<S: Send + Sync> FromRequestParts<S> for crate::sqlx::SqlxTx {
-    type Rejection = MissingFromLayer;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<crate::sqlx::SqlxTx>()
-            .cloned()
-            .ok_or(MissingFromLayer("SqlxTx"))
-    }
-}
-
-#[cfg(feature = "sqlx")]
-impl<S: Send + Sync> FromRequestParts<S> for crate::sqlx::SqlxLease {
-    type Rejection = MissingFromLayer;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<crate::sqlx::SqlxLease>()
-            .cloned()
-            .ok_or(MissingFromLayer("SqlxLease"))
     }
 }

@@ -8,16 +8,13 @@ use tower_layer::Layer;
 use super::{
     cache::RecordCache,
     endpoint::{Config, KeyReuseStatus, Setup, Shared},
-    lease_config::LeaseConfig,
-    mode::{ClaimAtCommit, LongRunning, ShortTransaction},
-    recovery::Recovery,
+    mode::ShortTransaction,
     service::Idempotency,
-    status::StatusService,
 };
 use crate::{
     fingerprint::Fingerprinter,
     scope::{ResolveTenant, TenantFromExtension},
-    store::{CommitStore, LeaseStore, Store},
+    store::Store,
 };
 
 /// PostgreSQL takes at most `i32::MAX` milliseconds for its timeouts.
@@ -50,7 +47,7 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// ```
 ///
 /// `M` is the mode: [`ShortTransaction`] (the default: the handler writes
-/// through the claim's transaction) or [`LongRunning`] (set by
+/// through the claim's transaction) or [`LongRunning`](super::mode::LongRunning) (set by
 /// [`long_running`](Self::long_running): a committed record with a lease and a
 /// fencing token).
 #[derive(Debug)]
@@ -109,111 +106,11 @@ where
     }
 }
 
-impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction>
-where
-    St: LeaseStore,
-{
-    /// Switches the endpoint to the long-running mode (see [`lease`](crate::lease)):
-    /// the first short transaction commits an `in_progress` record with a
-    /// lease and an attempt token, the work runs outside any claim
-    /// transaction with heartbeats renewing the lease, its writes go through
-    /// fenced transactions, and a request whose work takes longer than
-    /// [`LeaseConfig::respond_within`] is answered `202 Accepted` with the
-    /// operation's status resource.
-    ///
-    /// The handler finds the store's lease handle (for [`PgStore`](crate::postgres::PgStore):
-    /// [`PgLease`](crate::postgres::PgLease)) in its request extensions, instead of a
-    /// transaction. [`handler_timeout`](Self::handler_timeout) bounds the
-    /// whole work; raise it for work that takes longer than 30 s.
-    pub fn long_running(self, config: LeaseConfig) -> IdempotencyLayer<St, F, R, LongRunning> {
-        crate::metrics::register_long_running(&self.setup.config.endpoint);
-        self.with_mode(LongRunning::new(config))
-    }
-}
-
-impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction>
-where
-    St: CommitStore,
-{
-    /// Switches the endpoint to the one-commit mode ([`ClaimAtCommit`]):
-    /// nothing is claimed before the handler runs; its writes come first,
-    /// and the key's record goes in with the response in the same
-    /// transaction, pipelined with the `COMMIT`, so that the key's
-    /// uniqueness decides at commit. A request costs about what the bare
-    /// handler costs (no claim round trip, no completion `UPDATE`).
-    ///
-    /// The guarantee changes from "one owner runs" to "one commit wins":
-    /// duplicates in this process are still coalesced (one handler run),
-    /// but duplicates that reach two processes at once may each run the
-    /// handler, and every loser's transaction rolls back and answers the
-    /// winner's response. Choose it only when **every effect of the
-    /// handler is in its transaction** (rows, outbox events; calls to
-    /// other systems go through the outbox): see
-    /// [choosing a mode](crate::guide::modes). A long-running endpoint
-    /// cannot use it: the two switches exist only on a default-mode layer.
-    ///
-    /// ```
-    /// use tower_idempotency::{fingerprint::JsonFingerprinter, memory::MemoryStore, IdempotencyLayer};
-    ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new(), "POST /orders v1", JsonFingerprinter::new("orders.v1"))
-    ///     .claim_at_commit();
-    /// # let _ = layer;
-    /// ```
-    pub fn claim_at_commit(self) -> IdempotencyLayer<St, F, R, ClaimAtCommit> {
-        crate::metrics::register_at_commit(&self.setup.config.endpoint);
-        self.with_mode(ClaimAtCommit)
-    }
-}
-
-impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction> {
-    /// The same layer in another mode.
-    fn with_mode<M>(self, mode: M) -> IdempotencyLayer<St, F, R, M> {
-        let Setup {
-            store,
-            fingerprinter,
-            resolver,
-            config,
-            shared,
-            ..
-        } = self.setup;
-        IdempotencyLayer {
-            setup: Setup {
-                store,
-                fingerprinter,
-                resolver,
-                config,
-                mode,
-                shared,
-            },
-        }
-    }
-}
-
-impl<St, F, R> IdempotencyLayer<St, F, R, LongRunning>
-where
-    St: LeaseStore,
-    F: Fingerprinter,
-    R: ResolveTenant,
-{
-    /// The status resource of this endpoint's operations, to mount at the
-    /// configured [`status_path`](LeaseConfig::status_path) (e.g.
-    /// `GET /operations/{id}`). It resolves tenants as this layer does, and
-    /// answers `404 not_found` for other tenants' and unknown operations.
-    pub fn status_service(&self) -> StatusService<St, R> {
-        StatusService::new(self.setup.store.clone(), self.setup.resolver.clone())
-    }
-
-    /// A worker that re-drives this endpoint's operations whose lease
-    /// expired with nobody retrying, through `inner`: the service this
-    /// layer wraps, without the layer (see [`Recovery`]).
-    pub fn recovery<S>(&self, inner: S) -> Recovery<S, St, F, R> {
-        Recovery::new(inner, self.setup.clone())
-    }
-}
-
 impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
-    fn config_mut(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.setup.config)
+    /// The layer with `set` applied to its (copied-on-write) settings.
+    fn configure(mut self, set: impl FnOnce(&mut Config)) -> Self {
+        set(Arc::make_mut(&mut self.setup.config));
+        self
     }
 
     /// Resolves once no request that claimed a key through this layer (its
@@ -242,53 +139,34 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self,
         resolver: R2,
     ) -> IdempotencyLayer<St, F, R2, M> {
-        let Setup {
-            store,
-            fingerprinter,
-            config,
-            mode,
-            shared,
-            ..
-        } = self.setup;
         IdempotencyLayer {
-            setup: Setup {
-                store,
-                fingerprinter,
-                resolver: Arc::new(resolver),
-                config,
-                mode,
-                shared,
-            },
+            setup: self.setup.swap(|_, mode| (Arc::new(resolver), mode)),
         }
     }
 
     /// The header carrying the key (default `Idempotency-Key`).
-    pub fn header_name(mut self, name: HeaderName) -> Self {
-        self.config_mut().header = name;
-        self
+    pub fn header_name(self, name: HeaderName) -> Self {
+        self.configure(|c| c.header = name)
     }
 
     /// Whether a request without a key is refused with `400
     /// idempotency_key_missing` (default `true`). When `false`, such requests
     /// pass through without any idempotency.
-    pub fn require_key(mut self, required: bool) -> Self {
-        self.config_mut().key_required = required;
-        self
+    pub fn require_key(self, required: bool) -> Self {
+        self.configure(|c| c.key_required = required)
     }
 
     /// The longest key accepted, in characters (default and maximum 255);
     /// longer keys are answered `400 idempotency_key_invalid`. Endpoints
     /// whose clients send UUIDs may say 36.
-    pub fn max_key_length(mut self, chars: usize) -> Self {
-        self.config_mut().max_key_len = chars.clamp(1, crate::key::MAX_KEY_LEN);
-        self
+    pub fn max_key_length(self, chars: usize) -> Self {
+        self.configure(|c| c.max_key_len = chars.clamp(1, crate::key::MAX_KEY_LEN))
     }
 
     /// The largest request body buffered (default 1 MiB); larger ones are
     /// answered `413 payload_too_large`. At most 256 MiB.
-    pub fn request_body_limit(mut self, bytes: usize) -> Self {
-        self.config_mut().request_body_limit = bytes.min(MAX_BODY);
-        self
+    pub fn request_body_limit(self, bytes: usize) -> Self {
+        self.configure(|c| c.request_body_limit = bytes.min(MAX_BODY))
     }
 
     /// The largest response body remembered (default 1 MiB). A larger one is
@@ -297,9 +175,8 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// At most 256 MiB, well inside what PostgreSQL takes in one `bytea`
     /// value and one protocol message (1 GiB), so a remembered response can
     /// always be sent to the database.
-    pub fn response_body_limit(mut self, bytes: usize) -> Self {
-        self.config_mut().response_body_limit = bytes.min(MAX_BODY);
-        self
+    pub fn response_body_limit(self, bytes: usize) -> Self {
+        self.configure(|c| c.response_body_limit = bytes.min(MAX_BODY))
     }
 
     /// How long a concurrent duplicate waits for the first request to finish
@@ -307,41 +184,37 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     ///
     /// Values above `i32::MAX` milliseconds (about 24.8 days), PostgreSQL's
     /// limit, are clamped to it.
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.config_mut().wait = wait.min(MAX_WAIT);
-        self
+    pub fn wait(self, wait: Duration) -> Self {
+        self.configure(|c| c.wait = wait.min(MAX_WAIT))
     }
 
     /// How long a completed key is remembered (default 24 h). After that the
     /// same key is a new operation.
     ///
     /// Values above 100 years are clamped to it.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.config_mut().retention = retention.min(MAX_RETENTION);
-        self
+    pub fn retention(self, retention: Duration) -> Self {
+        self.configure(|c| c.retention = retention.min(MAX_RETENTION))
     }
 
     /// Also remember and replay this response header. `Set-Cookie` is never
     /// replayed, whatever the list says.
-    pub fn replay_header(mut self, name: HeaderName) -> Self {
-        let config = self.config_mut();
-        if !config.replay_headers.contains(&name) {
-            config.replay_headers.push(name);
-        }
-        self
+    pub fn replay_header(self, name: HeaderName) -> Self {
+        self.configure(|c| {
+            if !c.replay_headers.contains(&name) {
+                c.replay_headers.push(name);
+            }
+        })
     }
 
     /// Replaces the list of replayed response headers.
-    pub fn replay_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config_mut().replay_headers = names.into_iter().collect();
-        self
+    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.configure(|c| c.replay_headers = names.into_iter().collect())
     }
 
     /// Adds a `tenant` label to `idempotency_requests_total` (default off:
     /// tenant ids can be personal data and make label sets unbounded).
-    pub fn metrics_tenant_label(mut self, enabled: bool) -> Self {
-        self.config_mut().tenant_label = enabled;
-        self
+    pub fn metrics_tenant_label(self, enabled: bool) -> Self {
+        self.configure(|c| c.tenant_label = enabled)
     }
 
     /// How long the owner's work may take (default 30 s): from the moment
@@ -357,9 +230,8 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// (`idle_in_transaction_session_timeout`), should the process freeze.
     ///
     /// Clamped to `i32::MAX` milliseconds (about 24.8 days), like the wait.
-    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
-        self.config_mut().handler_timeout = timeout.min(MAX_WAIT);
-        self
+    pub fn handler_timeout(self, timeout: Duration) -> Self {
+        self.configure(|c| c.handler_timeout = timeout.min(MAX_WAIT))
     }
 
     /// The replay cache (on by default: 10,000 records, each kept at most
@@ -425,7 +297,7 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// ```
     ///
     /// [`Rebuilt::Gone`]: crate::server::replay::Rebuilt::Gone
-    pub fn rebuild_replays<Rb>(mut self, rebuild: Rb) -> Self
+    pub fn rebuild_replays<Rb>(self, rebuild: Rb) -> Self
     where
         Rb: tower_service::Service<
                 crate::server::replay::RebuildRequest,
@@ -437,14 +309,12 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         Rb::Error: Into<crate::server::body::BoxError>,
         Rb::Future: Send + 'static,
     {
-        self.config_mut().rebuild = Some(crate::server::replay::Rebuilder::new(rebuild));
-        self
+        self.configure(|c| c.rebuild = Some(crate::server::replay::Rebuilder::new(rebuild)))
     }
 
     /// The status for a key reused with a different request (default `409`).
-    pub fn key_reuse_status(mut self, status: KeyReuseStatus) -> Self {
-        self.config_mut().key_reuse = status;
-        self
+    pub fn key_reuse_status(self, status: KeyReuseStatus) -> Self {
+        self.configure(|c| c.key_reuse = status)
     }
 }
 
@@ -456,5 +326,6 @@ impl<S, St: Clone, F, R, M: Clone> Layer<S> for IdempotencyLayer<St, F, R, M> {
     }
 }
 
+mod modes;
 #[cfg(test)]
 mod tests;

@@ -227,6 +227,8 @@ where
             return Driven::Fenced;
         }
     };
+    let failed =
+        |rollback| attempt_failed(&store, &lease, &config, &lease_config, attempt, rollback);
     let driven = match ran {
         Ok(Ok(Ok((parts, body)))) => {
             let stored = StoredResponse::remember(&parts, &config.replay_headers, body);
@@ -251,35 +253,17 @@ where
                 }
             }
         }
-        Ok(Ok(Err(rollback))) => {
-            attempt_failed(
-                &store,
-                &lease,
-                &config,
-                &lease_config,
-                attempt,
-                Some(rollback),
-            )
-            .await
-        }
+        Ok(Ok(Err(rollback))) => failed(Some(rollback)).await,
         Ok(Err(_elapsed)) => {
             // Counted here, for requests and recoveries alike; the
             // request's answer does not count it again.
             metrics::handler_timeout(endpoint);
-            attempt_failed(
-                &store,
-                &lease,
-                &config,
-                &lease_config,
-                attempt,
-                Some(Rollback::TimedOut),
-            )
-            .await
+            failed(Some(Rollback::TimedOut)).await
         }
         Err(_panic) => {
             // Never the panic's message: it may quote request data.
             tracing::error!(attempt, "the operation's attempt panicked");
-            attempt_failed(&store, &lease, &config, &lease_config, attempt, None).await
+            failed(None).await
         }
     };
     metrics::key_held(endpoint, started.elapsed().as_secs_f64());

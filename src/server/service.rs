@@ -53,20 +53,7 @@ impl<S, St, F, R, M> Idempotency<S, St, F, R, M> {
         Idempotency { inner, setup }
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes the middleware, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    crate::macros::define_inner_service_accessors!();
 }
 
 impl<S: Clone, St: Clone, F, R, M: Clone> Clone for Idempotency<S, St, F, R, M> {

@@ -327,6 +327,7 @@ impl StoreErrorKind {
 }
 
 /// An error from a [`Store`].
+#[derive(Debug)]
 pub struct StoreError {
     kind: StoreErrorKind,
     message: String,
@@ -365,17 +366,6 @@ impl StoreError {
     /// The SQLSTATE behind this error, for SQL backends (e.g. `55P03`).
     pub fn sql_state(&self) -> Option<&str> {
         self.sql_state.as_deref()
-    }
-}
-
-impl fmt::Debug for StoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreError")
-            .field("kind", &self.kind)
-            .field("message", &self.message)
-            .field("sql_state", &self.sql_state)
-            .field("source", &self.source)
-            .finish()
     }
 }
 

@@ -50,6 +50,20 @@ fn post(body: &'static str) -> Request<http_body_util::Full<Bytes>> {
     request
 }
 
+/// A response's status, whether it was a replay, and its body.
+async fn answer<B: http_body::Body>(response: Response<B>) -> (StatusCode, bool, Bytes)
+where
+    B::Error: std::fmt::Debug,
+{
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let status = response.status();
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (status, replayed, body)
+}
+
 /// 50 duplicates in one process cost one claim and one completion: the
 /// 49 that waited behind the first take its record from memory, and a
 /// different request under the key is still refused.
@@ -84,16 +98,7 @@ async fn duplicates_in_one_process_answer_from_the_leaders_record() {
     let service = layer.layer(handler);
     let send = |body: &'static str| {
         let mut service = service.clone();
-        tokio::spawn(async move {
-            let response = service.call(post(body)).await.unwrap();
-            let replayed = response.headers().contains_key("idempotent-replayed");
-            let status = response.status();
-            let body = http_body_util::BodyExt::collect(response.into_body())
-                .await
-                .unwrap()
-                .to_bytes();
-            (status, replayed, body)
-        })
+        tokio::spawn(async move { answer(service.call(post(body)).await.unwrap()).await })
     };
     let leader = send(r#"{"a":1}"#);
     started.notified().await;
@@ -157,14 +162,7 @@ async fn replay_cache_with_the_longest_ttl_serves_replays() {
     ));
     let mut answers = Vec::new();
     for _ in 0..2 {
-        let response = service.call(post(r#"{"a":1}"#)).await.unwrap();
-        let replayed = response.headers().contains_key("idempotent-replayed");
-        let status = response.status();
-        let body = http_body_util::BodyExt::collect(response.into_body())
-            .await
-            .unwrap()
-            .to_bytes();
-        answers.push((status, replayed, body));
+        answers.push(answer(service.call(post(r#"{"a":1}"#)).await.unwrap()).await);
     }
     assert_eq!((answers[0].0, answers[0].1), (StatusCode::CREATED, false));
     assert_eq!((answers[1].0, answers[1].1), (StatusCode::CREATED, true));

@@ -6,8 +6,8 @@ use bytes::Bytes;
 use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    claim_bounded, describe, join_all, must_own, request, response, response_with, scope,
-    unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
+    claim_bounded, describe, join_all, must_own, must_replay, new_request, request, response,
+    response_with, scope, unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -26,25 +26,18 @@ pub async fn completed_record_replays_byte_for_byte<St: Store>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     let stored = response(b"\x00{\"id\":1}\xff");
     store.complete(tx, &stored).await.or_fail(G, "complete")?;
-    match claim_bounded(store, &req, G, "second claim").await? {
-        Claim::Completed(record) => ensure!(
-            record.response == stored,
-            G,
-            "the replayed response differs from the one completed: {:?} instead of {:?}",
-            record.response,
-            stored
-        ),
-        other => fail!(
-            G,
-            "second claim: expected Completed, got {}",
-            describe(&other)
-        ),
-    }
+    let record = must_replay(store, &req, G, "second claim").await?;
+    ensure!(
+        record.response == stored,
+        G,
+        "the replayed response differs from the one completed: {:?} instead of {:?}",
+        record.response,
+        stored
+    );
     Ok(())
 }
 
@@ -62,19 +55,13 @@ pub async fn fingerprint_is_returned_for_comparison<St: Store>(
         .await
         .or_fail(G, "complete")?;
     let other = request(scope("t1"), &key, 8, DAY, WAIT);
-    match claim_bounded(store, &other, G, "claim with another fingerprint").await? {
-        Claim::Completed(record) => ensure!(
-            record.fingerprint == Fingerprint::from_bytes([7; 32]),
-            G,
-            "the record must carry the first request's fingerprint, got {:?}",
-            record.fingerprint
-        ),
-        other => fail!(
-            G,
-            "claim with another fingerprint: expected Completed, got {}",
-            describe(&other)
-        ),
-    }
+    let record = must_replay(store, &other, G, "claim with another fingerprint").await?;
+    ensure!(
+        record.fingerprint == Fingerprint::from_bytes([7; 32]),
+        G,
+        "the record must carry the first request's fingerprint, got {:?}",
+        record.fingerprint
+    );
     Ok(())
 }
 
@@ -142,19 +129,13 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
             );
         }
     }
-    match claim_bounded(store, &req, G, "a claim after the race").await? {
-        Claim::Completed(record) => ensure!(
-            record.response.body == winner,
-            G,
-            "after the race the key replays {:?}, not the owner's record",
-            String::from_utf8_lossy(&record.response.body)
-        ),
-        other => fail!(
-            G,
-            "after the race: expected Completed, got {}",
-            describe(&other)
-        ),
-    }
+    let record = must_replay(store, &req, G, "a claim after the race").await?;
+    ensure!(
+        record.response.body == winner,
+        G,
+        "after the race the key replays {:?}, not the owner's record",
+        String::from_utf8_lossy(&record.response.body)
+    );
     Ok(())
 }
 
@@ -206,19 +187,13 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
         .complete(current, &response(b"current"))
         .await
         .or_fail(G, "the current owner's complete")?;
-    match claim_bounded(store, &req, G, "a claim after the current owner completed").await? {
-        Claim::Completed(record) => ensure!(
-            record.response.body == b"current"[..],
-            G,
-            "the key replays {:?}, not the current owner's record",
-            String::from_utf8_lossy(&record.response.body)
-        ),
-        other => fail!(
-            G,
-            "after the current owner completed: expected Completed, got {}",
-            describe(&other)
-        ),
-    }
+    let record = must_replay(store, &req, G, "a claim after the current owner completed").await?;
+    ensure!(
+        record.response.body == b"current"[..],
+        G,
+        "the key replays {:?}, not the current owner's record",
+        String::from_utf8_lossy(&record.response.body)
+    );
     Ok(())
 }
 
@@ -226,8 +201,7 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
 /// (within a short wait: nothing holds it any more).
 pub async fn abort_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, FREE_WAIT);
+    let req = new_request(FREE_WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     store.abort(tx).await.or_fail(G, "abort")?;
     let tx = must_own(store, &req, G, "the claim after the abort").await?;
@@ -240,8 +214,7 @@ pub async fn abort_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailu
 /// key.
 pub async fn dropped_handle_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::DropFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, DROP_WAIT);
+    let req = new_request(DROP_WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     let clone = tx.clone();
     drop(tx);

@@ -127,18 +127,20 @@
 //! ```
 
 use std::{
-    any::Any,
-    future::Future,
-    sync::atomic::{AtomicU64, Ordering},
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
 
 use crate::{
-    fingerprint::Fingerprint, key::IdempotencyKey, record::ResourceId, record::StoredResponse,
-    scope::Scope, scope::TenantId, store::Claim, store::ClaimRequest, store::Store,
+    fingerprint::Fingerprint, key::IdempotencyKey, record::Record, record::ResourceId,
+    record::StoredResponse, scope::Scope, scope::TenantId, store::Claim, store::ClaimRequest,
+    store::Store,
 };
 
 /// Runs the check function `$check` on the runner `$run`, under
@@ -158,6 +160,7 @@ mod at_commit;
 mod checks;
 mod leases;
 mod report;
+mod runner;
 mod writes;
 
 pub use at_commit::{
@@ -187,6 +190,7 @@ pub use writes::{
 };
 
 use report::{fail, OrFail};
+use runner::Runner;
 
 const WAIT: Duration = Duration::from_secs(5);
 /// The wait of a claim that must find the key free: long enough for any
@@ -198,9 +202,6 @@ const DROP_WAIT: Duration = Duration::from_secs(10);
 const DAY: Duration = Duration::from_secs(86_400);
 /// How much longer than its wait a claim may take to answer.
 const WAIT_SLACK: Duration = Duration::from_secs(2);
-/// How long one check may run before it fails as not finished (a store call
-/// that never returns).
-const CHECK_LIMIT: Duration = Duration::from_secs(60);
 
 /// Runs every check of the [`Store`] guarantees (the short-transaction
 /// mode) that needs nothing but the store; those that look at the handler's
@@ -228,7 +229,7 @@ async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     check!(run, scopes_are_isolated, TenantIsolation);
     check!(run, expired_record_is_a_new_operation, ExpiryTakeover);
 
-    let writes = writes.map(std::sync::Arc::new);
+    let writes = writes.map(Arc::new);
     macro_rules! with_writes {
         ($check:ident, $guarantee:ident) => {
             run.with_writes(
@@ -246,95 +247,6 @@ async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     with_writes!(abort_discards_the_handler_writes, AbortFreesTheKey);
     with_writes!(dropped_handle_discards_the_handler_writes, DropFreesTheKey);
     run.finish()
-}
-
-/// Runs checks one by one, each in a task of its own under [`CHECK_LIMIT`],
-/// and writes down what became of each.
-struct Runner<St> {
-    store: St,
-    report: Report,
-}
-
-impl<St: Clone + Send + Sync + 'static> Runner<St> {
-    fn new(title: &'static str, store: St) -> Self {
-        Runner {
-            store,
-            report: Report::new(title),
-        }
-    }
-
-    async fn check<F, Fut>(&mut self, name: &'static str, guarantee: Guarantee, check: F)
-    where
-        F: FnOnce(St) -> Fut,
-        Fut: Future<Output = Result<(), CheckFailure>> + Send + 'static,
-    {
-        let started = Instant::now();
-        // A task of its own: a panic in the store fails this check only, and
-        // aborting it at the limit drops every task the check spawned.
-        let mut task = tokio::spawn(check(self.store.clone()));
-        let outcome = match tokio::time::timeout(CHECK_LIMIT, &mut task).await {
-            Ok(Ok(Ok(()))) => Outcome::Passed,
-            Ok(Ok(Err(failure))) => Outcome::Failed(failure),
-            Ok(Err(e)) => Outcome::Failed(CheckFailure::new(
-                guarantee,
-                match e.try_into_panic() {
-                    Ok(panic) => format!("the check panicked: {}", panic_message(&*panic)),
-                    Err(e) => format!("the check's task ended: {e}"),
-                },
-            )),
-            Err(_) => {
-                task.abort();
-                Outcome::Failed(CheckFailure::new(
-                    guarantee,
-                    format!(
-                        "did not finish within {} s: a store call never returned",
-                        CHECK_LIMIT.as_secs()
-                    ),
-                ))
-            }
-        };
-        self.report
-            .push(name, guarantee, outcome, started.elapsed());
-    }
-
-    /// Runs a check that writes through the handle with `writes`, or
-    /// reports it skipped without them.
-    async fn with_writes<W, F, Fut>(
-        &mut self,
-        name: &'static str,
-        guarantee: Guarantee,
-        writes: Option<std::sync::Arc<W>>,
-        runner: &'static str,
-        check: F,
-    ) where
-        W: Send + Sync + 'static,
-        F: FnOnce(St, std::sync::Arc<W>) -> Fut,
-        Fut: Future<Output = Result<(), CheckFailure>> + Send + 'static,
-    {
-        match writes {
-            Some(writes) => {
-                self.check(name, guarantee, |store| check(store, writes))
-                    .await
-            }
-            None => self
-                .report
-                .push(name, guarantee, Outcome::Skipped(runner), Duration::ZERO),
-        }
-    }
-
-    fn finish(self) -> Report {
-        self.report
-    }
-}
-
-fn panic_message(panic: &(dyn Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(a panic without a message)".to_owned()
-    }
 }
 
 /// Waits for every task of `tasks`; a task that panicked fails the check
@@ -384,6 +296,12 @@ fn request(
     )
     .with_retention(retention)
     .with_wait(wait)
+}
+
+/// A request of tenant `t1` under a key never used before: fingerprint 1,
+/// kept a day, waiting at most `wait`.
+fn new_request(wait: Duration) -> ClaimRequest {
+    request(scope("t1"), &unique_key(), 1, DAY, wait)
 }
 
 fn response(body: &'static [u8]) -> StoredResponse {
@@ -439,6 +357,24 @@ async fn claim_bounded<St: Store>(
             "{what}: a claim with a wait of {} ms had not answered after {} ms",
             request.wait.as_millis(),
             limit.as_millis()
+        ),
+    }
+}
+
+/// Claims `request` (see [`claim_bounded`]); anything but `Completed` fails
+/// the check with `guarantee`, naming `what`.
+async fn must_replay<St: Store>(
+    store: &St,
+    request: &ClaimRequest,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<Record, CheckFailure> {
+    match claim_bounded(store, request, guarantee, what).await? {
+        Claim::Completed(record) => Ok(record),
+        other => fail!(
+            guarantee,
+            "{what}: expected Completed, got {}",
+            describe(&other)
         ),
     }
 }

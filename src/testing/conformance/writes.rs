@@ -4,8 +4,8 @@
 use std::future::Future;
 
 use super::{
-    describe, must_own, request, response, scope, unique_key, CheckFailure, Guarantee, DAY,
-    DROP_WAIT, FREE_WAIT, WAIT,
+    must_own, must_replay, new_request, response, unique_key, CheckFailure, Guarantee, DROP_WAIT,
+    FREE_WAIT, WAIT,
 };
 use crate::store::{Claim, Store, StoreErrorKind};
 
@@ -89,8 +89,7 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let marker = marker("committed");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;
@@ -113,19 +112,13 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
         G,
         "complete returned Ok but the handler's write was not committed"
     );
-    match super::claim_bounded(store, &req, G, "a claim after complete").await? {
-        Claim::Completed(record) => ensure!(
-            record.response.body == b"with writes"[..],
-            G,
-            "the key replays {:?}, not the completed response",
-            String::from_utf8_lossy(&record.response.body)
-        ),
-        other => fail!(
-            G,
-            "after complete: expected Completed, got {}",
-            describe(&other)
-        ),
-    }
+    let record = must_replay(store, &req, G, "a claim after complete").await?;
+    ensure!(
+        record.response.body == b"with writes"[..],
+        G,
+        "the key replays {:?}, not the completed response",
+        String::from_utf8_lossy(&record.response.body)
+    );
     Ok(())
 }
 
@@ -140,8 +133,7 @@ pub async fn failed_write_fails_the_completion<St: Store, W: Writes<St::Tx>>(
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, FREE_WAIT);
+    let req = new_request(FREE_WAIT);
     let marker = marker("failed");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;
@@ -187,8 +179,7 @@ pub async fn abort_discards_the_handler_writes<St: Store, W: Writes<St::Tx>>(
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, FREE_WAIT);
+    let req = new_request(FREE_WAIT);
     let marker = marker("aborted");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;
@@ -210,8 +201,7 @@ pub async fn dropped_handle_discards_the_handler_writes<St: Store, W: Writes<St:
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::DropFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, DROP_WAIT);
+    let req = new_request(DROP_WAIT);
     let marker = marker("dropped");
     let tx = must_own(store, &req, G, "first claim").await?;
     write(writes, &tx, &marker, G).await?;

@@ -26,10 +26,7 @@ pub async fn heartbeats_keep_the_lease<St: LeaseStore>(store: &St) -> Result<(),
         "a heartbeated lease must not be taken over",
     )
     .await?;
-    store
-        .release(&owner.lease)
-        .await
-        .or_fail(G, "the owner's release")
+    release(store, &owner, G, "the owner's release").await
 }
 
 /// A finished operation replays its answer byte for byte, with the first
@@ -133,9 +130,7 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Recovery;
-    // An endpoint of its own: recovery takes any abandoned operation of it.
-    let endpoint = format!("POST /conformance/recover/{} v1", unique_key().as_str());
-    let scope = Scope::new(TenantId::new("t1"), endpoint.as_str());
+    let (endpoint, scope) = endpoint_of_its_own("recover");
     let key = unique_key();
     let claim = claim(scope.clone(), &key, 1);
     let first = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
@@ -215,8 +210,7 @@ pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Identity;
-    let endpoint = format!("POST /conformance/identity/{} v1", unique_key().as_str());
-    let scope = Scope::new(TenantId::new("t1"), endpoint.as_str());
+    let (endpoint, scope) = endpoint_of_its_own("identity");
     let key = unique_key();
     let claim = claim_in(scope.clone(), &key, 1);
     let first = must_acquire(store, &claim, &lease_request(LONG), G, "first attempt").await?;
@@ -226,10 +220,7 @@ pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
         "a new operation's first attempt is attempt 1 (got {})",
         first.attempt
     );
-    store
-        .release(&first.lease)
-        .await
-        .or_fail(G, "the first attempt's release")?;
+    release(store, &first, G, "the first attempt's release").await?;
     match store
         .operation(&TenantId::new("t1"), first.operation_id)
         .await
@@ -270,10 +261,7 @@ pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
         second.token,
         first.token
     );
-    store
-        .release(&second.lease)
-        .await
-        .or_fail(G, "the second attempt's release")?;
+    release(store, &second, G, "the second attempt's release").await?;
     let hour = Duration::from_secs(3600);
     let held_back = store
         .recover(&endpoint, LONG, DAY, Backoff::new(hour, hour))

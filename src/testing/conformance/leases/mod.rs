@@ -122,6 +122,53 @@ async fn must_acquire<St: LeaseStore>(
 }
 
 /// `Running` under `operation_id`, or a failure of `guarantee` naming `what`.
+/// What one racer of an acquire race saw: the operation owned, or running
+/// under an id.
+type Sighting<L> = (Option<Owned<L>>, Option<OperationId>);
+
+/// Waits for `racers`, each of which either owned the operation or saw it
+/// running under an id: the one owner and the ids the others saw. Any
+/// number of owners but one fails the check with `guarantee`, saying what
+/// the owners `did`.
+async fn one_owner<L: 'static>(
+    racers: JoinSet<Result<Sighting<L>, CheckFailure>>,
+    guarantee: Guarantee,
+    did: &str,
+) -> Result<(Owned<L>, Vec<OperationId>), CheckFailure> {
+    let mut owners = Vec::new();
+    let mut running = Vec::new();
+    for (owned, seen) in join_all(racers, guarantee).await? {
+        owners.extend(owned);
+        running.extend(seen);
+    }
+    ensure!(
+        owners.len() == 1,
+        guarantee,
+        "{} of {RACERS} concurrent acquires {did} (exactly one may)",
+        owners.len()
+    );
+    Ok((owners.remove(0), running))
+}
+
+/// An endpoint no other check uses (recovery takes any abandoned operation
+/// of its endpoint), `what` in its name, and a scope of tenant `t1` in it.
+fn endpoint_of_its_own(what: &str) -> (String, Scope) {
+    let endpoint = format!("POST /conformance/{what}/{} v1", unique_key().as_str());
+    let scope = Scope::new(TenantId::new("t1"), endpoint.as_str());
+    (endpoint, scope)
+}
+
+/// Releases `owned`'s lease; an error fails the check with `guarantee`,
+/// naming `what`.
+async fn release<St: LeaseStore>(
+    store: &St,
+    owned: &Owned<St::Lease>,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    store.release(&owned.lease).await.or_fail(guarantee, what)
+}
+
 async fn must_be_running<St: LeaseStore>(
     store: &St,
     claim: &ClaimRequest,

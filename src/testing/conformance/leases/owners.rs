@@ -36,28 +36,13 @@ pub async fn concurrent_acquires_have_one_owner<St: LeaseStore>(
             }
         });
     }
-    let mut owners = Vec::new();
-    let mut running = Vec::new();
-    for (owned, seen) in join_all(racers, G).await? {
-        owners.extend(owned);
-        running.extend(seen);
-    }
-    ensure!(
-        owners.len() == 1,
-        G,
-        "{} of {RACERS} concurrent acquires owned a new key (exactly one may)",
-        owners.len()
-    );
-    let owner = owners.remove(0);
+    let (owner, running) = one_owner(racers, G, "owned a new key").await?;
     ensure!(
         running.iter().all(|id| *id == owner.operation_id),
         G,
         "every other acquire must see the owner's operation running"
     );
-    store
-        .release(&owner.lease)
-        .await
-        .or_fail(G, "the owner's release")
+    release(store, &owner, G, "the owner's release").await
 }
 
 /// One owner: while the lease is valid, a duplicate (the same request or
@@ -104,10 +89,7 @@ pub async fn duplicate_during_a_lease_is_running<St: LeaseStore>(
             Err(e) => fail!(G, "acquire failed: {e}"),
         }
     }
-    store
-        .release(&owner.lease)
-        .await
-        .or_fail(G, "the owner's release")
+    release(store, &owner, G, "the owner's release").await
 }
 
 /// Takeover: once the lease expired, another request is refused (`Running`),
@@ -143,19 +125,7 @@ pub async fn expired_lease_is_taken_over_once<St: LeaseStore>(
             }
         });
     }
-    let mut owners = Vec::new();
-    let mut running = Vec::new();
-    for (owned, seen) in join_all(racers, G).await? {
-        owners.extend(owned);
-        running.extend(seen);
-    }
-    ensure!(
-        owners.len() == 1,
-        G,
-        "{} of {RACERS} concurrent acquires took an expired lease over (exactly one may)",
-        owners.len()
-    );
-    let owner = owners.remove(0);
+    let (owner, running) = one_owner(racers, G, "took an expired lease over").await?;
     ensure!(owner.taken_over, G, "the new owner is told it took over");
     ensure!(
         owner.token > first.token,
@@ -174,10 +144,7 @@ pub async fn expired_lease_is_taken_over_once<St: LeaseStore>(
         G,
         "every other acquire must see the operation running"
     );
-    store
-        .release(&owner.lease)
-        .await
-        .or_fail(G, "the new owner's release")
+    release(store, &owner, G, "the new owner's release").await
 }
 
 /// Fencing: after a takeover the old lease can neither open a fenced
@@ -254,10 +221,7 @@ pub async fn tokens_only_grow<St: LeaseStore>(store: &St) -> Result<(), CheckFai
     let key = unique_key();
     let claim = claim(scope("t1"), &key, 1);
     let first = must_acquire(store, &claim, &lease_request(LONG), G, "first owner").await?;
-    store
-        .release(&first.lease)
-        .await
-        .or_fail(G, "the first owner's release")?;
+    release(store, &first, G, "the first owner's release").await?;
     // The released operation resumes; its answer is then remembered for no
     // time at all, so the acquire after it starts anew.
     let forgotten = request(scope("t1"), &key, 1, Duration::ZERO, WAIT);
@@ -303,8 +267,5 @@ pub async fn tokens_only_grow<St: LeaseStore>(store: &St) -> Result<(), CheckFai
         first.token,
         second.token
     );
-    store
-        .release(&third.lease)
-        .await
-        .or_fail(G, "the last owner's release")
+    release(store, &third, G, "the last owner's release").await
 }

@@ -6,17 +6,20 @@ use bytes::Bytes;
 use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    claim_bounded, describe, join_all, request, response, response_with, scope, unique_key,
-    writes::{committed, marker, write, NoWrites},
-    CheckFailure, Guarantee, Report, Runner, Writes, DAY, WAIT,
+    join_all, must_replay, new_request, request, response, response_with, scope, unique_key,
+    writes::NoWrites, CheckFailure, Guarantee, Report, Runner, Writes, DAY, WAIT,
 };
 use crate::{
     fingerprint::Fingerprint,
-    record::StoredResponse,
-    store::{Claim, ClaimRequest, CommitStore, Committed},
+    record::{Record, StoredResponse},
+    store::{ClaimRequest, CommitStore, Committed},
 };
 
 use super::report::{ensure, fail, OrFail};
+
+mod writes;
+
+pub use writes::{a_losers_writes_are_rolled_back, the_winners_writes_commit_with_its_record};
 
 const SKIPPED: &str = "needs a way to write through the handle: run_at_commit_with(store, writes)";
 
@@ -123,6 +126,36 @@ fn describe_commit(committed: &Committed) -> String {
     }
 }
 
+/// `committed` must be `Won`: anything else fails with `guarantee`,
+/// naming `what`.
+fn expect_won(committed: Committed, guarantee: Guarantee, what: &str) -> Result<(), CheckFailure> {
+    match committed {
+        Committed::Won => Ok(()),
+        other => fail!(
+            guarantee,
+            "{what}: expected Won, got {}",
+            describe_commit(&other)
+        ),
+    }
+}
+
+/// `committed` must be `Lost`: its record, or a failure with `guarantee`
+/// naming `what`.
+fn expect_lost(
+    committed: Committed,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<Record, CheckFailure> {
+    match committed {
+        Committed::Lost(record) => Ok(record),
+        other => fail!(
+            guarantee,
+            "{what}: expected Lost, got {}",
+            describe_commit(&other)
+        ),
+    }
+}
+
 /// A commit that must win: anything else fails the check.
 async fn must_win<St: CommitStore>(
     store: &St,
@@ -131,14 +164,26 @@ async fn must_win<St: CommitStore>(
     guarantee: Guarantee,
     what: &str,
 ) -> Result<(), CheckFailure> {
-    match commit_new(store, request, response, guarantee).await? {
-        Committed::Won => Ok(()),
-        other => fail!(
-            guarantee,
-            "{what}: expected the commit to win, got {}",
-            describe_commit(&other)
-        ),
-    }
+    expect_won(
+        commit_new(store, request, response, guarantee).await?,
+        guarantee,
+        what,
+    )
+}
+
+/// A commit that must lose: the record it was told, or a failure.
+async fn must_lose<St: CommitStore>(
+    store: &St,
+    request: &ClaimRequest,
+    response: &StoredResponse,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<Record, CheckFailure> {
+    expect_lost(
+        commit_new(store, request, response, guarantee).await?,
+        guarantee,
+        what,
+    )
 }
 
 /// **One commit wins**: of 8 transactions of a new key, started together
@@ -150,8 +195,7 @@ pub async fn concurrent_commits_have_one_winner<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneCommit;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let start = Arc::new(Barrier::new(RACERS));
     let mut racers = JoinSet::new();
     for racer in 0..RACERS {
@@ -199,37 +243,25 @@ pub async fn a_remembered_key_is_never_won_again<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneCommit;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     must_win(store, &req, &response(b"first"), G, "the first commit").await?;
     for attempt in ["a retry", "another retry"] {
-        match commit_new(store, &req, &response(b"again"), G).await? {
-            Committed::Lost(record) => ensure!(
-                record.response.body == Bytes::from_static(b"first"),
-                G,
-                "{attempt} was told {:?}, not the remembered record",
-                record.response.body
-            ),
-            other => fail!(
-                G,
-                "{attempt} of a remembered key: expected Lost, got {}",
-                describe_commit(&other)
-            ),
-        }
-    }
-    match claim_bounded(store, &req, G, "a claim after the commit").await? {
-        Claim::Completed(record) => ensure!(
+        let what = format!("{attempt} of a remembered key");
+        let record = must_lose(store, &req, &response(b"again"), G, &what).await?;
+        ensure!(
             record.response.body == Bytes::from_static(b"first"),
             G,
-            "a claim found {:?}, not the committed record",
+            "{attempt} was told {:?}, not the remembered record",
             record.response.body
-        ),
-        other => fail!(
-            G,
-            "a claim after the commit: expected Completed, got {}",
-            describe(&other)
-        ),
+        );
     }
+    let record = must_replay(store, &req, G, "a claim after the commit").await?;
+    ensure!(
+        record.response.body == Bytes::from_static(b"first"),
+        G,
+        "a claim found {:?}, not the committed record",
+        record.response.body
+    );
     Ok(())
 }
 
@@ -245,43 +277,24 @@ pub async fn the_loser_gets_the_winners_record<St: CommitStore>(
     let winner = begin(store, &req, G).await?;
     let loser = begin(store, &req, G).await?;
     let stored = response(b"\x00{\"id\":1}\xff");
-    match store
-        .commit(winner, &req, &stored)
-        .await
-        .or_fail(G, "the first commit")?
-    {
-        Committed::Won => {}
-        other => fail!(
-            Guarantee::OneCommit,
-            "the first commit of a new key: expected Won, got {}",
-            describe_commit(&other)
-        ),
-    }
-    match store
-        .commit(loser, &req, &response(b"the loser's"))
-        .await
-        .or_fail(G, "the second commit")?
-    {
-        Committed::Lost(record) => {
-            ensure!(
-                record.response == stored,
-                G,
-                "the loser was told {:?} instead of the winner's {:?}",
-                record.response,
-                stored
-            );
-            ensure!(
-                record.fingerprint == Fingerprint::from_bytes([3; 32]),
-                G,
-                "the loser's record must carry the winner's fingerprint"
-            );
-        }
-        other => fail!(
-            Guarantee::OneCommit,
-            "the second commit: expected Lost, got {}",
-            describe_commit(&other)
-        ),
-    }
+    let first = store.commit(winner, &req, &stored).await;
+    let first = first.or_fail(G, "the first commit")?;
+    expect_won(first, Guarantee::OneCommit, "the first commit of a new key")?;
+    let second = store.commit(loser, &req, &response(b"the loser's")).await;
+    let second = second.or_fail(G, "the second commit")?;
+    let record = expect_lost(second, Guarantee::OneCommit, "the second commit")?;
+    ensure!(
+        record.response == stored,
+        G,
+        "the loser was told {:?} instead of the winner's {:?}",
+        record.response,
+        stored
+    );
+    ensure!(
+        record.fingerprint == Fingerprint::from_bytes([3; 32]),
+        G,
+        "the loser's record must carry the winner's fingerprint"
+    );
     Ok(())
 }
 
@@ -296,19 +309,15 @@ pub async fn another_request_gets_the_first_fingerprint<St: CommitStore>(
     let first = request(scope("t1"), &key, 7, DAY, WAIT);
     must_win(store, &first, &response(b"a"), G, "the first commit").await?;
     let other = request(scope("t1"), &key, 8, DAY, WAIT);
-    match commit_new(store, &other, &response(b"b"), G).await? {
-        Committed::Lost(record) => ensure!(
-            record.fingerprint == Fingerprint::from_bytes([7; 32]),
-            G,
-            "the record must carry the first request's fingerprint, got {:?}",
-            record.fingerprint
-        ),
-        other => fail!(
-            Guarantee::OneCommit,
-            "another request under a remembered key: expected Lost, got {}",
-            describe_commit(&other)
-        ),
-    }
+    let committed = commit_new(store, &other, &response(b"b"), G).await?;
+    let what = "another request under a remembered key";
+    let record = expect_lost(committed, Guarantee::OneCommit, what)?;
+    ensure!(
+        record.fingerprint == Fingerprint::from_bytes([7; 32]),
+        G,
+        "the record must carry the first request's fingerprint, got {:?}",
+        record.fingerprint
+    );
     Ok(())
 }
 
@@ -318,8 +327,7 @@ pub async fn an_aborted_transaction_leaves_the_key_free<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
+    let req = new_request(WAIT);
     let tx = begin(store, &req, G).await?;
     store.abort(tx).await.or_fail(G, "abort")?;
     must_win(store, &req, &response(b"b"), G, "the commit after an abort").await
@@ -343,19 +351,13 @@ pub async fn scopes_are_isolated_at_commit<St: CommitStore>(
         "tenant b's commit (same raw key)",
     )
     .await?;
-    match commit_new(store, &a, &response(b"again"), G).await? {
-        Committed::Lost(record) => ensure!(
-            record.response.body == Bytes::from_static(b"a"),
-            G,
-            "tenant a was told {:?}, not its own record",
-            record.response.body
-        ),
-        other => fail!(
-            G,
-            "tenant a's retry: expected Lost with its record, got {}",
-            describe_commit(&other)
-        ),
-    }
+    let record = must_lose(store, &a, &response(b"again"), G, "tenant a's retry").await?;
+    ensure!(
+        record.response.body == Bytes::from_static(b"a"),
+        G,
+        "tenant a was told {:?}, not its own record",
+        record.response.body
+    );
     Ok(())
 }
 
@@ -379,96 +381,13 @@ pub async fn an_expired_record_is_won_again<St: CommitStore>(
         "a commit after the retention",
     )
     .await?;
-    match commit_new(store, &req, &response(b"again"), G).await? {
-        Committed::Lost(record) => ensure!(
-            record.response.body == Bytes::from_static(b"new"),
-            G,
-            "the new record must replace the expired one, got {:?}",
-            record.response.body
-        ),
-        other => fail!(
-            G,
-            "a retry of the new record: expected Lost, got {}",
-            describe_commit(&other)
-        ),
-    }
-    Ok(())
-}
-
-/// **Atomic completion**: the winner's write is invisible until its commit
-/// returned, then committed with its record.
-pub async fn the_winners_writes_commit_with_its_record<St: CommitStore, W: Writes<St::Tx>>(
-    store: &St,
-    writes: &W,
-) -> Result<(), CheckFailure> {
-    const G: Guarantee = Guarantee::AtomicCompletion;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
-    let tx = begin(store, &req, G).await?;
-    let mark = marker("winner");
-    write(writes, &tx, &mark, G).await?;
+    let what = "a retry of the new record";
+    let record = must_lose(store, &req, &response(b"again"), G, what).await?;
     ensure!(
-        !committed(writes, &mark, G).await?,
+        record.response.body == Bytes::from_static(b"new"),
         G,
-        "the handler's write was visible before the commit"
-    );
-    match store
-        .commit(tx, &req, &response(b"w"))
-        .await
-        .or_fail(G, "commit")?
-    {
-        Committed::Won => {}
-        other => fail!(
-            Guarantee::OneCommit,
-            "the only commit of a new key: expected Won, got {}",
-            describe_commit(&other)
-        ),
-    }
-    ensure!(
-        committed(writes, &mark, G).await?,
-        G,
-        "the winner's write is not committed after its commit won"
-    );
-    Ok(())
-}
-
-/// **A loser rolls back**: of two transactions that both wrote, the winner's
-/// write is committed and the loser's is not, also when the loser commits
-/// after the winner's record exists.
-pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>(
-    store: &St,
-    writes: &W,
-) -> Result<(), CheckFailure> {
-    const G: Guarantee = Guarantee::LoserRollsBack;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 1, DAY, WAIT);
-    let (winner, loser) = (begin(store, &req, G).await?, begin(store, &req, G).await?);
-    let (won, lost) = (marker("winner"), marker("loser"));
-    write(writes, &winner, &won, G).await?;
-    write(writes, &loser, &lost, G).await?;
-    let first = store.commit(winner, &req, &response(b"w")).await;
-    ensure!(
-        matches!(first, Ok(Committed::Won)),
-        Guarantee::OneCommit,
-        "the first commit of a new key: expected Won, got {:?}",
-        first.map(|c| describe_commit(&c))
-    );
-    let second = store.commit(loser, &req, &response(b"l")).await;
-    ensure!(
-        matches!(second, Ok(Committed::Lost(_))),
-        Guarantee::OneCommit,
-        "the second commit: expected Lost, got {:?}",
-        second.map(|c| describe_commit(&c))
-    );
-    ensure!(
-        committed(writes, &won, G).await?,
-        G,
-        "the winner's write is not committed"
-    );
-    ensure!(
-        !committed(writes, &lost, G).await?,
-        G,
-        "the loser's write was committed although its commit lost"
+        "the new record must replace the expired one, got {:?}",
+        record.response.body
     );
     Ok(())
 }
