@@ -124,14 +124,7 @@ async fn claim_once(
     let found = match claimed {
         Err(_) => return Err(timed_out()),
         Ok(Ok(Claimed::Owned(token, xid))) => {
-            return Ok(Claim::Owned(PgTx::new(
-                conn,
-                request.scope.clone(),
-                request.key.clone(),
-                token,
-                xid,
-                request.retention,
-            )))
+            return Ok(Claim::Owned(PgTx::of_request(conn, request, token, xid)))
         }
         Ok(Ok(Claimed::Found(found))) => found,
         // A pooled connection the server closed (a restart, a terminated

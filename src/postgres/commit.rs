@@ -66,14 +66,7 @@ impl CommitStore for PgStore {
             // if the handler sends none): no round trip of its own.
             conn.defer_begin(begin);
         }
-        Ok(PgTx::new(
-            conn,
-            request.scope.clone(),
-            request.key.clone(),
-            0,
-            String::new(),
-            request.retention,
-        ))
+        Ok(PgTx::of_request(conn, request, 0, String::new()))
     }
 
     async fn commit(

@@ -112,17 +112,8 @@ pub(super) async fn claim(
         Ok(Ok(found)) => found,
     };
     match found {
-        Found::Owned(token, xid, pid) => Ok(Claim::Owned(SqlxTx::new(
-            tx,
-            store.pool.clone(),
-            pid,
-            pooling,
-            request.scope.clone(),
-            request.key.clone(),
-            token,
-            xid,
-            request.retention,
-            false,
+        Found::Owned(token, xid, pid) => Ok(Claim::Owned(SqlxTx::of_request(
+            tx, store, pid, request, token, xid,
         ))),
         Found::Completed(record) => {
             tx.rollback_quietly().await;

@@ -51,18 +51,7 @@ impl CommitStore for SqlxStore {
                 return Err(error);
             }
         };
-        Ok(SqlxTx::new(
-            tx,
-            self.pool.clone(),
-            pid,
-            pooling,
-            request.scope.clone(),
-            request.key.clone(),
-            0,
-            String::new(),
-            request.retention,
-            false,
-        ))
+        Ok(SqlxTx::of_request(tx, self, pid, request, 0, String::new()))
     }
 
     async fn commit(

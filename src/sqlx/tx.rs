@@ -121,6 +121,30 @@ impl SqlxTx {
         }
     }
 
+    /// The handle of a transaction that owns (or, in the one-commit mode,
+    /// will claim) `request`'s key in `store`'s pool.
+    pub(super) fn of_request(
+        tx: GuardedConnection,
+        store: &super::SqlxStore,
+        pid: i32,
+        request: &crate::store::ClaimRequest,
+        token: i64,
+        xid: String,
+    ) -> Self {
+        Self::new(
+            tx,
+            store.pool.clone(),
+            pid,
+            store.transaction_pooling,
+            request.scope.clone(),
+            request.key.clone(),
+            token,
+            xid,
+            request.retention,
+            false,
+        )
+    }
+
     /// The transaction's connection, for the handler's statements.
     ///
     /// [`StoreErrorKind::TransactionAborted`] once the layer completed or

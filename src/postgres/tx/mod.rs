@@ -103,6 +103,24 @@ impl PgTx {
         }
     }
 
+    /// The handle of a transaction that owns (or, in the one-commit mode,
+    /// will claim) `request`'s key.
+    pub(super) fn of_request(
+        conn: Conn,
+        request: &crate::store::ClaimRequest,
+        token: i64,
+        xid: String,
+    ) -> Self {
+        Self::new(
+            conn,
+            request.scope.clone(),
+            request.key.clone(),
+            token,
+            xid,
+            request.retention,
+        )
+    }
+
     tx_accessors!();
 
     /// Who owns the key, for the statements that end the transaction.
