@@ -226,7 +226,7 @@ async fn try_claim(
     conn.mark_dirty();
     let (_, rows) = tokio::try_join!(
         biased;
-        conn.batch_execute(&begin),
+        conn.batch_pipelined(&begin),
         // Cached after the first use (or unnamed): no round trip, and the
         // claim is pipelined with the begin batch.
         conn.query_sql(CLAIM_SQL, &params),

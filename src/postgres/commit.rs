@@ -60,7 +60,7 @@ impl CommitStore for PgStore {
             // BEGIN may reach another server connection than the
             // transaction: begin now.
             conn.mark_dirty();
-            conn.batch_execute(&begin).await.map_err(map_error)?;
+            conn.batch_pipelined(&begin).await.map_err(map_error)?;
         } else {
             // Sent with the handler's first statement (or with the claim,
             // if the handler sends none): no round trip of its own.

@@ -150,7 +150,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     let held = tokio::time::timeout(ROW_WAIT + GRACE, async {
         tokio::try_join!(
             biased;
-            conn.batch_execute(&begin),
+            conn.batch_pipelined(&begin),
             conn.query_opt_prepared(&hold, &params),
         )
     })
@@ -320,7 +320,7 @@ async fn short_transaction(
     let ran = tokio::time::timeout_at(deadline, async {
         tokio::try_join!(
             biased;
-            conn.batch_execute(&begin),
+            conn.batch_pipelined(&begin),
             conn.query_prepared(&statement, params),
             conn.batch_execute("COMMIT"),
         )
