@@ -272,23 +272,29 @@ async fn rollback(mut conn: Conn) -> Result<(), StoreError> {
 /// (including the table lock the INSERT takes first), and, with a hold limit,
 /// `idle_in_transaction_session_timeout`: should the owner's process freeze
 /// or lose its network between two statements, the server ends the session
-/// and frees the key by itself. The values are numbers we format, never
-/// client data; `0` would mean "no limit", and PostgreSQL takes at most
-/// `i32::MAX` milliseconds.
+/// and frees the key by itself.
 fn claim_begin(wait: Duration, hold_limit: Option<Duration>) -> String {
+    begin_batch(Some(wait), hold_limit)
+}
+
+/// `BEGIN ISOLATION LEVEL READ COMMITTED`, then `SET LOCAL` of the lock wait
+/// and the idle limit that are given: utility statements only, nothing to
+/// plan, sent by `Conn::batch_pipelined` one message each. The values are
+/// numbers we format, never client data; `0` would mean "no limit", and
+/// PostgreSQL takes at most `i32::MAX` milliseconds.
+pub(super) fn begin_batch(lock_wait: Option<Duration>, hold_limit: Option<Duration>) -> String {
     let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);
-    let wait_ms = ms(wait);
-    let hold = hold_limit.map_or(String::new(), |limit| {
-        format!(
+    let mut batch = "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned();
+    if let Some(wait) = lock_wait {
+        batch.push_str(&format!("; SET LOCAL lock_timeout = '{}ms'", ms(wait)));
+    }
+    if let Some(limit) = hold_limit {
+        batch.push_str(&format!(
             "; SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
             ms(limit)
-        )
-    });
-    // Utility statements only: no planning, one message.
-    format!(
-        "BEGIN ISOLATION LEVEL READ COMMITTED; \
-         SET LOCAL lock_timeout = '{wait_ms}ms'{hold}"
-    )
+        ));
+    }
+    batch
 }
 
 /// Errors that say this connection's session is not what the store left

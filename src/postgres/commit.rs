@@ -7,7 +7,7 @@ use std::{future::Future, pin::pin, task::Poll};
 use tokio_postgres::types::{ToSql, Type};
 
 use super::{
-    claim::lookup,
+    claim::{begin_batch, lookup},
     conn::{behind, Conn},
     decode,
     error::map_error,
@@ -48,13 +48,10 @@ pub(super) const CLAIM_AT_COMMIT_SQL: Sql<'static> = Sql::new(
 impl CommitStore for PgStore {
     async fn begin(&self, request: &ClaimRequest) -> Result<PgTx, StoreError> {
         let mut conn = self.conn().await?;
-        // Utility statements only: no planning, one message. Should this
-        // process freeze, the server ends the transaction by itself.
-        let hold = request.hold_limit.map_or(String::new(), |limit| {
-            let ms = limit.as_millis().clamp(1, i32::MAX as u128);
-            format!("; SET LOCAL idle_in_transaction_session_timeout = '{ms}ms'")
-        });
-        let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED{hold}");
+        // No lock wait of its own (the handler's statements keep the
+        // session's); should this process freeze, the server ends the
+        // transaction by itself after the hold limit.
+        let begin = begin_batch(None, request.hold_limit);
         if conn.unnamed() {
             // Behind a transaction pooler, a statement prepared before the
             // BEGIN may reach another server connection than the
