@@ -201,19 +201,11 @@ pub(crate) fn handler_timeout(endpoint: &str) {
     metrics::counter!(HANDLER_TIMEOUTS_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
 }
 
+/// One delivery's outcome: `counter` is [`OUTBOX_DELIVERED_TOTAL`],
+/// [`OUTBOX_FAILED_TOTAL`] or [`OUTBOX_PARKED_TOTAL`].
 #[cfg(feature = "postgres")]
-pub(crate) fn outbox_delivered(event_type: &str) {
-    metrics::counter!(OUTBOX_DELIVERED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
-}
-
-#[cfg(feature = "postgres")]
-pub(crate) fn outbox_failed(event_type: &str) {
-    metrics::counter!(OUTBOX_FAILED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
-}
-
-#[cfg(feature = "postgres")]
-pub(crate) fn outbox_parked(event_type: &str) {
-    metrics::counter!(OUTBOX_PARKED_TOTAL, "event_type" => event_type.to_owned()).increment(1);
+pub(crate) fn outbox_delivery(counter: &'static str, event_type: &str) {
+    metrics::counter!(counter, "event_type" => event_type.to_owned()).increment(1);
 }
 
 #[cfg(feature = "postgres")]
@@ -240,13 +232,19 @@ pub(crate) enum TakeoverBy {
     Recovery,
 }
 
+impl TakeoverBy {
+    const ALL: [TakeoverBy; 2] = [TakeoverBy::Request, TakeoverBy::Recovery];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            TakeoverBy::Request => "request",
+            TakeoverBy::Recovery => "recovery",
+        }
+    }
+}
+
 pub(crate) fn lease_takeover(endpoint: &str, by: TakeoverBy) {
-    let by = match by {
-        TakeoverBy::Request => "request",
-        TakeoverBy::Recovery => "recovery",
-    };
-    metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
-        .increment(1);
+    labelled(LEASE_TAKEOVERS_TOTAL, endpoint, "by", by.as_str()).increment(1);
 }
 
 /// What a stale owner tried when it was fenced.
@@ -257,22 +255,34 @@ pub(crate) enum FencedAt {
     Heartbeat,
 }
 
+impl FencedAt {
+    const ALL: [FencedAt; 3] = [FencedAt::Write, FencedAt::Completion, FencedAt::Heartbeat];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            FencedAt::Write => "write",
+            FencedAt::Completion => "completion",
+            FencedAt::Heartbeat => "heartbeat",
+        }
+    }
+}
+
 pub(crate) fn fenced(endpoint: &str, at: FencedAt) {
-    let at = match at {
-        FencedAt::Write => "write",
-        FencedAt::Completion => "completion",
-        FencedAt::Heartbeat => "heartbeat",
-    };
-    metrics::counter!(FENCED_TOTAL, "endpoint" => endpoint.to_owned(), "at" => at).increment(1);
+    labelled(FENCED_TOTAL, endpoint, "at", at.as_str()).increment(1);
 }
 
 pub(crate) fn operation_attempt(endpoint: &str, by: TakeoverBy) {
-    let by = match by {
-        TakeoverBy::Request => "request",
-        TakeoverBy::Recovery => "recovery",
-    };
-    metrics::counter!(OPERATION_ATTEMPTS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
-        .increment(1);
+    labelled(OPERATION_ATTEMPTS_TOTAL, endpoint, "by", by.as_str()).increment(1);
+}
+
+/// A counter by `endpoint` and one more label.
+fn labelled(
+    name: &'static str,
+    endpoint: &str,
+    label: &'static str,
+    value: &'static str,
+) -> metrics::Counter {
+    metrics::counter!(name, "endpoint" => endpoint.to_owned(), label => value)
 }
 
 pub(crate) fn operation_failed(endpoint: &str) {
@@ -309,18 +319,14 @@ impl Drop for OperationRunning {
 /// Creates a long-running endpoint's series at zero.
 pub(crate) fn register_long_running(endpoint: &str) {
     metrics::gauge!(OPERATIONS_RUNNING, "endpoint" => endpoint.to_owned()).increment(0.0);
-    for by in ["request", "recovery"] {
-        metrics::counter!(LEASE_TAKEOVERS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
-            .increment(0);
+    for by in TakeoverBy::ALL {
+        labelled(LEASE_TAKEOVERS_TOTAL, endpoint, "by", by.as_str()).increment(0);
+        labelled(OPERATION_ATTEMPTS_TOTAL, endpoint, "by", by.as_str()).increment(0);
     }
-    for at in ["write", "completion", "heartbeat"] {
-        metrics::counter!(FENCED_TOTAL, "endpoint" => endpoint.to_owned(), "at" => at).increment(0);
+    for at in FencedAt::ALL {
+        labelled(FENCED_TOTAL, endpoint, "at", at.as_str()).increment(0);
     }
     metrics::counter!(RECOVERIES_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
-    for by in ["request", "recovery"] {
-        metrics::counter!(OPERATION_ATTEMPTS_TOTAL, "endpoint" => endpoint.to_owned(), "by" => by)
-            .increment(0);
-    }
     metrics::counter!(OPERATIONS_FAILED_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
 }
 

@@ -251,16 +251,16 @@ impl<K: Sink> Relay<K> {
             let event_type = event.event_type.clone();
             match outcome {
                 Ok(()) => {
-                    metrics::outbox_delivered(&event_type);
+                    metrics::outbox_delivery(metrics::OUTBOX_DELIVERED_TOTAL, &event_type);
                     delivered_tenants.push(event.tenant_id);
                     delivered.push(event.id);
                 }
                 Err(error) => {
                     let attempts = event.attempts + 1;
-                    metrics::outbox_failed(&event_type);
+                    metrics::outbox_delivery(metrics::OUTBOX_FAILED_TOTAL, &event_type);
                     if error.permanent || attempts >= self.max_attempts {
                         tracing::warn!(event_id = %event.id, event_type, attempts, error = %error, "outbox event parked");
-                        metrics::outbox_parked(&event_type);
+                        metrics::outbox_delivery(metrics::OUTBOX_PARKED_TOTAL, &event_type);
                         park_tenants.push(event.tenant_id);
                         park_ids.push(event.id);
                         park_errors.push(error.message);

@@ -7,10 +7,11 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::{
-    body::{BoxError, RequestBody},
+    body::RequestBody,
     endpoint::Setup,
     long::{drive, fail_for_good, spawn_work, Driven},
     mode::LongRunning,
+    service::{Inner, InnerBody},
 };
 use crate::{
     fingerprint::Fingerprinter,
@@ -66,13 +67,10 @@ impl<S, St, F, R> Recovery<S, St, F, R> {
 
 impl<S, St, F, R, ResB> Recovery<S, St, F, R>
 where
-    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Inner<ResB> + Clone,
     St: LeaseStore,
     F: Fingerprinter,
-    ResB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
+    ResB: InnerBody,
 {
     /// Takes over every operation whose lease has expired and re-drives
     /// each on a task of its own; resolves once they have all ended, with
