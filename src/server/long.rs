@@ -49,21 +49,12 @@ pub(crate) enum Driven<B, E> {
 /// Phases 3 to 5 in the long-running mode: acquire the operation (or say
 /// where it stands), start its work on a task of its own, and wait for it
 /// up to `respond_within` before answering `202 Accepted`.
-pub(crate) async fn run<S, St, F, R, ResB>(
+pub(crate) async fn run<S: Inner<B>, St: LeaseStore, F, R, B: InnerBody>(
     setup: Setup<St, F, R, LongRunning>,
     inner: S,
-    admitted: Admitted,
-) -> (Settled<ResB, S::Error>, Timings)
-where
-    S: Inner<ResB>,
-    St: LeaseStore,
-    ResB: InnerBody,
-{
-    let Admitted {
-        mut parts,
-        body,
-        mut claim,
-    } = admitted;
+    mut admitted: Admitted,
+) -> (Settled<B, S::Error>, Timings) {
+    let claim = &mut admitted.claim;
     let config = setup.config.clone();
     let lease_config = setup.mode.config.clone();
     let status = StatusHint::of(&lease_config);
@@ -71,7 +62,7 @@ where
     let deadline = tokio::time::Instant::now() + config.wait;
 
     // 2. Coalesce, as in the short mode.
-    let in_process = coalesce(&setup, &claim, deadline).await;
+    let in_process = coalesce(&setup, claim, deadline).await;
     let retry_after = lease_config.retry_after();
     let Proceed { lead, followed } =
         match in_process.go_on(&claim.fingerprint, &mut timings, retry_after) {
@@ -84,9 +75,9 @@ where
     let request = LeaseRequest::new(
         lease_config.lease,
         OperationId::random(),
-        stored_request(&parts, &body),
+        stored_request(&admitted.parts, &admitted.body),
     );
-    let acquired = setup.store.acquire(&claim, &request).await;
+    let acquired = setup.store.acquire(claim, &request).await;
     timings.claimed = Some(timings.since_arrival());
     if followed || matches!(acquired, Ok(Acquired::InProgress)) {
         timings.waited = timings.claimed;
@@ -125,6 +116,7 @@ where
     }
 
     // 4. Start the work; it outlives this request if it must.
+    let (mut parts, body) = (admitted.parts, admitted.body);
     parts.extensions.insert(owned.lease.clone());
     let request = Request::from_parts(parts, RequestBody::buffered(body));
     let running = setup.shared.operations.start();

@@ -31,16 +31,11 @@ mod sealed {
 
     /// What a mode does with an admitted request: phases 2 to 5.
     pub trait Sealed<St>: Sized {
-        fn run<S, F, R, ResB>(
+        fn run<S: Inner<B>, F: Fingerprinter, R: ResolveTenant, B: InnerBody>(
             setup: Setup<St, F, R, Self>,
             inner: S,
             admitted: Admitted,
-        ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
-        where
-            S: Inner<ResB>,
-            F: Fingerprinter,
-            R: ResolveTenant,
-            ResB: InnerBody;
+        ) -> impl Future<Output = (Settled<B, S::Error>, Timings)> + Send + 'static;
     }
 }
 
@@ -87,17 +82,11 @@ macro_rules! mode {
         impl<St: $store> Mode<St> for $mode {}
 
         impl<St: $store> sealed::Sealed<St> for $mode {
-            fn run<S, F, R, ResB>(
+            fn run<S: Inner<B>, F: Fingerprinter, R: ResolveTenant, B: InnerBody>(
                 setup: Setup<St, F, R, Self>,
                 inner: S,
                 admitted: Admitted,
-            ) -> impl Future<Output = (Settled<ResB, S::Error>, Timings)> + Send + 'static
-            where
-                S: Inner<ResB>,
-                F: Fingerprinter,
-                R: ResolveTenant,
-                ResB: InnerBody,
-            {
+            ) -> impl Future<Output = (Settled<B, S::Error>, Timings)> + Send + 'static {
                 $flow(setup, inner, admitted)
             }
         }

@@ -87,17 +87,11 @@ macro_rules! fault_point {
 
 /// Phases 2 to 5 for a request that may own its key: coalesce, claim (or
 /// open), run the owner, remember. Says how the request settled.
-pub(crate) async fn run<S, St, F, R, ResB, M>(
+pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransaction<St>>(
     setup: Setup<St, F, R, M>,
     inner: S,
     admitted: Admitted,
-) -> (Settled<ResB, S::Error>, Timings)
-where
-    S: Inner<ResB>,
-    St: Store,
-    ResB: InnerBody,
-    M: OneTransaction<St>,
-{
+) -> (Settled<B, S::Error>, Timings) {
     let Admitted {
         mut parts,
         body,
