@@ -62,6 +62,12 @@ pub mod testing;
 /// definition for the whole crate.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// `value` with `set` applied: the one body of the builders' setters.
+pub(crate) fn with<T>(mut value: T, set: impl FnOnce(&mut T)) -> T {
+    set(&mut value);
+    value
+}
+
 // The middleware's own types live at the root; everything else under the
 // module named for its concern, each type at one path.
 #[cfg(feature = "axum")]

@@ -50,9 +50,8 @@ impl Problem {
     }
 
     /// Adds a human-readable explanation specific to this occurrence.
-    pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
-        self.detail = Some(detail.into());
-        self
+    pub fn with_detail(self, detail: impl Into<String>) -> Self {
+        crate::with(self, |s| s.detail = Some(detail.into()))
     }
 
     /// Adds an extension member to the JSON body (e.g. `errors`, `order_id`).
@@ -71,9 +70,8 @@ impl Problem {
     }
 
     /// Adds a `Retry-After` header (seconds).
-    pub fn with_retry_after(mut self, seconds: u64) -> Self {
-        self.retry_after = Some(seconds);
-        self
+    pub fn with_retry_after(self, seconds: u64) -> Self {
+        crate::with(self, |s| s.retry_after = Some(seconds))
     }
 
     /// The HTTP status.

@@ -139,9 +139,8 @@ impl StoredResponse {
     }
 
     /// The same response, naming the resource its operation created or changed.
-    pub fn with_resource_id(mut self, resource_id: Option<ResourceId>) -> Self {
-        self.resource_id = resource_id;
-        self
+    pub fn with_resource_id(self, resource_id: Option<ResourceId>) -> Self {
+        crate::with(self, |s| s.resource_id = resource_id)
     }
 
     /// The replay: the stored status, headers and body, plus `Idempotent-Replayed: true`.

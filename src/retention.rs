@@ -124,15 +124,13 @@ impl Cleanup {
     }
 
     /// Rows removed per `DELETE` (each its own transaction).
-    pub fn batch_size(mut self, rows: usize) -> Self {
-        self.batch_size = rows.clamp(1, 100_000) as i64;
-        self
+    pub fn batch_size(self, rows: usize) -> Self {
+        crate::with(self, |s| s.batch_size = rows.clamp(1, 100_000) as i64)
     }
 
     /// The pause between passes of [`run`](Self::run).
-    pub fn interval(mut self, interval: Duration) -> Self {
-        self.interval = interval;
-        self
+    pub fn interval(self, interval: Duration) -> Self {
+        crate::with(self, |s| s.interval = interval)
     }
 
     /// Removes one batch; returns how many rows went.

@@ -70,54 +70,49 @@ impl IdempotentClientLayer {
         }
     }
 
-    fn config(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.config)
+    /// The layer with `set` applied to its (copied-on-write) settings.
+    fn configure(mut self, set: impl FnOnce(&mut Config)) -> Self {
+        set(Arc::make_mut(&mut self.config));
+        self
     }
 
     /// The `client` label of this layer's metrics (e.g. the API it calls).
-    pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.config().name = name.into();
-        self
+    pub fn name(self, name: impl Into<String>) -> Self {
+        self.configure(|c| c.name = name.into())
     }
 
     /// The key header (default `Idempotency-Key`).
-    pub fn header_name(mut self, header: HeaderName) -> Self {
-        self.config().header = header;
-        self
+    pub fn header_name(self, header: HeaderName) -> Self {
+        self.configure(|c| c.header = header)
     }
 
     /// Attempts per call, the first included (default 5; at least 1, at most 100).
-    pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.config().max_attempts = attempts.clamp(1, MOST_ATTEMPTS);
-        self
+    pub fn max_attempts(self, attempts: u32) -> Self {
+        self.configure(|c| c.max_attempts = attempts.clamp(1, MOST_ATTEMPTS))
     }
 
     /// How long one attempt may take before it counts as timed out and is
     /// retried with the same key (default 15 s). Keep it above the server's
     /// wait for a concurrent duplicate (5 s by default), or its
     /// `idempotency_in_progress` answer never arrives.
-    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        self.config().attempt_timeout = timeout.min(LONGEST);
-        self
+    pub fn attempt_timeout(self, timeout: Duration) -> Self {
+        self.configure(|c| c.attempt_timeout = timeout.min(LONGEST))
     }
 
     /// The whole call's time bound, attempts and waits included (default
     /// 60 s): no wait is started that would end past it, and an attempt still
     /// running at it is abandoned ([`ClientErrorKind::DeadlineExceeded`](super::ClientErrorKind::DeadlineExceeded)).
-    pub fn total_timeout(mut self, timeout: Duration) -> Self {
-        self.config().total_timeout = timeout.min(LONGEST);
-        self
+    pub fn total_timeout(self, timeout: Duration) -> Self {
+        self.configure(|c| c.total_timeout = timeout.min(LONGEST))
     }
 
     /// The wait before a retry when the answer carries no `Retry-After`:
     /// `base` doubling per retry up to `max`, of which a random half is
     /// waited ("equal jitter", so that many clients do not retry in
     /// lockstep). Defaults: 250 ms, 10 s.
-    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
-        let config = self.config();
-        config.backoff_base = base.min(LONGEST);
-        config.backoff_max = max.min(LONGEST).max(config.backoff_base);
-        self
+    pub fn backoff(self, base: Duration, max: Duration) -> Self {
+        let base = base.min(LONGEST);
+        self.configure(|c| (c.backoff_base, c.backoff_max) = (base, max.min(LONGEST).max(base)))
     }
 }
 

@@ -154,34 +154,32 @@ impl<K: Sink> Relay<K> {
     }
 
     /// Events claimed per batch (and held locked while they are delivered).
-    pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n.clamp(1, 10_000) as i64;
-        self
+    pub fn batch_size(self, n: usize) -> Self {
+        crate::with(self, |r| r.batch_size = n.clamp(1, 10_000) as i64)
     }
 
     /// Attempts before an event is parked (kept, visible, never deleted).
-    pub fn max_attempts(mut self, n: u32) -> Self {
-        self.max_attempts = n.clamp(1, i32::MAX as u32) as i32;
-        self
+    pub fn max_attempts(self, n: u32) -> Self {
+        crate::with(self, |r| {
+            r.max_attempts = n.clamp(1, i32::MAX as u32) as i32
+        })
     }
 
     /// The first retry delay and the cap of the doubling.
-    pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
-        self.backoff_base = base;
-        self.backoff_cap = cap.max(base);
-        self
+    pub fn backoff(self, base: Duration, cap: Duration) -> Self {
+        crate::with(self, |r| {
+            (r.backoff_base, r.backoff_cap) = (base, cap.max(base))
+        })
     }
 
     /// How often the relay looks without being woken.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = interval;
-        self
+    pub fn poll_interval(self, interval: Duration) -> Self {
+        crate::with(self, |r| r.poll_interval = interval)
     }
 
     /// How long one delivery may take before it counts as failed.
-    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
-        self.delivery_timeout = timeout;
-        self
+    pub fn delivery_timeout(self, timeout: Duration) -> Self {
+        crate::with(self, |r| r.delivery_timeout = timeout)
     }
 
     /// The delay before retry number `attempts` (1-based): capped doubling,

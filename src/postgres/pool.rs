@@ -35,22 +35,19 @@ impl PgStoreBuilder {
 
     /// The most connections the store's pool opens (default 16). Requests
     /// beyond it wait up to the acquire timeout.
-    pub fn max_connections(mut self, n: usize) -> Self {
-        self.max_connections = n.max(1);
-        self
+    pub fn max_connections(self, n: usize) -> Self {
+        crate::with(self, |b| b.max_connections = n.max(1))
     }
 
     /// How long a request waits for a pooled connection before the layer
     /// answers `503 store_unavailable` (default 5 s).
-    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
-        self.acquire_timeout = timeout;
-        self
+    pub fn acquire_timeout(self, timeout: Duration) -> Self {
+        crate::with(self, |b| b.acquire_timeout = timeout)
     }
 
     /// How long opening a new connection may take (default 5 s).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
+    pub fn connect_timeout(self, timeout: Duration) -> Self {
+        crate::with(self, |b| b.connect_timeout = timeout)
     }
 
     /// How long a pooled connection may be silent before TCP keepalive
@@ -60,9 +57,8 @@ impl PgStoreBuilder {
     /// request waiting on it gets an error instead of hanging. Replaces the
     /// connection configuration's keepalive settings; no effect on Unix
     /// sockets.
-    pub fn keepalive_idle(mut self, idle: Duration) -> Self {
-        self.keepalive_idle = idle;
-        self
+    pub fn keepalive_idle(self, idle: Duration) -> Self {
+        crate::with(self, |b| b.keepalive_idle = idle)
     }
 
     /// The connection string names a pooler in transaction pooling mode
@@ -95,9 +91,8 @@ impl PgStoreBuilder {
     /// cached statement. Migrations work through the pooler (they hold a
     /// transaction-scoped advisory lock). See the
     /// [deploying guide](crate::guide::deploying) for the pooler's settings.
-    pub fn transaction_pooling(mut self, on: bool) -> Self {
-        self.transaction_pooling = on;
-        self
+    pub fn transaction_pooling(self, on: bool) -> Self {
+        crate::with(self, |b| b.transaction_pooling = on)
     }
 
     /// Creates the store; connections are opened lazily.

@@ -51,16 +51,16 @@ impl LeaseConfig {
 
     /// How often the owner renews its lease (default a third of the lease;
     /// at most half of it, so that one late heartbeat does not lose it).
-    pub fn heartbeat(mut self, every: Duration) -> Self {
-        self.heartbeat = every.clamp(Duration::from_millis(10), self.lease / 2);
-        self
+    pub fn heartbeat(self, every: Duration) -> Self {
+        crate::with(self, |s| {
+            s.heartbeat = every.clamp(Duration::from_millis(10), s.lease / 2)
+        })
     }
 
     /// How long the first request waits for its work before answering
     /// `202 Accepted` (default 1 s). Zero answers `202` at once.
-    pub fn respond_within(mut self, within: Duration) -> Self {
-        self.respond_within = within;
-        self
+    pub fn respond_within(self, within: Duration) -> Self {
+        crate::with(self, |s| s.respond_within = within)
     }
 
     /// The path the status resource is mounted at (default `/operations`):
@@ -73,9 +73,10 @@ impl LeaseConfig {
 
     /// How often an idle [`Recovery`](crate::lease::Recovery) worker looks for
     /// operations whose lease expired (default 1 s).
-    pub fn recovery_interval(mut self, every: Duration) -> Self {
-        self.recovery_interval = every.max(Duration::from_millis(10));
-        self
+    pub fn recovery_interval(self, every: Duration) -> Self {
+        crate::with(self, |s| {
+            s.recovery_interval = every.max(Duration::from_millis(10))
+        })
     }
 
     /// How many attempts an operation gets (default 5, at least 1): the
@@ -85,9 +86,8 @@ impl LeaseConfig {
     /// next one; after the last, the operation ends `failed` with a
     /// remembered `500 operation_failed`, so a request that crashes its
     /// process cannot crash-loop a fleet for the whole retention.
-    pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.max_attempts = attempts.max(1);
-        self
+    pub fn max_attempts(self, attempts: u32) -> Self {
+        crate::with(self, |s| s.max_attempts = attempts.max(1))
     }
 
     /// How long the [`Recovery`](crate::lease::Recovery) worker waits before the
@@ -96,9 +96,8 @@ impl LeaseConfig {
     /// attempt, doubling with each one, at most `max` (default 1 s, at most
     /// 60 s). A retry by the client is not held back: the same request
     /// resumes the operation at once.
-    pub fn recovery_backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.backoff = Backoff::new(first, max);
-        self
+    pub fn recovery_backoff(self, first: Duration, max: Duration) -> Self {
+        crate::with(self, |s| s.backoff = Backoff::new(first, max))
     }
 
     /// The lease.

@@ -109,21 +109,18 @@ impl ClaimRequest {
     }
 
     /// Sets [`retention`](Self::retention).
-    pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
+    pub fn with_retention(self, retention: Duration) -> Self {
+        crate::with(self, |c| c.retention = retention)
     }
 
     /// Sets [`wait`](Self::wait).
-    pub fn with_wait(mut self, wait: Duration) -> Self {
-        self.wait = wait;
-        self
+    pub fn with_wait(self, wait: Duration) -> Self {
+        crate::with(self, |c| c.wait = wait)
     }
 
     /// Sets [`hold_limit`](Self::hold_limit).
-    pub fn with_hold_limit(mut self, limit: Duration) -> Self {
-        self.hold_limit = Some(limit);
-        self
+    pub fn with_hold_limit(self, limit: Duration) -> Self {
+        crate::with(self, |c| c.hold_limit = Some(limit))
     }
 }
 
@@ -347,15 +344,13 @@ impl StoreError {
     }
 
     /// Attaches the underlying error.
-    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        self.source = Some(Box::new(source));
-        self
+    pub fn with_source(self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        crate::with(self, |s| s.source = Some(Box::new(source)))
     }
 
     /// Records the SQLSTATE a SQL backend answered with.
-    pub fn with_sql_state(mut self, code: Option<String>) -> Self {
-        self.sql_state = code;
-        self
+    pub fn with_sql_state(self, code: Option<String>) -> Self {
+        crate::with(self, |s| s.sql_state = code)
     }
 
     /// The category.

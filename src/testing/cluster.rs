@@ -43,9 +43,8 @@ pub struct TempPostgresBuilder {
 impl TempPostgresBuilder {
     /// Keep `fsync`, `synchronous_commit` and `full_page_writes` at their safe defaults, for
     /// benchmarks that must pay real commit costs. Off by default.
-    pub fn durable(mut self, durable: bool) -> Self {
-        self.durable = durable;
-        self
+    pub fn durable(self, durable: bool) -> Self {
+        crate::with(self, |s| s.durable = durable)
     }
 
     /// Pass `-c name=value` to the server; later settings override earlier ones.
