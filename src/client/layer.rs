@@ -1,6 +1,6 @@
 //! `IdempotentClientLayer`: the client side's configuration.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use http::HeaderName;
 use tower_layer::Layer;
@@ -13,7 +13,7 @@ const LONGEST: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// Attempts allowed at most, whatever a caller passes.
 const MOST_ATTEMPTS: u32 = 100;
 
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) name: String,
     pub(crate) header: HeaderName,
@@ -41,7 +41,7 @@ pub(crate) struct Config {
 ///     .total_timeout(Duration::from_secs(20));
 /// # let _ = layer;
 /// ```
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct IdempotentClientLayer {
     config: Arc<Config>,
 }
@@ -113,26 +113,6 @@ impl IdempotentClientLayer {
     pub fn backoff(self, base: Duration, max: Duration) -> Self {
         let base = base.min(LONGEST);
         self.configure(|c| (c.backoff_base, c.backoff_max) = (base, max.min(LONGEST).max(base)))
-    }
-}
-
-impl fmt::Debug for IdempotentClientLayer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.config.fmt(f)
-    }
-}
-
-impl fmt::Debug for Config {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("IdempotentClientLayer")
-            .field("name", &self.name)
-            .field("header", &self.header)
-            .field("max_attempts", &self.max_attempts)
-            .field("attempt_timeout", &self.attempt_timeout)
-            .field("total_timeout", &self.total_timeout)
-            .field("backoff_base", &self.backoff_base)
-            .field("backoff_max", &self.backoff_max)
-            .finish()
     }
 }
 
