@@ -131,6 +131,7 @@ fn encode_str(s: &str, out: &mut Vec<u8>) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::hostile_tests::arb_json;
     use super::*;
     use crate::problem::codes;
     use http::StatusCode;
@@ -188,22 +189,6 @@ mod tests {
         let problem = fp(&JsonFingerprinter::new("v1"), "{nope").unwrap_err();
         assert_eq!(problem.status(), StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(problem.code(), codes::VALIDATION_FAILED);
-    }
-
-    fn arb_json() -> impl Strategy<Value = Value> {
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(Value::from),
-            "[a-z]{0,6}".prop_map(Value::String),
-        ];
-        leaf.prop_recursive(3, 24, 4, |inner| {
-            prop_oneof![
-                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-                proptest::collection::btree_map("[a-z]{1,3}", inner, 0..4)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        })
     }
 
     proptest! {
