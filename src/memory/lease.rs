@@ -113,22 +113,14 @@ impl LeaseStore for MemoryStore {
             tx.inner.roll_back();
             return Err(super::failed());
         }
-        let mut state = lock(&self.state);
-        let State {
-            entries,
-            tables,
-            lease_changes,
-            ..
-        } = &mut *state;
         // The owner finished or released the operation while this
         // transaction was open (a takeover waits for it): nothing is applied.
-        let leased = leased_mut(entries, &tx.inner.entry_key, tx.inner.token)?;
-        leased.holds = leased.holds.saturating_sub(1);
-        for (table, row) in staged {
-            tables.entry(table).or_default().push(row);
-        }
-        lease_changes.send_replace(());
-        Ok(())
+        self.change_leased(&tx.inner.entry_key, tx.inner.token, |leased, tables, _| {
+            leased.holds = leased.holds.saturating_sub(1);
+            for (table, row) in staged {
+                tables.entry(table).or_default().push(row);
+            }
+        })
     }
 
     async fn finish(
@@ -141,22 +133,15 @@ impl LeaseStore for MemoryStore {
 
     async fn release(&self, lease: &MemoryLease) -> Result<(), StoreError> {
         self.check_same(&lease.inner.state)?;
-        let mut state = lock(&self.state);
-        let State {
-            entries,
-            next_token,
-            lease_changes,
-            ..
-        } = &mut *state;
-        let leased = leased_mut(entries, &lease.inner.entry_key, lease.inner.token)?;
-        // The operation stays; its lease ends now and its token moves on.
-        // Fenced transactions still open at the old token can never commit
-        // (their token is no longer the record's), so they hold nothing.
-        leased.token = issue_token(next_token);
-        leased.lease_expires_at = Instant::now();
-        leased.holds = 0;
-        lease_changes.send_replace(());
-        Ok(())
+        let inner = &lease.inner;
+        self.change_leased(&inner.entry_key, inner.token, |leased, _, next_token| {
+            // The operation stays; its lease ends now and its token moves on.
+            // Fenced transactions still open at the old token can never commit
+            // (their token is no longer the record's), so they hold nothing.
+            leased.token = issue_token(next_token);
+            leased.lease_expires_at = Instant::now();
+            leased.holds = 0;
+        })
     }
 
     async fn fail(
@@ -245,6 +230,28 @@ impl LeaseStore for MemoryStore {
 }
 
 impl MemoryStore {
+    /// Under the state lock, `change`s the leased record of `entry_key`
+    /// that `token` still owns (given the tables and the token counter as
+    /// well), then wakes whoever waits on a leased record; [`fenced`] if
+    /// the token is no longer the record's ([`leased_mut`]).
+    fn change_leased(
+        &self,
+        entry_key: &EntryKey,
+        token: i64,
+        change: impl FnOnce(&mut Leased, &mut HashMap<String, Vec<Value>>, &mut i64),
+    ) -> Result<(), StoreError> {
+        let mut state = lock(&self.state);
+        let State {
+            entries,
+            tables,
+            next_token,
+            lease_changes,
+        } = &mut *state;
+        change(leased_mut(entries, entry_key, token)?, tables, next_token);
+        lease_changes.send_replace(());
+        Ok(())
+    }
+
     /// Finish (`failed_after: None`) or fail an operation with `response`,
     /// if the lease's token is still the record's.
     fn end(

@@ -47,15 +47,24 @@ fn fenced_order(lease: &MemoryLease, id: u32) -> MemoryTx {
     tx
 }
 
+/// A new store, its lease on `k` for `lease`, and a fenced transaction of
+/// that lease that has written the order 1.
+async fn fenced_order_of_a_new_store(
+    lease: Duration,
+) -> (MemoryStore, Owned<MemoryLease>, MemoryTx) {
+    let store = MemoryStore::new();
+    let owned = own(&store, &claim("k", 1), lease).await;
+    let tx = fenced_order(&owned.lease, 1);
+    (store, owned, tx)
+}
+
 fn is_fenced<T>(result: Result<T, StoreError>) -> bool {
     matches!(result, Err(e) if e.kind() == StoreErrorKind::Fenced)
 }
 
 #[tokio::test]
 async fn fenced_tx_commits_all_rows_at_once() {
-    let store = MemoryStore::new();
-    let owned = own(&store, &claim("k", 1), LONG).await;
-    let tx = fenced_order(&owned.lease, 1);
+    let (store, _owned, tx) = fenced_order_of_a_new_store(LONG).await;
     tx.insert("outbox", json!({"order": 1})).unwrap();
     assert!(
         store.rows("orders").is_empty(),
@@ -77,9 +86,7 @@ async fn fenced_tx_commits_all_rows_at_once() {
 
 #[tokio::test]
 async fn fenced_tx_applies_nothing_once_its_token_is_not_the_records() {
-    let store = MemoryStore::new();
-    let owned = own(&store, &claim("k", 1), LONG).await;
-    let released = fenced_order(&owned.lease, 1);
+    let (store, owned, released) = fenced_order_of_a_new_store(LONG).await;
     store.release(&owned.lease).await.unwrap();
     assert!(is_fenced(store.commit_fenced(released).await));
 
@@ -107,9 +114,7 @@ async fn stale_lease_opens_no_fenced_tx() {
 
 #[tokio::test]
 async fn dropping_a_fenced_tx_unfinished_keeps_the_lease() {
-    let store = MemoryStore::new();
-    let owned = own(&store, &claim("k", 1), LONG).await;
-    let tx = fenced_order(&owned.lease, 1);
+    let (store, owned, tx) = fenced_order_of_a_new_store(LONG).await;
     let clone = tx.clone();
     drop(tx);
     drop(clone);
@@ -153,9 +158,7 @@ async fn ended_fenced_txs_do_not_hold_the_record() {
 
 #[tokio::test]
 async fn an_open_fenced_tx_holds_off_takeovers() {
-    let store = MemoryStore::new();
-    let owned = own(&store, &claim("k", 1), SHORT).await;
-    let tx = fenced_order(&owned.lease, 1);
+    let (store, owned, tx) = fenced_order_of_a_new_store(SHORT).await;
     tokio::time::sleep(PAST_SHORT).await;
     assert!(matches!(
         store

@@ -25,8 +25,8 @@ use crate::record::StoredResponse;
 use crate::scope::TenantId;
 use crate::store::OperationId;
 use crate::store::{
-    Acquired, Claim, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered, Store,
-    StoreError, StoreErrorKind,
+    Acquired, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered, StoreError,
+    StoreErrorKind,
 };
 
 mod admin;
@@ -52,7 +52,7 @@ pub use tx::{PgTx, TxError, TxErrorKind};
 
 use error::map_error;
 
-/// The PostgreSQL [`Store`].
+/// The PostgreSQL [`Store`](crate::store::Store).
 ///
 /// Cheap to clone (a pool handle). Create it with [`PgStore::connect`] or
 /// [`PgStore::builder`], then run [`PgStore::migrate`] once at start-up (safe
@@ -142,21 +142,7 @@ impl PgStore {
     }
 }
 
-impl Store for PgStore {
-    type Tx = PgTx;
-
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<PgTx>, StoreError> {
-        claim::claim(self, request).await
-    }
-
-    async fn complete(&self, tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
-        finish::complete(tx, response).await
-    }
-
-    async fn abort(&self, tx: PgTx) -> Result<(), StoreError> {
-        finish::abort(tx).await
-    }
-}
+crate::pg::forward_store!(PgStore, PgTx);
 
 /// Long-running operations; see [`lease`](crate::lease) and [`PgLease`].
 impl LeaseStore for PgStore {

@@ -46,6 +46,23 @@ impl PgStore {
     }
 }
 
+/// The session's ways to run a statement: each the connection's own
+/// ([`Conn`]'s, in `statements.rs`) with its error sorted by [`map_error`].
+macro_rules! run_statements {
+    ($($name:ident($arg:ident: $ty:ty) -> $out:ty = $conn:ident, $doc:literal;)*) => {
+        $(
+            #[doc = $doc]
+            pub(crate) async fn $name(
+                &self,
+                $arg: $ty,
+                params: &[&(dyn ToSql + Sync)],
+            ) -> Result<$out, StoreError> {
+                self.conn.$conn($arg, params).await.map_err(map_error)
+            }
+        )*
+    };
+}
+
 impl Session {
     /// Prepares `sql` for this connection: cached, or nothing to do when the
     /// store sends unnamed statements (see `statements.rs`). Prepare what
@@ -54,81 +71,14 @@ impl Session {
         self.conn.prepare_sql(sql).await.map_err(map_error)
     }
 
-    /// Runs a prepared statement and returns the number of rows it affected.
-    pub(crate) async fn execute_prepared(
-        &self,
-        statement: &Prepared<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<u64, StoreError> {
-        self.conn
-            .execute_prepared(statement, params)
-            .await
-            .map_err(map_error)
-    }
-
-    /// Runs a prepared query and returns its rows.
-    pub(crate) async fn query_prepared(
-        &self,
-        statement: &Prepared<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError> {
-        self.conn
-            .query_prepared(statement, params)
-            .await
-            .map_err(map_error)
-    }
-
-    /// Runs a prepared query that returns exactly one row.
-    pub(crate) async fn query_one_prepared(
-        &self,
-        statement: &Prepared<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Row, StoreError> {
-        self.conn
-            .query_one_prepared(statement, params)
-            .await
-            .map_err(map_error)
-    }
-
-    /// Runs a statement and returns the number of rows it affected.
-    pub(crate) async fn execute(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<u64, StoreError> {
-        let statement = self.prepare(sql).await?;
-        self.execute_prepared(&statement, params).await
-    }
-
-    /// Runs a query and returns its rows.
-    pub(crate) async fn query(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError> {
-        self.conn.query_sql(sql, params).await.map_err(map_error)
-    }
-
-    /// Runs a query that returns exactly one row.
-    pub(crate) async fn query_one(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Row, StoreError> {
-        let statement = self.prepare(sql).await?;
-        self.query_one_prepared(&statement, params).await
-    }
-
-    /// Runs a query that returns at most one row.
-    pub(crate) async fn query_opt(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Option<Row>, StoreError> {
-        self.conn
-            .query_opt_sql(sql, params)
-            .await
-            .map_err(map_error)
+    run_statements! {
+        execute_prepared(statement: &Prepared<'_>) -> u64 = execute_prepared, "Runs a prepared statement and returns the number of rows it affected.";
+        query_prepared(statement: &Prepared<'_>) -> Vec<Row> = query_prepared, "Runs a prepared query and returns its rows.";
+        query_one_prepared(statement: &Prepared<'_>) -> Row = query_one_prepared, "Runs a prepared query that returns exactly one row.";
+        execute(sql: Sql<'_>) -> u64 = execute_sql, "Runs a statement and returns the number of rows it affected.";
+        query(sql: Sql<'_>) -> Vec<Row> = query_sql, "Runs a query and returns its rows.";
+        query_one(sql: Sql<'_>) -> Row = query_one_sql, "Runs a query that returns exactly one row.";
+        query_opt(sql: Sql<'_>) -> Option<Row> = query_opt_sql, "Runs a query that returns at most one row.";
     }
 
     /// Runs statements without parameters, in one message (e.g. `BEGIN …`).

@@ -72,74 +72,47 @@ impl Conn {
             self.prepare_cached(sql.text).await.map(Prepared::Cached)
         }
     }
+}
 
-    /// Runs a prepared statement and returns its rows.
-    pub(crate) async fn query_prepared(
-        &self,
-        statement: &Prepared<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, tokio_postgres::Error> {
-        match statement {
-            Prepared::Cached(statement) => self.query(statement, params).await,
-            Prepared::Unnamed(sql) => self.query_typed(sql.text, &typed(*sql, params)).await,
+/// The ways to run a statement, each written once for both paths: the
+/// driver's method for a cached statement, its `_typed` twin for an unnamed
+/// one. `$prepared` runs a [`Prepared`]; `$sql` prepares a [`Sql`]
+/// ([`Conn::prepare_sql`]) and then runs it so.
+macro_rules! run_statements {
+    ($($prepared:ident, $sql:ident: $cached:ident / $typed:ident -> $out:ty, $doc:literal;)*) => {
+        impl Conn {
+            $(
+                #[doc = concat!("Runs a prepared statement ", $doc)]
+                pub(crate) async fn $prepared(
+                    &self,
+                    statement: &Prepared<'_>,
+                    params: &[&(dyn ToSql + Sync)],
+                ) -> Result<$out, tokio_postgres::Error> {
+                    match statement {
+                        Prepared::Cached(statement) => self.$cached(statement, params).await,
+                        Prepared::Unnamed(sql) => self.$typed(sql.text, &typed(*sql, params)).await,
+                    }
+                }
+
+                #[doc = concat!("Prepares `sql` ([`prepare_sql`](Self::prepare_sql)) and runs it ", $doc)]
+                pub(crate) async fn $sql(
+                    &self,
+                    sql: Sql<'_>,
+                    params: &[&(dyn ToSql + Sync)],
+                ) -> Result<$out, tokio_postgres::Error> {
+                    let statement = self.prepare_sql(sql).await?;
+                    self.$prepared(&statement, params).await
+                }
+            )*
         }
-    }
+    };
+}
 
-    /// Runs a prepared statement that returns exactly one row.
-    pub(crate) async fn query_one_prepared(
-        &self,
-        statement: &Prepared<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Row, tokio_postgres::Error> {
-        match statement {
-            Prepared::Cached(statement) => self.query_one(statement, params).await,
-            Prepared::Unnamed(sql) => self.query_typed_one(sql.text, &typed(*sql, params)).await,
-        }
-    }
-
-    /// Runs a prepared statement that returns at most one row.
-    pub(crate) async fn query_opt_prepared(
-        &self,
-        statement: &Prepared<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Option<Row>, tokio_postgres::Error> {
-        match statement {
-            Prepared::Cached(statement) => self.query_opt(statement, params).await,
-            Prepared::Unnamed(sql) => self.query_typed_opt(sql.text, &typed(*sql, params)).await,
-        }
-    }
-
-    /// Runs a prepared statement and returns the number of rows it affected.
-    pub(crate) async fn execute_prepared(
-        &self,
-        statement: &Prepared<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<u64, tokio_postgres::Error> {
-        match statement {
-            Prepared::Cached(statement) => self.execute(statement, params).await,
-            Prepared::Unnamed(sql) => self.execute_typed(sql.text, &typed(*sql, params)).await,
-        }
-    }
-
-    /// [`prepare_sql`](Self::prepare_sql) then [`query_prepared`](Self::query_prepared).
-    pub(crate) async fn query_sql(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, tokio_postgres::Error> {
-        let statement = self.prepare_sql(sql).await?;
-        self.query_prepared(&statement, params).await
-    }
-
-    /// [`prepare_sql`](Self::prepare_sql) then [`query_opt_prepared`](Self::query_opt_prepared).
-    pub(crate) async fn query_opt_sql(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Option<Row>, tokio_postgres::Error> {
-        let statement = self.prepare_sql(sql).await?;
-        self.query_opt_prepared(&statement, params).await
-    }
+run_statements! {
+    query_prepared, query_sql: query / query_typed -> Vec<Row>, "and returns its rows.";
+    query_one_prepared, query_one_sql: query_one / query_typed_one -> Row, "(it returns exactly one row).";
+    query_opt_prepared, query_opt_sql: query_opt / query_typed_opt -> Option<Row>, "(it returns at most one row).";
+    execute_prepared, execute_sql: execute / execute_typed -> u64, "and returns the number of rows it affected.";
 }
 
 /// Pairs each parameter with its declared type. A count that does not match

@@ -37,7 +37,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # How it keeps the [`Store`] guarantees
+//! # How it keeps the [`Store`](crate::store::Store) guarantees
 //!
 //! It uses the table and migrations of [`PgStore`](crate::postgres::PgStore)
 //! (either store's `migrate` brings a database to the same schema, and
@@ -57,7 +57,7 @@
 //!    instead of going back to the pool, and PostgreSQL rolls back).
 //! 4. **Bounded waiting.** `SET LOCAL lock_timeout` to the claim's wait: a
 //!    claim that meets an owner's row waits at most that long (`55P03`),
-//!    then answers [`Claim::InProgress`];
+//!    then answers [`Claim::InProgress`](crate::store::Claim::InProgress);
 //!    the whole claim is also cut off on the client shortly after.
 //! 5. **Expiry.** A record whose retention ended (or a committed
 //!    in-progress row no transaction holds) is taken over by a second
@@ -100,8 +100,7 @@ use ::sqlx::{Executor as _, PgPool};
 
 use crate::{
     pg::migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK},
-    record::StoredResponse,
-    store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind},
+    store::{StoreError, StoreErrorKind},
 };
 
 mod claim;
@@ -128,7 +127,7 @@ fn query(
     ::sqlx::query(sql).persistent(!transaction_pooling)
 }
 
-/// The [`Store`] on a `sqlx` PostgreSQL pool.
+/// The [`Store`](crate::store::Store) on a `sqlx` PostgreSQL pool.
 ///
 /// Cheap to clone (a pool handle). Run [`migrate`](Self::migrate) once at
 /// start-up (safe from many processes at once). The pool's acquire timeout
@@ -245,18 +244,4 @@ impl SqlxStore {
     }
 }
 
-impl Store for SqlxStore {
-    type Tx = SqlxTx;
-
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<SqlxTx>, StoreError> {
-        claim::claim(self, request).await
-    }
-
-    async fn complete(&self, tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
-        finish::complete(tx, response).await
-    }
-
-    async fn abort(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        finish::abort(tx).await
-    }
-}
+crate::pg::forward_store!(SqlxStore, SqlxTx);

@@ -228,75 +228,43 @@ const ORDINARY_DML: &[&str] = &[
     "SELECT 'x' AS \"a\"\"b\"",
 ];
 
-fn assert_all(statements: &[&str], expected: Option<Refusal>) {
-    for sql in statements {
-        assert_eq!(refusal(sql), expected, "{sql:?}");
-    }
+// Non-ASCII characters are identifier letters: these are identifiers, which
+// PostgreSQL would reject as statements.
+const KEYWORD_LOOKALIKES: &[&str] = &[
+    "COMMIT\u{e9}",
+    "\u{a0}COMMIT",
+    "COMMIT\u{a0}",
+    "COMMIT$",
+    "\"COMMIT\"",
+    "\"set\" x = 1",
+];
+
+/// One test a list: each statement of the list gets the same answer from
+/// the guard (`None`: allowed).
+macro_rules! refusal_tests {
+    ($($test:ident: $statements:ident => $expected:expr;)*) => {
+        $(
+            #[test]
+            fn $test() {
+                for sql in $statements {
+                    assert_eq!(refusal(sql), $expected, "{sql:?}");
+                }
+            }
+        )*
+    };
 }
 
-#[test]
-fn refuses_statements_that_end_the_transaction() {
-    assert_all(ENDS_TRANSACTION, Some(Refusal::TransactionControl));
-}
-
-#[test]
-fn comments_end_at_carriage_returns_and_vertical_tabs_are_whitespace() {
-    assert_all(
-        WHITESPACE_AND_COMMENT_ENDINGS,
-        Some(Refusal::TransactionControl),
-    );
-}
-
-#[test]
-fn refuses_text_the_lexer_cannot_follow() {
-    assert_all(UNFOLLOWED, Some(Refusal::TransactionControl));
-}
-
-#[test]
-fn reads_plain_strings_with_and_without_standard_conforming_strings() {
-    assert_all(EITHER_STRING_READING, Some(Refusal::TransactionControl));
-}
-
-#[test]
-fn refuses_session_level_settings() {
-    assert_all(SESSION_SETTINGS, Some(Refusal::SessionState));
-}
-
-#[test]
-fn refuses_statements_whose_effects_outlive_the_transaction() {
-    assert_all(OUTLIVES_TRANSACTION, Some(Refusal::SessionState));
-}
-
-#[test]
-fn refuses_session_functions_anywhere_outside_quotes() {
-    assert_all(SESSION_FUNCTIONS_ANYWHERE, Some(Refusal::SessionState));
-}
-
-#[test]
-fn allows_ordinary_statements_savepoints_and_local_settings() {
-    assert_all(ALLOWED, None);
-}
-
-#[test]
-fn allows_ordinary_dml() {
-    assert_all(ORDINARY_DML, None);
-}
-
-#[test]
-fn keywords_must_be_exact_and_unquoted() {
-    // Non-ASCII characters are identifier letters: these are identifiers,
-    // which PostgreSQL would reject as statements.
-    assert_all(
-        &[
-            "COMMIT\u{e9}",
-            "\u{a0}COMMIT",
-            "COMMIT\u{a0}",
-            "COMMIT$",
-            "\"COMMIT\"",
-            "\"set\" x = 1",
-        ],
-        None,
-    );
+refusal_tests! {
+    refuses_statements_that_end_the_transaction: ENDS_TRANSACTION => Some(Refusal::TransactionControl);
+    comments_end_at_carriage_returns_and_vertical_tabs_are_whitespace: WHITESPACE_AND_COMMENT_ENDINGS => Some(Refusal::TransactionControl);
+    refuses_text_the_lexer_cannot_follow: UNFOLLOWED => Some(Refusal::TransactionControl);
+    reads_plain_strings_with_and_without_standard_conforming_strings: EITHER_STRING_READING => Some(Refusal::TransactionControl);
+    refuses_session_level_settings: SESSION_SETTINGS => Some(Refusal::SessionState);
+    refuses_statements_whose_effects_outlive_the_transaction: OUTLIVES_TRANSACTION => Some(Refusal::SessionState);
+    refuses_session_functions_anywhere_outside_quotes: SESSION_FUNCTIONS_ANYWHERE => Some(Refusal::SessionState);
+    allows_ordinary_statements_savepoints_and_local_settings: ALLOWED => None;
+    allows_ordinary_dml: ORDINARY_DML => None;
+    keywords_must_be_exact_and_unquoted: KEYWORD_LOOKALIKES => None;
 }
 
 #[test]

@@ -11,6 +11,27 @@ use crate::{
 // The parameters of each, in order: the key's columns (tenant, endpoint,
 // key) first, then the token and the rest as each statement names them.
 const T: Type = Type::TEXT;
+
+/// The parameters of the two statements that end an operation with its
+/// answer (FINISH, FAIL): the key and the token, the response (status,
+/// headers, body) and its retention, then `last` (the resource id, the
+/// attempts).
+const fn answer_then(last: Type) -> [Type; 9] {
+    [
+        T,
+        T,
+        T,
+        Type::INT8,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+        Type::FLOAT8,
+        last,
+    ]
+}
+static FINISH_TYPES: [Type; 9] = answer_then(T);
+static FAIL_TYPES: [Type; 9] = answer_then(Type::INT4);
+
 pub(crate) const LOOKUP_SQL: Sql<'static> = Sql::new(LOOKUP, &[T, T, T]);
 pub(crate) const ACQUIRE_SQL: Sql<'static> = Sql::new(
     ACQUIRE,
@@ -31,35 +52,9 @@ pub(crate) const ACQUIRE_SQL: Sql<'static> = Sql::new(
 pub(crate) const HEARTBEAT_SQL: Sql<'static> =
     Sql::new(HEARTBEAT, &[T, T, T, Type::INT8, Type::FLOAT8]);
 pub(crate) const HOLD_SQL: Sql<'static> = Sql::new(HOLD, &[T, T, T, Type::INT8]);
-pub(crate) const FINISH_SQL: Sql<'static> = Sql::new(
-    FINISH,
-    &[
-        T,
-        T,
-        T,
-        Type::INT8,
-        Type::INT2,
-        Type::BYTEA,
-        Type::BYTEA,
-        Type::FLOAT8,
-        T,
-    ],
-);
+pub(crate) const FINISH_SQL: Sql<'static> = Sql::new(FINISH, &FINISH_TYPES);
 pub(crate) const RELEASE_SQL: Sql<'static> = Sql::new(RELEASE, &[T, T, T, Type::INT8]);
-pub(crate) const FAIL_SQL: Sql<'static> = Sql::new(
-    FAIL,
-    &[
-        T,
-        T,
-        T,
-        Type::INT8,
-        Type::INT2,
-        Type::BYTEA,
-        Type::BYTEA,
-        Type::FLOAT8,
-        Type::INT4,
-    ],
-);
+pub(crate) const FAIL_SQL: Sql<'static> = Sql::new(FAIL, &FAIL_TYPES);
 pub(crate) const OPERATION_SQL: Sql<'static> = Sql::new(OPERATION, &[T, T]);
 pub(crate) const RECOVER_SQL: Sql<'static> =
     Sql::new(RECOVER, &[T, Type::FLOAT8, Type::FLOAT8, Type::FLOAT8]);

@@ -1,6 +1,6 @@
 //! [`PgTx`]: the open transaction a key's owner writes through.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tokio_postgres::{
@@ -10,7 +10,7 @@ use tokio_postgres::{
 
 use super::{
     conn::{behind, Conn},
-    statements::Sql,
+    statements::{Prepared, Sql},
 };
 use crate::{
     key::IdempotencyKey,
@@ -23,6 +23,39 @@ mod error;
 pub use error::{TxError, TxErrorKind};
 
 use error::refuse_transaction_control;
+
+/// Runs the statement `run` makes on `conn` behind the transaction's
+/// deferred `BEGIN`, if that is still unsent: both in one round trip.
+async fn behind_begin<'c, T, F>(
+    conn: &'c mut Conn,
+    run: impl FnOnce(&'c Conn) -> F,
+) -> Result<T, TxError>
+where
+    F: Future<Output = Result<T, tokio_postgres::Error>>,
+{
+    let begin = conn.take_begin();
+    let conn = &*conn;
+    Ok(behind(conn, begin, run(conn)).await?)
+}
+
+/// The handle's ways to run a statement with parameters: `$prepare` locks
+/// the connection and prepares `sql` ([`PgTx::prepared`] for the caller's,
+/// [`PgTx::prepared_sql`] for the crate's own), then `$run` runs it.
+macro_rules! run_prepared {
+    ($($vis:vis fn $name:ident(sql: $sql:ty) -> $out:ty = $prepare:ident.$run:ident, $doc:literal;)*) => {
+        $(
+            #[doc = $doc]
+            $vis async fn $name(
+                &self,
+                sql: $sql,
+                params: &[&(dyn ToSql + Sync)],
+            ) -> Result<$out, TxError> {
+                let (mut conn, statement) = self.$prepare(sql).await?;
+                behind_begin(&mut conn, |conn| conn.$run(&statement, params)).await
+            }
+        )*
+    };
+}
 
 /// The open PostgreSQL transaction of the request that owns its key.
 ///
@@ -128,44 +161,14 @@ impl PgTx {
         &self.inner.id
     }
 
-    /// Runs one statement and returns the number of rows it affected.
-    pub async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, TxError> {
-        let (mut conn, statement) = self.prepared(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.execute(&statement, params)).await?)
-    }
-
-    /// Runs one query and returns its rows.
-    pub async fn query(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, TxError> {
-        let (mut conn, statement) = self.prepared(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.query(&statement, params)).await?)
-    }
-
-    /// Runs a query that returns exactly one row.
-    pub async fn query_one(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Row, TxError> {
-        let (mut conn, statement) = self.prepared(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.query_one(&statement, params)).await?)
-    }
-
-    /// Runs a query that returns at most one row.
-    pub async fn query_opt(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Option<Row>, TxError> {
-        let (mut conn, statement) = self.prepared(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.query_opt(&statement, params)).await?)
+    run_prepared! {
+        pub fn execute(sql: &str) -> u64 = prepared.execute,
+            "Runs one statement and returns the number of rows it affected.";
+        pub fn query(sql: &str) -> Vec<Row> = prepared.query, "Runs one query and returns its rows.";
+        pub fn query_one(sql: &str) -> Row = prepared.query_one,
+            "Runs a query that returns exactly one row.";
+        pub fn query_opt(sql: &str) -> Option<Row> = prepared.query_opt,
+            "Runs a query that returns at most one row.";
     }
 
     /// Runs one query with the types of its parameters given, as one
@@ -191,8 +194,7 @@ impl PgTx {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, TxError> {
         let mut conn = self.guarded(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.query_typed(sql, params)).await?)
+        behind_begin(&mut conn, |conn| conn.query_typed(sql, params)).await
     }
 
     /// [`query_typed`](Self::query_typed) for a statement whose rows are not
@@ -203,41 +205,20 @@ impl PgTx {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<u64, TxError> {
         let mut conn = self.guarded(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.execute_typed(sql, params)).await?)
+        behind_begin(&mut conn, |conn| conn.execute_typed(sql, params)).await
     }
 
-    /// One of the crate's own statements, sent as the store sends its own
-    /// (cached, or unnamed behind a transaction pooler).
-    pub(crate) async fn query_one_sql(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Row, TxError> {
-        let mut conn = self.guarded(sql.text()).await?;
-        let statement = conn.prepare_sql(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.query_one_prepared(&statement, params)).await?)
-    }
-
-    /// [`query_one_sql`](Self::query_one_sql) for a statement whose rows are
-    /// not needed: returns the number of rows it affected.
-    pub(crate) async fn execute_sql(
-        &self,
-        sql: Sql<'_>,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<u64, TxError> {
-        let mut conn = self.guarded(sql.text()).await?;
-        let statement = conn.prepare_sql(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.execute_prepared(&statement, params)).await?)
+    run_prepared! {
+        pub(crate) fn query_one_sql(sql: Sql<'_>) -> Row = prepared_sql.query_one_prepared,
+            "One of the crate's own statements, sent as the store sends its own (cached, or unnamed behind a transaction pooler).";
+        pub(crate) fn execute_sql(sql: Sql<'_>) -> u64 = prepared_sql.execute_prepared,
+            "[`query_one_sql`](Self::query_one_sql) for a statement whose rows are not needed: returns the number of rows it affected.";
     }
 
     /// Runs statements without parameters (e.g. `SAVEPOINT s1`).
     pub async fn batch_execute(&self, sql: &str) -> Result<(), TxError> {
         let mut conn = self.guarded(sql).await?;
-        let begin = conn.take_begin();
-        Ok(behind(&conn, begin, conn.batch_execute(sql)).await?)
+        behind_begin(&mut conn, |conn| conn.batch_execute(sql)).await
     }
 
     /// The path every statement takes: refused if it would end the
@@ -264,6 +245,17 @@ impl PgTx {
         } else {
             conn.prepare_cached(sql).await?
         };
+        Ok((conn, statement))
+    }
+
+    /// [`guarded`](Self::guarded), with the crate's own `sql` prepared as
+    /// the store prepares its statements ([`Conn::prepare_sql`]).
+    async fn prepared_sql<'a>(
+        &self,
+        sql: Sql<'a>,
+    ) -> Result<(MappedMutexGuard<'_, Conn>, Prepared<'a>), TxError> {
+        let conn = self.guarded(sql.text()).await?;
+        let statement = conn.prepare_sql(sql).await?;
         Ok((conn, statement))
     }
 
