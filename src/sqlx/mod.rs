@@ -179,9 +179,8 @@ impl SqlxStore {
     /// statement cache off is not enough: sqlx 0.8 still names the
     /// statement and then never closes it. See the
     /// [deploying guide](crate::guide::deploying).
-    pub fn transaction_pooling(mut self, on: bool) -> Self {
-        self.transaction_pooling = on;
-        self
+    pub fn transaction_pooling(self, on: bool) -> Self {
+        crate::with(self, |s| s.transaction_pooling = on)
     }
 
     /// The pool, e.g. for the service's own queries outside the layer.
