@@ -6,13 +6,14 @@ use bytes::Bytes;
 use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    claim_bounded, describe, join_all, must_own, must_replay, new_request, request, response,
-    response_with, scope, unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
+    claim_bounded, describe, join_all, must_be_aborted, must_have_body, must_own, must_replay,
+    must_replay_body, new_request, request, response, response_with, scope, unique_key,
+    CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
 };
 use crate::{
     fingerprint::Fingerprint,
     scope::{Scope, TenantId},
-    store::{Claim, Store, StoreErrorKind},
+    store::{Claim, Store},
 };
 
 use super::report::{ensure, fail, OrFail};
@@ -129,14 +130,8 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
             );
         }
     }
-    let record = must_replay(store, &req, G, "a claim after the race").await?;
-    ensure!(
-        record.response.body == winner,
-        G,
-        "after the race the key replays {:?}, not the owner's record",
-        String::from_utf8_lossy(&record.response.body)
-    );
-    Ok(())
+    let what = "a claim after the race must replay the owner's record";
+    must_replay_body(store, &req, &winner, G, what).await
 }
 
 /// **One owner**: a handle whose transaction ended (here: aborted through a
@@ -161,17 +156,12 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
         "the claim after the abort",
     )
     .await?;
-    match store.complete(stale, &response(b"stale")).await {
-        Ok(()) => fail!(
-            G,
-            "complete through an aborted handle succeeded while another claim owned the key"
-        ),
-        Err(e) => ensure!(
-            e.kind() == StoreErrorKind::TransactionAborted,
-            G,
-            "complete through an aborted handle must answer transaction_aborted, got {e}"
-        ),
-    }
+    let stale_complete = store.complete(stale, &response(b"stale")).await;
+    let (what, when) = (
+        "complete through an aborted handle",
+        "while another claim owned the key",
+    );
+    must_be_aborted(stale_complete, G, what, when)?;
     let probe = request(scope("t1"), &key, 1, DAY, Duration::from_millis(200));
     match claim_bounded(store, &probe, G, "a claim while the new owner works").await? {
         Claim::InProgress => {}
@@ -187,14 +177,8 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
         .complete(current, &response(b"current"))
         .await
         .or_fail(G, "the current owner's complete")?;
-    let record = must_replay(store, &req, G, "a claim after the current owner completed").await?;
-    ensure!(
-        record.response.body == b"current"[..],
-        G,
-        "the key replays {:?}, not the current owner's record",
-        String::from_utf8_lossy(&record.response.body)
-    );
-    Ok(())
+    let what = "a claim after the current owner completed must replay its record";
+    must_replay_body(store, &req, b"current", G, what).await
 }
 
 /// **Abort frees the key**: after an abort, the next claim owns the key
@@ -304,15 +288,8 @@ pub async fn scopes_are_isolated<St: Store>(store: &St) -> Result<(), CheckFailu
         (other_endpoint, &b"other"[..]),
     ] {
         let who = format!("{}/{}", scope.tenant().as_str(), scope.endpoint());
-        match claim_bounded(store, &request(scope, &key, 1, DAY, WAIT), G, &who).await? {
-            Claim::Completed(record) => ensure!(
-                record.response.body == body,
-                G,
-                "{who} replays {:?}, not its own record",
-                String::from_utf8_lossy(&record.response.body)
-            ),
-            other => fail!(G, "{who}: expected Completed, got {}", describe(&other)),
-        }
+        let what = format!("{who} must replay its own record");
+        must_replay_body(store, &request(scope, &key, 1, DAY, WAIT), body, G, &what).await?;
     }
     Ok(())
 }
@@ -340,26 +317,14 @@ pub async fn expired_record_is_a_new_operation<St: Store>(store: &St) -> Result<
         .complete(tx, &response(b"second").with_resource_id(None))
         .await
         .or_fail(G, "complete the new operation")?;
-    match claim_bounded(store, &req, G, "a claim after the new operation").await? {
-        Claim::Completed(record) => {
-            ensure!(
-                record.response.body == b"second"[..],
-                G,
-                "the key replays {:?}, not the new operation's record",
-                String::from_utf8_lossy(&record.response.body)
-            );
-            ensure!(
-                record.response.resource_id.is_none(),
-                G,
-                "the new operation's record kept the first one's resource id {:?}",
-                record.response.resource_id
-            );
-        }
-        other => fail!(
-            G,
-            "expected the new operation's record, got {}",
-            describe(&other)
-        ),
-    }
+    let what = "a claim after the new operation must replay its record";
+    let record = must_replay(store, &req, G, what).await?;
+    must_have_body(&record, b"second", G, what)?;
+    ensure!(
+        record.response.resource_id.is_none(),
+        G,
+        "the new operation's record kept the first one's resource id {:?}",
+        record.response.resource_id
+    );
     Ok(())
 }

@@ -140,7 +140,7 @@ use http::{header, HeaderValue, StatusCode};
 use crate::{
     fingerprint::Fingerprint, key::IdempotencyKey, record::Record, record::ResourceId,
     record::StoredResponse, scope::Scope, scope::TenantId, store::Claim, store::ClaimRequest,
-    store::Store,
+    store::Store, store::StoreError, store::StoreErrorKind,
 };
 
 /// Runs the check function `$check` on the runner `$run`, under
@@ -189,7 +189,7 @@ pub use writes::{
     failed_write_fails_the_completion, handler_writes_commit_with_the_response, BoxError, Writes,
 };
 
-use report::{fail, OrFail};
+use report::{ensure, fail, OrFail};
 use runner::Runner;
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -376,6 +376,57 @@ async fn must_replay<St: Store>(
             "{what}: expected Completed, got {}",
             describe(&other)
         ),
+    }
+}
+
+/// Claims `request` (see [`must_replay`]): the record it replays must hold
+/// the body `expected`, or the check fails with `guarantee`, naming `what`.
+async fn must_replay_body<St: Store>(
+    store: &St,
+    request: &ClaimRequest,
+    expected: &[u8],
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    let record = must_replay(store, request, guarantee, what).await?;
+    must_have_body(&record, expected, guarantee, what)
+}
+
+/// `record` must hold the body `expected`: otherwise the check fails with
+/// `guarantee`, naming `what` (what the record should be) and the body it
+/// holds.
+fn must_have_body(
+    record: &Record,
+    expected: &[u8],
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    ensure!(
+        record.response.body == expected,
+        guarantee,
+        "{what}: the body is {:?}, not {:?}",
+        String::from_utf8_lossy(&record.response.body),
+        String::from_utf8_lossy(expected)
+    );
+    Ok(())
+}
+
+/// `result` (of a `complete` that must not succeed) must be the error
+/// [`StoreErrorKind::TransactionAborted`]: success, or any other error,
+/// fails the check with `guarantee`, naming `what` and `when` it was called.
+fn must_be_aborted(
+    result: Result<(), StoreError>,
+    guarantee: Guarantee,
+    what: &str,
+    when: &str,
+) -> Result<(), CheckFailure> {
+    match result {
+        Err(e) if e.kind() == StoreErrorKind::TransactionAborted => Ok(()),
+        Err(e) => fail!(
+            guarantee,
+            "{what} {when} must answer transaction_aborted, got {e}"
+        ),
+        Ok(()) => fail!(guarantee, "{what} succeeded {when}"),
     }
 }
 

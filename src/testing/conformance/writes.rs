@@ -4,10 +4,10 @@
 use std::future::Future;
 
 use super::{
-    must_own, must_replay, new_request, response, unique_key, CheckFailure, Guarantee, DROP_WAIT,
-    FREE_WAIT, WAIT,
+    must_be_aborted, must_own, must_replay_body, new_request, response, unique_key, CheckFailure,
+    Guarantee, DROP_WAIT, FREE_WAIT, WAIT,
 };
-use crate::store::{Claim, Store, StoreErrorKind};
+use crate::store::{Claim, Store};
 
 use super::report::{ensure, fail, OrFail};
 
@@ -112,14 +112,8 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
         G,
         "complete returned Ok but the handler's write was not committed"
     );
-    let record = must_replay(store, &req, G, "a claim after complete").await?;
-    ensure!(
-        record.response.body == b"with writes"[..],
-        G,
-        "the key replays {:?}, not the completed response",
-        String::from_utf8_lossy(&record.response.body)
-    );
-    Ok(())
+    let what = "a claim after complete must replay the completed response";
+    must_replay_body(store, &req, b"with writes", G, what).await
 }
 
 /// **Atomic completion**: after a write of the handler failed (the
@@ -141,17 +135,9 @@ pub async fn failed_write_fails_the_completion<St: Store, W: Writes<St::Tx>>(
         .fail(&tx)
         .await
         .map_err(|e| CheckFailure::new(G, format!("failing a statement failed: {e}")))?;
-    match store.complete(tx, &response(b"never")).await {
-        Ok(()) => fail!(
-            G,
-            "complete succeeded after a statement of the transaction failed"
-        ),
-        Err(e) => ensure!(
-            e.kind() == StoreErrorKind::TransactionAborted,
-            G,
-            "complete after a failed statement must answer transaction_aborted, got {e}"
-        ),
-    }
+    let completed = store.complete(tx, &response(b"never")).await;
+    let when = "after a statement of the transaction failed";
+    must_be_aborted(completed, G, "complete", when)?;
     ensure!(
         !committed::<St::Tx, W>(writes, &marker, G).await?,
         G,
