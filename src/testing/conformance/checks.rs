@@ -1,17 +1,16 @@
 //! The checks of the short-transaction mode that need nothing but the store.
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    claim_bounded, describe, join_all, must_be_aborted, must_have_body, must_own, must_replay,
-    must_replay_body, new_request, request, response, response_with, scope, unique_key,
-    CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
+    claim_bounded, describe, join_all, must_be_aborted, must_carry_fingerprint, must_have_body,
+    must_own, must_replay, must_replay_body, new_request, request, response, response_with, scope,
+    start_together, under_one_key, unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT,
+    WAIT,
 };
 use crate::{
-    fingerprint::Fingerprint,
     scope::{Scope, TenantId},
     store::{Claim, Store},
 };
@@ -48,22 +47,14 @@ pub async fn fingerprint_is_returned_for_comparison<St: Store>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
-    let key = unique_key();
-    let first = request(scope("t1"), &key, 7, DAY, WAIT);
+    let [first, other] = under_one_key([7, 8]);
     let tx = must_own(store, &first, G, "first claim").await?;
     store
         .complete(tx, &response(b"a"))
         .await
         .or_fail(G, "complete")?;
-    let other = request(scope("t1"), &key, 8, DAY, WAIT);
     let record = must_replay(store, &other, G, "claim with another fingerprint").await?;
-    ensure!(
-        record.fingerprint == Fingerprint::from_bytes([7; 32]),
-        G,
-        "the record must carry the first request's fingerprint, got {:?}",
-        record.fingerprint
-    );
-    Ok(())
+    must_carry_fingerprint(&record, 7, G, "the first request's")
 }
 
 /// **One owner**: of many concurrent claims of a new key exactly one owns
@@ -78,12 +69,9 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
     }
     let key = unique_key();
     let req = request(scope("t1"), &key, 1, DAY, Duration::from_secs(30));
-    let start = Arc::new(Barrier::new(RACERS));
-    let mut racers = JoinSet::new();
-    for racer in 0..RACERS {
-        let (store, req, start) = (store.clone(), req.clone(), start.clone());
-        racers.spawn(async move {
-            start.wait().await;
+    let racers = start_together(RACERS, |racer| {
+        let (store, req) = (store.clone(), req.clone());
+        async move {
             match claim_bounded(&store, &req, G, "a concurrent claim").await? {
                 Claim::Owned(tx) => {
                     let body = Bytes::from(format!("racer {racer}"));
@@ -96,8 +84,8 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
                     "a claim waiting 30 s answered InProgress although the owner completed at once"
                 ),
             }
-        });
-    }
+        }
+    });
     let answers = join_all(racers, G).await?;
     let owners: Vec<(usize, &Option<String>)> = answers
         .iter()

@@ -127,6 +127,7 @@
 //! ```
 
 use std::{
+    future::Future,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -136,6 +137,7 @@ use std::{
 
 use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
+use tokio::{sync::Barrier, task::JoinSet};
 
 use crate::{
     fingerprint::Fingerprint, key::IdempotencyKey, record::Record, record::ResourceId,
@@ -249,10 +251,31 @@ async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     run.finish()
 }
 
+/// Spawns `racers` tasks, the future `racer(i)` for each `i` below
+/// `racers`, that start together (behind one barrier, once all are
+/// spawned): the set to [`join_all`].
+fn start_together<T, F, Fut>(racers: usize, racer: F) -> JoinSet<Result<T, CheckFailure>>
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = Result<T, CheckFailure>> + Send + 'static,
+{
+    let start = Arc::new(Barrier::new(racers));
+    let mut tasks = JoinSet::new();
+    for i in 0..racers {
+        let (start, race) = (start.clone(), racer(i));
+        tasks.spawn(async move {
+            start.wait().await;
+            race.await
+        });
+    }
+    tasks
+}
+
 /// Waits for every task of `tasks`; a task that panicked fails the check
 /// with `guarantee`. Dropping the set (a check at its limit) aborts them.
 async fn join_all<T: 'static>(
-    mut tasks: tokio::task::JoinSet<Result<T, CheckFailure>>,
+    mut tasks: JoinSet<Result<T, CheckFailure>>,
     guarantee: Guarantee,
 ) -> Result<Vec<T>, CheckFailure> {
     let mut done = Vec::with_capacity(tasks.len());
@@ -296,6 +319,14 @@ fn request(
     )
     .with_retention(retention)
     .with_wait(wait)
+}
+
+/// Requests of tenant `t1` under one key never used before, one per
+/// fingerprint of `fingerprints` (the first request and retries or other
+/// requests under its key): kept a day, waiting at most [`WAIT`].
+fn under_one_key<const N: usize>(fingerprints: [u8; N]) -> [ClaimRequest; N] {
+    let key = unique_key();
+    fingerprints.map(|fingerprint| request(scope("t1"), &key, fingerprint, DAY, WAIT))
 }
 
 /// A request of tenant `t1` under a key never used before: fingerprint 1,
@@ -407,6 +438,23 @@ fn must_have_body(
         "{what}: the body is {:?}, not {:?}",
         String::from_utf8_lossy(&record.response.body),
         String::from_utf8_lossy(expected)
+    );
+    Ok(())
+}
+
+/// `record` must carry the fingerprint `fingerprint` (every byte of it),
+/// `whose` it is: otherwise the check fails with `guarantee`.
+fn must_carry_fingerprint(
+    record: &Record,
+    fingerprint: u8,
+    guarantee: Guarantee,
+    whose: &str,
+) -> Result<(), CheckFailure> {
+    ensure!(
+        record.fingerprint == Fingerprint::from_bytes([fingerprint; 32]),
+        guarantee,
+        "the record must carry {whose} fingerprint, got {:?}",
+        record.fingerprint
     );
     Ok(())
 }

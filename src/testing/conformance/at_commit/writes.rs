@@ -1,12 +1,12 @@
 //! The one-commit checks that look at what the handler wrote through the
 //! transaction handle ([`Writes`]).
 
-use super::{begin, expect_lost, expect_won};
+use super::{begin, commit, expect_won, win_then_lose};
 use crate::{
     store::CommitStore,
     testing::conformance::{
         new_request,
-        report::{ensure, OrFail},
+        report::ensure,
         response,
         writes::{committed, marker, write},
         CheckFailure, Guarantee, Writes, WAIT,
@@ -29,8 +29,7 @@ pub async fn the_winners_writes_commit_with_its_record<St: CommitStore, W: Write
         G,
         "the handler's write was visible before the commit"
     );
-    let only = store.commit(tx, &req, &response(b"w")).await;
-    let only = only.or_fail(G, "commit")?;
+    let only = commit(store, tx, &req, &response(b"w"), G, "commit").await?;
     expect_won(only, Guarantee::OneCommit, "the only commit of a new key")?;
     ensure!(
         committed(writes, &mark, G).await?,
@@ -53,19 +52,8 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
     let (won, lost) = (marker("winner"), marker("loser"));
     write(writes, &winner, &won, G).await?;
     write(writes, &loser, &lost, G).await?;
-    const ONE: Guarantee = Guarantee::OneCommit;
-    let first = store.commit(winner, &req, &response(b"w")).await;
-    expect_won(
-        first.or_fail(ONE, "the first commit")?,
-        ONE,
-        "the first commit of a new key",
-    )?;
-    let second = store.commit(loser, &req, &response(b"l")).await;
-    expect_lost(
-        second.or_fail(ONE, "the second commit")?,
-        ONE,
-        "the second commit",
-    )?;
+    let one = Guarantee::OneCommit;
+    win_then_lose(store, (winner, loser), &req, &response(b"w"), one).await?;
     ensure!(
         committed(writes, &won, G).await?,
         G,
