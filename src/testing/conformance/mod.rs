@@ -325,8 +325,13 @@ fn request(
 /// fingerprint of `fingerprints` (the first request and retries or other
 /// requests under its key): kept a day, waiting at most [`WAIT`].
 fn under_one_key<const N: usize>(fingerprints: [u8; N]) -> [ClaimRequest; N] {
+    under_one_key_in(scope("t1"), fingerprints)
+}
+
+/// [`under_one_key`], in `scope`.
+fn under_one_key_in<const N: usize>(scope: Scope, fingerprints: [u8; N]) -> [ClaimRequest; N] {
     let key = unique_key();
-    fingerprints.map(|fingerprint| request(scope("t1"), &key, fingerprint, DAY, WAIT))
+    fingerprints.map(|fingerprint| request(scope.clone(), &key, fingerprint, DAY, WAIT))
 }
 
 /// A request of tenant `t1` under a key never used before: fingerprint 1,
