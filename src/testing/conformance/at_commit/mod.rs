@@ -100,6 +100,27 @@ async fn begin<St: CommitStore>(
     store.begin(request).await.or_fail(guarantee, "begin")
 }
 
+/// A [`new_request`] and a transaction begun for it (see [`begin`]).
+async fn begin_new<St: CommitStore>(
+    store: &St,
+    guarantee: Guarantee,
+) -> Result<(ClaimRequest, St::Tx), CheckFailure> {
+    let request = new_request(WAIT);
+    let tx = begin(store, &request, guarantee).await?;
+    Ok((request, tx))
+}
+
+/// Two transactions begun for `request`, open together: the winner and the
+/// loser to be (see [`win_then_lose`]).
+async fn begin_twice<St: CommitStore>(
+    store: &St,
+    request: &ClaimRequest,
+    guarantee: Guarantee,
+) -> Result<(St::Tx, St::Tx), CheckFailure> {
+    let winner = begin(store, request, guarantee).await?;
+    Ok((winner, begin(store, request, guarantee).await?))
+}
+
 /// Commits `tx`, begun for `request`, with `response`; an error fails the
 /// check with `guarantee`, naming `what`.
 async fn commit<St: CommitStore>(
@@ -293,7 +314,7 @@ pub async fn the_loser_gets_the_winners_record<St: CommitStore>(
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
     let req = request(scope("t1"), &unique_key(), 3, DAY, WAIT);
-    let begun = (begin(store, &req, G).await?, begin(store, &req, G).await?);
+    let begun = begin_twice(store, &req, G).await?;
     let stored = response(b"\x00{\"id\":1}\xff");
     let record = win_then_lose(store, begun, &req, &stored, G).await?;
     ensure!(
@@ -327,8 +348,7 @@ pub async fn an_aborted_transaction_leaves_the_key_free<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let req = new_request(WAIT);
-    let tx = begin(store, &req, G).await?;
+    let (req, tx) = begin_new(store, G).await?;
     store.abort(tx).await.or_fail(G, "abort")?;
     must_win(store, &req, &response(b"b"), G, "the commit after an abort").await
 }

@@ -1,7 +1,7 @@
 //! The one-commit checks that look at what the handler wrote through the
 //! transaction handle ([`Writes`]).
 
-use super::{begin, commit, expect_won, win_then_lose};
+use super::{begin_new, begin_twice, commit, expect_won, win_then_lose};
 use crate::{
     store::CommitStore,
     testing::conformance::{
@@ -20,8 +20,7 @@ pub async fn the_winners_writes_commit_with_its_record<St: CommitStore, W: Write
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let req = new_request(WAIT);
-    let tx = begin(store, &req, G).await?;
+    let (req, tx) = begin_new(store, G).await?;
     let mark = marker("winner");
     write(writes, &tx, &mark, G).await?;
     ensure!(
@@ -48,7 +47,7 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::LoserRollsBack;
     let req = new_request(WAIT);
-    let (winner, loser) = (begin(store, &req, G).await?, begin(store, &req, G).await?);
+    let (winner, loser) = begin_twice(store, &req, G).await?;
     let (won, lost) = (marker("winner"), marker("loser"));
     write(writes, &winner, &won, G).await?;
     write(writes, &loser, &lost, G).await?;
