@@ -128,6 +128,8 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
 /// store whose `complete` writes the record without checking that its
 /// handle still owns the key, by its token or its open transaction,
 /// overwrites the new owner's).
+///
+/// [`StoreErrorKind::TransactionAborted`]: crate::store::StoreErrorKind::TransactionAborted
 pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneOwner;
     let key = unique_key();

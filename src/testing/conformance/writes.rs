@@ -122,6 +122,8 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
 /// writes, remembers no response and frees the key (a store that stores the
 /// response apart from the handler's writes remembers an answer whose
 /// writes never happened).
+///
+/// [`StoreErrorKind::TransactionAborted`]: crate::store::StoreErrorKind::TransactionAborted
 pub async fn failed_write_fails_the_completion<St: Store, W: Writes<St::Tx>>(
     store: &St,
     writes: &W,
