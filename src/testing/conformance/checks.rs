@@ -5,10 +5,10 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::{
-    claim_bounded, describe, join_all, must_be_aborted, must_carry_fingerprint, must_have_body,
-    must_own, must_replay, must_replay_body, new_request, request, response, response_with, scope,
-    start_together, under_one_key, unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT,
-    WAIT,
+    claim_bounded, describe, join_all, must_be_aborted, must_be_free, must_carry_fingerprint,
+    must_have_body, must_own, must_replay, must_replay_body, new_request, request, response,
+    response_with, scope, start_together, under_one_key, unique_key, CheckFailure, Guarantee, DAY,
+    DROP_WAIT, FREE_WAIT, WAIT,
 };
 use crate::{
     scope::{Scope, TenantId},
@@ -178,9 +178,7 @@ pub async fn abort_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailu
     let req = new_request(FREE_WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     store.abort(tx).await.or_fail(G, "abort")?;
-    let tx = must_own(store, &req, G, "the claim after the abort").await?;
-    store.abort(tx).await.or_fail(G, "abort")?;
-    Ok(())
+    must_be_free(store, &req, G, "the claim after the abort").await
 }
 
 /// **Drop frees the key**: dropping every clone of an unfinished handle
@@ -193,9 +191,7 @@ pub async fn dropped_handle_frees_the_key<St: Store>(store: &St) -> Result<(), C
     let clone = tx.clone();
     drop(tx);
     drop(clone);
-    let tx = must_own(store, &req, G, "the claim after the handle was dropped").await?;
-    store.abort(tx).await.or_fail(G, "abort")?;
-    Ok(())
+    must_be_free(store, &req, G, "the claim after the handle was dropped").await
 }
 
 /// **Bounded wait**: a claim that meets an unfinished owner answers

@@ -376,6 +376,19 @@ async fn must_own<St: Store>(
     }
 }
 
+/// Claims `request`, which must own the key (nothing holds it any more),
+/// and aborts at once: the key is left free. Anything else fails the check
+/// with `guarantee`, naming `what`.
+async fn must_be_free<St: Store>(
+    store: &St,
+    request: &ClaimRequest,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    let tx = must_own(store, request, guarantee, what).await?;
+    store.abort(tx).await.or_fail(guarantee, "abort")
+}
+
 /// Claims `request`; a store error fails the check with `guarantee`, and a
 /// claim that does not answer within its wait plus [`WAIT_SLACK`] fails it
 /// as a broken bounded wait.

@@ -5,10 +5,8 @@ use super::{begin_new, begin_twice, commit, expect_won, win_then_lose};
 use crate::{
     store::CommitStore,
     testing::conformance::{
-        new_request,
-        report::ensure,
-        response,
-        writes::{committed, marker, write},
+        new_request, response,
+        writes::{expect_committed, marker, write},
         CheckFailure, Guarantee, Writes, WAIT,
     },
 };
@@ -23,19 +21,12 @@ pub async fn the_winners_writes_commit_with_its_record<St: CommitStore, W: Write
     let (req, tx) = begin_new(store, G).await?;
     let mark = marker("winner");
     write(writes, &tx, &mark, G).await?;
-    ensure!(
-        !committed(writes, &mark, G).await?,
-        G,
-        "the handler's write was visible before the commit"
-    );
+    let why = "the handler's write was visible before the commit";
+    expect_committed(writes, &mark, false, G, why).await?;
     let only = commit(store, tx, &req, &response(b"w"), G, "commit").await?;
     expect_won(only, Guarantee::OneCommit, "the only commit of a new key")?;
-    ensure!(
-        committed(writes, &mark, G).await?,
-        G,
-        "the winner's write is not committed after its commit won"
-    );
-    Ok(())
+    let why = "the winner's write is not committed after its commit won";
+    expect_committed(writes, &mark, true, G, why).await
 }
 
 /// **A loser rolls back**: of two transactions that both wrote, the winner's
@@ -53,15 +44,8 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
     write(writes, &loser, &lost, G).await?;
     let one = Guarantee::OneCommit;
     win_then_lose(store, (winner, loser), &req, &response(b"w"), one).await?;
-    ensure!(
-        committed(writes, &won, G).await?,
-        G,
-        "the winner's write is not committed"
-    );
-    ensure!(
-        !committed(writes, &lost, G).await?,
-        G,
-        "the loser's write was committed although its commit lost"
-    );
-    Ok(())
+    let why = "the winner's write is not committed";
+    expect_committed(writes, &won, true, G, why).await?;
+    let why = "the loser's write was committed although its commit lost";
+    expect_committed(writes, &lost, false, G, why).await
 }
