@@ -146,13 +146,25 @@ use crate::{
 };
 
 /// Runs the check function `$check` on the runner `$run`, under
-/// `Guarantee::$guarantee` and its own name.
+/// `Guarantee::$guarantee` and its own name. With `$writes` (an
+/// `Option<Arc<_>>` of [`Writes`]), a check that writes through the handle:
+/// without them it is reported skipped, saying `$skipped`.
 macro_rules! check {
     ($run:ident, $check:ident, $guarantee:ident) => {
         $run.check(
             stringify!($check),
             Guarantee::$guarantee,
             |store| async move { $check(&store).await },
+        )
+        .await
+    };
+    ($run:ident, $check:ident, $guarantee:ident, $writes:ident, $skipped:expr) => {
+        $run.with_writes(
+            stringify!($check),
+            Guarantee::$guarantee,
+            $writes.clone(),
+            $skipped,
+            |store, writes| async move { $check(&store, &*writes).await },
         )
         .await
     };
@@ -232,22 +244,35 @@ async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     check!(run, expired_record_is_a_new_operation, ExpiryTakeover);
 
     let writes = writes.map(Arc::new);
-    macro_rules! with_writes {
-        ($check:ident, $guarantee:ident) => {
-            run.with_writes(
-                stringify!($check),
-                Guarantee::$guarantee,
-                writes.clone(),
-                "needs a way to write through the handle: run_all_with(store, writes)",
-                |store, writes| async move { $check(&store, &*writes).await },
-            )
-            .await
-        };
-    }
-    with_writes!(handler_writes_commit_with_the_response, AtomicCompletion);
-    with_writes!(failed_write_fails_the_completion, AtomicCompletion);
-    with_writes!(abort_discards_the_handler_writes, AbortFreesTheKey);
-    with_writes!(dropped_handle_discards_the_handler_writes, DropFreesTheKey);
+    let skipped = "needs a way to write through the handle: run_all_with(store, writes)";
+    check!(
+        run,
+        handler_writes_commit_with_the_response,
+        AtomicCompletion,
+        writes,
+        skipped
+    );
+    check!(
+        run,
+        failed_write_fails_the_completion,
+        AtomicCompletion,
+        writes,
+        skipped
+    );
+    check!(
+        run,
+        abort_discards_the_handler_writes,
+        AbortFreesTheKey,
+        writes,
+        skipped
+    );
+    check!(
+        run,
+        dropped_handle_discards_the_handler_writes,
+        DropFreesTheKey,
+        writes,
+        skipped
+    );
     run.finish()
 }
 

@@ -72,22 +72,20 @@ async fn run<St: CommitStore, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     check!(run, scopes_are_isolated_at_commit, TenantIsolation);
     check!(run, an_expired_record_is_won_again, ExpiryTakeover);
     let writes = writes.map(Arc::new);
-    run.with_writes(
-        "the_winners_writes_commit_with_its_record",
-        Guarantee::AtomicCompletion,
-        writes.clone(),
-        SKIPPED,
-        |store, writes| async move { the_winners_writes_commit_with_its_record(&store, &*writes).await },
-    )
-    .await;
-    run.with_writes(
-        "a_losers_writes_are_rolled_back",
-        Guarantee::LoserRollsBack,
+    check!(
+        run,
+        the_winners_writes_commit_with_its_record,
+        AtomicCompletion,
         writes,
-        SKIPPED,
-        |store, writes| async move { a_losers_writes_are_rolled_back(&store, &*writes).await },
-    )
-    .await;
+        SKIPPED
+    );
+    check!(
+        run,
+        a_losers_writes_are_rolled_back,
+        LoserRollsBack,
+        writes,
+        SKIPPED
+    );
     run.finish()
 }
 
