@@ -42,8 +42,8 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
     let (won, lost) = (marker("winner"), marker("loser"));
     write(writes, &winner, &won, G).await?;
     write(writes, &loser, &lost, G).await?;
-    let one = Guarantee::OneCommit;
-    win_then_lose(store, (winner, loser), &req, &response(b"w"), one).await?;
+    const ONE: Guarantee = Guarantee::OneCommit;
+    win_then_lose(store, (winner, loser), &req, &response(b"w"), ONE).await?;
     let why = "the winner's write is not committed";
     expect_committed(writes, &won, true, G, why).await?;
     let why = "the loser's write was committed although its commit lost";

@@ -51,7 +51,8 @@ pub async fn duplicate_during_a_lease_is_running<St: LeaseStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneOwner;
-    // The first request, then each one under its key is a duplicate.
+    // The owner's request; then each request under its key, the same one
+    // and another, is a duplicate.
     let requests = under_one_key([1, 2]);
     let owner = must_acquire(store, &requests[0], &lease_request(LONG), G, "owner").await?;
     for duplicate in &requests {
