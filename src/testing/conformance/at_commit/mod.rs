@@ -232,13 +232,12 @@ async fn must_lose<St: CommitStore>(
     guarantee: Guarantee,
     what: &str,
 ) -> Result<(), CheckFailure> {
-    let committed = commit_new(store, request, response, guarantee).await?;
-    must_have_body(
-        &expect_lost(committed, guarantee, what)?,
-        expected,
+    let record = expect_lost(
+        commit_new(store, request, response, guarantee).await?,
         guarantee,
         what,
-    )
+    )?;
+    must_have_body(&record, expected, guarantee, what)
 }
 
 /// **One commit wins**: of 8 transactions of a new key, started together

@@ -148,15 +148,17 @@ fn endpoint_of_its_own(what: &str) -> (String, Scope) {
     (endpoint, scope)
 }
 
-/// A recovery worker's `recover` of `endpoint` that must find nothing to
-/// recover: otherwise the check fails with `guarantee`, saying `why`.
+/// A recovery worker's `recover` of `endpoint` (with `backoff` between
+/// attempts) that must find nothing to recover: otherwise the check fails
+/// with `guarantee`, saying `why`.
 async fn must_not_recover<St: LeaseStore>(
     store: &St,
     endpoint: &str,
+    backoff: Backoff,
     guarantee: Guarantee,
     why: &str,
 ) -> Result<(), CheckFailure> {
-    let recovered = store.recover(endpoint, LONG, DAY, Backoff::NONE).await;
+    let recovered = store.recover(endpoint, LONG, DAY, backoff).await;
     ensure!(
         recovered.or_fail(guarantee, "recover")?.is_none(),
         guarantee,
