@@ -1,18 +1,18 @@
 //! The checks of the short-transaction mode that need nothing but the store.
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    claim_bounded, describe, join_all, must_own, must_replay, new_request, request, response,
-    response_with, scope, unique_key, CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
+    claim_bounded, describe, join_all, must_be_aborted, must_be_free, must_carry_fingerprint,
+    must_have_body, must_own, must_replay, must_replay_body, new_request, request, response,
+    response_with, scope, start_together, under_one_key, unique_key, CheckFailure, Guarantee, DAY,
+    DROP_WAIT, FREE_WAIT, WAIT,
 };
 use crate::{
-    fingerprint::Fingerprint,
     scope::{Scope, TenantId},
-    store::{Claim, Store, StoreErrorKind},
+    store::{Claim, Store},
 };
 
 use super::report::{ensure, fail, OrFail};
@@ -47,22 +47,14 @@ pub async fn fingerprint_is_returned_for_comparison<St: Store>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
-    let key = unique_key();
-    let first = request(scope("t1"), &key, 7, DAY, WAIT);
+    let [first, other] = under_one_key([7, 8]);
     let tx = must_own(store, &first, G, "first claim").await?;
     store
         .complete(tx, &response(b"a"))
         .await
         .or_fail(G, "complete")?;
-    let other = request(scope("t1"), &key, 8, DAY, WAIT);
     let record = must_replay(store, &other, G, "claim with another fingerprint").await?;
-    ensure!(
-        record.fingerprint == Fingerprint::from_bytes([7; 32]),
-        G,
-        "the record must carry the first request's fingerprint, got {:?}",
-        record.fingerprint
-    );
-    Ok(())
+    must_carry_fingerprint(&record, 7, G, "the first request's")
 }
 
 /// **One owner**: of many concurrent claims of a new key exactly one owns
@@ -77,12 +69,9 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
     }
     let key = unique_key();
     let req = request(scope("t1"), &key, 1, DAY, Duration::from_secs(30));
-    let start = Arc::new(Barrier::new(RACERS));
-    let mut racers = JoinSet::new();
-    for racer in 0..RACERS {
-        let (store, req, start) = (store.clone(), req.clone(), start.clone());
-        racers.spawn(async move {
-            start.wait().await;
+    let racers = start_together(RACERS, |racer| {
+        let (store, req) = (store.clone(), req.clone());
+        async move {
             match claim_bounded(&store, &req, G, "a concurrent claim").await? {
                 Claim::Owned(tx) => {
                     let body = Bytes::from(format!("racer {racer}"));
@@ -95,8 +84,8 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
                     "a claim waiting 30 s answered InProgress although the owner completed at once"
                 ),
             }
-        });
-    }
+        }
+    });
     let answers = join_all(racers, G).await?;
     let owners: Vec<(usize, &Option<String>)> = answers
         .iter()
@@ -129,14 +118,8 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
             );
         }
     }
-    let record = must_replay(store, &req, G, "a claim after the race").await?;
-    ensure!(
-        record.response.body == winner,
-        G,
-        "after the race the key replays {:?}, not the owner's record",
-        String::from_utf8_lossy(&record.response.body)
-    );
-    Ok(())
+    let what = "a claim after the race must replay the owner's record";
+    must_replay_body(store, &req, &winner, G, what).await
 }
 
 /// **One owner**: a handle whose transaction ended (here: aborted through a
@@ -145,6 +128,8 @@ pub async fn concurrent_claims_have_one_owner<St: Store>(store: &St) -> Result<(
 /// store whose `complete` writes the record without checking that its
 /// handle still owns the key, by its token or its open transaction,
 /// overwrites the new owner's).
+///
+/// [`StoreErrorKind::TransactionAborted`]: crate::store::StoreErrorKind::TransactionAborted
 pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneOwner;
     let key = unique_key();
@@ -161,17 +146,12 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
         "the claim after the abort",
     )
     .await?;
-    match store.complete(stale, &response(b"stale")).await {
-        Ok(()) => fail!(
-            G,
-            "complete through an aborted handle succeeded while another claim owned the key"
-        ),
-        Err(e) => ensure!(
-            e.kind() == StoreErrorKind::TransactionAborted,
-            G,
-            "complete through an aborted handle must answer transaction_aborted, got {e}"
-        ),
-    }
+    let stale_complete = store.complete(stale, &response(b"stale")).await;
+    let (what, when) = (
+        "complete through an aborted handle",
+        "while another claim owned the key",
+    );
+    must_be_aborted(stale_complete, G, what, when)?;
     let probe = request(scope("t1"), &key, 1, DAY, Duration::from_millis(200));
     match claim_bounded(store, &probe, G, "a claim while the new owner works").await? {
         Claim::InProgress => {}
@@ -187,14 +167,8 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
         .complete(current, &response(b"current"))
         .await
         .or_fail(G, "the current owner's complete")?;
-    let record = must_replay(store, &req, G, "a claim after the current owner completed").await?;
-    ensure!(
-        record.response.body == b"current"[..],
-        G,
-        "the key replays {:?}, not the current owner's record",
-        String::from_utf8_lossy(&record.response.body)
-    );
-    Ok(())
+    let what = "a claim after the current owner completed must replay its record";
+    must_replay_body(store, &req, b"current", G, what).await
 }
 
 /// **Abort frees the key**: after an abort, the next claim owns the key
@@ -204,9 +178,7 @@ pub async fn abort_frees_the_key<St: Store>(store: &St) -> Result<(), CheckFailu
     let req = new_request(FREE_WAIT);
     let tx = must_own(store, &req, G, "first claim").await?;
     store.abort(tx).await.or_fail(G, "abort")?;
-    let tx = must_own(store, &req, G, "the claim after the abort").await?;
-    store.abort(tx).await.or_fail(G, "abort")?;
-    Ok(())
+    must_be_free(store, &req, G, "the claim after the abort").await
 }
 
 /// **Drop frees the key**: dropping every clone of an unfinished handle
@@ -219,9 +191,7 @@ pub async fn dropped_handle_frees_the_key<St: Store>(store: &St) -> Result<(), C
     let clone = tx.clone();
     drop(tx);
     drop(clone);
-    let tx = must_own(store, &req, G, "the claim after the handle was dropped").await?;
-    store.abort(tx).await.or_fail(G, "abort")?;
-    Ok(())
+    must_be_free(store, &req, G, "the claim after the handle was dropped").await
 }
 
 /// **Bounded wait**: a claim that meets an unfinished owner answers
@@ -304,15 +274,8 @@ pub async fn scopes_are_isolated<St: Store>(store: &St) -> Result<(), CheckFailu
         (other_endpoint, &b"other"[..]),
     ] {
         let who = format!("{}/{}", scope.tenant().as_str(), scope.endpoint());
-        match claim_bounded(store, &request(scope, &key, 1, DAY, WAIT), G, &who).await? {
-            Claim::Completed(record) => ensure!(
-                record.response.body == body,
-                G,
-                "{who} replays {:?}, not its own record",
-                String::from_utf8_lossy(&record.response.body)
-            ),
-            other => fail!(G, "{who}: expected Completed, got {}", describe(&other)),
-        }
+        let what = format!("{who} must replay its own record");
+        must_replay_body(store, &request(scope, &key, 1, DAY, WAIT), body, G, &what).await?;
     }
     Ok(())
 }
@@ -340,26 +303,14 @@ pub async fn expired_record_is_a_new_operation<St: Store>(store: &St) -> Result<
         .complete(tx, &response(b"second").with_resource_id(None))
         .await
         .or_fail(G, "complete the new operation")?;
-    match claim_bounded(store, &req, G, "a claim after the new operation").await? {
-        Claim::Completed(record) => {
-            ensure!(
-                record.response.body == b"second"[..],
-                G,
-                "the key replays {:?}, not the new operation's record",
-                String::from_utf8_lossy(&record.response.body)
-            );
-            ensure!(
-                record.response.resource_id.is_none(),
-                G,
-                "the new operation's record kept the first one's resource id {:?}",
-                record.response.resource_id
-            );
-        }
-        other => fail!(
-            G,
-            "expected the new operation's record, got {}",
-            describe(&other)
-        ),
-    }
+    let what = "a claim after the new operation must replay its record";
+    let record = must_replay(store, &req, G, what).await?;
+    must_have_body(&record, b"second", G, what)?;
+    ensure!(
+        record.response.resource_id.is_none(),
+        G,
+        "the new operation's record kept the first one's resource id {:?}",
+        record.response.resource_id
+    );
     Ok(())
 }

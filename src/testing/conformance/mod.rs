@@ -127,6 +127,7 @@
 //! ```
 
 use std::{
+    future::Future,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -136,21 +137,34 @@ use std::{
 
 use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
+use tokio::{sync::Barrier, task::JoinSet};
 
 use crate::{
     fingerprint::Fingerprint, key::IdempotencyKey, record::Record, record::ResourceId,
     record::StoredResponse, scope::Scope, scope::TenantId, store::Claim, store::ClaimRequest,
-    store::Store,
+    store::Store, store::StoreError, store::StoreErrorKind,
 };
 
 /// Runs the check function `$check` on the runner `$run`, under
-/// `Guarantee::$guarantee` and its own name.
+/// `Guarantee::$guarantee` and its own name. With `$writes` (an
+/// `Option<Arc<_>>` of [`Writes`]), a check that writes through the handle:
+/// without them it is reported skipped, saying `$skipped`.
 macro_rules! check {
     ($run:ident, $check:ident, $guarantee:ident) => {
         $run.check(
             stringify!($check),
             Guarantee::$guarantee,
             |store| async move { $check(&store).await },
+        )
+        .await
+    };
+    ($run:ident, $check:ident, $guarantee:ident, $writes:ident, $skipped:expr) => {
+        $run.with_writes(
+            stringify!($check),
+            Guarantee::$guarantee,
+            $writes.clone(),
+            $skipped,
+            |store, writes| async move { $check(&store, &*writes).await },
         )
         .await
     };
@@ -189,7 +203,7 @@ pub use writes::{
     failed_write_fails_the_completion, handler_writes_commit_with_the_response, BoxError, Writes,
 };
 
-use report::{fail, OrFail};
+use report::{ensure, fail, OrFail};
 use runner::Runner;
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -230,29 +244,63 @@ async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     check!(run, expired_record_is_a_new_operation, ExpiryTakeover);
 
     let writes = writes.map(Arc::new);
-    macro_rules! with_writes {
-        ($check:ident, $guarantee:ident) => {
-            run.with_writes(
-                stringify!($check),
-                Guarantee::$guarantee,
-                writes.clone(),
-                "needs a way to write through the handle: run_all_with(store, writes)",
-                |store, writes| async move { $check(&store, &*writes).await },
-            )
-            .await
-        };
-    }
-    with_writes!(handler_writes_commit_with_the_response, AtomicCompletion);
-    with_writes!(failed_write_fails_the_completion, AtomicCompletion);
-    with_writes!(abort_discards_the_handler_writes, AbortFreesTheKey);
-    with_writes!(dropped_handle_discards_the_handler_writes, DropFreesTheKey);
+    let skipped = "needs a way to write through the handle: run_all_with(store, writes)";
+    check!(
+        run,
+        handler_writes_commit_with_the_response,
+        AtomicCompletion,
+        writes,
+        skipped
+    );
+    check!(
+        run,
+        failed_write_fails_the_completion,
+        AtomicCompletion,
+        writes,
+        skipped
+    );
+    check!(
+        run,
+        abort_discards_the_handler_writes,
+        AbortFreesTheKey,
+        writes,
+        skipped
+    );
+    check!(
+        run,
+        dropped_handle_discards_the_handler_writes,
+        DropFreesTheKey,
+        writes,
+        skipped
+    );
     run.finish()
+}
+
+/// Spawns `racers` tasks, the future `racer(i)` for each `i` below
+/// `racers`, that start together (behind one barrier, once all are
+/// spawned): the set to [`join_all`].
+fn start_together<T, F, Fut>(racers: usize, racer: F) -> JoinSet<Result<T, CheckFailure>>
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = Result<T, CheckFailure>> + Send + 'static,
+{
+    let start = Arc::new(Barrier::new(racers));
+    let mut tasks = JoinSet::new();
+    for i in 0..racers {
+        let (start, race) = (start.clone(), racer(i));
+        tasks.spawn(async move {
+            start.wait().await;
+            race.await
+        });
+    }
+    tasks
 }
 
 /// Waits for every task of `tasks`; a task that panicked fails the check
 /// with `guarantee`. Dropping the set (a check at its limit) aborts them.
 async fn join_all<T: 'static>(
-    mut tasks: tokio::task::JoinSet<Result<T, CheckFailure>>,
+    mut tasks: JoinSet<Result<T, CheckFailure>>,
     guarantee: Guarantee,
 ) -> Result<Vec<T>, CheckFailure> {
     let mut done = Vec::with_capacity(tasks.len());
@@ -298,6 +346,19 @@ fn request(
     .with_wait(wait)
 }
 
+/// Requests of tenant `t1` under one key never used before, one per
+/// fingerprint of `fingerprints` (the first request and retries or other
+/// requests under its key): kept a day, waiting at most [`WAIT`].
+fn under_one_key<const N: usize>(fingerprints: [u8; N]) -> [ClaimRequest; N] {
+    under_one_key_in(scope("t1"), fingerprints)
+}
+
+/// [`under_one_key`], in `scope`.
+fn under_one_key_in<const N: usize>(scope: Scope, fingerprints: [u8; N]) -> [ClaimRequest; N] {
+    let key = unique_key();
+    fingerprints.map(|fingerprint| request(scope.clone(), &key, fingerprint, DAY, WAIT))
+}
+
 /// A request of tenant `t1` under a key never used before: fingerprint 1,
 /// kept a day, waiting at most `wait`.
 fn new_request(wait: Duration) -> ClaimRequest {
@@ -340,6 +401,19 @@ async fn must_own<St: Store>(
     }
 }
 
+/// Claims `request`, which must own the key (nothing holds it any more),
+/// and aborts at once: the key is left free. Anything else fails the check
+/// with `guarantee`, naming `what`.
+async fn must_be_free<St: Store>(
+    store: &St,
+    request: &ClaimRequest,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    let tx = must_own(store, request, guarantee, what).await?;
+    store.abort(tx).await.or_fail(guarantee, "abort")
+}
+
 /// Claims `request`; a store error fails the check with `guarantee`, and a
 /// claim that does not answer within its wait plus [`WAIT_SLACK`] fails it
 /// as a broken bounded wait.
@@ -376,6 +450,74 @@ async fn must_replay<St: Store>(
             "{what}: expected Completed, got {}",
             describe(&other)
         ),
+    }
+}
+
+/// Claims `request` (see [`must_replay`]): the record it replays must hold
+/// the body `expected`, or the check fails with `guarantee`, naming `what`.
+async fn must_replay_body<St: Store>(
+    store: &St,
+    request: &ClaimRequest,
+    expected: &[u8],
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    let record = must_replay(store, request, guarantee, what).await?;
+    must_have_body(&record, expected, guarantee, what)
+}
+
+/// `record` must hold the body `expected`: otherwise the check fails with
+/// `guarantee`, naming `what` (what the record should be) and the body it
+/// holds.
+fn must_have_body(
+    record: &Record,
+    expected: &[u8],
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    ensure!(
+        record.response.body == expected,
+        guarantee,
+        "{what}: the body is {:?}, not {:?}",
+        String::from_utf8_lossy(&record.response.body),
+        String::from_utf8_lossy(expected)
+    );
+    Ok(())
+}
+
+/// `record` must carry the fingerprint `fingerprint` (every byte of it),
+/// `whose` it is: otherwise the check fails with `guarantee`.
+fn must_carry_fingerprint(
+    record: &Record,
+    fingerprint: u8,
+    guarantee: Guarantee,
+    whose: &str,
+) -> Result<(), CheckFailure> {
+    ensure!(
+        record.fingerprint == Fingerprint::from_bytes([fingerprint; 32]),
+        guarantee,
+        "the record must carry {whose} fingerprint, got {:?}",
+        record.fingerprint
+    );
+    Ok(())
+}
+
+/// `result` (of a `complete` that must not succeed) must be the error
+/// [`StoreErrorKind::TransactionAborted`]: success, or any other error,
+/// fails the check with `guarantee`, naming `what` and `when` it was called.
+fn must_be_aborted(
+    result: Result<(), StoreError>,
+    guarantee: Guarantee,
+    what: &str,
+    when: &str,
+) -> Result<(), CheckFailure> {
+    match result {
+        Err(e) if e.kind() == StoreErrorKind::TransactionAborted => Ok(()),
+        Err(e) => fail!(
+            guarantee,
+            "{what} {when} must answer transaction_aborted, got {e}"
+        ),
+        Ok(()) => fail!(guarantee, "{what} succeeded {when}"),
     }
 }
 

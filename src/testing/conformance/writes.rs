@@ -1,13 +1,13 @@
 //! The checks that look at what the handler wrote through the transaction
 //! handle: [`Writes`] says how to write and how to look.
 
-use std::future::Future;
+use std::{future::Future, time::Duration};
 
 use super::{
-    must_own, must_replay, new_request, response, unique_key, CheckFailure, Guarantee, DROP_WAIT,
-    FREE_WAIT, WAIT,
+    must_be_aborted, must_be_free, must_own, must_replay_body, new_request, response, unique_key,
+    CheckFailure, Guarantee, DROP_WAIT, FREE_WAIT, WAIT,
 };
-use crate::store::{Claim, Store, StoreErrorKind};
+use crate::store::{Claim, ClaimRequest, Store};
 
 use super::report::{ensure, fail, OrFail};
 
@@ -80,6 +80,37 @@ pub(super) async fn committed<Tx, W: Writes<Tx>>(
     })
 }
 
+/// Claims a [`new_request`] waiting at most `wait`, which must own the key,
+/// and writes a row through the handle as a handler would, its marker
+/// named after `what`: the request, the handle and the row's marker.
+async fn own_and_write<St: Store, W: Writes<St::Tx>>(
+    store: &St,
+    writes: &W,
+    wait: Duration,
+    what: &str,
+    guarantee: Guarantee,
+) -> Result<(ClaimRequest, St::Tx, String), CheckFailure> {
+    let request = new_request(wait);
+    let marker = marker(what);
+    let tx = must_own(store, &request, guarantee, "first claim").await?;
+    write(writes, &tx, &marker, guarantee).await?;
+    Ok((request, tx, marker))
+}
+
+/// Whether the row `marker` is committed must be `expected`: otherwise the
+/// check fails with `guarantee`, saying `why`.
+pub(super) async fn expect_committed<Tx, W: Writes<Tx>>(
+    writes: &W,
+    marker: &str,
+    expected: bool,
+    guarantee: Guarantee,
+    why: &str,
+) -> Result<(), CheckFailure> {
+    let found = committed(writes, marker, guarantee).await?;
+    ensure!(found == expected, guarantee, "{why}");
+    Ok(())
+}
+
 /// **Atomic completion**: the handler's write is not visible while the
 /// operation runs, and is committed once `complete` returned, together with
 /// the record (a store that commits the handler's writes by themselves
@@ -89,10 +120,7 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let req = new_request(WAIT);
-    let marker = marker("committed");
-    let tx = must_own(store, &req, G, "first claim").await?;
-    write(writes, &tx, &marker, G).await?;
+    let (req, tx, marker) = own_and_write(store, writes, WAIT, "committed", G).await?;
     let early = committed::<St::Tx, W>(writes, &marker, G).await;
     if matches!(early, Ok(true)) {
         // Finish the operation before failing, so that nothing stays held.
@@ -107,19 +135,10 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
         .complete(tx, &response(b"with writes"))
         .await
         .or_fail(G, "complete")?;
-    ensure!(
-        committed::<St::Tx, W>(writes, &marker, G).await?,
-        G,
-        "complete returned Ok but the handler's write was not committed"
-    );
-    let record = must_replay(store, &req, G, "a claim after complete").await?;
-    ensure!(
-        record.response.body == b"with writes"[..],
-        G,
-        "the key replays {:?}, not the completed response",
-        String::from_utf8_lossy(&record.response.body)
-    );
-    Ok(())
+    let why = "complete returned Ok but the handler's write was not committed";
+    expect_committed(writes, &marker, true, G, why).await?;
+    let what = "a claim after complete must replay the completed response";
+    must_replay_body(store, &req, b"with writes", G, what).await
 }
 
 /// **Atomic completion**: after a write of the handler failed (the
@@ -128,35 +147,23 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
 /// writes, remembers no response and frees the key (a store that stores the
 /// response apart from the handler's writes remembers an answer whose
 /// writes never happened).
+///
+/// [`StoreErrorKind::TransactionAborted`]: crate::store::StoreErrorKind::TransactionAborted
 pub async fn failed_write_fails_the_completion<St: Store, W: Writes<St::Tx>>(
     store: &St,
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AtomicCompletion;
-    let req = new_request(FREE_WAIT);
-    let marker = marker("failed");
-    let tx = must_own(store, &req, G, "first claim").await?;
-    write(writes, &tx, &marker, G).await?;
+    let (req, tx, marker) = own_and_write(store, writes, FREE_WAIT, "failed", G).await?;
     writes
         .fail(&tx)
         .await
         .map_err(|e| CheckFailure::new(G, format!("failing a statement failed: {e}")))?;
-    match store.complete(tx, &response(b"never")).await {
-        Ok(()) => fail!(
-            G,
-            "complete succeeded after a statement of the transaction failed"
-        ),
-        Err(e) => ensure!(
-            e.kind() == StoreErrorKind::TransactionAborted,
-            G,
-            "complete after a failed statement must answer transaction_aborted, got {e}"
-        ),
-    }
-    ensure!(
-        !committed::<St::Tx, W>(writes, &marker, G).await?,
-        G,
-        "complete failed, yet the handler's write was committed"
-    );
+    let completed = store.complete(tx, &response(b"never")).await;
+    let when = "after a statement of the transaction failed";
+    must_be_aborted(completed, G, "complete", when)?;
+    let why = "complete failed, yet the handler's write was committed";
+    expect_committed(writes, &marker, false, G, why).await?;
     match super::claim_bounded(store, &req, G, "a claim after the failed complete").await? {
         Claim::Owned(tx) => store.abort(tx).await.or_fail(G, "abort")?,
         Claim::Completed(record) => fail!(
@@ -179,19 +186,11 @@ pub async fn abort_discards_the_handler_writes<St: Store, W: Writes<St::Tx>>(
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let req = new_request(FREE_WAIT);
-    let marker = marker("aborted");
-    let tx = must_own(store, &req, G, "first claim").await?;
-    write(writes, &tx, &marker, G).await?;
+    let (req, tx, marker) = own_and_write(store, writes, FREE_WAIT, "aborted", G).await?;
     store.abort(tx).await.or_fail(G, "abort")?;
-    ensure!(
-        !committed::<St::Tx, W>(writes, &marker, G).await?,
-        G,
-        "the handler's write was committed although the owner aborted"
-    );
-    let tx = must_own(store, &req, G, "the claim after the abort").await?;
-    store.abort(tx).await.or_fail(G, "abort")?;
-    Ok(())
+    let why = "the handler's write was committed although the owner aborted";
+    expect_committed(writes, &marker, false, G, why).await?;
+    must_be_free(store, &req, G, "the claim after the abort").await
 }
 
 /// **Drop frees the key**: dropping every clone of the handle discards the
@@ -201,20 +200,12 @@ pub async fn dropped_handle_discards_the_handler_writes<St: Store, W: Writes<St:
     writes: &W,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::DropFreesTheKey;
-    let req = new_request(DROP_WAIT);
-    let marker = marker("dropped");
-    let tx = must_own(store, &req, G, "first claim").await?;
-    write(writes, &tx, &marker, G).await?;
+    let (req, tx, marker) = own_and_write(store, writes, DROP_WAIT, "dropped", G).await?;
     drop(tx);
     // Owning the key again means the dropped transaction has ended.
-    let tx = must_own(store, &req, G, "the claim after the handle was dropped").await?;
-    store.abort(tx).await.or_fail(G, "abort")?;
-    ensure!(
-        !committed::<St::Tx, W>(writes, &marker, G).await?,
-        G,
-        "the handler's write was committed although its handle was dropped unfinished"
-    );
-    Ok(())
+    must_be_free(store, &req, G, "the claim after the handle was dropped").await?;
+    let why = "the handler's write was committed although its handle was dropped unfinished";
+    expect_committed(writes, &marker, false, G, why).await
 }
 
 /// Rows staged through [`MemoryTx::insert`](crate::memory::MemoryTx::insert)

@@ -3,14 +3,13 @@
 use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use tokio::{sync::Barrier, task::JoinSet};
 
 use super::{
-    join_all, must_replay, new_request, request, response, response_with, scope, unique_key,
-    writes::NoWrites, CheckFailure, Guarantee, Report, Runner, Writes, DAY, WAIT,
+    join_all, must_carry_fingerprint, must_have_body, must_replay_body, new_request, request,
+    response, response_with, scope, start_together, under_one_key, unique_key, writes::NoWrites,
+    CheckFailure, Guarantee, Report, Runner, Writes, DAY, WAIT,
 };
 use crate::{
-    fingerprint::Fingerprint,
     record::{Record, StoredResponse},
     store::{ClaimRequest, CommitStore, Committed},
 };
@@ -73,22 +72,20 @@ async fn run<St: CommitStore, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     check!(run, scopes_are_isolated_at_commit, TenantIsolation);
     check!(run, an_expired_record_is_won_again, ExpiryTakeover);
     let writes = writes.map(Arc::new);
-    run.with_writes(
-        "the_winners_writes_commit_with_its_record",
-        Guarantee::AtomicCompletion,
-        writes.clone(),
-        SKIPPED,
-        |store, writes| async move { the_winners_writes_commit_with_its_record(&store, &*writes).await },
-    )
-    .await;
-    run.with_writes(
-        "a_losers_writes_are_rolled_back",
-        Guarantee::LoserRollsBack,
+    check!(
+        run,
+        the_winners_writes_commit_with_its_record,
+        AtomicCompletion,
         writes,
-        SKIPPED,
-        |store, writes| async move { a_losers_writes_are_rolled_back(&store, &*writes).await },
-    )
-    .await;
+        SKIPPED
+    );
+    check!(
+        run,
+        a_losers_writes_are_rolled_back,
+        LoserRollsBack,
+        writes,
+        SKIPPED
+    );
     run.finish()
 }
 
@@ -101,6 +98,43 @@ async fn begin<St: CommitStore>(
     store.begin(request).await.or_fail(guarantee, "begin")
 }
 
+/// A [`new_request`] and a transaction begun for it (see [`begin`]).
+async fn begin_new<St: CommitStore>(
+    store: &St,
+    guarantee: Guarantee,
+) -> Result<(ClaimRequest, St::Tx), CheckFailure> {
+    let request = new_request(WAIT);
+    let tx = begin(store, &request, guarantee).await?;
+    Ok((request, tx))
+}
+
+/// Two transactions begun for `request`, open together: the winner and the
+/// loser to be (see [`win_then_lose`]).
+async fn begin_twice<St: CommitStore>(
+    store: &St,
+    request: &ClaimRequest,
+    guarantee: Guarantee,
+) -> Result<(St::Tx, St::Tx), CheckFailure> {
+    let winner = begin(store, request, guarantee).await?;
+    Ok((winner, begin(store, request, guarantee).await?))
+}
+
+/// Commits `tx`, begun for `request`, with `response`; an error fails the
+/// check with `guarantee`, naming `what`.
+async fn commit<St: CommitStore>(
+    store: &St,
+    tx: St::Tx,
+    request: &ClaimRequest,
+    response: &StoredResponse,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<Committed, CheckFailure> {
+    store
+        .commit(tx, request, response)
+        .await
+        .or_fail(guarantee, what)
+}
+
 /// Begins and commits `response` at once; an error fails the check.
 async fn commit_new<St: CommitStore>(
     store: &St,
@@ -109,10 +143,26 @@ async fn commit_new<St: CommitStore>(
     guarantee: Guarantee,
 ) -> Result<Committed, CheckFailure> {
     let tx = begin(store, request, guarantee).await?;
-    store
-        .commit(tx, request, response)
-        .await
-        .or_fail(guarantee, "commit")
+    commit(store, tx, request, response, guarantee, "commit").await
+}
+
+/// Commits `winner`, then `loser`, both begun for `request`: the first (with
+/// `won`) must win and the second lose, or the check fails with
+/// [`Guarantee::OneCommit`] (a store error with `guarantee`). The record the
+/// loser was told.
+async fn win_then_lose<St: CommitStore>(
+    store: &St,
+    (winner, loser): (St::Tx, St::Tx),
+    request: &ClaimRequest,
+    won: &StoredResponse,
+    guarantee: Guarantee,
+) -> Result<Record, CheckFailure> {
+    const ONE: Guarantee = Guarantee::OneCommit;
+    let first = commit(store, winner, request, won, guarantee, "the first commit").await?;
+    expect_won(first, ONE, "the first commit of a new key")?;
+    let lost = response(b"the loser's");
+    let second = commit(store, loser, request, &lost, guarantee, "the second commit").await?;
+    expect_lost(second, ONE, "the second commit")
 }
 
 fn describe_commit(committed: &Committed) -> String {
@@ -171,19 +221,23 @@ async fn must_win<St: CommitStore>(
     )
 }
 
-/// A commit that must lose: the record it was told, or a failure.
+/// A commit of `response` that must lose, told the remembered record with
+/// the body `expected`: anything else fails the check with `guarantee`,
+/// naming `what`.
 async fn must_lose<St: CommitStore>(
     store: &St,
     request: &ClaimRequest,
     response: &StoredResponse,
+    expected: &[u8],
     guarantee: Guarantee,
     what: &str,
-) -> Result<Record, CheckFailure> {
-    expect_lost(
+) -> Result<(), CheckFailure> {
+    let record = expect_lost(
         commit_new(store, request, response, guarantee).await?,
         guarantee,
         what,
-    )
+    )?;
+    must_have_body(&record, expected, guarantee, what)
 }
 
 /// **One commit wins**: of 8 transactions of a new key, started together
@@ -196,18 +250,15 @@ pub async fn concurrent_commits_have_one_winner<St: CommitStore>(
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneCommit;
     let req = new_request(WAIT);
-    let start = Arc::new(Barrier::new(RACERS));
-    let mut racers = JoinSet::new();
-    for racer in 0..RACERS {
-        let (store, req, start) = (store.clone(), req.clone(), start.clone());
-        racers.spawn(async move {
-            start.wait().await;
+    let racers = start_together(RACERS, |racer| {
+        let (store, req) = (store.clone(), req.clone());
+        async move {
             let tx = begin(&store, &req, G).await?;
             let body = Bytes::from(format!("racer {racer}"));
             let committed = store.commit(tx, &req, &response_with(body.clone())).await;
             Ok((body, committed.or_fail(G, "a concurrent commit")?))
-        });
-    }
+        }
+    });
     let answers = join_all(racers, G).await?;
     let winners: Vec<&Bytes> = answers
         .iter()
@@ -247,22 +298,9 @@ pub async fn a_remembered_key_is_never_won_again<St: CommitStore>(
     must_win(store, &req, &response(b"first"), G, "the first commit").await?;
     for attempt in ["a retry", "another retry"] {
         let what = format!("{attempt} of a remembered key");
-        let record = must_lose(store, &req, &response(b"again"), G, &what).await?;
-        ensure!(
-            record.response.body == Bytes::from_static(b"first"),
-            G,
-            "{attempt} was told {:?}, not the remembered record",
-            record.response.body
-        );
+        must_lose(store, &req, &response(b"again"), b"first", G, &what).await?;
     }
-    let record = must_replay(store, &req, G, "a claim after the commit").await?;
-    ensure!(
-        record.response.body == Bytes::from_static(b"first"),
-        G,
-        "a claim found {:?}, not the committed record",
-        record.response.body
-    );
-    Ok(())
+    must_replay_body(store, &req, b"first", G, "a claim after the commit").await
 }
 
 /// **Replay**: the loser of two commits gets the winner's status, headers
@@ -272,17 +310,10 @@ pub async fn the_loser_gets_the_winners_record<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
-    let key = unique_key();
-    let req = request(scope("t1"), &key, 3, DAY, WAIT);
-    let winner = begin(store, &req, G).await?;
-    let loser = begin(store, &req, G).await?;
+    let req = request(scope("t1"), &unique_key(), 3, DAY, WAIT);
+    let begun = begin_twice(store, &req, G).await?;
     let stored = response(b"\x00{\"id\":1}\xff");
-    let first = store.commit(winner, &req, &stored).await;
-    let first = first.or_fail(G, "the first commit")?;
-    expect_won(first, Guarantee::OneCommit, "the first commit of a new key")?;
-    let second = store.commit(loser, &req, &response(b"the loser's")).await;
-    let second = second.or_fail(G, "the second commit")?;
-    let record = expect_lost(second, Guarantee::OneCommit, "the second commit")?;
+    let record = win_then_lose(store, begun, &req, &stored, G).await?;
     ensure!(
         record.response == stored,
         G,
@@ -290,12 +321,7 @@ pub async fn the_loser_gets_the_winners_record<St: CommitStore>(
         record.response,
         stored
     );
-    ensure!(
-        record.fingerprint == Fingerprint::from_bytes([3; 32]),
-        G,
-        "the loser's record must carry the winner's fingerprint"
-    );
-    Ok(())
+    must_carry_fingerprint(&record, 3, G, "the winner's")
 }
 
 /// **Replay**: a commit of another request under a remembered key is told
@@ -305,20 +331,12 @@ pub async fn another_request_gets_the_first_fingerprint<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
-    let key = unique_key();
-    let first = request(scope("t1"), &key, 7, DAY, WAIT);
+    let [first, other] = under_one_key([7, 8]);
     must_win(store, &first, &response(b"a"), G, "the first commit").await?;
-    let other = request(scope("t1"), &key, 8, DAY, WAIT);
     let committed = commit_new(store, &other, &response(b"b"), G).await?;
     let what = "another request under a remembered key";
     let record = expect_lost(committed, Guarantee::OneCommit, what)?;
-    ensure!(
-        record.fingerprint == Fingerprint::from_bytes([7; 32]),
-        G,
-        "the record must carry the first request's fingerprint, got {:?}",
-        record.fingerprint
-    );
-    Ok(())
+    must_carry_fingerprint(&record, 7, G, "the first request's")
 }
 
 /// **Abort frees the key**: an aborted transaction remembers nothing; the
@@ -327,8 +345,7 @@ pub async fn an_aborted_transaction_leaves_the_key_free<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::AbortFreesTheKey;
-    let req = new_request(WAIT);
-    let tx = begin(store, &req, G).await?;
+    let (req, tx) = begin_new(store, G).await?;
     store.abort(tx).await.or_fail(G, "abort")?;
     must_win(store, &req, &response(b"b"), G, "the commit after an abort").await
 }
@@ -342,23 +359,14 @@ pub async fn scopes_are_isolated_at_commit<St: CommitStore>(
     let key = unique_key();
     let a = request(scope("tenant-a"), &key, 1, DAY, WAIT);
     let b = request(scope("tenant-b"), &key, 1, DAY, WAIT);
-    must_win(store, &a, &response(b"a"), G, "tenant a's commit").await?;
-    must_win(
-        store,
-        &b,
-        &response(b"b"),
-        G,
-        "tenant b's commit (same raw key)",
-    )
-    .await?;
-    let record = must_lose(store, &a, &response(b"again"), G, "tenant a's retry").await?;
-    ensure!(
-        record.response.body == Bytes::from_static(b"a"),
-        G,
-        "tenant a was told {:?}, not its own record",
-        record.response.body
-    );
-    Ok(())
+    for (req, body, what) in [
+        (&a, b"a", "tenant a's commit"),
+        (&b, b"b", "tenant b's commit (same raw key)"),
+    ] {
+        must_win(store, req, &response(body), G, what).await?;
+    }
+    let what = "tenant a's retry (told its own record)";
+    must_lose(store, &a, &response(b"again"), b"a", G, what).await
 }
 
 /// **Expiry takeover**: a record past its retention is a free key; the next
@@ -381,13 +389,6 @@ pub async fn an_expired_record_is_won_again<St: CommitStore>(
         "a commit after the retention",
     )
     .await?;
-    let what = "a retry of the new record";
-    let record = must_lose(store, &req, &response(b"again"), G, what).await?;
-    ensure!(
-        record.response.body == Bytes::from_static(b"new"),
-        G,
-        "the new record must replace the expired one, got {:?}",
-        record.response.body
-    );
-    Ok(())
+    let what = "a retry of the new record (which must replace the expired one)";
+    must_lose(store, &req, &response(b"again"), b"new", G, what).await
 }

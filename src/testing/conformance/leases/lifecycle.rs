@@ -7,8 +7,7 @@ use super::*;
 /// original end still owns it, and a duplicate still finds it running.
 pub async fn heartbeats_keep_the_lease<St: LeaseStore>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Heartbeat;
-    let key = unique_key();
-    let claim = claim(scope("t1"), &key, 1);
+    let claim = new_request(WAIT);
     let owner = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
     // Twice the lease in all, a heartbeat every half lease.
     for _ in 0..4 {
@@ -37,9 +36,8 @@ pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Finish;
     const S: Guarantee = Guarantee::Status;
-    let key = unique_key();
     let tenant = TenantId::new("t1");
-    let claim = claim(scope("t1"), &key, 1);
+    let [claim, other] = under_one_key([1, 2]);
     let owner = must_acquire(store, &claim, &lease_request(LONG), G, "owner").await?;
     let status = |tenant: TenantId, id: OperationId| {
         let store = store.clone();
@@ -63,25 +61,15 @@ pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(
         .finish(&owner.lease, &answer)
         .await
         .or_fail(G, "the owner's finish")?;
-    for (fingerprint, what) in [(1, "the same request"), (2, "another request")] {
-        match store
-            .acquire(
-                &request(scope("t1"), &key, fingerprint, DAY, WAIT),
-                &lease_request(LONG),
-            )
-            .await
-        {
+    for (claim, what) in [(&claim, "the same request"), (&other, "another request")] {
+        match store.acquire(claim, &lease_request(LONG)).await {
             Ok(Acquired::Completed(record)) => {
                 ensure!(
                     record.response == answer,
                     G,
                     "{what} must get the answer byte for byte"
                 );
-                ensure!(
-                    record.fingerprint == Fingerprint::from_bytes([1; 32]),
-                    G,
-                    "the record carries the first request's fingerprint"
-                );
+                must_carry_fingerprint(&record, 1, G, "the first request's")?;
             }
             Ok(other) => fail!(
                 G,
@@ -106,20 +94,24 @@ pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(
         }
         None => fail!(S, "a finished operation must be found"),
     }
-    ensure!(
-        status(TenantId::new("t2"), owner.operation_id)
-            .await?
-            .is_none(),
-        S,
-        "another tenant must not see the operation"
-    );
-    ensure!(
-        status(TenantId::new("t1"), OperationId::random())
-            .await?
-            .is_none(),
-        S,
-        "an unknown id must not be found"
-    );
+    for (tenant, id, why) in [
+        (
+            "t2",
+            owner.operation_id,
+            "another tenant must not see the operation",
+        ),
+        (
+            "t1",
+            OperationId::random(),
+            "an unknown id must not be found",
+        ),
+    ] {
+        ensure!(
+            status(TenantId::new(tenant), id).await?.is_none(),
+            S,
+            "{why}"
+        );
+    }
     Ok(())
 }
 
@@ -131,18 +123,10 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Recovery;
     let (endpoint, scope) = endpoint_of_its_own("recover");
-    let key = unique_key();
-    let claim = claim(scope.clone(), &key, 1);
+    let [claim] = under_one_key_in(scope.clone(), [1]);
     let first = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
-    ensure!(
-        store
-            .recover(&endpoint, LONG, DAY, Backoff::NONE)
-            .await
-            .or_fail(G, "recover")?
-            .is_none(),
-        G,
-        "a live lease must not be recovered"
-    );
+    let why = "a live lease must not be recovered";
+    must_not_recover(store, &endpoint, Backoff::NONE, G, why).await?;
     tokio::time::sleep(PAST_SHORT).await;
     let mut workers = JoinSet::new();
     for _ in 0..2 {
@@ -186,15 +170,8 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
         store.heartbeat(&first.lease, LONG).await,
         "a heartbeat after recovery",
     )?;
-    ensure!(
-        store
-            .recover(&endpoint, LONG, DAY, Backoff::NONE)
-            .await
-            .or_fail(G, "recover")?
-            .is_none(),
-        G,
-        "a recovered operation is not recovered again"
-    );
+    let why = "a recovered operation is not recovered again";
+    must_not_recover(store, &endpoint, Backoff::NONE, G, why).await?;
     store
         .finish(&recovered.owned.lease, &response(b"recovered"))
         .await
@@ -211,8 +188,7 @@ pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Identity;
     let (endpoint, scope) = endpoint_of_its_own("identity");
-    let key = unique_key();
-    let claim = claim_in(scope.clone(), &key, 1);
+    let [claim, other] = under_one_key_in(scope, [1, 2]);
     let first = must_acquire(store, &claim, &lease_request(LONG), G, "first attempt").await?;
     ensure!(
         first.attempt == 1 && !first.taken_over,
@@ -237,7 +213,6 @@ pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
             "a released lease must be fenced: its heartbeat was not refused"
         );
     }
-    let other = claim_in(scope.clone(), &key, 2);
     match store.acquire(&other, &lease_request(LONG)).await {
         Ok(Acquired::Running { operation_id, .. }) if operation_id == first.operation_id => {}
         Ok(other) => fail!(
@@ -263,15 +238,8 @@ pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
     );
     release(store, &second, G, "the second attempt's release").await?;
     let hour = Duration::from_secs(3600);
-    let held_back = store
-        .recover(&endpoint, LONG, DAY, Backoff::new(hour, hour))
-        .await
-        .or_fail(G, "recover during the backoff")?;
-    ensure!(
-        held_back.is_none(),
-        G,
-        "a recovery worker must wait out the backoff before the next attempt"
-    );
+    let why = "a recovery worker must wait out the backoff before the next attempt";
+    must_not_recover(store, &endpoint, Backoff::new(hour, hour), G, why).await?;
     let Some(third) = store
         .recover(&endpoint, LONG, DAY, Backoff::NONE)
         .await
@@ -313,8 +281,7 @@ pub async fn a_failed_operation_replays_its_failure<St: LeaseStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Failure;
-    let key = unique_key();
-    let claim = claim(scope("t1"), &key, 1);
+    let claim = new_request(WAIT);
     let owner = must_acquire(store, &claim, &lease_request(LONG), G, "owner").await?;
     // A failure names no resource.
     let failure = response(br#"{"code":"operation_failed"}"#).with_resource_id(None);

@@ -11,12 +11,11 @@ use http::{header, HeaderValue, Method};
 use tokio::task::JoinSet;
 
 use super::{
-    join_all, request, response, scope, unique_key, CheckFailure, Guarantee, Report, Runner, DAY,
-    WAIT,
+    join_all, must_carry_fingerprint, new_request, response, under_one_key, under_one_key_in,
+    unique_key, CheckFailure, Guarantee, Report, Runner, DAY, WAIT,
 };
 use crate::{
     fingerprint::Fingerprint,
-    key::IdempotencyKey,
     scope::{Scope, TenantId},
     store::OperationId,
     store::{
@@ -85,15 +84,6 @@ fn lease_request(lease: Duration) -> LeaseRequest {
     LeaseRequest::new(lease, OperationId::random(), stored_request())
 }
 
-fn claim(scope: Scope, key: &IdempotencyKey, fingerprint: u8) -> ClaimRequest {
-    request(scope, key, fingerprint, DAY, WAIT)
-}
-
-/// [`claim`], for checks that keep a local named `claim`.
-fn claim_in(scope: Scope, key: &IdempotencyKey, fingerprint: u8) -> ClaimRequest {
-    claim(scope, key, fingerprint)
-}
-
 fn describe<L>(acquired: &Acquired<L>) -> &'static str {
     match acquired {
         Acquired::Owned(_) => "Owned",
@@ -156,6 +146,25 @@ fn endpoint_of_its_own(what: &str) -> (String, Scope) {
     let endpoint = format!("POST /conformance/{what}/{} v1", unique_key().as_str());
     let scope = Scope::new(TenantId::new("t1"), endpoint.as_str());
     (endpoint, scope)
+}
+
+/// A recovery worker's `recover` of `endpoint` (with `backoff` between
+/// attempts) that must find nothing to recover: otherwise the check fails
+/// with `guarantee`, saying `why`.
+async fn must_not_recover<St: LeaseStore>(
+    store: &St,
+    endpoint: &str,
+    backoff: Backoff,
+    guarantee: Guarantee,
+    why: &str,
+) -> Result<(), CheckFailure> {
+    let recovered = store.recover(endpoint, LONG, DAY, backoff).await;
+    ensure!(
+        recovered.or_fail(guarantee, "recover")?.is_none(),
+        guarantee,
+        "{why}"
+    );
+    Ok(())
 }
 
 /// Releases `owned`'s lease; an error fails the check with `guarantee`,

@@ -9,8 +9,7 @@ pub async fn concurrent_acquires_have_one_owner<St: LeaseStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneOwner;
-    let key = unique_key();
-    let claim = claim(scope("t1"), &key, 1);
+    let claim = new_request(WAIT);
     let mut racers = JoinSet::new();
     for _ in 0..RACERS {
         let store = store.clone();
@@ -52,20 +51,12 @@ pub async fn duplicate_during_a_lease_is_running<St: LeaseStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::OneOwner;
-    let key = unique_key();
-    let owner = must_acquire(
-        store,
-        &claim(scope("t1"), &key, 1),
-        &lease_request(LONG),
-        G,
-        "owner",
-    )
-    .await?;
-    for fingerprint in [1, 2] {
-        match store
-            .acquire(&claim(scope("t1"), &key, fingerprint), &lease_request(LONG))
-            .await
-        {
+    // The owner's request; then each request under its key, the same one
+    // and another, is a duplicate.
+    let requests = under_one_key([1, 2]);
+    let owner = must_acquire(store, &requests[0], &lease_request(LONG), G, "owner").await?;
+    for duplicate in &requests {
+        match store.acquire(duplicate, &lease_request(LONG)).await {
             Ok(Acquired::Running {
                 operation_id,
                 fingerprint: first,
@@ -99,11 +90,9 @@ pub async fn expired_lease_is_taken_over_once<St: LeaseStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::LeaseTakeover;
-    let key = unique_key();
-    let claim = claim(scope("t1"), &key, 1);
+    let [claim, other] = under_one_key([1, 2]);
     let first = must_acquire(store, &claim, &lease_request(SHORT), G, "first acquire").await?;
     tokio::time::sleep(PAST_SHORT).await;
-    let other = request(scope("t1"), &key, 2, DAY, WAIT);
     must_be_running(
         store,
         &other,
@@ -152,8 +141,7 @@ pub async fn expired_lease_is_taken_over_once<St: LeaseStore>(
 /// nothing; the new owner can do all of them.
 pub async fn stale_owner_is_fenced<St: LeaseStore>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Fencing;
-    let key = unique_key();
-    let claim = claim(scope("t1"), &key, 1);
+    let claim = new_request(WAIT);
     let (old, new) = taken_over(store, &claim).await?;
 
     must_be_fenced(store.fenced(&old.lease).await, "a fenced transaction")?;
@@ -218,13 +206,12 @@ pub async fn stale_owner_is_fenced<St: LeaseStore>(store: &St) -> Result<(), Che
 /// earlier one, and a new operation gets a new id.
 pub async fn tokens_only_grow<St: LeaseStore>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::MonotonicToken;
-    let key = unique_key();
-    let claim = claim(scope("t1"), &key, 1);
+    let claim = new_request(WAIT);
     let first = must_acquire(store, &claim, &lease_request(LONG), G, "first owner").await?;
     release(store, &first, G, "the first owner's release").await?;
     // The released operation resumes; its answer is then remembered for no
     // time at all, so the acquire after it starts anew.
-    let forgotten = request(scope("t1"), &key, 1, Duration::ZERO, WAIT);
+    let forgotten = claim.clone().with_retention(Duration::ZERO);
     let second = must_acquire(
         store,
         &forgotten,
