@@ -62,7 +62,8 @@ pub mod testing;
 /// definition for the whole crate.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// `value` with `set` applied: the one body of the builders' setters.
+/// `value` with `set` applied: the body of a by-value setter
+/// (`fn x(self, …) -> Self`).
 pub(crate) fn with<T>(mut value: T, set: impl FnOnce(&mut T)) -> T {
     set(&mut value);
     value

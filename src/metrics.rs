@@ -201,10 +201,25 @@ pub(crate) fn handler_timeout(endpoint: &str) {
     metrics::counter!(HANDLER_TIMEOUTS_TOTAL, "endpoint" => endpoint.to_owned()).increment(1);
 }
 
-/// One delivery's outcome: `counter` is [`OUTBOX_DELIVERED_TOTAL`],
-/// [`OUTBOX_FAILED_TOTAL`] or [`OUTBOX_PARKED_TOTAL`].
+/// How one outbox delivery ended, each counted in its own counter.
 #[cfg(feature = "postgres")]
-pub(crate) fn outbox_delivery(counter: &'static str, event_type: &str) {
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Delivery {
+    /// [`OUTBOX_DELIVERED_TOTAL`].
+    Delivered,
+    /// [`OUTBOX_FAILED_TOTAL`].
+    Failed,
+    /// [`OUTBOX_PARKED_TOTAL`].
+    Parked,
+}
+
+#[cfg(feature = "postgres")]
+pub(crate) fn outbox_delivery(delivery: Delivery, event_type: &str) {
+    let counter = match delivery {
+        Delivery::Delivered => OUTBOX_DELIVERED_TOTAL,
+        Delivery::Failed => OUTBOX_FAILED_TOTAL,
+        Delivery::Parked => OUTBOX_PARKED_TOTAL,
+    };
     metrics::counter!(counter, "event_type" => event_type.to_owned()).increment(1);
 }
 

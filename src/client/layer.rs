@@ -112,7 +112,10 @@ impl IdempotentClientLayer {
     /// lockstep). Defaults: 250 ms, 10 s.
     pub fn backoff(self, base: Duration, max: Duration) -> Self {
         let base = base.min(LONGEST);
-        self.configure(|c| (c.backoff_base, c.backoff_max) = (base, max.min(LONGEST).max(base)))
+        self.configure(|c| {
+            c.backoff_base = base;
+            c.backoff_max = max.min(LONGEST).max(base);
+        })
     }
 }
 

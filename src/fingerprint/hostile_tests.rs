@@ -201,8 +201,8 @@ fn typed_numbers_are_what_the_dto_holds() {
 
 // ---- property tests ----
 
-/// JSON values with the leaves a business body has.
-/// Any JSON value, nested a few levels (the fingerprinters' tests share it).
+/// JSON values with the leaves a business body has, nested a few levels
+/// (the fingerprinters' tests share it).
 pub(super) fn arb_json() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         Just(Value::Null),

@@ -168,7 +168,8 @@ impl<K: Sink> Relay<K> {
     /// The first retry delay and the cap of the doubling.
     pub fn backoff(self, base: Duration, cap: Duration) -> Self {
         crate::with(self, |r| {
-            (r.backoff_base, r.backoff_cap) = (base, cap.max(base))
+            r.backoff_base = base;
+            r.backoff_cap = cap.max(base);
         })
     }
 
@@ -249,16 +250,16 @@ impl<K: Sink> Relay<K> {
             let event_type = event.event_type.clone();
             match outcome {
                 Ok(()) => {
-                    metrics::outbox_delivery(metrics::OUTBOX_DELIVERED_TOTAL, &event_type);
+                    metrics::outbox_delivery(metrics::Delivery::Delivered, &event_type);
                     delivered_tenants.push(event.tenant_id);
                     delivered.push(event.id);
                 }
                 Err(error) => {
                     let attempts = event.attempts + 1;
-                    metrics::outbox_delivery(metrics::OUTBOX_FAILED_TOTAL, &event_type);
+                    metrics::outbox_delivery(metrics::Delivery::Failed, &event_type);
                     if error.permanent || attempts >= self.max_attempts {
                         tracing::warn!(event_id = %event.id, event_type, attempts, error = %error, "outbox event parked");
-                        metrics::outbox_delivery(metrics::OUTBOX_PARKED_TOTAL, &event_type);
+                        metrics::outbox_delivery(metrics::Delivery::Parked, &event_type);
                         park_tenants.push(event.tenant_id);
                         park_ids.push(event.id);
                         park_errors.push(error.message);

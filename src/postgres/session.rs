@@ -48,10 +48,10 @@ impl PgStore {
 
 /// The session's ways to run a statement: each the connection's own
 /// ([`Conn`]'s, in `statements.rs`) with its error sorted by [`map_error`].
-macro_rules! run_statements {
-    ($($name:ident($arg:ident: $ty:ty) -> $out:ty = $conn:ident, $doc:literal;)*) => {
+macro_rules! forward_to_conn {
+    ($($(#[$doc:meta])* fn $name:ident($arg:ident: $ty:ty) -> $out:ty = $conn:ident;)*) => {
         $(
-            #[doc = $doc]
+            $(#[$doc])*
             pub(crate) async fn $name(
                 &self,
                 $arg: $ty,
@@ -71,14 +71,21 @@ impl Session {
         self.conn.prepare_sql(sql).await.map_err(map_error)
     }
 
-    run_statements! {
-        execute_prepared(statement: &Prepared<'_>) -> u64 = execute_prepared, "Runs a prepared statement and returns the number of rows it affected.";
-        query_prepared(statement: &Prepared<'_>) -> Vec<Row> = query_prepared, "Runs a prepared query and returns its rows.";
-        query_one_prepared(statement: &Prepared<'_>) -> Row = query_one_prepared, "Runs a prepared query that returns exactly one row.";
-        execute(sql: Sql<'_>) -> u64 = execute_sql, "Runs a statement and returns the number of rows it affected.";
-        query(sql: Sql<'_>) -> Vec<Row> = query_sql, "Runs a query and returns its rows.";
-        query_one(sql: Sql<'_>) -> Row = query_one_sql, "Runs a query that returns exactly one row.";
-        query_opt(sql: Sql<'_>) -> Option<Row> = query_opt_sql, "Runs a query that returns at most one row.";
+    forward_to_conn! {
+        /// Runs a prepared statement and returns the number of rows it affected.
+        fn execute_prepared(statement: &Prepared<'_>) -> u64 = execute_prepared;
+        /// Runs a prepared query and returns its rows.
+        fn query_prepared(statement: &Prepared<'_>) -> Vec<Row> = query_prepared;
+        /// Runs a prepared query that returns exactly one row.
+        fn query_one_prepared(statement: &Prepared<'_>) -> Row = query_one_prepared;
+        /// Runs a statement and returns the number of rows it affected.
+        fn execute(sql: Sql<'_>) -> u64 = execute_sql;
+        /// Runs a query and returns its rows.
+        fn query(sql: Sql<'_>) -> Vec<Row> = query_sql;
+        /// Runs a query that returns exactly one row.
+        fn query_one(sql: Sql<'_>) -> Row = query_one_sql;
+        /// Runs a query that returns at most one row.
+        fn query_opt(sql: Sql<'_>) -> Option<Row> = query_opt_sql;
     }
 
     /// Runs statements without parameters, in one message (e.g. `BEGIN …`).

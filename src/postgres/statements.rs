@@ -79,10 +79,10 @@ impl Conn {
 /// one. `$prepared` runs a [`Prepared`]; `$sql` prepares a [`Sql`]
 /// ([`Conn::prepare_sql`]) and then runs it so.
 macro_rules! run_statements {
-    ($($prepared:ident, $sql:ident: $cached:ident / $typed:ident -> $out:ty, $doc:literal;)*) => {
+    ($($(#[$doc:meta])* fn $prepared:ident, $sql:ident -> $out:ty = $cached:ident / $typed:ident;)*) => {
         impl Conn {
             $(
-                #[doc = concat!("Runs a prepared statement ", $doc)]
+                $(#[$doc])*
                 pub(crate) async fn $prepared(
                     &self,
                     statement: &Prepared<'_>,
@@ -94,7 +94,10 @@ macro_rules! run_statements {
                     }
                 }
 
-                #[doc = concat!("Prepares `sql` ([`prepare_sql`](Self::prepare_sql)) and runs it ", $doc)]
+                #[doc = concat!(
+                    "[`prepare_sql`](Self::prepare_sql), then [`", stringify!($prepared),
+                    "`](Self::", stringify!($prepared), ")."
+                )]
                 pub(crate) async fn $sql(
                     &self,
                     sql: Sql<'_>,
@@ -109,10 +112,14 @@ macro_rules! run_statements {
 }
 
 run_statements! {
-    query_prepared, query_sql: query / query_typed -> Vec<Row>, "and returns its rows.";
-    query_one_prepared, query_one_sql: query_one / query_typed_one -> Row, "(it returns exactly one row).";
-    query_opt_prepared, query_opt_sql: query_opt / query_typed_opt -> Option<Row>, "(it returns at most one row).";
-    execute_prepared, execute_sql: execute / execute_typed -> u64, "and returns the number of rows it affected.";
+    /// Runs a prepared statement and returns its rows.
+    fn query_prepared, query_sql -> Vec<Row> = query / query_typed;
+    /// Runs a prepared statement that returns exactly one row.
+    fn query_one_prepared, query_one_sql -> Row = query_one / query_typed_one;
+    /// Runs a prepared statement that returns at most one row.
+    fn query_opt_prepared, query_opt_sql -> Option<Row> = query_opt / query_typed_opt;
+    /// Runs a prepared statement and returns the number of rows it affected.
+    fn execute_prepared, execute_sql -> u64 = execute / execute_typed;
 }
 
 /// Pairs each parameter with its declared type. A count that does not match

@@ -7,11 +7,10 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::{
-    body::RequestBody,
+    body::{BoxError, RequestBody},
     endpoint::Setup,
     long::{drive, fail_for_good, spawn_work, Driven},
     mode::LongRunning,
-    service::{Inner, InnerBody},
 };
 use crate::{
     fingerprint::Fingerprinter,
@@ -67,10 +66,13 @@ impl<S, St, F, R> Recovery<S, St, F, R> {
 
 impl<S, St, F, R, ResB> Recovery<S, St, F, R>
 where
-    S: Service<Request<RequestBody>, Response = Response<ResB>> + Inner<ResB> + Clone,
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
     St: LeaseStore,
     F: Fingerprinter,
-    ResB: InnerBody,
+    ResB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
 {
     /// Takes over every operation whose lease has expired and re-drives
     /// each on a task of its own; resolves once they have all ended, with

@@ -75,14 +75,17 @@ impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug, M: fmt::Debug>
 
 impl<S, St, F, R, M, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St, F, R, M>
 where
-    S: Service<Request<RequestBody>, Response = Response<ResB>> + Inner<ResB> + Clone,
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
     St: Store,
     F: Fingerprinter,
     R: ResolveTenant,
     M: Mode<St>,
     ReqB: Body<Data = Bytes> + Send + 'static,
     ReqB::Error: Into<BoxError>,
-    ResB: InnerBody,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;

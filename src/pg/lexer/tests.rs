@@ -255,16 +255,26 @@ macro_rules! refusal_tests {
 }
 
 refusal_tests! {
-    refuses_statements_that_end_the_transaction: ENDS_TRANSACTION => Some(Refusal::TransactionControl);
-    comments_end_at_carriage_returns_and_vertical_tabs_are_whitespace: WHITESPACE_AND_COMMENT_ENDINGS => Some(Refusal::TransactionControl);
-    refuses_text_the_lexer_cannot_follow: UNFOLLOWED => Some(Refusal::TransactionControl);
-    reads_plain_strings_with_and_without_standard_conforming_strings: EITHER_STRING_READING => Some(Refusal::TransactionControl);
-    refuses_session_level_settings: SESSION_SETTINGS => Some(Refusal::SessionState);
-    refuses_statements_whose_effects_outlive_the_transaction: OUTLIVES_TRANSACTION => Some(Refusal::SessionState);
-    refuses_session_functions_anywhere_outside_quotes: SESSION_FUNCTIONS_ANYWHERE => Some(Refusal::SessionState);
-    allows_ordinary_statements_savepoints_and_local_settings: ALLOWED => None;
-    allows_ordinary_dml: ORDINARY_DML => None;
-    keywords_must_be_exact_and_unquoted: KEYWORD_LOOKALIKES => None;
+    refuses_statements_that_end_the_transaction:
+        ENDS_TRANSACTION => Some(Refusal::TransactionControl);
+    comments_end_at_carriage_returns_and_vertical_tabs_are_whitespace:
+        WHITESPACE_AND_COMMENT_ENDINGS => Some(Refusal::TransactionControl);
+    refuses_text_the_lexer_cannot_follow:
+        UNFOLLOWED => Some(Refusal::TransactionControl);
+    reads_plain_strings_with_and_without_standard_conforming_strings:
+        EITHER_STRING_READING => Some(Refusal::TransactionControl);
+    refuses_session_level_settings:
+        SESSION_SETTINGS => Some(Refusal::SessionState);
+    refuses_statements_whose_effects_outlive_the_transaction:
+        OUTLIVES_TRANSACTION => Some(Refusal::SessionState);
+    refuses_session_functions_anywhere_outside_quotes:
+        SESSION_FUNCTIONS_ANYWHERE => Some(Refusal::SessionState);
+    allows_ordinary_statements_savepoints_and_local_settings:
+        ALLOWED => None;
+    allows_ordinary_dml:
+        ORDINARY_DML => None;
+    keywords_must_be_exact_and_unquoted:
+        KEYWORD_LOOKALIKES => None;
 }
 
 #[test]

@@ -42,9 +42,11 @@ where
 /// the connection and prepares `sql` ([`PgTx::prepared`] for the caller's,
 /// [`PgTx::prepared_sql`] for the crate's own), then `$run` runs it.
 macro_rules! run_prepared {
-    ($($vis:vis fn $name:ident(sql: $sql:ty) -> $out:ty = $prepare:ident.$run:ident, $doc:literal;)*) => {
+    ($($(#[$doc:meta])* $vis:vis fn $name:ident(sql: $sql:ty) -> $out:ty {
+        prepare: $prepare:ident, run: $run:ident $(,)?
+    })*) => {
         $(
-            #[doc = $doc]
+            $(#[$doc])*
             $vis async fn $name(
                 &self,
                 sql: $sql,
@@ -162,13 +164,14 @@ impl PgTx {
     }
 
     run_prepared! {
-        pub fn execute(sql: &str) -> u64 = prepared.execute,
-            "Runs one statement and returns the number of rows it affected.";
-        pub fn query(sql: &str) -> Vec<Row> = prepared.query, "Runs one query and returns its rows.";
-        pub fn query_one(sql: &str) -> Row = prepared.query_one,
-            "Runs a query that returns exactly one row.";
-        pub fn query_opt(sql: &str) -> Option<Row> = prepared.query_opt,
-            "Runs a query that returns at most one row.";
+        /// Runs one statement and returns the number of rows it affected.
+        pub fn execute(sql: &str) -> u64 { prepare: prepared, run: execute }
+        /// Runs one query and returns its rows.
+        pub fn query(sql: &str) -> Vec<Row> { prepare: prepared, run: query }
+        /// Runs a query that returns exactly one row.
+        pub fn query_one(sql: &str) -> Row { prepare: prepared, run: query_one }
+        /// Runs a query that returns at most one row.
+        pub fn query_opt(sql: &str) -> Option<Row> { prepare: prepared, run: query_opt }
     }
 
     /// Runs one query with the types of its parameters given, as one
@@ -209,10 +212,18 @@ impl PgTx {
     }
 
     run_prepared! {
-        pub(crate) fn query_one_sql(sql: Sql<'_>) -> Row = prepared_sql.query_one_prepared,
-            "One of the crate's own statements, sent as the store sends its own (cached, or unnamed behind a transaction pooler).";
-        pub(crate) fn execute_sql(sql: Sql<'_>) -> u64 = prepared_sql.execute_prepared,
-            "[`query_one_sql`](Self::query_one_sql) for a statement whose rows are not needed: returns the number of rows it affected.";
+        /// One of the crate's own statements, sent as the store sends its own
+        /// (cached, or unnamed behind a transaction pooler).
+        pub(crate) fn query_one_sql(sql: Sql<'_>) -> Row {
+            prepare: prepared_sql,
+            run: query_one_prepared,
+        }
+        /// [`query_one_sql`](Self::query_one_sql) for a statement whose rows
+        /// are not needed: returns the number of rows it affected.
+        pub(crate) fn execute_sql(sql: Sql<'_>) -> u64 {
+            prepare: prepared_sql,
+            run: execute_prepared,
+        }
     }
 
     /// Runs statements without parameters (e.g. `SAVEPOINT s1`).

@@ -54,7 +54,12 @@ pub async fn fingerprint_is_returned_for_comparison<St: Store>(
         .await
         .or_fail(G, "complete")?;
     let record = must_replay(store, &other, G, "claim with another fingerprint").await?;
-    must_carry_fingerprint(&record, 7, G, "the first request's")
+    must_carry_fingerprint(
+        &record,
+        7,
+        G,
+        "the record a claim with another fingerprint finds",
+    )
 }
 
 /// **One owner**: of many concurrent claims of a new key exactly one owns
@@ -147,11 +152,12 @@ pub async fn stale_handle_cannot_complete<St: Store>(store: &St) -> Result<(), C
     )
     .await?;
     let stale_complete = store.complete(stale, &response(b"stale")).await;
-    let (what, when) = (
+    must_be_aborted(
+        stale_complete,
+        G,
         "complete through an aborted handle",
         "while another claim owned the key",
-    );
-    must_be_aborted(stale_complete, G, what, when)?;
+    )?;
     let probe = request(scope("t1"), &key, 1, DAY, Duration::from_millis(200));
     match claim_bounded(store, &probe, G, "a claim while the new owner works").await? {
         Claim::InProgress => {}

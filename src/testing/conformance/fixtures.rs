@@ -30,7 +30,7 @@ pub(super) const FREE_WAIT: Duration = Duration::from_secs(2);
 pub(super) const DROP_WAIT: Duration = Duration::from_secs(10);
 pub(super) const DAY: Duration = Duration::from_secs(86_400);
 /// How much longer than its wait a claim may take to answer.
-pub(super) const WAIT_SLACK: Duration = Duration::from_secs(2);
+const WAIT_SLACK: Duration = Duration::from_secs(2);
 
 /// Spawns `racers` tasks, the future `racer(i)` for each `i` below
 /// `racers`, that start together (behind one barrier, once all are
@@ -226,8 +226,8 @@ pub(super) async fn must_replay_body<St: Store>(
 }
 
 /// `record` must hold the body `expected`: otherwise the check fails with
-/// `guarantee`, naming `what` (what the record should be) and the body it
-/// holds.
+/// `guarantee`, naming `what` (what the record should be), the body
+/// expected and the one it holds.
 pub(super) fn must_have_body(
     record: &Record,
     expected: &[u8],
@@ -237,25 +237,27 @@ pub(super) fn must_have_body(
     ensure!(
         record.response.body == expected,
         guarantee,
-        "{what}: the body is {:?}, not {:?}",
-        String::from_utf8_lossy(&record.response.body),
-        String::from_utf8_lossy(expected)
+        "{what}: expected body {:?}, got {:?}",
+        String::from_utf8_lossy(expected),
+        String::from_utf8_lossy(&record.response.body)
     );
     Ok(())
 }
 
-/// `record` must carry the fingerprint `fingerprint` (every byte of it),
-/// `whose` it is: otherwise the check fails with `guarantee`.
+/// `record` must carry the fingerprint `fingerprint` (every byte of it):
+/// otherwise the check fails with `guarantee`, naming `what` (the record),
+/// the fingerprint expected and the one it carries.
 pub(super) fn must_carry_fingerprint(
     record: &Record,
     fingerprint: u8,
     guarantee: Guarantee,
-    whose: &str,
+    what: &str,
 ) -> Result<(), CheckFailure> {
+    let expected = Fingerprint::from_bytes([fingerprint; 32]);
     ensure!(
-        record.fingerprint == Fingerprint::from_bytes([fingerprint; 32]),
+        record.fingerprint == expected,
         guarantee,
-        "the record must carry {whose} fingerprint, got {:?}",
+        "{what}: expected fingerprint {expected:?}, got {:?}",
         record.fingerprint
     );
     Ok(())

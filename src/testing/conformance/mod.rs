@@ -220,33 +220,9 @@ async fn run_short<St: Store, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
 
     let writes = writes.map(Arc::new);
     let skipped = "needs a way to write through the handle: run_all_with(store, writes)";
-    check!(
-        run,
-        handler_writes_commit_with_the_response,
-        AtomicCompletion,
-        writes,
-        skipped
-    );
-    check!(
-        run,
-        failed_write_fails_the_completion,
-        AtomicCompletion,
-        writes,
-        skipped
-    );
-    check!(
-        run,
-        abort_discards_the_handler_writes,
-        AbortFreesTheKey,
-        writes,
-        skipped
-    );
-    check!(
-        run,
-        dropped_handle_discards_the_handler_writes,
-        DropFreesTheKey,
-        writes,
-        skipped
-    );
+    check! { run, handler_writes_commit_with_the_response, AtomicCompletion, writes, skipped }
+    check! { run, failed_write_fails_the_completion, AtomicCompletion, writes, skipped }
+    check! { run, abort_discards_the_handler_writes, AbortFreesTheKey, writes, skipped }
+    check! { run, dropped_handle_discards_the_handler_writes, DropFreesTheKey, writes, skipped }
     run.finish()
 }

@@ -67,7 +67,7 @@ pub(super) async fn write<Tx, W: Writes<Tx>>(
         .map_err(|e| CheckFailure::new(guarantee, format!("the handler's write failed: {e}")))
 }
 
-pub(super) async fn committed<Tx, W: Writes<Tx>>(
+async fn committed<Tx, W: Writes<Tx>>(
     writes: &W,
     marker: &str,
     guarantee: Guarantee,
@@ -97,16 +97,28 @@ async fn own_and_write<St: Store, W: Writes<St::Tx>>(
     Ok((request, tx, marker))
 }
 
-/// Whether the row `marker` is committed must be `expected`: otherwise the
-/// check fails with `guarantee`, saying `why`.
-pub(super) async fn expect_committed<Tx, W: Writes<Tx>>(
+/// What a check expects of a row the handler wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Row {
+    /// Committed.
+    Committed,
+    /// Not committed: rolled back, or not yet.
+    Absent,
+}
+
+/// The row `marker` must be as `expected`: otherwise the check fails with
+/// `guarantee`, saying `why`.
+pub(super) async fn expect_row<Tx, W: Writes<Tx>>(
     writes: &W,
     marker: &str,
-    expected: bool,
+    expected: Row,
     guarantee: Guarantee,
     why: &str,
 ) -> Result<(), CheckFailure> {
-    let found = committed(writes, marker, guarantee).await?;
+    let found = match committed(writes, marker, guarantee).await? {
+        true => Row::Committed,
+        false => Row::Absent,
+    };
     ensure!(found == expected, guarantee, "{why}");
     Ok(())
 }
@@ -136,7 +148,7 @@ pub async fn handler_writes_commit_with_the_response<St: Store, W: Writes<St::Tx
         .await
         .or_fail(G, "complete")?;
     let why = "complete returned Ok but the handler's write was not committed";
-    expect_committed(writes, &marker, true, G, why).await?;
+    expect_row(writes, &marker, Row::Committed, G, why).await?;
     let what = "a claim after complete must replay the completed response";
     must_replay_body(store, &req, b"with writes", G, what).await
 }
@@ -163,7 +175,7 @@ pub async fn failed_write_fails_the_completion<St: Store, W: Writes<St::Tx>>(
     let when = "after a statement of the transaction failed";
     must_be_aborted(completed, G, "complete", when)?;
     let why = "complete failed, yet the handler's write was committed";
-    expect_committed(writes, &marker, false, G, why).await?;
+    expect_row(writes, &marker, Row::Absent, G, why).await?;
     match super::claim_bounded(store, &req, G, "a claim after the failed complete").await? {
         Claim::Owned(tx) => store.abort(tx).await.or_fail(G, "abort")?,
         Claim::Completed(record) => fail!(
@@ -189,7 +201,7 @@ pub async fn abort_discards_the_handler_writes<St: Store, W: Writes<St::Tx>>(
     let (req, tx, marker) = own_and_write(store, writes, FREE_WAIT, "aborted", G).await?;
     store.abort(tx).await.or_fail(G, "abort")?;
     let why = "the handler's write was committed although the owner aborted";
-    expect_committed(writes, &marker, false, G, why).await?;
+    expect_row(writes, &marker, Row::Absent, G, why).await?;
     must_be_free(store, &req, G, "the claim after the abort").await
 }
 
@@ -205,7 +217,7 @@ pub async fn dropped_handle_discards_the_handler_writes<St: Store, W: Writes<St:
     // Owning the key again means the dropped transaction has ended.
     must_be_free(store, &req, G, "the claim after the handle was dropped").await?;
     let why = "the handler's write was committed although its handle was dropped unfinished";
-    expect_committed(writes, &marker, false, G, why).await
+    expect_row(writes, &marker, Row::Absent, G, why).await
 }
 
 /// Rows staged through [`MemoryTx::insert`](crate::memory::MemoryTx::insert)

@@ -72,20 +72,8 @@ async fn run<St: CommitStore, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     check!(run, scopes_are_isolated_at_commit, TenantIsolation);
     check!(run, an_expired_record_is_won_again, ExpiryTakeover);
     let writes = writes.map(Arc::new);
-    check!(
-        run,
-        the_winners_writes_commit_with_its_record,
-        AtomicCompletion,
-        writes,
-        SKIPPED
-    );
-    check!(
-        run,
-        a_losers_writes_are_rolled_back,
-        LoserRollsBack,
-        writes,
-        SKIPPED
-    );
+    check! { run, the_winners_writes_commit_with_its_record, AtomicCompletion, writes, SKIPPED }
+    check! { run, a_losers_writes_are_rolled_back, LoserRollsBack, writes, SKIPPED }
     run.finish()
 }
 
@@ -321,7 +309,7 @@ pub async fn the_loser_gets_the_winners_record<St: CommitStore>(
         record.response,
         stored
     );
-    must_carry_fingerprint(&record, 3, G, "the winner's")
+    must_carry_fingerprint(&record, 3, G, "the record the loser is told")
 }
 
 /// **Replay**: a commit of another request under a remembered key is told
@@ -336,7 +324,7 @@ pub async fn another_request_gets_the_first_fingerprint<St: CommitStore>(
     let committed = commit_new(store, &other, &response(b"b"), G).await?;
     let what = "another request under a remembered key";
     let record = expect_lost(committed, Guarantee::OneCommit, what)?;
-    must_carry_fingerprint(&record, 7, G, "the first request's")
+    must_carry_fingerprint(&record, 7, G, "the record another request is told")
 }
 
 /// **Abort frees the key**: an aborted transaction remembers nothing; the

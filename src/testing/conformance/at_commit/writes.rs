@@ -6,7 +6,7 @@ use crate::{
     store::CommitStore,
     testing::conformance::{
         new_request, response,
-        writes::{expect_committed, marker, write},
+        writes::{expect_row, marker, write, Row},
         CheckFailure, Guarantee, Writes, WAIT,
     },
 };
@@ -22,11 +22,11 @@ pub async fn the_winners_writes_commit_with_its_record<St: CommitStore, W: Write
     let mark = marker("winner");
     write(writes, &tx, &mark, G).await?;
     let why = "the handler's write was visible before the commit";
-    expect_committed(writes, &mark, false, G, why).await?;
+    expect_row(writes, &mark, Row::Absent, G, why).await?;
     let only = commit(store, tx, &req, &response(b"w"), G, "commit").await?;
     expect_won(only, Guarantee::OneCommit, "the only commit of a new key")?;
     let why = "the winner's write is not committed after its commit won";
-    expect_committed(writes, &mark, true, G, why).await
+    expect_row(writes, &mark, Row::Committed, G, why).await
 }
 
 /// **A loser rolls back**: of two transactions that both wrote, the winner's
@@ -45,7 +45,7 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
     const ONE: Guarantee = Guarantee::OneCommit;
     win_then_lose(store, (winner, loser), &req, &response(b"w"), ONE).await?;
     let why = "the winner's write is not committed";
-    expect_committed(writes, &won, true, G, why).await?;
+    expect_row(writes, &won, Row::Committed, G, why).await?;
     let why = "the loser's write was committed although its commit lost";
-    expect_committed(writes, &lost, false, G, why).await
+    expect_row(writes, &lost, Row::Absent, G, why).await
 }

@@ -61,25 +61,25 @@ pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(
         .finish(&owner.lease, &answer)
         .await
         .or_fail(G, "the owner's finish")?;
-    for (claim, what) in [(&claim, "the same request"), (&other, "another request")] {
-        match store.acquire(claim, &lease_request(LONG)).await {
+    for (request, what) in [(&claim, "the same request"), (&other, "another request")] {
+        match store.acquire(request, &lease_request(LONG)).await {
             Ok(Acquired::Completed(record)) => {
                 ensure!(
                     record.response == answer,
                     G,
                     "{what} must get the answer byte for byte"
                 );
-                must_carry_fingerprint(&record, 1, G, "the first request's")?;
+                must_carry_fingerprint(&record, 1, G, &format!("the record {what} gets"))?;
             }
-            Ok(other) => fail!(
+            Ok(acquired) => fail!(
                 G,
                 "{what} after the finish: expected Completed, got {}",
-                describe(&other)
+                describe(&acquired)
             ),
             Err(e) => fail!(G, "acquire failed: {e}"),
         }
     }
-    match status(tenant, owner.operation_id).await? {
+    match status(tenant.clone(), owner.operation_id).await? {
         Some(operation) => {
             ensure!(
                 operation.id == owner.operation_id,
@@ -94,24 +94,14 @@ pub async fn finished_operation_replays_and_has_a_status<St: LeaseStore>(
         }
         None => fail!(S, "a finished operation must be found"),
     }
-    for (tenant, id, why) in [
-        (
-            "t2",
-            owner.operation_id,
-            "another tenant must not see the operation",
-        ),
-        (
-            "t1",
-            OperationId::random(),
-            "an unknown id must not be found",
-        ),
-    ] {
-        ensure!(
-            status(TenantId::new(tenant), id).await?.is_none(),
-            S,
-            "{why}"
-        );
-    }
+    let elsewhere = status(TenantId::new("t2"), owner.operation_id).await?;
+    ensure!(
+        elsewhere.is_none(),
+        S,
+        "another tenant must not see the operation"
+    );
+    let unknown = status(tenant, OperationId::random()).await?;
+    ensure!(unknown.is_none(), S, "an unknown id must not be found");
     Ok(())
 }
 
@@ -123,10 +113,10 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Recovery;
     let (endpoint, scope) = endpoint_of_its_own("recover");
-    let [claim] = under_one_key_in(scope.clone(), [1]);
+    let claim = request(scope.clone(), &unique_key(), 1, DAY, WAIT);
     let first = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
     let why = "a live lease must not be recovered";
-    must_not_recover(store, &endpoint, Backoff::NONE, G, why).await?;
+    must_not_recover(store, &endpoint, Backoff::NONE, G, "recover", why).await?;
     tokio::time::sleep(PAST_SHORT).await;
     let mut workers = JoinSet::new();
     for _ in 0..2 {
@@ -171,7 +161,7 @@ pub async fn expired_lease_is_recovered_once<St: LeaseStore>(
         "a heartbeat after recovery",
     )?;
     let why = "a recovered operation is not recovered again";
-    must_not_recover(store, &endpoint, Backoff::NONE, G, why).await?;
+    must_not_recover(store, &endpoint, Backoff::NONE, G, "recover", why).await?;
     store
         .finish(&recovered.owned.lease, &response(b"recovered"))
         .await
@@ -239,7 +229,9 @@ pub async fn a_released_operation_keeps_its_identity<St: LeaseStore>(
     release(store, &second, G, "the second attempt's release").await?;
     let hour = Duration::from_secs(3600);
     let why = "a recovery worker must wait out the backoff before the next attempt";
-    must_not_recover(store, &endpoint, Backoff::new(hour, hour), G, why).await?;
+    let backoff = Backoff::new(hour, hour);
+    let what = "recover during the backoff";
+    must_not_recover(store, &endpoint, backoff, G, what, why).await?;
     let Some(third) = store
         .recover(&endpoint, LONG, DAY, Backoff::NONE)
         .await

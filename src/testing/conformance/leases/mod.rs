@@ -11,8 +11,8 @@ use http::{header, HeaderValue, Method};
 use tokio::task::JoinSet;
 
 use super::{
-    join_all, must_carry_fingerprint, new_request, response, under_one_key, under_one_key_in,
-    unique_key, CheckFailure, Guarantee, Report, Runner, DAY, WAIT,
+    join_all, must_carry_fingerprint, new_request, request, response, under_one_key,
+    under_one_key_in, unique_key, CheckFailure, Guarantee, Report, Runner, DAY, WAIT,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -149,18 +149,19 @@ fn endpoint_of_its_own(what: &str) -> (String, Scope) {
 }
 
 /// A recovery worker's `recover` of `endpoint` (with `backoff` between
-/// attempts) that must find nothing to recover: otherwise the check fails
-/// with `guarantee`, saying `why`.
+/// attempts), named `what`, that must find nothing to recover: otherwise
+/// the check fails with `guarantee`, saying `why`.
 async fn must_not_recover<St: LeaseStore>(
     store: &St,
     endpoint: &str,
     backoff: Backoff,
     guarantee: Guarantee,
+    what: &str,
     why: &str,
 ) -> Result<(), CheckFailure> {
     let recovered = store.recover(endpoint, LONG, DAY, backoff).await;
     ensure!(
-        recovered.or_fail(guarantee, "recover")?.is_none(),
+        recovered.or_fail(guarantee, what)?.is_none(),
         guarantee,
         "{why}"
     );
