@@ -17,9 +17,7 @@ use http_body_util::Full;
 use serde_json::json;
 use tokio::sync::Barrier;
 use tower::Layer;
-use tower_idempotency::{
-    scope::TenantId, store::CommitStore, ClaimAtCommit, IdempotencyLayer, RequestBody,
-};
+use tower_idempotency::{store::CommitStore, ClaimAtCommit, IdempotencyLayer, RequestBody};
 
 /// A backend whose store can be had twice: two instances of the service on
 /// one database, each with its own pool and its own in-process coalescing.
@@ -66,14 +64,7 @@ fn meeting_handler<B: Backend>(calls: Arc<AtomicU64>, meet: Option<Arc<Barrier>>
         let (calls, meet) = (calls.clone(), meet.clone());
         async move {
             calls.fetch_add(1, Ordering::SeqCst);
-            let tx = tx_of::<B>(&request).ok_or("no transaction handle")?;
-            let tenant = request
-                .extensions()
-                .get::<TenantId>()
-                .cloned()
-                .ok_or("no tenant")?;
-            let id = new_order_id();
-            B::insert_order(&tx, &id, tenant.as_str()).await?;
+            let (id, _) = write_order::<B>(&request).await?;
             if let Some(meet) = meet {
                 meet.wait().await;
             }

@@ -129,13 +129,7 @@ async fn memory_store_passes_every_one_commit_check() {
     let report = report(Flaw::None).await;
     assert_eq!(failed(&report), [], "{report}");
     assert_eq!(report.checks().len(), 9, "{report}");
-    assert!(
-        report
-            .checks()
-            .iter()
-            .all(|c| *c.outcome() == Outcome::Passed),
-        "{report}"
-    );
+    report.assert_all_passed();
 }
 
 #[tokio::test]

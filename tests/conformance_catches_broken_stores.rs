@@ -323,13 +323,7 @@ async fn a_correct_store_passes_every_check() {
     let report = report(Flaw::None).await;
     report.assert_passed();
     assert_eq!(report.checks().len(), 13, "{report}");
-    assert!(
-        report
-            .checks()
-            .iter()
-            .all(|c| *c.outcome() == Outcome::Passed),
-        "{report}"
-    );
+    report.assert_all_passed();
 }
 
 #[tokio::test]
@@ -337,13 +331,7 @@ async fn memory_store_passes_every_check() {
     let store = MemoryStore::new();
     let report = conformance::run_all_with(store.clone(), store).await;
     assert_eq!(failed(&report), [], "{report}");
-    assert!(
-        report
-            .checks()
-            .iter()
-            .all(|c| *c.outcome() == Outcome::Passed),
-        "{report}"
-    );
+    report.assert_all_passed();
 }
 
 #[tokio::test]

@@ -328,16 +328,7 @@ async fn a_version_8_database_upgrades_to_hot_completions() {
 
     let store = PgStore::builder(db.config()).build().unwrap();
     store.migrate().await.expect("version 9 applies");
-    let versions: Vec<i32> = client
-        .query(
-            "SELECT version FROM tower_idempotency_migrations ORDER BY version",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    let versions = migration_versions(&client).await;
     assert_eq!(versions, (1..=9).collect::<Vec<_>>());
     let indexes: Vec<(String, String)> = client
         .query(

@@ -120,6 +120,15 @@ fn metric<'a>(values: &'a Values, name: &str, pairs: &[(&str, &str)]) -> Option<
     values.get(&(name.to_owned(), labels(pairs)))
 }
 
+/// What `values` hold for the one-commit mode's lost commits of `endpoint`.
+fn commits_lost<'a>(values: &'a Values, endpoint: &str) -> Option<&'a DebugValue> {
+    metric(
+        values,
+        "idempotency_commits_lost_total",
+        &[("endpoint", endpoint)],
+    )
+}
+
 /// What `values` hold for the requests of `endpoint` that ended as `outcome`.
 fn outcome<'a>(values: &'a Values, endpoint: &str, outcome: &str) -> Option<&'a DebugValue> {
     let pairs = [("endpoint", endpoint), ("outcome", outcome)];
@@ -685,11 +694,7 @@ async fn a_lost_commit_is_counted_and_answered_as_a_replay() {
     let values = snapshot(&installed.snapshotter);
     assert!(
         matches!(
-            metric(
-                &values,
-                "idempotency_commits_lost_total",
-                &[("endpoint", endpoint)]
-            ),
+            commits_lost(&values, endpoint),
             Some(DebugValue::Counter(0))
         ),
         "registered at zero"
@@ -709,19 +714,11 @@ async fn a_lost_commit_is_counted_and_answered_as_a_replay() {
     let values = snapshot(&installed.snapshotter);
     assert!(
         matches!(
-            metric(
-                &values,
-                "idempotency_commits_lost_total",
-                &[("endpoint", endpoint)]
-            ),
+            commits_lost(&values, endpoint),
             Some(DebugValue::Counter(1))
         ),
         "{:?}",
-        metric(
-            &values,
-            "idempotency_commits_lost_total",
-            &[("endpoint", endpoint)]
-        )
+        commits_lost(&values, endpoint)
     );
     assert!(
         matches!(

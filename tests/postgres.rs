@@ -19,7 +19,7 @@ async fn pg_store_passes_the_conformance_suite() {
     let pg = Postgres::new().await;
     let writes = PgWrites::new(&pg).await;
     let report = conformance::run_all_with(pg.store.clone(), writes).await;
-    every_check_passed(&report);
+    report.assert_all_passed();
     assert_eq!(
         pg.idle_in_transaction().await,
         0,
@@ -32,23 +32,11 @@ async fn pg_store_passes_the_one_commit_conformance_suite() {
     let pg = Postgres::new().await;
     let writes = PgWrites::new(&pg).await;
     let report = conformance::run_at_commit_with(pg.store.clone(), writes).await;
-    every_check_passed(&report);
+    report.assert_all_passed();
     assert_eq!(
         pg.idle_in_transaction().await,
         0,
         "no transaction left open"
-    );
-}
-
-/// Every check of `report` ran and passed, none skipped.
-fn every_check_passed(report: &conformance::Report) {
-    report.assert_passed();
-    assert!(
-        report
-            .checks()
-            .iter()
-            .all(|c| *c.outcome() == conformance::Outcome::Passed),
-        "every check ran, none skipped:\n{report}"
     );
 }
 
@@ -58,13 +46,7 @@ async fn memory_store_passes_the_conformance_suite() {
     let report = conformance::run_all_with(store.clone(), store).await;
     report.assert_passed();
     assert_eq!(report.failed_names(), Vec::<&str>::new());
-    assert!(
-        report
-            .checks()
-            .iter()
-            .all(|c| *c.outcome() == conformance::Outcome::Passed),
-        "every check ran, none skipped:\n{report}"
-    );
+    report.assert_all_passed();
 }
 
 /// The suite's handler writes for `PgStore`: rows of a table of the test's
@@ -128,16 +110,7 @@ async fn migrations_are_idempotent_under_concurrency() {
     }
     store.migrate().await.expect("a rerun is a no-op");
     let client = db.client().await;
-    let versions: Vec<i32> = client
-        .query(
-            "SELECT version FROM tower_idempotency_migrations ORDER BY version",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let versions = migration_versions(&client).await;
     assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
     let fillfactor: String = client
         .query_one("SELECT array_to_string(reloptions, ',') FROM pg_class WHERE relname = 'idempotency_requests'", &[])

@@ -368,6 +368,22 @@ where
     }))
 }
 
+/// Writes one order under a fresh id through the request's transaction, for
+/// the request's tenant: the order's id and tenant. (The future holds the
+/// handle and the tenant, not the request, whose body is not `Sync`.)
+pub(crate) fn write_order<B: Backend>(
+    request: &Request<RequestBody>,
+) -> impl Future<Output = Result<(String, TenantId), BoxError>> + Send + 'static {
+    let tx = tx_of::<B>(request).ok_or("no transaction handle");
+    let tenant = request.extensions().get::<TenantId>().cloned();
+    async move {
+        let (tx, tenant) = (tx?, tenant.ok_or("no tenant")?);
+        let id = new_order_id();
+        B::insert_order(&tx, &id, tenant.as_str()).await?;
+        Ok((id, tenant))
+    }
+}
+
 /// A handler that writes one order through the transaction and answers 201
 /// with the order, counting its calls.
 pub(crate) fn order_handler<B: Backend>(calls: Arc<AtomicU64>) -> Handler {
@@ -375,14 +391,7 @@ pub(crate) fn order_handler<B: Backend>(calls: Arc<AtomicU64>) -> Handler {
         let calls = calls.clone();
         async move {
             calls.fetch_add(1, Ordering::SeqCst);
-            let tx = tx_of::<B>(&request).ok_or("no transaction handle")?;
-            let tenant = request
-                .extensions()
-                .get::<TenantId>()
-                .cloned()
-                .ok_or("no tenant")?;
-            let id = new_order_id();
-            B::insert_order(&tx, &id, tenant.as_str()).await?;
+            let (id, tenant) = write_order::<B>(&request).await?;
             let body = json!({"id": id, "tenant": tenant.as_str()}).to_string();
             Ok::<_, BoxError>(
                 Response::builder()
@@ -544,4 +553,18 @@ pub(crate) fn stored(body: &'static [u8]) -> StoredResponse {
         body: Bytes::from_static(body),
         resource_id: None,
     }
+}
+
+/// The migration versions recorded in the database, in order.
+pub(crate) async fn migration_versions(client: &tokio_postgres::Client) -> Vec<i32> {
+    client
+        .query(
+            "SELECT version FROM tower_idempotency_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .expect("the migration table can be read")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
 }

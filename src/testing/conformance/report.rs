@@ -265,6 +265,21 @@ impl Report {
             panic!("{self}");
         }
     }
+
+    /// Whether every check ran and passed: none failed, none skipped.
+    pub fn all_passed(&self) -> bool {
+        self.checks.iter().all(|c| c.outcome == Outcome::Passed)
+    }
+
+    /// Panics with the whole report unless every check ran and passed (a
+    /// store that gives the suite its handler writes should see no check
+    /// skipped).
+    #[track_caller]
+    pub fn assert_all_passed(&self) {
+        if !self.all_passed() {
+            panic!("every check must run and pass:\n{self}");
+        }
+    }
 }
 
 impl fmt::Display for Report {
