@@ -184,6 +184,43 @@ fn numbers_at_the_limits() {
 }
 
 #[test]
+fn a_double_halfway_between_two_shortest_decimals_is_accepted_as_serializers_write_it() {
+    let fp = |n: &str| json_fp(format!(r#"{{"n": {n}}}"#).as_bytes());
+    // Each double lies exactly halfway between two shortest decimals that
+    // read back as it (…420.25 between …420.2 and …420.3). serde_json and
+    // JavaScript write the even one; the fingerprint takes that one too.
+    for (written, respelled, odd) in [
+        (
+            "581340081208420.2",
+            "5813400812084202e-1",
+            "581340081208420.3",
+        ),
+        (
+            "-15814676779719.312",
+            "-15814676779719312e-3",
+            "-15814676779719.313",
+        ),
+        (
+            "-2132163508601201.2",
+            "-21321635086012012E-1",
+            "-2132163508601201.3",
+        ),
+    ] {
+        let double: f64 = written.parse().unwrap();
+        assert_eq!(serde_json::to_string(&double).unwrap(), written);
+        assert_eq!(
+            odd.parse::<f64>().unwrap(),
+            double,
+            "{odd} reads as the same double"
+        );
+        assert_eq!(fp(written).unwrap(), fp(respelled).unwrap(), "{written}");
+        // The odd neighbour is another decimal value that reads as the same
+        // double: it would share the fingerprint, so it is refused.
+        assert_refused(fp(odd), "cannot be compared exactly");
+    }
+}
+
+#[test]
 fn typed_numbers_are_what_the_dto_holds() {
     let body = |amount: &str| format!(r#"{{"checkout_id": "a", "amount": {amount}}}"#);
     for amount in ["9223372036854775808", "1.5", "1e3", "\"1\""] {

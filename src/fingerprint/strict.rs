@@ -418,14 +418,26 @@ impl Decimal {
             exponent,
         })
     }
+
+    /// The `{:e}` layout of a non-zero value: `-1.25e-7`, `3e20`.
+    fn scientific(&self) -> String {
+        let (first, rest) = self.digits.split_at(self.digits.len().min(1));
+        let sign = if self.negative { "-" } else { "" };
+        let point = if rest.is_empty() { "" } else { "." };
+        let exponent = self.exponent + self.digits.len() as i64 - 1;
+        format!("{sign}{first}{point}{rest}e{exponent}")
+    }
 }
 
 /// Numbers compare by value: integers print as integers, and a float with
 /// no fractional part prints as the integer it exactly is, so `2`, `2.0` and
 /// `2e0` (or `100000000000000000` and `1e17`) agree. Other floats print as
-/// the shortest decimal of their double. A written number whose value is not
-/// the one printed here is refused before hashing
-/// ([`refuse_inexact_numbers`]), so no two different values collide.
+/// the shortest decimal of their double in `{:e}` layout. Where two shortest
+/// decimals lie equally near the double (`581340081208420.25` between `…0.2`
+/// and `…0.3`), it is the even one, which serde_json and JavaScript write.
+/// A written number whose value is not the one printed here is refused
+/// before hashing ([`refuse_inexact_numbers`]), so no two different values
+/// collide.
 pub(super) fn canonical_number(n: &serde_json::Number) -> String {
     if let Some(i) = n.as_i64() {
         return i.to_string();
@@ -439,7 +451,12 @@ pub(super) fn canonical_number(n: &serde_json::Number) -> String {
     if f.fract() == 0.0 && f.abs() < I128_SAFE {
         return (f as i128).to_string();
     }
-    format!("{f:e}")
+    // serde_json prints a float's shortest decimal, ties to even; std's
+    // `{:e}` would round a tie up, and refuse what clients send.
+    match Decimal::parse(&n.to_string()) {
+        Some(shortest) => shortest.scientific(),
+        None => format!("{f:e}"),
+    }
 }
 
 #[cfg(test)]
