@@ -29,7 +29,8 @@ use crate::problem::Problem;
 /// - a **number the fingerprint cannot compare exactly**. Numbers are
 ///   compared by value: integers of the 64-bit range exactly; any other
 ///   number as an IEEE-754 double, which is compared as the exact integer
-///   when it is integral and as its shortest decimal otherwise. A number
+///   when it is integral and as its shortest decimal otherwise (of two
+///   equally near, the even one, as serde_json and JavaScript write it). A number
 ///   written with another value than the one so compared
 ///   (`18446744073709551617`, `1e23`, `0.10000000000000001`, `1e-400`) would
 ///   share a fingerprint with a different number, so it is refused; send
