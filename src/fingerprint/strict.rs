@@ -345,13 +345,11 @@ fn is_exact(token: &str) -> bool {
     if number.is_i64() || number.is_u64() {
         return true;
     }
-    match (
-        Decimal::parse(token),
-        Decimal::parse(&canonical_number(&number)),
-    ) {
-        (Some(written), Some(encoded)) => written == encoded,
-        _ => false,
-    }
+    let encoded = match encode(&number) {
+        Encoded::Printed(text) => Decimal::parse(&text),
+        Encoded::Shortest(decimal) => Some(decimal),
+    };
+    matches!((Decimal::parse(token), encoded), (Some(written), Some(encoded)) if written == encoded)
 }
 
 /// A decimal number's exact value: sign, significant digits (no leading or
@@ -439,23 +437,38 @@ impl Decimal {
 /// before hashing ([`refuse_inexact_numbers`]), so no two different values
 /// collide.
 pub(super) fn canonical_number(n: &serde_json::Number) -> String {
+    match encode(n) {
+        Encoded::Printed(text) => text,
+        Encoded::Shortest(decimal) => decimal.scientific(),
+    }
+}
+
+/// What a number's fingerprint encodes, before it is printed.
+enum Encoded {
+    /// An integer, printed.
+    Printed(String),
+    /// A double's shortest decimal, laid out as `{:e}` when printed.
+    Shortest(Decimal),
+}
+
+fn encode(n: &serde_json::Number) -> Encoded {
     if let Some(i) = n.as_i64() {
-        return i.to_string();
+        return Encoded::Printed(i.to_string());
     }
     if let Some(u) = n.as_u64() {
-        return u.to_string();
+        return Encoded::Printed(u.to_string());
     }
     let f = n.as_f64().unwrap_or(f64::NAN);
     // Every integral double below 2^127 converts to i128 exactly.
     const I128_SAFE: f64 = 1.7014118346046923e38;
     if f.fract() == 0.0 && f.abs() < I128_SAFE {
-        return (f as i128).to_string();
+        return Encoded::Printed((f as i128).to_string());
     }
     // serde_json prints a float's shortest decimal, ties to even; std's
     // `{:e}` would round a tie up, and refuse what clients send.
     match Decimal::parse(&n.to_string()) {
-        Some(shortest) => shortest.scientific(),
-        None => format!("{f:e}"),
+        Some(shortest) => Encoded::Shortest(shortest),
+        None => Encoded::Printed(format!("{f:e}")),
     }
 }
 
