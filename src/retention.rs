@@ -181,7 +181,7 @@ impl Cleanup {
         session.mark_dirty();
         let (_, backlog, oldest, leases, committed) = tokio::try_join!(
             biased;
-            session.batch_execute("BEGIN READ ONLY"),
+            session.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"),
             session.query_one_prepared(&backlog, &[]),
             session.query_one_prepared(&oldest, &[]),
             session.query_one_prepared(&leases, &[]),

@@ -36,12 +36,7 @@ impl TwoInstances for Postgres {
 
 impl TwoInstances for Sqlx {
     async fn second_store(&self) -> Self::Store {
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(sqlx_options(&self.db))
-            .await
-            .expect("a second pool");
-        tower_idempotency::sqlx::SqlxStore::new(pool)
+        tower_idempotency::sqlx::SqlxStore::new(sqlx_pool(&self.db, 4).await)
     }
 }
 

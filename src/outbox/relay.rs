@@ -21,6 +21,7 @@ use super::{
 };
 use crate::{
     metrics,
+    pg::statements::BEGIN,
     postgres::{statements::Sql, PgStore},
     store::StoreError,
 };
@@ -202,7 +203,7 @@ impl<K: Sink> Relay<K> {
         session.mark_dirty();
         let (_, rows) = tokio::try_join!(
             biased;
-            session.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
+            session.batch_execute(BEGIN),
             session.query_prepared(&claim, &limit),
         )?;
         let mut report = BatchReport {

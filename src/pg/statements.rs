@@ -2,6 +2,16 @@
 //! short mode's completion, the fenced transaction's check, and the session
 //! reset. One text each; a driver adds only how it sends it.
 
+/// How every transaction of the store begins. The protocol is written for
+/// READ COMMITTED: a duplicate's `INSERT … ON CONFLICT` waits on the owner's
+/// row lock and then sees its commit, a loser's claim at commit fails on the
+/// winner's row, a takeover reads the row's latest version. Under the
+/// snapshot of REPEATABLE READ or SERIALIZABLE each of them would fail with
+/// a serialization error instead, and a migrator that waited for another's
+/// lock would not see its tables; so the level is named here, never left to
+/// the database's `default_transaction_isolation`.
+pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
 // The COMMIT is pipelined behind this statement, so it must fail (aborting
 // the transaction) rather than match no row: the handler's writes must never
 // commit without the remembered response. Division by zero does that. The

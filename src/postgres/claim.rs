@@ -11,6 +11,7 @@ use tokio_postgres::{
 };
 
 use super::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx};
+use crate::pg::statements::BEGIN;
 use crate::store::{Claim, ClaimRequest, StoreError, StoreErrorKind};
 
 // Parameters carry explicit casts so their types are fixed by the SQL text:
@@ -284,7 +285,7 @@ fn claim_begin(wait: Duration, hold_limit: Option<Duration>) -> String {
 /// PostgreSQL takes at most `i32::MAX` milliseconds.
 pub(super) fn begin_batch(lock_wait: Option<Duration>, hold_limit: Option<Duration>) -> String {
     let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);
-    let mut batch = "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned();
+    let mut batch = BEGIN.to_owned();
     if let Some(wait) = lock_wait {
         batch.push_str(&format!("; SET LOCAL lock_timeout = '{}ms'", ms(wait)));
     }

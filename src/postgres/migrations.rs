@@ -7,6 +7,7 @@ use super::{
     statements::Sql,
 };
 use crate::pg::migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK};
+use crate::pg::statements::BEGIN;
 use crate::store::{StoreError, StoreErrorKind};
 
 const APPLIED: &str = "SELECT version FROM tower_idempotency_migrations";
@@ -27,7 +28,7 @@ pub(super) async fn run(session: &Session) -> Result<Committed, StoreError> {
 async fn apply(session: &Session) -> Result<Committed, StoreError> {
     session
         .batch_execute(&format!(
-            "BEGIN;
+            "{BEGIN};
          SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
          CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
              version    integer PRIMARY KEY,

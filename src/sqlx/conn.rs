@@ -22,7 +22,7 @@ use ::sqlx::{
 
 use crate::pg::{
     lexer::{self, Refusal},
-    statements::SESSION_RESET,
+    statements::{BEGIN, SESSION_RESET},
 };
 
 /// What a [`SqlxConn`](super::SqlxConn) dereferences to: the claim's
@@ -70,7 +70,7 @@ impl GuardedConnection {
             clean: false,
             transaction_pooling,
         };
-        begun.raw().execute("BEGIN").await?;
+        begun.raw().execute(BEGIN).await?;
         Ok(begun)
     }
 

@@ -99,7 +99,10 @@ use std::fmt;
 use ::sqlx::{Executor as _, PgPool};
 
 use crate::{
-    pg::migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK},
+    pg::{
+        migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK},
+        statements::BEGIN,
+    },
     store::{StoreError, StoreErrorKind},
 };
 
@@ -195,7 +198,7 @@ impl SqlxStore {
     /// [`StoreErrorKind::Schema`] if the database has a newer schema than
     /// this build knows.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(map_error)?;
+        let mut tx = self.pool.begin_with(BEGIN).await.map_err(map_error)?;
         // A string without arguments goes out as a simple query: several
         // statements in one.
         (&mut *tx)

@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, Notify};
 use tokio_postgres::types::FromSql;
-use tower::{Service, ServiceExt};
+use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::{
     fingerprint::{Fingerprint, JsonFingerprinter},
     key::IdempotencyKey,
@@ -142,13 +142,7 @@ impl Postgres {
 
     /// A new store whose sessions get `name = value` as their database default.
     pub(crate) async fn store_with_database_setting(&self, name: &str, value: &str) -> PgStore {
-        self.client
-            .batch_execute(&format!(
-                "ALTER DATABASE \"{}\" SET {name} = '{value}'",
-                self.db.name()
-            ))
-            .await
-            .unwrap();
+        set_database_default(&self.client, &self.db, name, value).await;
         PgStore::builder(self.db.config()).build().unwrap()
     }
 
@@ -239,12 +233,7 @@ impl Sqlx {
     /// A fresh database with a store on a pool of at most `max_connections`.
     pub(crate) async fn with_pool(max_connections: u32) -> Self {
         let db = TestDatabase::create().await;
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(max_connections)
-            .connect_with(sqlx_options(&db))
-            .await
-            .expect("the pool connects");
-        let store = SqlxStore::new(pool);
+        let store = SqlxStore::new(sqlx_pool(&db, max_connections).await);
         store.migrate().await.expect("migrations apply");
         let client = db.client().await;
         client
@@ -258,6 +247,39 @@ impl Sqlx {
     pub(crate) async fn count(&self, sql: &str) -> i64 {
         self.client.query_one(sql, &[]).await.unwrap().get(0)
     }
+
+    /// A store on a new pool, whose sessions start with the database's
+    /// default `name = value` (set here).
+    pub(crate) async fn store_with_database_setting(&self, name: &str, value: &str) -> SqlxStore {
+        set_database_default(&self.client, &self.db, name, value).await;
+        SqlxStore::new(sqlx_pool(&self.db, 16).await)
+    }
+}
+
+/// `ALTER DATABASE … SET name = 'value'`: the default of the database's
+/// sessions from their next connection on.
+pub(crate) async fn set_database_default(
+    client: &tokio_postgres::Client,
+    db: &TestDatabase,
+    name: &str,
+    value: &str,
+) {
+    client
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET {name} = '{value}'",
+            db.name()
+        ))
+        .await
+        .unwrap();
+}
+
+/// A sqlx pool of at most `max_connections` on `db`.
+pub(crate) async fn sqlx_pool(db: &TestDatabase, max_connections: u32) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(sqlx_options(db))
+        .await
+        .expect("the pool connects")
 }
 
 /// sqlx's connection options for `db` (a Unix socket, as the test cluster listens).
@@ -480,6 +502,49 @@ where
     B::Error: Into<BoxError>,
 {
     tokio::spawn(send(service, request))
+}
+
+/// Two layers on `store` are two processes: while the first runs its
+/// handler, a duplicate with a short wait gets `409 idempotency_in_progress`,
+/// and one with the default wait waits on the key's row lock in PostgreSQL
+/// (seen through `client`), then replays the first's answer; one order.
+pub(crate) async fn a_duplicate_from_another_process_waits_and_replays<B: Backend>(
+    backend: &B,
+    store: B::Store,
+    client: &tokio_postgres::Client,
+) {
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let process_a = layer(store.clone()).layer(gated::<B>(started.clone(), release.clone()));
+    let process_b = layer(store.clone()).layer(order_handler::<B>(Default::default()));
+    let first = spawn_send(process_a, tenant_a_post("k1"));
+    started.notified().await;
+    let short = layer(store)
+        .wait(WAIT_SHORT)
+        .layer(order_handler::<B>(Default::default()));
+    let timed_out = send(short, tenant_a_post("k1")).await;
+    assert_eq!(timed_out.json()["code"], "idempotency_in_progress");
+    let duplicate = spawn_send(process_b, tenant_a_post("k1"));
+    // Synchronise on the database: the duplicate is waiting for the key's lock.
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    for _ in 0..500 {
+        let row = client.query_one(waiting, &[]).await.unwrap();
+        if row.get::<_, i64>(0) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    release.notify_one();
+    let first = first.await.unwrap();
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CREATED,
+        "{}",
+        duplicate.json()
+    );
+    assert!(duplicate.replayed());
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(backend.orders().await.len(), 1);
 }
 
 /// A handler that writes, tells the test it started, and waits for `release`.

@@ -15,6 +15,7 @@ use super::PgLease;
 use crate::pg::lease::{
     acquired, attempt_of, fenced, operation_state, recovered, running, stored_response, RecoverRow,
 };
+use crate::pg::statements::BEGIN;
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
@@ -140,7 +141,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     // transaction once it idles for a lease: takeovers are not blocked for
     // longer than the lease they wait for anyway.
     let begin = format!(
-        "BEGIN ISOLATION LEVEL READ COMMITTED; \
+        "{BEGIN}; \
          SET LOCAL lock_timeout = '{}ms'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
         millis(ROW_WAIT.min(lease.identity().lease() / 2)),
@@ -312,10 +313,7 @@ async fn short_transaction(
             return Err(e);
         }
     };
-    let begin = format!(
-        "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{}ms'",
-        millis(wait)
-    );
+    let begin = format!("{BEGIN}; SET LOCAL lock_timeout = '{}ms'", millis(wait));
     conn.mark_dirty();
     let ran = tokio::time::timeout_at(deadline, async {
         tokio::try_join!(

@@ -11,6 +11,7 @@ use crate::{
         acquired, answered, attempt_of, operation_state, recovered, running, stored_response,
         RecoverRow, ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
+    pg::statements::BEGIN,
     pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     record::{Record, StoredResponse},
     scope::TenantId,
@@ -236,7 +237,7 @@ impl SqlxStore {
             return statement.fetch_optional(&self.pool).await;
         }
         // Dropped on an error, the transaction rolls back.
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(BEGIN).await?;
         let row = statement.fetch_optional(&mut *tx).await?;
         tx.commit().await?;
         Ok(row)
@@ -244,7 +245,7 @@ impl SqlxStore {
 
     /// A short transaction whose lock waits last at most `wait`.
     async fn short(&self, wait: Duration) -> Result<Transaction<'static, Postgres>, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(map_error)?;
+        let mut tx = self.pool.begin_with(BEGIN).await.map_err(map_error)?;
         if let Err(e) = set_waits(&mut tx, wait, None, self.transaction_pooling).await {
             let error = map_error(e);
             rollback(tx).await;
