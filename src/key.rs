@@ -38,6 +38,10 @@ pub enum KeyError {
     InvalidCharacter,
     /// The header appeared more than once.
     Repeated,
+    /// The key is in the quoted form, and what it quotes is a quoted
+    /// string again (`"\"abc\""`): kept as `"abc"`, it would read as `abc`
+    /// the next time, another key.
+    QuotedTwice,
 }
 
 impl fmt::Display for KeyError {
@@ -51,6 +55,9 @@ impl fmt::Display for KeyError {
                 "the key may only contain visible ASCII characters (0x21-0x7E)"
             }
             KeyError::Repeated => "the key header appears more than once",
+            KeyError::QuotedTwice => {
+                "the quoted key quotes a quoted string; send the key quoted once, or bare"
+            }
         })
     }
 }
@@ -62,13 +69,14 @@ impl IdempotencyKey {
     ///
     /// A value that is a well-formed quoted string is unquoted (`"abc"` and
     /// `abc` name the same key); anything else is taken as it is, so a bare
-    /// key may itself contain `"`.
+    /// key may itself contain `"`. A quoted string of a quoted string
+    /// (`"\"abc\""`) is refused ([`KeyError::QuotedTwice`]), so that a key
+    /// read again from [`as_str`](Self::as_str) is always the same key.
     pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
-        match raw {
-            [b'"', inner @ .., b'"'] => {
-                Self::from_bytes(unquote(inner).unwrap_or_else(|| raw.to_vec()))
-            }
-            bare => Self::from_bytes(bare.to_vec()),
+        match quoted(raw) {
+            Some(contents) if quoted(&contents).is_some() => Err(KeyError::QuotedTwice),
+            Some(contents) => Self::from_bytes(contents),
+            None => Self::from_bytes(raw.to_vec()),
         }
     }
 
@@ -112,6 +120,14 @@ impl IdempotencyKey {
 
 /// RFC 8941 sf-string body: printable ASCII with `\"` and `\\` as the only
 /// escapes; `None` if it is not one.
+/// The contents of `raw` if it is a well-formed RFC 8941 quoted string.
+fn quoted(raw: &[u8]) -> Option<Vec<u8>> {
+    match raw {
+        [b'"', inner @ .., b'"'] => unquote(inner),
+        _ => None,
+    }
+}
+
 fn unquote(inner: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(inner.len());
     let mut bytes = inner.iter();
@@ -184,11 +200,30 @@ mod tests {
     }
 
     #[test]
+    fn a_key_quoted_twice_is_refused() {
+        // Unquoted once, these would be `"rk1"` and `""`: read again (by
+        // the recovery worker, from the store) they would be `rk1` and
+        // nothing, other keys than the request's.
+        for raw in [&br#""\"rk1\"""#[..], br#""\"\"""#] {
+            assert_eq!(IdempotencyKey::parse(raw), Err(KeyError::QuotedTwice));
+        }
+        // Quotes that do not make a quoted string are the key's own.
+        let key = IdempotencyKey::parse(br#""\"a\"b\"""#).unwrap();
+        assert_eq!(key.as_str(), r#""a"b""#);
+        assert_eq!(IdempotencyKey::parse(key.as_str().as_bytes()), Ok(key));
+    }
+
+    #[test]
     fn debug_and_display_hide_the_raw_key() {
         let key = IdempotencyKey::parse(b"secret-key-123").unwrap();
         assert!(!format!("{key:?}").contains("secret"));
         assert!(!key.to_string().contains("secret"));
         assert_eq!(key.short_hash().len(), 12);
+    }
+
+    /// `key` in the RFC 8941 quoted form.
+    fn quote(key: &str) -> String {
+        format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""))
     }
 
     proptest! {
@@ -208,9 +243,27 @@ mod tests {
 
         #[test]
         fn quoted_keys_round_trip(key in "[!-~]{1,255}") {
-            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
-            let parsed = IdempotencyKey::parse(quoted.as_bytes()).unwrap();
+            // Contents that are a quoted string themselves are refused
+            // (`a_key_quoted_twice_is_refused`).
+            prop_assume!(IdempotencyKey::parse(key.as_bytes()).map(|k| k.as_str() == key) == Ok(true));
+            let parsed = IdempotencyKey::parse(quote(&key).as_bytes()).unwrap();
             prop_assert_eq!(parsed.as_str(), key.as_str());
+        }
+
+        /// An accepted key read again is the same key: what the store keeps
+        /// (`as_str`) names the key the request did, for the recovery
+        /// worker that reads it back and for a client that sends it again.
+        #[test]
+        fn an_accepted_key_reads_back_as_itself(
+            raw in prop_oneof![
+                proptest::collection::vec(prop_oneof![Just(b'"'), Just(b'\\'), 0x21..0x7f_u8], 0..40),
+                "[a-c\"\\\\]{0,8}".prop_map(|k| quote(&k).into_bytes()),
+                "[a-c\"\\\\]{0,8}".prop_map(|k| quote(&quote(&k)).into_bytes()),
+            ],
+        ) {
+            if let Ok(key) = IdempotencyKey::parse(&raw) {
+                prop_assert_eq!(IdempotencyKey::parse(key.as_str().as_bytes()), Ok(key));
+            }
         }
 
         /// Whatever the bytes, an accepted key is 1-255 visible ASCII
