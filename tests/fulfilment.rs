@@ -587,6 +587,7 @@ async fn fulfilment_answers_the_contract_table() {
         r#"{"warehouse":""}"#,
         r#"{"warehouse":"  "}"#,
         r#"{"warehouse":7}"#,
+        r#"{"warehouse":"tokyo\u0000"}"#,
         too_long.as_str(),
         "{}",
         "not json",

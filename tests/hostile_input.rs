@@ -765,6 +765,36 @@ async fn the_order_server_answers_hostile_requests_by_its_contract() {
             422,
             "validation_failed",
         ),
+        // PostgreSQL stores no U+0000 in text or jsonb: refused as a field
+        // error, never a 503 that clients would retry for ever.
+        (
+            "a NUL in the checkout id",
+            String::new(),
+            br#"{"checkout_id":"chk\u0000x","currency":"JPY","items":[{"sku":"SKU-1","unit_price":1}],"shipping_address_id":"addr_1"}"#.to_vec(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a NUL in the address",
+            String::new(),
+            br#"{"checkout_id":"chk_1","currency":"JPY","items":[{"sku":"SKU-1","unit_price":1}],"shipping_address_id":"\u0000"}"#.to_vec(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a NUL in the coupon",
+            String::new(),
+            br#"{"checkout_id":"chk_1","coupon":"SAVE\u0000","currency":"JPY","items":[{"sku":"SKU-1","unit_price":1}],"shipping_address_id":"addr_1"}"#.to_vec(),
+            422,
+            "validation_failed",
+        ),
+        (
+            "a NUL in a SKU",
+            String::new(),
+            order_body(r#"[{"sku":"SKU\u0000","unit_price":1}]"#),
+            422,
+            "validation_failed",
+        ),
         (
             "a body over 1 MiB",
             String::new(),

@@ -55,11 +55,8 @@ pub(crate) struct FulfilmentRequest {
 }
 
 fn validate(request: &FulfilmentRequest) -> Result<(), Vec<FieldError>> {
-    if request.warehouse.trim().is_empty() {
-        return Err(vec![FieldError::new(
-            "warehouse",
-            "must be a non-empty string",
-        )]);
+    if let Some(error) = crate::orders::text_error(&request.warehouse) {
+        return Err(vec![FieldError::new("warehouse", error)]);
     }
     if request.warehouse.chars().count() > MAX_WAREHOUSE_CHARS {
         return Err(vec![FieldError::new(

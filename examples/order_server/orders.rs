@@ -51,29 +51,40 @@ impl NewOrder {
     }
 }
 
+/// Why a required string field is refused, if it is: PostgreSQL keeps no
+/// U+0000 in `text` or `jsonb`, so it is the client's error, not an outage.
+pub(crate) fn text_error(value: &str) -> Option<&'static str> {
+    if value.trim().is_empty() {
+        Some("must be a non-empty string")
+    } else {
+        nul_error(value)
+    }
+}
+
+fn nul_error(value: &str) -> Option<&'static str> {
+    value.contains('\0').then_some("must not contain U+0000")
+}
+
 fn validate(order: &NewOrder) -> Result<(), Vec<FieldError>> {
     let mut errors = Vec::new();
-    if order.checkout_id.trim().is_empty() {
-        errors.push(FieldError::new("checkout_id", "must be a non-empty string"));
+    if let Some(error) = text_error(&order.checkout_id) {
+        errors.push(FieldError::new("checkout_id", error));
     }
     if order.currency.len() != 3 || !order.currency.bytes().all(|b| b.is_ascii_uppercase()) {
         errors.push(FieldError::new("currency", "must be 3 upper-case letters"));
     }
-    if order.shipping_address_id.trim().is_empty() {
-        errors.push(FieldError::new(
-            "shipping_address_id",
-            "must be a non-empty string",
-        ));
+    if let Some(error) = text_error(&order.shipping_address_id) {
+        errors.push(FieldError::new("shipping_address_id", error));
+    }
+    if let Some(error) = order.coupon.as_deref().and_then(nul_error) {
+        errors.push(FieldError::new("coupon", error));
     }
     if order.items.is_empty() || order.items.len() > 100 {
         errors.push(FieldError::new("items", "must hold 1 to 100 items"));
     }
     for (i, item) in order.items.iter().enumerate() {
-        if item.sku.trim().is_empty() {
-            errors.push(FieldError::new(
-                format!("items[{i}].sku"),
-                "must be a non-empty string",
-            ));
+        if let Some(error) = text_error(&item.sku) {
+            errors.push(FieldError::new(format!("items[{i}].sku"), error));
         }
         if item.quantity < 1 {
             errors.push(FieldError::new(
