@@ -250,6 +250,82 @@ async fn a_failed_handler_commits_nothing<B: TwoInstances>(
     assert_eq!(backend.orders().await.len(), 1);
 }
 
+/// A handler whose order is unique in the domain (one per checkout: its id
+/// is the checkout's). Its insert fails once the first order is committed;
+/// it answers that failure with a `503`, or, if `ignores_errors`, answers
+/// `201` all the same (so that its commit fails).
+fn one_order_per_checkout<B: Backend>(ignores_errors: bool) -> Handler {
+    tower::util::BoxCloneService::new(tower::service_fn(
+        move |request: Request<RequestBody>| async move {
+            let tx = tx_of::<B>(&request).ok_or("no transaction handle")?;
+            let inserted = B::insert_order(&tx, "order-of-chk-1", "tenant-a").await;
+            Ok::<_, BoxError>(match inserted {
+                Err(_) if !ignores_errors => response(StatusCode::SERVICE_UNAVAILABLE, "try again"),
+                _ => created(r#"{"id":"order-of-chk-1"}"#),
+            })
+        },
+    ))
+}
+
+/// A retry that reaches an instance without the key in its replay cache
+/// runs the handler, whose insert now meets the domain's unique key: the
+/// retry still gets the first answer (the mode reads the key once the work
+/// is rolled back), and another request under the key is refused.
+async fn a_retry_that_meets_a_unique_key_of_the_domain_replays<B: TwoInstances>(
+    backend: &B,
+    client: &tokio_postgres::Client,
+) {
+    let created = send(
+        one_commit(backend.store()).layer(one_order_per_checkout::<B>(false)),
+        tenant_a_post("domain"),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    for ignores_errors in [false, true] {
+        let other = one_commit(backend.second_store().await)
+            .layer(one_order_per_checkout::<B>(ignores_errors));
+        let retried = send(other.clone(), tenant_a_post("domain")).await;
+        assert_eq!(
+            (retried.status, retried.replayed()),
+            (StatusCode::CREATED, true),
+            "ignores errors: {ignores_errors}: {:?}",
+            retried.body
+        );
+        assert_eq!(retried.body, created.body, "byte for byte");
+        let reused = send(
+            other,
+            post(
+                Some("tenant-a"),
+                Some("domain"),
+                r#"{"checkout_id":"other","amount":1}"#,
+            ),
+        )
+        .await;
+        assert_eq!(reused.json()["code"], "idempotency_key_reused");
+    }
+    assert_eq!(
+        backend.orders().await,
+        [("order-of-chk-1".to_owned(), "tenant-a".to_owned())]
+    );
+    let rows = record::<B>(client, "domain").await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].0.as_str(), rows[0].1), ("completed", 201));
+    assert_eq!(rows[0].2, created.body.to_vec());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_store_a_retry_that_meets_a_unique_key_of_the_domain_replays() {
+    let pg = Postgres::new().await;
+    a_retry_that_meets_a_unique_key_of_the_domain_replays(&pg, &pg.client).await;
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_a_retry_that_meets_a_unique_key_of_the_domain_replays() {
+    let sqlx = Sqlx::new().await;
+    a_retry_that_meets_a_unique_key_of_the_domain_replays(&sqlx, &sqlx.client).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_store_duplicates_on_two_instances_commit_once_and_answer_alike() {
     let pg = Postgres::new().await;

@@ -40,6 +40,14 @@ pub(crate) trait OneTransaction<St: Store>: Send + Sync + 'static {
         claim: &ClaimRequest,
         response: &StoredResponse,
     ) -> impl Future<Output = Result<Committed, StoreError>> + Send;
+
+    /// Phase 5, when the owner's work ended without a commit of its own:
+    /// the record the key has by now, which a mode that did not read the
+    /// key before running the owner must answer instead.
+    fn decided_elsewhere(
+        store: &St,
+        claim: &ClaimRequest,
+    ) -> impl Future<Output = Option<Record>> + Send;
 }
 
 impl<St: Store> OneTransaction<St> for ShortTransaction {
@@ -58,6 +66,11 @@ impl<St: Store> OneTransaction<St> for ShortTransaction {
     ) -> Result<Committed, StoreError> {
         store.complete(tx, response).await.map(|()| Committed::Won)
     }
+
+    /// The claim read the key: this request held it, so no other record.
+    async fn decided_elsewhere(_: &St, _: &ClaimRequest) -> Option<Record> {
+        None
+    }
 }
 
 impl<St: CommitStore> OneTransaction<St> for ClaimAtCommit {
@@ -72,6 +85,28 @@ impl<St: CommitStore> OneTransaction<St> for ClaimAtCommit {
         response: &StoredResponse,
     ) -> impl Future<Output = Result<Committed, StoreError>> + Send {
         store.commit(tx, claim, response)
+    }
+
+    /// A retry that reached an instance without the key in its replay cache
+    /// ran the owner before anything was read; its work failed, often on
+    /// what the first commit wrote (a unique key of the domain). The key
+    /// is read now, by a claim that is let go at once if the key is free:
+    /// one more round trip, on failures only.
+    async fn decided_elsewhere(store: &St, claim: &ClaimRequest) -> Option<Record> {
+        match store.claim(claim).await {
+            Ok(Claim::Completed(record)) => Some(record),
+            Ok(Claim::Owned(tx)) => {
+                if let Err(e) = store.abort(tx).await {
+                    tracing::warn!(error = %e, "rollback failed; the connection was discarded");
+                }
+                None
+            }
+            Ok(Claim::InProgress) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "the key could not be read after the rollback");
+                None
+            }
+        }
     }
 }
 
@@ -197,7 +232,8 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
 /// How phase 5 ended.
 enum Remembered<B, E> {
     Settled(Settled<B, E>),
-    /// The one-commit mode's commit lost to this record.
+    /// The one-commit mode's work lost to this record: its commit found
+    /// the key taken, or its work failed and the key was found taken.
     Lost(Record),
 }
 
@@ -209,15 +245,19 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
     ran: Result<(http::response::Parts, Bytes), Rollback<ResB, E>>,
     #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))] faults: Faults,
 ) -> Remembered<ResB, E> {
-    Remembered::Settled(match ran {
+    let failed = match ran {
         Ok((parts, body)) => {
             let replayed = &setup.config.replay_headers;
             let stored = StoredResponse::remember(&parts, replayed, body);
             fault_point!(faults, BeforeCommit);
             match M::commit(&setup.store, tx, claim, &stored).await {
-                Ok(Committed::Won) => Settled::Committed(parts, stored.body),
+                Ok(Committed::Won) => {
+                    return Remembered::Settled(Settled::Committed(parts, stored.body))
+                }
                 Ok(Committed::Lost(record)) => return Remembered::Lost(record),
-                Ok(Committed::Held) => Settled::InProgress { retry_after: 1 },
+                Ok(Committed::Held) => {
+                    return Remembered::Settled(Settled::InProgress { retry_after: 1 })
+                }
                 Err(e) => Settled::CompletionFailed(e),
             }
         }
@@ -227,7 +267,11 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
             }
             Settled::RolledBack(rollback)
         }
-    })
+    };
+    match M::decided_elsewhere(&setup.store, claim).await {
+        Some(record) => Remembered::Lost(record),
+        None => Remembered::Settled(failed),
+    }
 }
 
 /// The fault injected into this request, if any (feature `failpoints`).
