@@ -91,7 +91,7 @@ impl<St: CommitStore> OneTransaction<St> for ClaimAtCommit {
     /// ran the owner before anything was read; its work failed, often on
     /// what the first commit wrote (a unique key of the domain). The key
     /// is read now, by a claim that is let go at once if the key is free:
-    /// one more round trip, on failures only.
+    /// two round trips more, on failures only.
     async fn decided_elsewhere(store: &St, claim: &ClaimRequest) -> Option<Record> {
         match store.claim(claim).await {
             Ok(Claim::Completed(record)) => Some(record),
