@@ -729,3 +729,131 @@ async fn a_lost_commit_is_counted_and_answered_as_a_replay() {
     );
     assert_eq!(store.completed_records(), 1);
 }
+
+/// An operation that ends `failed` is counted as failed, never as
+/// recovered; an acquisition past the last attempt (the last one took its
+/// process down) runs nothing and counts no attempt, only the takeover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_operation_is_not_a_recovery_and_an_attempt_that_never_ran_is_not_counted() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tower_idempotency::{
+        fingerprint::Fingerprint,
+        lease::{LeaseConfig, OperationId},
+        scope::{Scope, TenantId},
+        store::{Acquired, ClaimRequest, LeaseRequest, LeaseStore, StoredRequest},
+    };
+    let installed = installed();
+    let pg = Postgres::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let failing = {
+        let calls = calls.clone();
+        tower::util::BoxCloneService::new(tower::service_fn(move |_: Request<RequestBody>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async move { Ok::<_, BoxError>(response(StatusCode::BAD_GATEWAY, "down")) }
+        }))
+    };
+    let long = |endpoint: &str, max_attempts: u32| {
+        IdempotencyLayer::new(pg.store.clone(), endpoint, JsonFingerprinter::new("v1"))
+            .long_running(
+                LeaseConfig::new(Duration::from_secs(5))
+                    .respond_within(Duration::from_secs(5))
+                    .max_attempts(max_attempts)
+                    .recovery_backoff(Duration::from_millis(1), Duration::from_millis(1)),
+            )
+    };
+    // Recovery until it re-drove one operation (the backoff, 1 ms, counts
+    // from the end of the lease).
+    let recover_one = |layer: &IdempotencyLayer<_, _, _, _>| {
+        let recovery = layer.recovery(failing.clone());
+        async move {
+            for _ in 0..500 {
+                if recovery.run_once().await.unwrap() == 1 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            panic!("nothing was recovered");
+        }
+    };
+    let state = |key: &'static str| {
+        let client = &pg.client;
+        async move {
+            let row = client
+                .query_one(
+                    "SELECT state, attempts FROM idempotency_requests WHERE idempotency_key = $1",
+                    &[&key],
+                )
+                .await
+                .unwrap();
+            (row.get::<_, String>(0), row.get::<_, i32>(1))
+        }
+    };
+
+    // Attempt 1 by the request, attempt 2 (the last) by recovery: failed.
+    const FAILING: &str = "POST /observability/failing v1";
+    let layer = long(FAILING, 2);
+    let first = send(layer.layer(failing.clone()), tenant_a_post("k1")).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    recover_one(&layer).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(state("k1").await, ("failed".to_owned(), 2));
+
+    // The last attempt crashed (acquired, never ended): recovery takes the
+    // operation over and fails it without running it.
+    const CRASHED: &str = "POST /observability/crashed v1";
+    let claim = ClaimRequest::new(
+        Scope::new(TenantId::new("t"), CRASHED),
+        IdempotencyKey::parse(b"k2").unwrap(),
+        Fingerprint::from_bytes([2; 32]),
+    );
+    let stored = StoredRequest::new(http::Method::POST, "/x", vec![], Bytes::from_static(b"{}"));
+    let lease = LeaseRequest::new(Duration::from_secs(5), OperationId::random(), stored);
+    let Ok(Acquired::Owned(_dead)) = pg.store.acquire(&claim, &lease).await else {
+        panic!("the first owner owns the key")
+    };
+    pg.exec("UPDATE idempotency_requests SET lease_expires_at = now() - interval '1 second' WHERE idempotency_key = 'k2'")
+        .await;
+    let layer = long(CRASHED, 1);
+    recover_one(&layer).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "no attempt past the last");
+    assert_eq!(state("k2").await, ("failed".to_owned(), 1));
+
+    let values = snapshot(&installed.snapshotter);
+    let counter = |name: &str, endpoint: &str, by: Option<&str>| {
+        let mut pairs = vec![("endpoint", endpoint)];
+        pairs.extend(by.map(|by| ("by", by)));
+        match metric(&values, name, &pairs) {
+            Some(DebugValue::Counter(n)) => *n,
+            None => 0,
+            other => panic!("{name} {pairs:?}: {other:?}"),
+        }
+    };
+    let attempts = "idempotency_operation_attempts_total";
+    let (failed, recovered) = (
+        "idempotency_operations_failed_total",
+        "idempotency_recoveries_total",
+    );
+    assert_eq!(counter(attempts, FAILING, Some("request")), 1);
+    assert_eq!(counter(attempts, FAILING, Some("recovery")), 1);
+    assert_eq!(counter(failed, FAILING, None), 1);
+    assert_eq!(
+        counter(recovered, FAILING, None),
+        0,
+        "a failure is no recovery"
+    );
+    assert_eq!(
+        counter(attempts, CRASHED, Some("recovery")),
+        0,
+        "the takeover ran no attempt"
+    );
+    assert_eq!(
+        counter(
+            "idempotency_lease_takeovers_total",
+            CRASHED,
+            Some("recovery")
+        ),
+        1
+    );
+    assert_eq!(counter(failed, CRASHED, None), 1);
+    assert_eq!(counter(recovered, CRASHED, None), 0);
+}

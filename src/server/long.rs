@@ -32,10 +32,12 @@ use crate::{
 
 /// How one attempt of the owner's work under a lease ended.
 pub(crate) enum Driven<B, E> {
-    /// Its answer is stored (the compare-and-swap on the token held): the
-    /// handler's, or after the last allowed attempt the remembered
-    /// `500 operation_failed`.
+    /// The handler's answer is stored (the compare-and-swap on the token
+    /// held).
     Completed(http::response::Parts, Bytes),
+    /// No allowed attempt gave an answer: the operation ended `failed`, and
+    /// this is its remembered `500 operation_failed`.
+    Failed(http::response::Parts, Bytes),
     /// It ended without an answer to remember; the operation stays, its
     /// lease given up, for the next attempt.
     AttemptFailed(Rollback<B, E>),
@@ -44,6 +46,14 @@ pub(crate) enum Driven<B, E> {
     /// It panicked, or its end could not be stored (logged): the operation
     /// stays, and its next attempt resumes it.
     Unfinished,
+}
+
+/// One attempt of an operation, for [`drive`]: the lease it runs under,
+/// its number (1 for the first) and who acquired it.
+pub(crate) struct Attempt<L> {
+    pub(crate) lease: L,
+    pub(crate) number: u32,
+    pub(crate) by: TakeoverBy,
 }
 
 /// Phases 3 to 5 in the long-running mode: acquire the operation (or say
@@ -109,7 +119,6 @@ pub(crate) async fn run<S: Inner<B>, St: LeaseStore, F, R, B: InnerBody>(
         Err(e) => return (Settled::ClaimFailed(e), timings),
     };
     let operation_id = owned.operation_id;
-    metrics::operation_attempt(&config.endpoint, TakeoverBy::Request);
     if owned.taken_over {
         tracing::info!(%operation_id, token = owned.token, attempt = owned.attempt, "resumed an operation whose lease had ended");
         metrics::lease_takeover(&config.endpoint, TakeoverBy::Request);
@@ -126,14 +135,19 @@ pub(crate) async fn run<S: Inner<B>, St: LeaseStore, F, R, B: InnerBody>(
         lease_config.clone(),
         inner,
         request,
-        owned.lease,
-        owned.attempt,
+        Attempt {
+            lease: owned.lease,
+            number: owned.attempt,
+            by: TakeoverBy::Request,
+        },
     );
     let done = spawn_work(work, running);
 
     // 5. Answer with its result if it comes in time, else 202.
     match tokio::time::timeout(lease_config.respond_within, done).await {
-        Ok(Ok(Driven::Completed(parts, body))) => (Settled::Committed(parts, body), timings),
+        Ok(Ok(Driven::Completed(parts, body) | Driven::Failed(parts, body))) => {
+            (Settled::Committed(parts, body), timings)
+        }
         Ok(Ok(Driven::AttemptFailed(rollback))) => {
             (Settled::AttemptFailed(operation_id, rollback), timings)
         }
@@ -189,8 +203,7 @@ pub(crate) async fn drive<S, St, ResB>(
     lease_config: LeaseConfig,
     inner: S,
     request: Request<RequestBody>,
-    lease: St::Lease,
-    attempt: u32,
+    attempt: Attempt<St::Lease>,
 ) -> Driven<ResB, S::Error>
 where
     S: Inner<ResB>,
@@ -198,11 +211,18 @@ where
     ResB: InnerBody,
 {
     let endpoint = &*config.endpoint;
+    let Attempt {
+        lease,
+        number: attempt,
+        by,
+    } = attempt;
     if attempt > lease_config.max_attempts {
         // Every allowed attempt ended without an answer; the last may have
         // taken its process down, so nobody recorded the failure then.
         return fail_for_good(&store, &lease, &config, attempt - 1).await;
     }
+    // Counted once it is sure to run, whoever acquired it.
+    metrics::operation_attempt(endpoint, by);
     let _running = metrics::OperationRunning::start(endpoint);
     let started = Instant::now();
     let work = AssertUnwindSafe(tokio::time::timeout(
@@ -310,7 +330,7 @@ pub(crate) async fn fail_for_good<St: LeaseStore, B, E>(
                 attempts,
                 "the operation ended failed: no attempt gave an answer; retries replay operation_failed"
             );
-            Driven::Completed(parts, stored.body)
+            Driven::Failed(parts, stored.body)
         }
         Err(e) if e.kind() == StoreErrorKind::Fenced => {
             metrics::fenced(&config.endpoint, metrics::FencedAt::Completion);

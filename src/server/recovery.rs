@@ -9,7 +9,7 @@ use tracing::Instrument;
 use super::{
     body::{BoxError, RequestBody},
     endpoint::Setup,
-    long::{drive, fail_for_good, spawn_work, Driven},
+    long::{drive, fail_for_good, spawn_work, Attempt, Driven},
     mode::LongRunning,
 };
 use crate::{
@@ -154,7 +154,6 @@ where
         );
         let _entered = span.enter();
         metrics::lease_takeover(&config.endpoint, metrics::TakeoverBy::Recovery);
-        metrics::operation_attempt(&config.endpoint, metrics::TakeoverBy::Recovery);
         let mut builder = Request::builder()
             .method(request.method)
             .uri(request.target.as_str());
@@ -204,8 +203,11 @@ where
             self.setup.mode.config.clone(),
             self.inner.clone(),
             rebuilt,
-            owned.lease,
-            owned.attempt,
+            Attempt {
+                lease: owned.lease,
+                number: owned.attempt,
+                by: metrics::TakeoverBy::Recovery,
+            },
         );
         let done = spawn_work(work.instrument(span.clone()), running);
         Box::pin(
