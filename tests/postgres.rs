@@ -805,3 +805,8 @@ async fn a_removed_key_leaves_a_caching_process_after_the_ttl() {
     assert!(!send(service, tenant_a_post("k1")).await.replayed());
     assert_eq!(pg.orders().await.len(), 2);
 }
+
+#[tokio::test]
+async fn each_transaction_handle_ends_only_its_own_way() {
+    common::each_transaction_handle_ends_only_its_own_way(&Postgres::new().await).await;
+}

@@ -841,3 +841,8 @@ async fn a_short_claim_replays_a_failed_operation_on_both_stores() {
         2
     );
 }
+
+#[tokio::test]
+async fn each_transaction_handle_ends_only_its_own_way() {
+    common::each_transaction_handle_ends_only_its_own_way(&Sqlx::new().await).await;
+}

@@ -41,6 +41,15 @@ pub(super) const COMPLETE_SQL: Sql<'static> = Sql::new(
 /// [`Store::complete`](crate::store::Store::complete) for
 /// [`PgStore`](super::PgStore).
 pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
+    if tx.is_fenced_transaction() {
+        if let Err(e) = abort(tx).await {
+            tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
+        }
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
+        ));
+    }
     let status = response.status.as_u16() as i16;
     let headers = response.encode_headers();
     let body: &[u8] = &response.body;
@@ -63,6 +72,12 @@ pub(crate) const FENCED_CHECK_SQL: Sql<'static> = Sql::new(
 /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)
 /// for [`PgStore`](super::PgStore).
 pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
+    if !tx.is_fenced_transaction() {
+        return Err(StoreError::new(
+            StoreErrorKind::TransactionAborted,
+            "a claim's transaction commits with Store::complete",
+        ));
+    }
     let (tenant, endpoint, key, token) = tx.identity().columns();
     let xid = tx.identity().xid();
     let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &xid];

@@ -633,3 +633,57 @@ pub(crate) async fn migration_versions(client: &tokio_postgres::Client) -> Vec<i
         .map(|row| row.get(0))
         .collect()
 }
+
+/// A claim's handle and a fenced transaction each end their own way only:
+/// `commit_fenced` refuses a claim's transaction (it would commit the
+/// handler's writes with the key still in progress, for a retry to run the
+/// handler again) and leaves it to `complete`; `complete` refuses a fenced
+/// transaction and rolls it back, leaving the operation running.
+pub(crate) async fn each_transaction_handle_ends_only_its_own_way<B>(backend: &B)
+where
+    B: Backend<Store: tower_idempotency::store::LeaseStore>,
+{
+    use tower_idempotency::{
+        lease::OperationId,
+        store::{Acquired, LeaseRequest, LeaseStore, StoreErrorKind, StoredRequest},
+    };
+    let store = backend.store();
+    let claim = claim_request("handle-kinds", Duration::from_secs(2));
+    let Ok(Claim::Owned(tx)) = store.claim(&claim).await else {
+        panic!("a new key is owned")
+    };
+    B::insert_order(&tx, "by-claim", "t").await.unwrap();
+    let refused = LeaseStore::commit_fenced(&store, tx.clone())
+        .await
+        .expect_err("a claim's transaction is no fenced one");
+    assert_eq!(refused.kind(), StoreErrorKind::TransactionAborted);
+    assert!(backend.orders().await.is_empty(), "nothing was committed");
+    store.complete(tx, &stored(b"done")).await.unwrap();
+    assert_eq!(backend.orders().await.len(), 1, "the claim completes");
+    assert_eq!(backend.remembered().await, 1);
+
+    let operation = claim_request("operation", Duration::from_secs(2));
+    let lease = LeaseRequest::new(
+        Duration::from_secs(60),
+        OperationId::random(),
+        StoredRequest::new(http::Method::POST, "/x", vec![], Bytes::new()),
+    );
+    let Ok(Acquired::Owned(owned)) = store.acquire(&operation, &lease).await else {
+        panic!("a new operation is owned")
+    };
+    let tx = store.fenced(&owned.lease).await.unwrap();
+    B::insert_order(&tx, "by-lease", "t").await.unwrap();
+    let refused = store
+        .complete(tx, &stored(b"no"))
+        .await
+        .expect_err("a fenced transaction is no claim");
+    assert_eq!(refused.kind(), StoreErrorKind::TransactionAborted);
+    assert_eq!(backend.orders().await.len(), 1, "rolled back");
+    assert_eq!(backend.remembered().await, 1, "the operation still runs");
+    let tx = store.fenced(&owned.lease).await.unwrap();
+    B::insert_order(&tx, "by-lease", "t").await.unwrap();
+    store.commit_fenced(tx).await.unwrap();
+    store.finish(&owned.lease, &stored(b"done")).await.unwrap();
+    assert_eq!(backend.orders().await.len(), 2);
+    assert_eq!(backend.remembered().await, 2);
+}

@@ -172,7 +172,7 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
     };
     let xid: String = row.get(0);
     let id = lease.identity();
-    Ok(PgTx::new(
+    Ok(PgTx::fenced(
         conn,
         id.scope().clone(),
         id.key().clone(),

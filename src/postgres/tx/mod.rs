@@ -118,10 +118,15 @@ struct Shared {
     // Outside the mutex: a statement holding the mutex is what it cancels.
     cancel: tokio_postgres::CancelToken,
     id: TxIdentity,
+    // A long-running owner's fenced transaction (`LeaseStore::fenced`),
+    // ended by `commit_fenced`; otherwise a claim's, ended by `complete`.
+    fenced: bool,
 }
 
 impl PgTx {
-    pub(super) fn new(
+    /// The handle of a long-running owner's fenced transaction
+    /// (`LeaseStore::fenced`), which only `commit_fenced` commits.
+    pub(super) fn fenced(
         conn: Conn,
         scope: Scope,
         key: IdempotencyKey,
@@ -129,11 +134,17 @@ impl PgTx {
         xid: String,
         retention: Duration,
     ) -> Self {
+        let id = Identity::new(scope, key, token, retention, Tx::new(xid));
+        Self::build(conn, id, true)
+    }
+
+    fn build(conn: Conn, id: TxIdentity, fenced: bool) -> Self {
         PgTx {
             inner: Arc::new(Shared {
                 cancel: conn.cancel_token(),
                 conn: Mutex::new(Some(conn)),
-                id: Identity::new(scope, key, token, retention, Tx::new(xid)),
+                id,
+                fenced,
             }),
         }
     }
@@ -146,14 +157,15 @@ impl PgTx {
         token: i64,
         xid: String,
     ) -> Self {
-        Self::new(
-            conn,
-            request.scope.clone(),
-            request.key.clone(),
-            token,
-            xid,
-            request.retention,
-        )
+        let (scope, key) = (request.scope.clone(), request.key.clone());
+        let id = Identity::new(scope, key, token, request.retention, Tx::new(xid));
+        Self::build(conn, id, false)
+    }
+
+    /// Whether this is a long-running owner's fenced transaction, which
+    /// only `commit_fenced` commits (a claim's only `complete`).
+    pub(super) fn is_fenced_transaction(&self) -> bool {
+        self.inner.fenced
     }
 
     tx_accessors!();
