@@ -6,6 +6,7 @@
 //! (tokio-postgres and deadpool) and `sqlx/` each use this module and never
 //! each other; nothing here depends on a driver.
 
+pub(crate) mod errors;
 pub(crate) mod identity;
 pub(crate) mod lease;
 pub(crate) mod lexer;

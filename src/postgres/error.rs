@@ -1,8 +1,9 @@
 //! Driver errors sorted into the store's stable [`StoreErrorKind`]s.
 
-use tokio_postgres::error::SqlState;
-
-use crate::store::{StoreError, StoreErrorKind};
+use crate::{
+    pg::errors::kind_of,
+    store::{StoreError, StoreErrorKind},
+};
 
 /// Sorts driver errors into the store's stable kinds.
 pub(super) fn map_error(e: tokio_postgres::Error) -> StoreError {
@@ -11,31 +12,7 @@ pub(super) fn map_error(e: tokio_postgres::Error) -> StoreError {
         // encoded (nothing was sent, and sending it again fails the same way).
         None if is_encoding_error(&e) => StoreErrorKind::Backend,
         None => StoreErrorKind::Unavailable,
-        Some(code) if *code == SqlState::UNDEFINED_TABLE || *code == SqlState::UNDEFINED_COLUMN => {
-            StoreErrorKind::Schema
-        }
-        Some(code)
-            if *code == SqlState::T_R_SERIALIZATION_FAILURE
-                || *code == SqlState::T_R_DEADLOCK_DETECTED =>
-        {
-            StoreErrorKind::Conflict
-        }
-        Some(code)
-            if *code == SqlState::IN_FAILED_SQL_TRANSACTION
-                || *code == SqlState::DIVISION_BY_ZERO
-                || code.code().starts_with("23") =>
-        {
-            StoreErrorKind::TransactionAborted
-        }
-        Some(code)
-            if code.code().starts_with("08")
-                || code.code().starts_with("57P")
-                || *code == SqlState::TOO_MANY_CONNECTIONS
-                || *code == SqlState::QUERY_CANCELED =>
-        {
-            StoreErrorKind::Unavailable
-        }
-        Some(_) => StoreErrorKind::Backend,
+        Some(code) => kind_of(code.code()),
     };
     let code = e.code().map(|c| c.code().to_owned());
     // The server's message names the failure without row values (those are

@@ -1,10 +1,11 @@
 //! sqlx errors sorted into the store's stable [`StoreErrorKind`]s, by
 //! SQLSTATE for the server's errors.
 
-use crate::store::{StoreError, StoreErrorKind};
-
-/// The SQLSTATE of a lock wait that ran out (`lock_timeout`).
-pub(super) const LOCK_NOT_AVAILABLE: &str = "55P03";
+pub(super) use crate::pg::errors::LOCK_NOT_AVAILABLE;
+use crate::{
+    pg::errors::kind_of,
+    store::{StoreError, StoreErrorKind},
+};
 
 /// The SQLSTATE of `e`, if the server answered with an error.
 pub(super) fn sql_state(e: &::sqlx::Error) -> Option<String> {
@@ -67,20 +68,5 @@ pub(super) fn map_commit_error(e: ::sqlx::Error) -> StoreError {
         .with_source(error)
     } else {
         error
-    }
-}
-
-fn kind_of(code: &str) -> StoreErrorKind {
-    match code {
-        "42P01" | "42703" => StoreErrorKind::Schema,
-        "40001" | "40P01" => StoreErrorKind::Conflict,
-        // In a failed transaction; division by zero (the completion's
-        // ownership check); any integrity constraint.
-        "25P02" | "22012" => StoreErrorKind::TransactionAborted,
-        c if c.starts_with("23") => StoreErrorKind::TransactionAborted,
-        c if c.starts_with("08") || c.starts_with("57P") => StoreErrorKind::Unavailable,
-        // Too many connections; statement or lock wait cancelled.
-        "53300" | "57014" | LOCK_NOT_AVAILABLE => StoreErrorKind::Unavailable,
-        _ => StoreErrorKind::Backend,
     }
 }

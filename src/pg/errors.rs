@@ -1,0 +1,57 @@
+//! How both drivers sort the server's errors: one table of SQLSTATEs, so
+//! that the same failure is the same [`StoreErrorKind`] (and the same HTTP
+//! answer) whichever driver met it.
+
+use crate::store::StoreErrorKind;
+
+/// The SQLSTATE of a lock wait that ran out (`lock_timeout`).
+pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// The kind of a server error with SQLSTATE `code`.
+pub(crate) fn kind_of(code: &str) -> StoreErrorKind {
+    match code {
+        // No such table or column: the schema is not migrated.
+        "42P01" | "42703" => StoreErrorKind::Schema,
+        // Serialization failure, deadlock: the same work may succeed again.
+        "40001" | "40P01" => StoreErrorKind::Conflict,
+        // In a failed transaction; division by zero (the completion's
+        // ownership check); any integrity constraint.
+        "25P02" | "22012" => StoreErrorKind::TransactionAborted,
+        c if c.starts_with("23") => StoreErrorKind::TransactionAborted,
+        // The connection failed; the server is shutting down or restarting.
+        c if c.starts_with("08") || c.starts_with("57P") => StoreErrorKind::Unavailable,
+        // Too many connections; statement or lock wait cancelled.
+        "53300" | "57014" | LOCK_NOT_AVAILABLE => StoreErrorKind::Unavailable,
+        _ => StoreErrorKind::Backend,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sql_states_sort_into_kinds() {
+        use StoreErrorKind::*;
+        for (code, kind) in [
+            ("42P01", Schema),
+            ("42703", Schema),
+            ("40001", Conflict),
+            ("40P01", Conflict),
+            ("25P02", TransactionAborted),
+            ("22012", TransactionAborted),
+            ("23505", TransactionAborted),
+            ("23503", TransactionAborted),
+            ("08006", Unavailable),
+            ("57P01", Unavailable),
+            ("57P03", Unavailable),
+            ("53300", Unavailable),
+            ("57014", Unavailable),
+            ("55P03", Unavailable),
+            ("42601", Backend),
+            ("22021", Backend),
+        ] {
+            assert_eq!(kind_of(code), kind, "{code}");
+        }
+    }
+}
