@@ -38,6 +38,7 @@ mod macros;
 pub mod memory;
 pub mod metrics;
 pub mod outbox;
+#[cfg(any(feature = "postgres", feature = "sqlx"))]
 mod pg;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
