@@ -51,13 +51,7 @@ async fn pg_store_passes_every_suite_whatever_the_database_default_isolation() {
         let store = pg
             .store_with_database_setting("default_transaction_isolation", isolation)
             .await;
-        conformance::run_all_with(store.clone(), PgWrites::new(&pg).await)
-            .await
-            .assert_all_passed();
-        conformance::run_at_commit_with(store.clone(), PgWrites::new(&pg).await)
-            .await
-            .assert_all_passed();
-        conformance::run_leases(store).await.assert_all_passed();
+        assert_every_suite_passes(store, || PgWrites::new(&pg)).await;
     }
     assert_eq!(
         pg.idle_in_transaction().await,
@@ -125,15 +119,11 @@ impl conformance::Writes<PgTx> for PgWrites {
 async fn migrations_are_idempotent_under_concurrency() {
     let db = tower_idempotency::testing::TestDatabase::create().await;
     let store = PgStore::builder(db.config()).build().unwrap();
-    let runs: Vec<_> = (0..4)
-        .map(|_| {
-            let store = store.clone();
-            tokio::spawn(async move { store.migrate().await })
-        })
-        .collect();
-    for run in runs {
-        run.await.unwrap().expect("concurrent migrations succeed");
-    }
+    migrate_from_four_tasks(|| {
+        let store = store.clone();
+        async move { store.migrate().await }
+    })
+    .await;
     store.migrate().await.expect("a rerun is a no-op");
     let client = db.client().await;
     let versions = migration_versions(&client).await;
@@ -149,17 +139,11 @@ async fn migrations_are_idempotent_under_concurrency() {
     )
     .await;
     let store = PgStore::builder(later.config()).build().unwrap();
-    let runs: Vec<_> = (0..4)
-        .map(|_| {
-            let store = store.clone();
-            tokio::spawn(async move { store.migrate().await })
-        })
-        .collect();
-    for run in runs {
-        run.await
-            .unwrap()
-            .expect("concurrent migrations succeed under repeatable read");
-    }
+    migrate_from_four_tasks(|| {
+        let store = store.clone();
+        async move { store.migrate().await }
+    })
+    .await;
     let versions = migration_versions(&later.client().await).await;
     assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
     let fillfactor: String = client

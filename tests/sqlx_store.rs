@@ -248,13 +248,7 @@ async fn sqlx_store_passes_every_suite_whatever_the_database_default_isolation()
         let store = backend
             .store_with_database_setting("default_transaction_isolation", isolation)
             .await;
-        conformance::run_all_with(store.clone(), SqlxWrites::new(&backend).await)
-            .await
-            .assert_all_passed();
-        conformance::run_at_commit_with(store.clone(), SqlxWrites::new(&backend).await)
-            .await
-            .assert_all_passed();
-        conformance::run_leases(store).await.assert_all_passed();
+        assert_every_suite_passes(store, || SqlxWrites::new(&backend)).await;
     }
     assert_eq!(
         idle_in_transaction(&backend).await,
@@ -292,15 +286,11 @@ async fn migrate_runs_from_a_spawned_task_and_concurrently() {
         backend.store.clone(),
         SqlxStore::new(sqlx_pool(&later, 4).await),
     ] {
-        let runs: Vec<_> = (0..4)
-            .map(|_| {
-                let store = store.clone();
-                tokio::spawn(async move { store.migrate().await })
-            })
-            .collect();
-        for run in runs {
-            run.await.unwrap().expect("concurrent migrations succeed");
-        }
+        migrate_from_four_tasks(|| {
+            let store = store.clone();
+            async move { store.migrate().await }
+        })
+        .await;
     }
     let versions = migration_versions(&later.client().await).await;
     assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9]);

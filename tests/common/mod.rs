@@ -687,3 +687,35 @@ where
     assert_eq!(backend.orders().await.len(), 2);
     assert_eq!(backend.remembered().await, 2);
 }
+
+/// Runs every conformance suite on `store` (the short mode's with the
+/// handler's writes, the one-commit mode's, the lease protocol's) and
+/// asserts that each check ran and passed.
+pub(crate) async fn assert_every_suite_passes<St, W, Fut>(store: St, writes: impl Fn() -> Fut)
+where
+    St: tower_idempotency::store::CommitStore + tower_idempotency::store::LeaseStore + Clone,
+    W: tower_idempotency::testing::conformance::Writes<St::Tx>,
+    Fut: Future<Output = W>,
+{
+    use tower_idempotency::testing::conformance;
+    conformance::run_all_with(store.clone(), writes().await)
+        .await
+        .assert_all_passed();
+    conformance::run_at_commit_with(store.clone(), writes().await)
+        .await
+        .assert_all_passed();
+    conformance::run_leases(store).await.assert_all_passed();
+}
+
+/// Starts `migrate` from four tasks at once and expects each to succeed.
+pub(crate) async fn migrate_from_four_tasks<F, Fut, E>(migrate: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Debug + Send + 'static,
+{
+    let runs: Vec<_> = (0..4).map(|_| tokio::spawn(migrate())).collect();
+    for run in runs {
+        run.await.unwrap().expect("concurrent migrations succeed");
+    }
+}
