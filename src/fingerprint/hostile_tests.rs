@@ -7,7 +7,7 @@ use http::StatusCode;
 use proptest::prelude::*;
 use serde_json::{Map, Number, Value};
 
-use super::{strict::Decimal, Fingerprint, Fingerprinter, JsonFingerprinter, TypedFingerprinter};
+use super::{number::Decimal, Fingerprint, Fingerprinter, JsonFingerprinter, TypedFingerprinter};
 use crate::problem::{codes, Problem};
 
 fn json_fp(body: &[u8]) -> Result<Fingerprint, Problem> {

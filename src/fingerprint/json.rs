@@ -7,7 +7,8 @@ use http::request::Parts;
 use serde_json::Value;
 
 use super::{
-    strict::{canonical_number, parse_value, refuse_inexact_numbers},
+    number::{canonical_number, refuse_inexact_numbers},
+    strict::parse_value,
     validation_problem, Fingerprint, Fingerprinter,
 };
 use crate::problem::Problem;

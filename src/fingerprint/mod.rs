@@ -66,6 +66,7 @@ use sha2::{Digest, Sha256};
 use crate::problem::Problem;
 
 mod json;
+mod number;
 mod strict;
 mod typed;
 
