@@ -220,6 +220,38 @@ fn a_double_halfway_between_two_shortest_decimals_is_accepted_as_serializers_wri
     }
 }
 
+/// Another crate in the build can turn on serde_json's `arbitrary_precision`
+/// (cargo unifies features), which hands numbers to visitors in another form
+/// and keeps their spelling. Fingerprints stay the same: the numbers tests
+/// also run in that build (`.ci/run`). A body holds what serde_json's own
+/// `Value` reads in the build: there, an object whose one member is that
+/// form's private name is a number, as it is for a handler; here, an object.
+#[test]
+fn a_body_holds_what_serde_json_reads_in_this_build() {
+    let literal = r#"{"n": {"$serde_json::private::Number": "2"}}"#;
+    let read_as_number = serde_json::from_str::<Value>(literal).unwrap()["n"].is_number();
+    assert_eq!(read_as_number, super::strict::arbitrary_precision());
+    for (a, b, same) in [
+        (r#"{"n": 2}"#, r#"{"n": 2.0}"#, true),
+        (r#"{"n": 2.5}"#, r#"{"n": 25e-1}"#, true),
+        (r#"{"n": -0}"#, r#"{"n": 0.0}"#, true),
+        (r#"{"n": 1e2}"#, r#"{"n": 100}"#, true),
+        (r#"{"n": 2}"#, r#"{"n": 3}"#, false),
+        (r#"{"n": 2}"#, r#"{"n": "2"}"#, false),
+        (r#"{"n": 2}"#, literal, read_as_number),
+    ] {
+        assert_eq!(
+            json_fp(a.as_bytes()).unwrap() == json_fp(b.as_bytes()).unwrap(),
+            same,
+            "{a} against {b}"
+        );
+    }
+    assert_refused(
+        json_fp(b"0.10000000000000001"),
+        "cannot be compared exactly",
+    );
+}
+
 #[test]
 fn typed_numbers_are_what_the_dto_holds() {
     let body = |amount: &str| format!(r#"{{"checkout_id": "a", "amount": {amount}}}"#);

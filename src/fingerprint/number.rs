@@ -204,9 +204,11 @@ fn encode(n: &serde_json::Number) -> Encoded {
     if f.fract() == 0.0 && f.abs() < I128_SAFE {
         return Encoded::Printed((f as i128).to_string());
     }
-    // serde_json prints a float's shortest decimal, ties to even; std's
-    // `{:e}` would round a tie up, and refuse what clients send.
-    match Decimal::parse(&n.to_string()) {
+    // serde_json prints a double it holds as its shortest decimal, ties to
+    // even; std's `{:e}` would round a tie up, and refuse what clients send.
+    // The number is made again from the double, because a `Number` that
+    // keeps its written text (serde_json's `arbitrary_precision`) prints that.
+    match Number::from_f64(f).and_then(|double| Decimal::parse(&double.to_string())) {
         Some(shortest) => Encoded::Shortest(shortest),
         None => Encoded::Printed(format!("{f:e}")),
     }

@@ -15,7 +15,7 @@
 //!
 //! [`JsonFingerprinter`]: super::JsonFingerprinter
 
-use std::{borrow::Cow, collections::HashSet, fmt};
+use std::{borrow::Cow, collections::HashSet, fmt, sync::OnceLock};
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{map::Entry, Map, Number, Value};
@@ -73,6 +73,22 @@ fn duplicate<E: serde::de::Error>(name: &str) -> E {
     E::custom(format!(
         "duplicate member name `{shown}{more}`: a member may appear once per object"
     ))
+}
+
+/// The member name under which serde_json, built with its
+/// `arbitrary_precision` feature, hands a number to a visitor: a map of one
+/// member whose value is the number's text. serde_json's own `Value` reads
+/// such a map as that number; so does [`StrictVisitor`].
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
+/// Whether serde_json is built with `arbitrary_precision`: any crate in the
+/// build can turn it on, and it changes how numbers reach a visitor (see
+/// [`NUMBER_TOKEN`]) and how a `Number` prints, not which bodies are valid.
+/// Without it a number keeps no spelling: `1e0` prints as `1.0` (and as
+/// `1e+0` with it).
+pub(crate) fn arbitrary_precision() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| serde_json::from_str::<Number>("1e0").is_ok_and(|n| n.to_string() != "1.0"))
 }
 
 /// A JSON value read with [`StrictVisitor`].
@@ -138,6 +154,14 @@ impl<'de> Visitor<'de> for StrictVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut members = Map::new();
         while let Some(name) = map.next_key::<String>()? {
+            if members.is_empty() && name == NUMBER_TOKEN && arbitrary_precision() {
+                // A number, as serde_json hands it over in that build.
+                let text: String = map.next_value()?;
+                return text
+                    .parse::<Number>()
+                    .map(Value::Number)
+                    .map_err(serde::de::Error::custom);
+            }
             let Strict(value) = map.next_value()?;
             match members.entry(name) {
                 Entry::Vacant(vacant) => {
