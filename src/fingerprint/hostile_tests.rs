@@ -268,6 +268,45 @@ fn typed_numbers_are_what_the_dto_holds() {
     );
 }
 
+/// A 128-bit integer the DTO reads is fingerprinted while it fits 64 bits;
+/// beyond, the body is refused with the field named and the way out said,
+/// never hashed as a nearby double.
+#[test]
+fn typed_128_bit_integers_beyond_64_bits_are_refused_with_their_field() {
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct Wide {
+        big: u128,
+        small: i128,
+        #[serde(default)]
+        more: Vec<Wide>,
+    }
+    let fp = |body: &str| {
+        let (mut parts, _) = http::Request::new(()).into_parts();
+        TypedFingerprinter::<Wide>::new("v1").fingerprint(&mut parts, &Bytes::from(body.to_owned()))
+    };
+    let a = fp(r#"{"big": 18446744073709551615, "small": -9223372036854775808}"#).unwrap();
+    let b = fp(r#"{"big": 18446744073709551614, "small": -9223372036854775808}"#).unwrap();
+    assert_ne!(a, b);
+    for (body, field) in [
+        (r#"{"big": 18446744073709551616, "small": 0}"#, "big"),
+        (r#"{"big": 0, "small": -9223372036854775809}"#, "small"),
+        (
+            r#"{"big": 0, "small": 0, "more": [{"big": 1, "small": 1}, {"big": 340282366920938463463374607431768211455, "small": 0}]}"#,
+            "more[1].big",
+        ),
+    ] {
+        let problem = fp(body).unwrap_err();
+        assert_eq!(problem.code(), codes::VALIDATION_FAILED);
+        let json = problem.to_json();
+        assert_eq!(json["errors"][0]["field"], field, "{body}");
+        let message = json["errors"][0]["message"].as_str().unwrap();
+        assert!(
+            message.contains("send larger integers as strings"),
+            "{message}"
+        );
+    }
+}
+
 // ---- property tests ----
 
 /// JSON values with the leaves a business body has, nested a few levels

@@ -8,7 +8,11 @@ use http::{request::Parts, StatusCode};
 use serde::{de::DeserializeOwned, Serialize};
 use serde_json::Value;
 
-use super::{canonical_json, strict::refuse_duplicate_members, Fingerprint, Fingerprinter};
+use super::{
+    canonical_json,
+    strict::{arbitrary_precision, refuse_duplicate_members},
+    Fingerprint, Fingerprinter,
+};
 use crate::problem::{codes, Problem};
 
 /// One failing field of a rejected body.
@@ -91,7 +95,10 @@ type Validator<T> = Arc<dyn Fn(&T) -> Result<(), Vec<FieldError>> + Send + Sync>
 /// `422 validation_failed`: parsers disagree on which one counts, so a
 /// handler reading the body itself could see another request than the one
 /// fingerprinted. Nesting deeper than 128 arrays or objects is refused the
-/// same way.
+/// same way, and so is a `u128` or `i128` value beyond the 64-bit range (the
+/// fingerprint compares numbers as 64-bit integers or doubles, as
+/// [`JsonFingerprinter`](super::JsonFingerprinter) does): the error names the
+/// field; send such values as strings.
 ///
 /// ```
 /// use serde::{Deserialize, Serialize};
@@ -180,12 +187,56 @@ where
         if let Some(validator) = &self.validator {
             validator(&dto).map_err(|errors| validation_problem(&errors))?;
         }
-        let canonical = serde_json::to_value(&dto).map_err(|e| {
-            validation_problem(&[FieldError::new("", format!("cannot encode: {e}"))])
-        })?;
+        let wide = |field: String, why: &dyn fmt::Display| {
+            validation_problem(&[FieldError::new(
+                field,
+                format!(
+                    "the value cannot be fingerprinted ({why}): numbers are compared as \
+                     64-bit integers or IEEE-754 doubles; send larger integers as strings"
+                ),
+            )])
+        };
+        let canonical = serde_path_to_error::serialize(&dto, serde_json::value::Serializer)
+            .map_err(|e| {
+                let field = e.path().to_string();
+                let field = if field == "." { String::new() } else { field };
+                wide(field, e.inner())
+            })?;
+        // With serde_json's `arbitrary_precision` (turned on by any crate in
+        // the build) a 128-bit integer serializes; refuse it all the same.
+        if let Some(field) = arbitrary_precision()
+            .then(|| wide_integer(&canonical))
+            .flatten()
+        {
+            return Err(wide(field, &"number out of range"));
+        }
         let fingerprint = Fingerprint::digest(&self.version, &canonical_json(&canonical));
         parts.extensions.insert(Validated::new(dto));
         Ok(fingerprint)
+    }
+}
+
+/// Where `value` holds an integer beyond the 64-bit range (only serde_json
+/// built with `arbitrary_precision` makes one), as `items[0].amount`.
+fn wide_integer(value: &Value) -> Option<String> {
+    match value {
+        Value::Number(n) if !(n.is_i64() || n.is_u64() || n.is_f64()) => Some(String::new()),
+        Value::Array(items) => items.iter().enumerate().find_map(|(i, item)| {
+            wide_integer(item).map(|inner| format!("[{i}]{}", dotted(&inner)))
+        }),
+        Value::Object(members) => members.iter().find_map(|(name, member)| {
+            wide_integer(member).map(|inner| format!("{name}{}", dotted(&inner)))
+        }),
+        _ => None,
+    }
+}
+
+/// `inner` as the rest of a path: `.b`, `[0]`, or nothing.
+fn dotted(inner: &str) -> String {
+    if inner.is_empty() || inner.starts_with('[') {
+        inner.to_owned()
+    } else {
+        format!(".{inner}")
     }
 }
 
