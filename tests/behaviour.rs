@@ -91,6 +91,35 @@ async fn replays_first_response_with_allow_listed_headers<B: Backend>(backend: B
     assert_eq!(backend.orders().await.len(), 1);
 }
 
+/// A compression layer inside the idempotency layer: the stored bytes are
+/// encoded, so the replay carries the headers that say how (without them a
+/// client reads compressed bytes as the body).
+async fn replays_how_its_stored_bytes_are_encoded<B: Backend>(backend: B) {
+    let calls = Arc::new(AtomicU64::new(0));
+    // An empty gzip member.
+    let gzip: &[u8] = &[
+        31, 139, 8, 0, 0, 0, 0, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    let service = layer(backend.store()).layer(writes_then::<B>(calls.clone(), move || {
+        Ok(Response::builder()
+            .status(StatusCode::CREATED)
+            .header("content-type", "application/json")
+            .header("content-encoding", "gzip")
+            .header("vary", "accept-encoding")
+            .body(Full::new(Bytes::from_static(gzip)))
+            .unwrap())
+    }));
+    let first = send(service.clone(), tenant_a_post("k1")).await;
+    let replay = send(service, tenant_a_post("k1")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(&replay.body[..], gzip);
+    assert_eq!(replay.headers["content-encoding"], "gzip");
+    assert_eq!(replay.headers["vary"], "accept-encoding");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(backend.orders().await.len(), 1);
+}
+
 async fn refuses_reused_key_and_changes_nothing<B: Backend>(backend: B) {
     let (service, calls) = counted_orders(&backend);
     let first = send(service.clone(), tenant_a_post("k1")).await;
@@ -483,6 +512,7 @@ macro_rules! for_every_store {
 for_every_store!(
     fifty_concurrent_duplicates_commit_once,
     replays_first_response_with_allow_listed_headers,
+    replays_how_its_stored_bytes_are_encoded,
     refuses_reused_key_and_changes_nothing,
     rolls_back_on_5xx_and_frees_the_key,
     rolls_back_on_service_error,

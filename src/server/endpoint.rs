@@ -63,6 +63,10 @@ impl Config {
             retention: Duration::from_secs(24 * 3600),
             replay_headers: vec![
                 header::CONTENT_TYPE,
+                // The stored bytes are the inner service's: when a layer
+                // inside this one compressed them, these say so.
+                header::CONTENT_ENCODING,
+                header::VARY,
                 header::CONTENT_LANGUAGE,
                 header::LOCATION,
                 header::ETAG,

@@ -32,9 +32,9 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// Defaults: header `Idempotency-Key`, key required, request body limit 1 MiB,
 /// stored response limit 1 MiB, concurrent-duplicate wait 5 s, handler
 /// timeout 30 s, retention 24 h, a replay cache of 10,000 records for at
-/// most 60 s,
-/// replayed headers `Content-Type`, `Content-Language`, `Location`, `ETag`,
-/// `Last-Modified`, `Link`, key reuse answered with `409`.
+/// most 60 s, replayed headers `Content-Type`, `Content-Encoding`, `Vary`,
+/// `Content-Language`, `Location`, `ETag`, `Last-Modified`, `Link`, key
+/// reuse answered with `409`.
 ///
 /// ```
 /// use std::time::Duration;
