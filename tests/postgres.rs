@@ -794,3 +794,10 @@ async fn a_removed_key_leaves_a_caching_process_after_the_ttl() {
 async fn each_transaction_handle_ends_only_its_own_way() {
     common::each_transaction_handle_ends_only_its_own_way(&Postgres::new().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_running_when_the_handler_answers_is_waited_for_and_committed() {
+    let pg = Postgres::new().await;
+    a_statement_running_when_the_handler_answers_commits_with_it(&pg, &pg.db).await;
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}

@@ -836,3 +836,10 @@ async fn a_short_claim_replays_a_failed_operation_on_both_stores() {
 async fn each_transaction_handle_ends_only_its_own_way() {
     common::each_transaction_handle_ends_only_its_own_way(&Sqlx::new().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_running_when_the_handler_answers_is_waited_for_and_committed() {
+    let backend = Sqlx::new().await;
+    a_statement_running_when_the_handler_answers_commits_with_it(&backend, &backend.db).await;
+    assert_eq!(idle_in_transaction(&backend).await, 0);
+}

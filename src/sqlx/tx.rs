@@ -176,12 +176,20 @@ impl SqlxTx {
         self.inner.transaction_pooling
     }
 
-    /// Takes the transaction out to end it; `None` if it already ended.
-    /// Waits for a statement running through a clone: a task the handler spawned may
-    /// still hold the connection in a statement: after
-    /// [`ROLLBACK_PATIENCE`] that statement is cancelled, and after
-    /// [`CANCEL_GRACE`] more the store gives up (`Unavailable`; the
-    /// transaction is rolled back once the statement ends and the last
+    /// Takes the transaction out to commit it; `None` if it already ended.
+    /// A statement a task of the handler started through a clone and that
+    /// still runs is part of the work the response describes: this waits
+    /// for it, as [`PgTx`](crate::postgres::PgTx) does, and the commit
+    /// decides.
+    pub(super) async fn take_to_commit(&self) -> Option<GuardedConnection> {
+        self.inner.tx.lock().await.take()
+    }
+
+    /// Takes the transaction out to roll it back; `None` if it already
+    /// ended. A task the handler spawned may still hold the connection in a
+    /// statement: after [`ROLLBACK_PATIENCE`] that statement is cancelled,
+    /// and after [`CANCEL_GRACE`] more the store gives up (`Unavailable`;
+    /// the transaction is rolled back once the statement ends and the last
     /// handle is dropped).
     pub(super) async fn take(&self) -> Result<Option<GuardedConnection>, StoreError> {
         if let Ok(mut held) = tokio::time::timeout(ROLLBACK_PATIENCE, self.inner.tx.lock()).await {

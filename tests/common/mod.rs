@@ -719,3 +719,82 @@ where
         run.await.unwrap().expect("concurrent migrations succeed");
     }
 }
+
+/// A statement the handler started through a clone of its handle, still
+/// running when the handler answers, is part of the work: the completion
+/// (or the one-commit mode's commit) waits for it and commits it with the
+/// response; it is not cancelled, and the answer is the handler's, then
+/// replayed.
+pub(crate) async fn a_statement_running_when_the_handler_answers_commits_with_it<B>(
+    backend: &B,
+    db: &TestDatabase,
+) where
+    B: Backend<Store: tower_idempotency::store::CommitStore>,
+{
+    let setup = db.client().await;
+    setup
+        .batch_execute(
+            "CREATE FUNCTION slow_order() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_sleep(1.5); RETURN NEW; END $$; \
+             CREATE TRIGGER slow_order BEFORE INSERT ON orders FOR EACH ROW \
+             WHEN (NEW.id LIKE 'slow%') EXECUTE FUNCTION slow_order()",
+        )
+        .await
+        .unwrap();
+    let watcher = Arc::new(db.client().await);
+    for (one_commit, id) in [(false, "slow-1"), (true, "slow-2")] {
+        let (late_tx, late_rx) = Report::channel();
+        let handler = slow_insert_handler::<B>(watcher.clone(), late_tx, id);
+        let (first, retry) = if one_commit {
+            let service = layer(backend.store()).claim_at_commit().layer(handler);
+            let first = send(service.clone(), tenant_a_post(id)).await;
+            (first, send(service, tenant_a_post(id)).await)
+        } else {
+            let service = layer(backend.store()).layer(handler);
+            let first = send(service.clone(), tenant_a_post(id)).await;
+            (first, send(service, tenant_a_post(id)).await)
+        };
+        assert_eq!(first.status, StatusCode::CREATED, "{id}: {:?}", first.body);
+        assert!(!first.replayed());
+        assert_eq!(
+            late_rx.await.unwrap(),
+            Ok(()),
+            "{id}: the insert was not cancelled"
+        );
+        assert!(retry.replayed(), "{id}");
+        assert_eq!(retry.body, first.body);
+    }
+    let mut orders = backend.orders().await;
+    orders.sort();
+    assert_eq!(
+        orders,
+        [
+            ("slow-1".to_owned(), "tenant-a".to_owned()),
+            ("slow-2".to_owned(), "tenant-a".to_owned())
+        ]
+    );
+    assert_eq!(backend.remembered().await, 2);
+}
+
+/// A handler that starts inserting the order `id` from a task of its own,
+/// and answers once the insert runs in the database (its trigger sleeps);
+/// the task reports how the insert ended.
+fn slow_insert_handler<B: Backend>(
+    watcher: Arc<tokio_postgres::Client>,
+    late: Report<Result<(), String>>,
+    id: &'static str,
+) -> Handler {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let (watcher, late) = (watcher.clone(), late.clone());
+        async move {
+            let leaked = tx_of::<B>(&request).ok_or("no transaction handle")?;
+            tokio::spawn(async move { late.send(B::insert_order(&leaked, id, "tenant-a").await) });
+            let running = "SELECT count(*) FROM pg_stat_activity \
+                           WHERE wait_event = 'PgSleep' AND datname = current_database()";
+            while watcher.query_one(running, &[]).await?.get::<_, i64>(0) == 0 {
+                tokio::task::yield_now().await;
+            }
+            Ok::<_, BoxError>(created(format!("{{\"id\":\"{id}\"}}")))
+        }
+    }))
+}
