@@ -7,8 +7,8 @@ mod common;
 
 use std::{
     sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex,
     },
     time::Duration,
 };
@@ -1066,4 +1066,225 @@ async fn the_lease_store_passes_the_conformance_suite() {
     tower_idempotency::testing::conformance::run_leases(pg.store.clone())
         .await
         .assert_passed();
+}
+
+/// `PgStore`, except that a takeover by the recovery worker, once
+/// committed, asks for shutdown and takes two more polls to return.
+#[derive(Clone, Default)]
+struct SlowTakeover {
+    inner: Option<PgStore>,
+    /// A committed takeover has not returned yet.
+    in_flight: Arc<AtomicBool>,
+    /// The shutdown future was polled while `in_flight`.
+    raced: Arc<AtomicBool>,
+    /// Shutdown was asked for.
+    requested: Arc<AtomicBool>,
+    waker: Arc<Mutex<Option<std::task::Waker>>>,
+    /// `fail` waits for it, then notes that it has failed the operation.
+    fail_gate: Arc<Notify>,
+    failed: Arc<AtomicBool>,
+}
+
+impl SlowTakeover {
+    fn store(&self) -> &PgStore {
+        self.inner.as_ref().unwrap()
+    }
+
+    /// The worker's shutdown signal: resolves once asked for, and notes
+    /// whether it was polled while a takeover was in flight.
+    fn shutdown(&self) -> impl std::future::Future<Output = ()> + Send {
+        let this = self.clone();
+        std::future::poll_fn(move |cx| {
+            if this.in_flight.load(Ordering::SeqCst) {
+                this.raced.store(true, Ordering::SeqCst);
+            }
+            if this.requested.load(Ordering::SeqCst) {
+                return std::task::Poll::Ready(());
+            }
+            *this.waker.lock().unwrap() = Some(cx.waker().clone());
+            std::task::Poll::Pending
+        })
+    }
+}
+
+impl tower_idempotency::store::Store for SlowTakeover {
+    type Tx = tower_idempotency::postgres::PgTx;
+    async fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<tower_idempotency::store::Claim<Self::Tx>, tower_idempotency::store::StoreError>
+    {
+        self.store().claim(request).await
+    }
+    async fn complete(
+        &self,
+        tx: Self::Tx,
+        response: &tower_idempotency::record::StoredResponse,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        self.store().complete(tx, response).await
+    }
+    async fn abort(&self, tx: Self::Tx) -> Result<(), tower_idempotency::store::StoreError> {
+        self.store().abort(tx).await
+    }
+}
+
+impl LeaseStore for SlowTakeover {
+    type Lease = PgLease;
+    async fn acquire(
+        &self,
+        claim: &ClaimRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Acquired<PgLease>, tower_idempotency::store::StoreError> {
+        self.store().acquire(claim, lease).await
+    }
+    async fn heartbeat(
+        &self,
+        lease: &PgLease,
+        extend: Duration,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        self.store().heartbeat(lease, extend).await
+    }
+    async fn fenced(
+        &self,
+        lease: &PgLease,
+    ) -> Result<Self::Tx, tower_idempotency::store::StoreError> {
+        self.store().fenced(lease).await
+    }
+    async fn commit_fenced(
+        &self,
+        tx: Self::Tx,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        self.store().commit_fenced(tx).await
+    }
+    async fn finish(
+        &self,
+        lease: &PgLease,
+        response: &tower_idempotency::record::StoredResponse,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        self.store().finish(lease, response).await
+    }
+    async fn release(&self, lease: &PgLease) -> Result<(), tower_idempotency::store::StoreError> {
+        self.store().release(lease).await
+    }
+    async fn fail(
+        &self,
+        lease: &PgLease,
+        response: &tower_idempotency::record::StoredResponse,
+        attempts: u32,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        self.fail_gate.notified().await;
+        let failed = self.store().fail(lease, response, attempts).await;
+        self.failed.store(true, Ordering::SeqCst);
+        failed
+    }
+    async fn operation(
+        &self,
+        tenant: &TenantId,
+        id: OperationId,
+    ) -> Result<Option<tower_idempotency::store::Operation>, tower_idempotency::store::StoreError>
+    {
+        self.store().operation(tenant, id).await
+    }
+    async fn recover(
+        &self,
+        endpoint: &str,
+        lease: Duration,
+        retention: Duration,
+        backoff: tower_idempotency::store::Backoff,
+    ) -> Result<
+        Option<tower_idempotency::store::Recovered<PgLease>>,
+        tower_idempotency::store::StoreError,
+    > {
+        let recovered = self
+            .store()
+            .recover(endpoint, lease, retention, backoff)
+            .await?;
+        if recovered.is_some() {
+            self.in_flight.store(true, Ordering::SeqCst);
+            self.requested.store(true, Ordering::SeqCst);
+            if let Some(waker) = self.waker.lock().unwrap().take() {
+                waker.wake();
+            }
+            // Pending twice: whoever polls the worker meanwhile polls its
+            // shutdown signal too, if it races the takeover against it.
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            self.in_flight.store(false, Ordering::SeqCst);
+        }
+        Ok(recovered)
+    }
+}
+
+/// Shutdown does not cut a takeover short: one that had committed would
+/// leave its operation under a lease nobody runs, with an attempt used up.
+/// The worker finishes the takeover, hands the operation to its work
+/// (which [`IdempotencyLayer::drained`] waits for), then stops.
+#[tokio::test]
+async fn the_recovery_worker_stops_after_a_takeover_in_flight_is_handed_to_its_work() {
+    let pg = Postgres::new().await;
+    let (_dead, _, dead_token) = crashed_owner(&pg, "k1").await;
+    until_lease_expired(&pg, "k1").await;
+    let store = SlowTakeover {
+        inner: Some(pg.store.clone()),
+        ..SlowTakeover::default()
+    };
+    let layer = IdempotencyLayer::new(store.clone(), ENDPOINT, JsonFingerprinter::new("orders.v1"))
+        .long_running(
+            LeaseConfig::new(LEASE)
+                .heartbeat(Duration::from_millis(100))
+                .recovery_backoff(Duration::ZERO, Duration::ZERO),
+        );
+    let calls = Arc::new(AtomicU64::new(0));
+    layer
+        .recovery(fenced_orders(calls.clone(), None))
+        .run(store.shutdown())
+        .await;
+    layer.drained().await;
+    assert!(
+        !store.raced.load(Ordering::SeqCst),
+        "shutdown was raced against a committed takeover"
+    );
+    let (state, token, _, _) = row(&pg, "k1").await.unwrap();
+    assert_eq!(state, "completed", "the taken-over operation was driven");
+    assert!(token > dead_token);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A recovered operation whose stored request no longer validates ends
+/// failed on a task of its own; [`IdempotencyLayer::drained`] waits for it.
+#[tokio::test]
+async fn drained_waits_for_an_operation_the_recovery_worker_fails() {
+    #[derive(serde::Deserialize, serde::Serialize)]
+    #[serde(deny_unknown_fields)]
+    struct NoFields {}
+    let pg = Postgres::new().await;
+    let (_dead, _, _) = crashed_owner(&pg, "k1").await;
+    until_lease_expired(&pg, "k1").await;
+    let store = SlowTakeover {
+        inner: Some(pg.store.clone()),
+        ..SlowTakeover::default()
+    };
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        ENDPOINT,
+        tower_idempotency::fingerprint::TypedFingerprinter::<NoFields>::new("orders.v1"),
+    )
+    .long_running(LeaseConfig::new(LEASE).recovery_backoff(Duration::ZERO, Duration::ZERO));
+    let calls = Arc::new(AtomicU64::new(0));
+    layer
+        .recovery(fenced_orders(calls.clone(), None))
+        .run(store.shutdown())
+        .await;
+    let open_the_gate = async {
+        tokio::task::yield_now().await;
+        store.fail_gate.notify_one();
+    };
+    tokio::join!(layer.drained(), open_the_gate);
+    assert!(
+        store.failed.load(Ordering::SeqCst),
+        "drained returned before the operation was failed"
+    );
+    let (state, _, _, _) = row(&pg, "k1").await.unwrap();
+    assert_eq!(state, "failed");
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "it could not run");
 }

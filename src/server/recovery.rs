@@ -93,18 +93,25 @@ where
     /// Runs until `shutdown` resolves: takes over due operations as they
     /// come, and looks again every
     /// [`recovery_interval`](super::LeaseConfig::recovery_interval) when
-    /// there are none. Re-driven work that is still running at shutdown
-    /// runs on; [`IdempotencyLayer::drained`](crate::IdempotencyLayer::drained)
+    /// there are none. A takeover under way when `shutdown` resolves is
+    /// finished and handed to its work first. Re-driven work that is still
+    /// running at shutdown runs on (also an operation ended failed because
+    /// its request no longer validates);
+    /// [`IdempotencyLayer::drained`](crate::IdempotencyLayer::drained)
     /// waits for it.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let interval = self.setup.mode.config.recovery_interval;
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
-            let found = tokio::select! {
+            // Shutdown is looked at between takeovers, never raced against
+            // one: a takeover dropped after it committed would leave its
+            // operation under a lease nobody runs, an attempt used up.
+            tokio::select! {
+                biased;
                 () = &mut shutdown => return,
-                found = self.take_over() => found,
-            };
-            match found {
+                () = std::future::ready(()) => {}
+            }
+            match self.take_over().await {
                 Ok(Some(recovered)) => {
                     tokio::spawn(self.redrive(recovered));
                     continue;
@@ -184,10 +191,13 @@ where
                 tracing::error!(reason, "cannot re-drive an operation; it ends failed");
                 let lease = owned.lease;
                 let attempts = owned.attempt.saturating_sub(1);
+                // Running until it has failed the operation, for `drained`.
+                let running = self.setup.shared.operations.start();
                 return Box::pin(
                     async move {
                         let _: Driven<ResB, S::Error> =
                             fail_for_good(&store, &lease, &config, attempts).await;
+                        drop(running);
                     }
                     .instrument(span.clone()),
                 );
