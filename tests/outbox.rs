@@ -647,3 +647,31 @@ async fn a_panicking_sink_counts_as_a_failed_attempt() {
         "each delivered event went out once; the panicking one once per attempt"
     );
 }
+
+/// Entity ids unique only within a tenant (order number 1001 in two
+/// tenants) get two downstream keys: each tenant's charge is made, neither
+/// is taken for a retry of the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_entity_id_in_two_tenants_gets_two_downstream_keys() {
+    let pg = setup().await;
+    let numbered = layer(pg.store.clone()).layer(handler(|tx: PgTx| async move {
+        outbox::enqueue(&tx, "1001", "OrderCreated", &json!({"order": 1001})).await?;
+        Ok(response(StatusCode::CREATED, "1001"))
+    }));
+    for tenant in ["tenant-a", "tenant-b"] {
+        let answer = send(numbered.clone(), post(Some(tenant), Some("k1"), BODY)).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{tenant}");
+    }
+    let payments = Payments::new(pg.store.clone());
+    let report = Relay::new(pg.store.clone(), payments.clone())
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!((report.claimed, report.delivered), (2, 2));
+    assert_eq!(
+        pg.count("SELECT count(*) FROM charges WHERE order_id = '1001'")
+            .await,
+        2,
+        "one charge for each tenant's order 1001"
+    );
+}

@@ -25,10 +25,29 @@ use sha2::{Digest, Sha256};
 /// assert!(charge.starts_with("dk1-") && charge.len() == 44);
 /// ```
 pub fn derive_key(entity_id: &str, operation: &str) -> String {
+    derive(b"tower-idempotency/derived/1", &[entity_id], operation)
+}
+
+/// [`derive_key`] for an entity whose id is unique only within its tenant
+/// (order number `1001` in two tenants): the tenant is part of the key.
+/// Under another domain string, so it never equals a [`derive_key`].
+pub(crate) fn derive_tenant_key(tenant_id: &str, entity_id: &str, operation: &str) -> String {
+    derive(
+        b"tower-idempotency/derived-in-tenant/1",
+        &[tenant_id, entity_id],
+        operation,
+    )
+}
+
+/// `dk1-` and 40 hex digits of `SHA-256(domain ‖ (len(part) ‖ part)… ‖
+/// operation)`.
+fn derive(domain: &[u8], parts: &[&str], operation: &str) -> String {
     let mut hasher = Sha256::new();
-    hasher.update(b"tower-idempotency/derived/1");
-    hasher.update((entity_id.len() as u64).to_be_bytes());
-    hasher.update(entity_id.as_bytes());
+    hasher.update(domain);
+    for part in parts {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
     hasher.update(operation.as_bytes());
     let digest = hasher.finalize();
     let hex: String = digest[..20].iter().map(|b| format!("{b:02x}")).collect();
@@ -42,6 +61,21 @@ mod tests {
     #[test]
     fn boundaries_between_id_and_operation_matter() {
         assert_ne!(derive_key("ab", "c"), derive_key("a", "bc"));
+    }
+
+    #[test]
+    fn a_key_in_a_tenant_is_its_own() {
+        let in_a = derive_tenant_key("tenant-a", "1001", "payment.charge");
+        assert_ne!(
+            in_a,
+            derive_tenant_key("tenant-b", "1001", "payment.charge")
+        );
+        assert_ne!(in_a, derive_key("1001", "payment.charge"));
+        assert_ne!(
+            derive_tenant_key("ab", "c", "op"),
+            derive_tenant_key("a", "bc", "op")
+        );
+        assert!(crate::key::IdempotencyKey::parse(in_a.as_bytes()).is_ok());
     }
 
     #[test]
