@@ -675,3 +675,99 @@ async fn the_same_entity_id_in_two_tenants_gets_two_downstream_keys() {
         "one charge for each tenant's order 1001"
     );
 }
+
+/// A re-driven parked event gets the relay's attempts again, its backoff
+/// starting over: one more transient failure is retried, not parked at
+/// once because the attempts before the re-drive are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_driven_event_gets_its_attempts_again() {
+    let pg = setup().await;
+    place_orders(&pg, 1).await;
+    let mut broken = Payments::new(pg.store.clone());
+    broken.fail_first = u32::MAX;
+    let relay = |sink: Payments| {
+        Relay::new(pg.store.clone(), sink)
+            .max_attempts(2)
+            .backoff(Duration::ZERO, Duration::ZERO)
+    };
+    let broken = relay(broken);
+    assert_eq!(broken.run_once().await.unwrap().retried, 1);
+    assert_eq!(broken.run_once().await.unwrap().parked, 1);
+    pg.exec("UPDATE outbox_events SET parked_at = NULL").await;
+    // The provider is back, but one call still fails.
+    let mut recovering = Payments::new(pg.store.clone());
+    recovering.fail_first = 1;
+    let recovering = relay(recovering);
+    let report = recovering.run_once().await.unwrap();
+    assert_eq!(
+        (report.retried, report.parked),
+        (1, 0),
+        "retried, not parked"
+    );
+    assert_eq!(recovering.run_once().await.unwrap().delivered, 1);
+    let row = pg
+        .row("SELECT attempts, parked_at IS NULL, published_at IS NOT NULL FROM outbox_events")
+        .await;
+    assert_eq!(
+        (
+            row.get::<_, i32>(0),
+            row.get::<_, bool>(1),
+            row.get::<_, bool>(2)
+        ),
+        (4, true, true)
+    );
+    assert_eq!(pg.count("SELECT count(*) FROM charges").await, 1);
+}
+
+/// Settings at the ends of their range neither panic nor stall the relay:
+/// the longest durations are held to a year, a zero delivery timeout still
+/// attempts an event per batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_relay_settings_neither_panic_nor_stall() {
+    let pg = setup().await;
+    place_orders(&pg, 2).await;
+    let mut broken = Payments::new(pg.store.clone());
+    broken.fail_first = u32::MAX;
+    let patient = Relay::new(pg.store.clone(), broken)
+        .delivery_timeout(Duration::MAX)
+        .backoff(Duration::MAX, Duration::MAX);
+    let report = patient
+        .run_once()
+        .await
+        .expect("a batch with a long backoff");
+    assert_eq!(report.retried, 2);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM outbox_events WHERE next_attempt_at > now() + interval '150 days'")
+            .await,
+        2,
+        "the retries wait, at most a year"
+    );
+    pg.exec("UPDATE outbox_events SET next_attempt_at = now()")
+        .await;
+    let hasty = Relay::new(pg.store.clone(), Payments::new(pg.store.clone()))
+        .delivery_timeout(Duration::ZERO)
+        .backoff(Duration::ZERO, Duration::ZERO);
+    let report = hasty.run_once().await.unwrap();
+    assert_eq!(report.claimed, 2);
+    assert!(
+        report.delivered + report.retried >= 1,
+        "a batch attempts at least one event: {report:?}"
+    );
+    let payments = Payments::new(pg.store.clone());
+    let idle = Relay::new(pg.store.clone(), payments.clone()).poll_interval(Duration::MAX);
+    pg.exec("UPDATE outbox_events SET next_attempt_at = now()")
+        .await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        idle.run(async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    payments.charged.notified().await;
+    stop.send(()).unwrap();
+    running
+        .await
+        .expect("the relay ran on")
+        .expect("and stopped cleanly");
+}

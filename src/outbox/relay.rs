@@ -87,6 +87,11 @@ impl<K> fmt::Debug for Relay<K> {
 }
 
 // Due events, locked for this batch; rows another relay holds are skipped.
+/// The longest backoff, poll interval and delivery timeout a relay takes.
+const LONGEST: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+/// The shortest poll interval and delivery timeout.
+const SHORTEST: Duration = Duration::from_millis(1);
+
 const CLAIM_EVENTS: &str =
     "SELECT id::text, tenant_id, aggregate_id, event_type, payload, attempts \
      FROM outbox_events \
@@ -166,22 +171,30 @@ impl<K: Sink> Relay<K> {
         })
     }
 
-    /// The first retry delay and the cap of the doubling.
+    /// The first retry delay and the cap of the doubling (each at most a
+    /// year).
     pub fn backoff(self, base: Duration, cap: Duration) -> Self {
         crate::with(self, |r| {
-            r.backoff_base = base;
-            r.backoff_cap = cap.max(base);
+            r.backoff_base = base.min(LONGEST);
+            r.backoff_cap = cap.min(LONGEST).max(r.backoff_base);
         })
     }
 
-    /// How often the relay looks without being woken.
+    /// How often the relay looks without being woken (at least a
+    /// millisecond, at most a year).
     pub fn poll_interval(self, interval: Duration) -> Self {
-        crate::with(self, |r| r.poll_interval = interval)
+        crate::with(self, |r| {
+            r.poll_interval = interval.clamp(SHORTEST, LONGEST)
+        })
     }
 
-    /// How long one delivery may take before it counts as failed.
+    /// How long one delivery may take before it counts as failed (at least
+    /// a millisecond, at most a year). A batch stops starting deliveries
+    /// once this much time has passed, after its first.
     pub fn delivery_timeout(self, timeout: Duration) -> Self {
-        crate::with(self, |r| r.delivery_timeout = timeout)
+        crate::with(self, |r| {
+            r.delivery_timeout = timeout.clamp(SHORTEST, LONGEST)
+        })
     }
 
     /// The delay before retry number `attempts` (1-based): capped doubling,
@@ -220,8 +233,9 @@ impl<K: Sink> Relay<K> {
         // delivers: whatever the sink does, it ends within about two
         // delivery timeouts. Events not attempted by then go to the next batch.
         let batch_deadline = tokio::time::Instant::now() + self.delivery_timeout;
-        for row in &rows {
-            if tokio::time::Instant::now() >= batch_deadline {
+        for (at, row) in rows.iter().enumerate() {
+            // The first event is always attempted, so every batch gets on.
+            if at > 0 && tokio::time::Instant::now() >= batch_deadline {
                 report.deferred += 1;
                 continue;
             }
@@ -256,16 +270,20 @@ impl<K: Sink> Relay<K> {
                     delivered.push(event.id);
                 }
                 Err(error) => {
-                    let attempts = event.attempts + 1;
+                    let attempts = event.attempts.saturating_add(1);
+                    // Counted in rounds of `max_attempts`: a parked event
+                    // that an operator re-drives gets a round of its own,
+                    // its backoff starting over.
+                    let in_round = (attempts - 1) % self.max_attempts + 1;
                     metrics::outbox_delivery(metrics::Delivery::Failed, &event_type);
-                    if error.permanent || attempts >= self.max_attempts {
+                    if error.permanent || in_round >= self.max_attempts {
                         tracing::warn!(event_id = %event.id, event_type, attempts, error = %error, "outbox event parked");
                         metrics::outbox_delivery(metrics::Delivery::Parked, &event_type);
                         park_tenants.push(event.tenant_id);
                         park_ids.push(event.id);
                         park_errors.push(error.message);
                     } else {
-                        let delay = self.retry_delay(attempts, &event.id);
+                        let delay = self.retry_delay(in_round, &event.id);
                         tracing::info!(event_id = %event.id, event_type, attempts, retry_in_ms = delay.as_millis() as u64, error = %error, "outbox delivery failed; will retry");
                         retry_delays.push(delay.as_secs_f64() * 1000.0);
                         retry_tenants.push(event.tenant_id);
