@@ -806,7 +806,7 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         let (order_id, key): (String, String) = (row.get(0), row.get(1));
         assert_eq!(
             key,
-            tower_idempotency::outbox::derive_key(&order_id, "payment.charge"),
+            tower_idempotency::outbox::derive_tenant_key("tenant-a", &order_id, "payment.charge"),
             "each charge under the key derived from its order"
         );
     }

@@ -19,7 +19,7 @@ use tokio::{
     process::{Child, Command},
 };
 use tokio_postgres::types::FromSql;
-use tower_idempotency::{outbox::derive_key, testing::TestDatabase};
+use tower_idempotency::{outbox::derive_tenant_key, testing::TestDatabase};
 
 const TOKEN_A: &str = "demo-token-a";
 const TOKEN_B: &str = "demo-token-b";
@@ -639,10 +639,17 @@ async fn each_order_is_charged_once_whatever_the_deliveries() {
                     .await
                     .unwrap();
                 assert_eq!(charges.len(), 1, "one charge for order {order_id}");
-                assert_eq!(
-                    charges[0].get::<_, &str>(0),
-                    derive_key(order_id, "payment.charge")
-                );
+                let tenant: String = server
+                    .sql
+                    .query_one(
+                        "SELECT tenant_id FROM outbox_events WHERE aggregate_id = $1",
+                        &[order_id],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                let derived = |operation| derive_tenant_key(&tenant, order_id, operation);
+                assert_eq!(charges[0].get::<_, &str>(0), derived("payment.charge"));
                 assert_eq!(charges[0].get::<_, i64>(1), 2400);
                 assert_eq!(charges[0].get::<_, &str>(2), "JPY");
                 assert_eq!(
@@ -659,10 +666,10 @@ async fn each_order_is_charged_once_whatever_the_deliveries() {
                     .await
                     .unwrap()
                     .get(0);
-                assert_eq!(reservation, derive_key(order_id, "inventory.reserve"));
+                assert_eq!(reservation, derived("inventory.reserve"));
                 assert_ne!(
                     reservation,
-                    derive_key(order_id, "payment.charge"),
+                    derived("payment.charge"),
                     "two operations, two keys"
                 );
                 let attempts: i32 = server

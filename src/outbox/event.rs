@@ -62,9 +62,9 @@ impl OutboxEvent {
     /// The downstream idempotency key for `operation` on this event's entity
     /// in its tenant: the same on every redelivery, and another for the same
     /// `aggregate_id` in another tenant (entity ids such as order numbers are
-    /// often unique only within a tenant). Built as
-    /// [`derive_key`](super::derive_key) is, with the tenant as a part.
+    /// often unique only within a tenant):
+    /// [`derive_tenant_key`](super::derive_tenant_key)`(tenant_id, aggregate_id, operation)`.
     pub fn derived_key(&self, operation: &str) -> String {
-        super::key::derive_tenant_key(&self.tenant_id, &self.aggregate_id, operation)
+        super::derive_tenant_key(&self.tenant_id, &self.aggregate_id, operation)
     }
 }

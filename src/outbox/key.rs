@@ -29,9 +29,20 @@ pub fn derive_key(entity_id: &str, operation: &str) -> String {
 }
 
 /// [`derive_key`] for an entity whose id is unique only within its tenant
-/// (order number `1001` in two tenants): the tenant is part of the key.
-/// Under another domain string, so it never equals a [`derive_key`].
-pub(crate) fn derive_tenant_key(tenant_id: &str, entity_id: &str, operation: &str) -> String {
+/// (order number `1001` in two tenants): the tenant is part of the key, so
+/// two tenants' entities never share one. It is the key
+/// [`OutboxEvent::derived_key`](super::OutboxEvent::derived_key) gives, and
+/// never equals a [`derive_key`] (another domain string goes into the hash).
+///
+/// ```
+/// use tower_idempotency::outbox::{derive_key, derive_tenant_key};
+///
+/// let a = derive_tenant_key("tenant-a", "1001", "payment.charge");
+/// assert_ne!(a, derive_tenant_key("tenant-b", "1001", "payment.charge"));
+/// assert_ne!(a, derive_key("1001", "payment.charge"));
+/// assert!(a.starts_with("dk1-") && a.len() == 44);
+/// ```
+pub fn derive_tenant_key(tenant_id: &str, entity_id: &str, operation: &str) -> String {
     derive(
         b"tower-idempotency/derived-in-tenant/1",
         &[tenant_id, entity_id],

@@ -22,7 +22,7 @@ mod sink;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use event::{enqueue, OutboxEvent};
-pub use key::derive_key;
+pub use key::{derive_key, derive_tenant_key};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use relay::Relay;

@@ -20,7 +20,7 @@ use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},
 };
-use tower_idempotency::{outbox::derive_key, testing::TestDatabase};
+use tower_idempotency::{outbox::derive_tenant_key, testing::TestDatabase};
 
 use crate::{
     common::pgbouncer::PgBouncer,
@@ -271,7 +271,7 @@ async fn the_order_server_keeps_its_contract_through_pgbouncer() {
             .await
             .unwrap()
             .get(0);
-        assert_eq!(key, derive_key(id, "payment.charge"));
+        assert_eq!(key, derive_tenant_key("tenant-a", id, "payment.charge"));
     }
     // The relay marks an event published after the provider committed its
     // effect: the charge can be seen a moment before the mark.
