@@ -61,7 +61,7 @@ impl LeaseStore for MemoryStore {
                             fingerprint: claim.fingerprint,
                             request: request.request.clone(),
                             lease_expires_at: now + request.lease,
-                            expires_at: now + claim.retention.max(request.lease),
+                            expires_at: now + request.lease + claim.retention,
                             retention: claim.retention,
                             holds: 0,
                             attempts: 1,
@@ -91,7 +91,11 @@ impl LeaseStore for MemoryStore {
         )?;
         // An expired lease not yet taken over is still this owner's.
         leased.lease_expires_at = Instant::now() + extend;
-        leased.expires_at = leased.expires_at.max(leased.lease_expires_at);
+        // The retention counts from the operation's end: while it runs,
+        // a retention past its lease.
+        leased.expires_at = leased
+            .expires_at
+            .max(leased.lease_expires_at + leased.retention);
         Ok(())
     }
 

@@ -148,7 +148,7 @@ impl Leased {
         debug_assert_eq!(self.holds, 0, "a held record is never taken over");
         self.token = token;
         self.lease_expires_at = now + lease;
-        self.expires_at = self.expires_at.max(self.lease_expires_at);
+        self.expires_at = self.expires_at.max(self.lease_expires_at + retention);
         self.retention = retention;
         self.attempts = self.attempts.saturating_add(1);
     }

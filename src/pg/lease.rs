@@ -61,7 +61,7 @@ pub(crate) const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
           operation_id, lease_expires_at, request_method, request_target, request_headers, request_body, \
           attempts) \
      VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
-          now() + make_interval(secs => GREATEST($5::float8, $6::float8)), \
+          now() + make_interval(secs => $6::float8 + $5::float8), \
           $7::text::uuid, now() + make_interval(secs => $6::float8), $8::text, $9::text, $10::bytea, $11::bytea, \
           1) \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
@@ -82,11 +82,14 @@ pub(crate) const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
              OR (r.lease_expires_at <= now() AND r.request_fingerprint = EXCLUDED.request_fingerprint))) \
      RETURNING attempt_token, operation_id::text, attempts";
 
-// The record's retention never ends before its lease: a live operation is
-// never cleaned up.
+// An operation's retention counts from its end: while it runs, its record
+// lasts a retention ($6) past its lease, so one that outlives its retention
+// is neither cleaned up nor taken for a new operation, and one whose owner
+// died is still there for a recovery worker (ACQUIRE and RECOVER set it so
+// too). FINISH and FAIL count the retention from the answer.
 pub(crate) const HEARTBEAT: &str = "UPDATE idempotency_requests SET \
          lease_expires_at = now() + make_interval(secs => $5::float8), \
-         expires_at = GREATEST(expires_at, now() + make_interval(secs => $5::float8)) \
+         expires_at = GREATEST(expires_at, now() + make_interval(secs => $5::float8 + $6::float8)) \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress'";
 
@@ -153,7 +156,7 @@ pub(crate) const RECOVER: &str = "WITH due AS ( \
      UPDATE idempotency_requests AS r SET \
          attempt_token = nextval('idempotency_attempt_token_seq'), \
          lease_expires_at = now() + make_interval(secs => $2::float8), \
-         expires_at = GREATEST(r.expires_at, now() + make_interval(secs => $2::float8)), \
+         expires_at = GREATEST(r.expires_at, now() + make_interval(secs => $2::float8 + $5::float8)), \
          attempts = r.attempts + 1 \
      FROM due \
      WHERE r.tenant_id = due.tenant_id AND r.endpoint = due.endpoint \

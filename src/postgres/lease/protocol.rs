@@ -112,7 +112,8 @@ pub(in crate::postgres) async fn heartbeat(
 ) -> Result<(), StoreError> {
     let (tenant, endpoint, key, token) = lease.identity().columns();
     let extend = extend.as_secs_f64();
-    let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &extend];
+    let retention = lease.identity().retention().as_secs_f64();
+    let params: [&(dyn ToSql + Sync); 6] = [&tenant, &endpoint, &key, &token, &extend, &retention];
     guarded(lease, HEARTBEAT_SQL, &params).await
 }
 
@@ -269,7 +270,8 @@ pub(in crate::postgres) async fn recover(
     let seconds = lease.as_secs_f64();
     let first = backoff.first.as_secs_f64();
     let max = backoff.max.as_secs_f64();
-    let params: [&(dyn ToSql + Sync); 4] = [&endpoint, &seconds, &first, &max];
+    let kept = retention.as_secs_f64();
+    let params: [&(dyn ToSql + Sync); 5] = [&endpoint, &seconds, &first, &max, &kept];
     let rows = short_transaction(store, RECOVER_SQL, &params, ROW_WAIT).await?;
     let Some(row) = rows.first() else {
         return Ok(None);

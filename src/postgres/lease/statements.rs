@@ -49,12 +49,16 @@ pub(crate) const ACQUIRE_SQL: Sql<'static> = Sql::new(
         Type::BYTEA,
     ],
 );
-pub(crate) const HEARTBEAT_SQL: Sql<'static> =
-    Sql::new(HEARTBEAT, &[T, T, T, Type::INT8, Type::FLOAT8]);
+pub(crate) const HEARTBEAT_SQL: Sql<'static> = Sql::new(
+    HEARTBEAT,
+    &[T, T, T, Type::INT8, Type::FLOAT8, Type::FLOAT8],
+);
 pub(crate) const HOLD_SQL: Sql<'static> = Sql::new(HOLD, &[T, T, T, Type::INT8]);
 pub(crate) const FINISH_SQL: Sql<'static> = Sql::new(FINISH, &FINISH_TYPES);
 pub(crate) const RELEASE_SQL: Sql<'static> = Sql::new(RELEASE, &[T, T, T, Type::INT8]);
 pub(crate) const FAIL_SQL: Sql<'static> = Sql::new(FAIL, &FAIL_TYPES);
 pub(crate) const OPERATION_SQL: Sql<'static> = Sql::new(OPERATION, &[T, T]);
-pub(crate) const RECOVER_SQL: Sql<'static> =
-    Sql::new(RECOVER, &[T, Type::FLOAT8, Type::FLOAT8, Type::FLOAT8]);
+pub(crate) const RECOVER_SQL: Sql<'static> = Sql::new(
+    RECOVER,
+    &[T, Type::FLOAT8, Type::FLOAT8, Type::FLOAT8, Type::FLOAT8],
+);

@@ -94,7 +94,9 @@ impl LeaseStore for SqlxStore {
     }
 
     async fn heartbeat(&self, lease: &SqlxLease, extend: Duration) -> Result<(), StoreError> {
-        let query = keyed(HEARTBEAT, lease).bind(extend.as_secs_f64());
+        let query = keyed(HEARTBEAT, lease)
+            .bind(extend.as_secs_f64())
+            .bind(lease.identity().retention().as_secs_f64());
         self.guarded(query, lease).await
     }
 
@@ -160,6 +162,7 @@ impl LeaseStore for SqlxStore {
             .bind(lease.as_secs_f64())
             .bind(backoff.first.as_secs_f64())
             .bind(backoff.max.as_secs_f64())
+            .bind(retention.as_secs_f64())
             .fetch_optional(&mut *tx)
             .await;
         let row = match row {

@@ -97,7 +97,10 @@
 //!   keeps the operation (its status `Running`, attempts counted, the old
 //!   lease fenced); another request still finds it running; the same
 //!   request resumes it at once as attempt 2 with its id; a recovery worker
-//!   only after its backoff, as attempt 3;
+//!   only after its backoff, as attempt 3; and an operation that outlives
+//!   its retention keeps it while it runs
+//!   ([`an_operation_outlives_its_retention_while_it_runs`]): abandoned, it
+//!   is still `Running` and recovered under its id;
 //! - **failure** ([`a_failed_operation_replays_its_failure`]): a failed
 //!   operation replays its failure as a completed record, shows `Failed`
 //!   with its attempts, and fences the lease that failed it;
@@ -178,10 +181,10 @@ pub use checks::{
 };
 pub use leases::{
     a_failed_operation_replays_its_failure, a_released_operation_keeps_its_identity,
-    concurrent_acquires_have_one_owner, duplicate_during_a_lease_is_running,
-    expired_lease_is_recovered_once, expired_lease_is_taken_over_once,
-    finished_operation_replays_and_has_a_status, heartbeats_keep_the_lease, run_leases,
-    stale_owner_is_fenced, tokens_only_grow,
+    an_operation_outlives_its_retention_while_it_runs, concurrent_acquires_have_one_owner,
+    duplicate_during_a_lease_is_running, expired_lease_is_recovered_once,
+    expired_lease_is_taken_over_once, finished_operation_replays_and_has_a_status,
+    heartbeats_keep_the_lease, run_leases, stale_owner_is_fenced, tokens_only_grow,
 };
 pub use report::{CheckFailure, CheckResult, Guarantee, Outcome, Report};
 pub use writes::{

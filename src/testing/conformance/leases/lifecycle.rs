@@ -311,3 +311,54 @@ pub async fn a_failed_operation_replays_its_failure<St: LeaseStore>(
     must_be_fenced(store.heartbeat(&owner.lease, LONG).await, "heartbeat")?;
     Ok(())
 }
+
+/// An operation that runs longer than its retention keeps its identity:
+/// the retention counts from its end (for one abandoned, from the end of
+/// its last lease), so after its owner stops heart-beating its status is
+/// still `Running`, and a recovery worker resumes it once its backoff has
+/// passed, under the same id.
+pub async fn an_operation_outlives_its_retention_while_it_runs<St: LeaseStore>(
+    store: &St,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::Identity;
+    let (endpoint, scope) = endpoint_of_its_own("outlives");
+    let retention = SHORT * 2;
+    let claim = request(scope.clone(), &unique_key(), 1, retention, WAIT);
+    let owner = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
+    // The work outlasts the retention, heart-beating; then its owner dies.
+    for _ in 0..4 {
+        tokio::time::sleep(SHORT / 2).await;
+        store
+            .heartbeat(&owner.lease, SHORT)
+            .await
+            .or_fail(G, "the owner's heartbeat")?;
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    match store.operation(scope.tenant(), owner.operation_id).await {
+        Ok(Some(op)) if op.state == OperationState::Running => {}
+        other => fail!(
+            G,
+            "an abandoned operation older than its retention must still be running: {other:?}"
+        ),
+    }
+    let backoff = Backoff::new(SHORT / 3, SHORT / 3);
+    let recovered = store
+        .recover(&endpoint, LONG, retention, backoff)
+        .await
+        .or_fail(G, "recover")?;
+    let Some(recovered) = recovered else {
+        fail!(
+            G,
+            "an abandoned operation older than its retention must be recovered once its backoff passed"
+        )
+    };
+    ensure!(
+        recovered.owned.operation_id == owner.operation_id,
+        G,
+        "the recovered operation keeps its id"
+    );
+    store
+        .finish(&recovered.owned.lease, &response(b"late"))
+        .await
+        .or_fail(G, "the recovered operation's finish")
+}

@@ -31,8 +31,8 @@ mod owners;
 
 pub use lifecycle::{
     a_failed_operation_replays_its_failure, a_released_operation_keeps_its_identity,
-    expired_lease_is_recovered_once, finished_operation_replays_and_has_a_status,
-    heartbeats_keep_the_lease,
+    an_operation_outlives_its_retention_while_it_runs, expired_lease_is_recovered_once,
+    finished_operation_replays_and_has_a_status, heartbeats_keep_the_lease,
 };
 pub use owners::{
     concurrent_acquires_have_one_owner, duplicate_during_a_lease_is_running,
@@ -61,6 +61,11 @@ pub async fn run_leases<St: LeaseStore>(store: St) -> Report {
     check!(run, finished_operation_replays_and_has_a_status, Finish);
     check!(run, expired_lease_is_recovered_once, Recovery);
     check!(run, a_released_operation_keeps_its_identity, Identity);
+    check!(
+        run,
+        an_operation_outlives_its_retention_while_it_runs,
+        Identity
+    );
     check!(run, a_failed_operation_replays_its_failure, Failure);
     run.finish()
 }
