@@ -795,6 +795,19 @@ async fn the_order_server_answers_hostile_requests_by_its_contract() {
             422,
             "validation_failed",
         ),
+        // A checkout id the unique index cannot hold (an index entry holds
+        // at most about 2.7 kB): refused as a field error, not a 503.
+        (
+            "a checkout id of 3,000 random characters",
+            String::new(),
+            format!(
+                r#"{{"checkout_id":"{}","currency":"JPY","items":[{{"sku":"SKU-1","unit_price":1}}],"shipping_address_id":"addr_1"}}"#,
+                random_text(3000)
+            )
+            .into_bytes(),
+            422,
+            "validation_failed",
+        ),
         (
             "a body over 1 MiB",
             String::new(),
@@ -868,4 +881,18 @@ async fn the_order_server_answers_hostile_requests_by_its_contract() {
         "{:?}",
         server.records().await
     );
+}
+
+/// `n` characters of incompressible text (PostgreSQL compresses a long
+/// repetitive value, which would then fit where this must not).
+fn random_text(n: usize) -> String {
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            char::from(b'a' + (state % 26) as u8)
+        })
+        .collect()
 }

@@ -65,10 +65,19 @@ fn nul_error(value: &str) -> Option<&'static str> {
     value.contains('\0').then_some("must not contain U+0000")
 }
 
+/// The longest `checkout_id`, in bytes: `UNIQUE (tenant_id, checkout_id)`
+/// is a B-tree index, whose entries hold at most about 2.7 kB.
+const MAX_CHECKOUT_ID: usize = 1024;
+
 fn validate(order: &NewOrder) -> Result<(), Vec<FieldError>> {
     let mut errors = Vec::new();
     if let Some(error) = text_error(&order.checkout_id) {
         errors.push(FieldError::new("checkout_id", error));
+    } else if order.checkout_id.len() > MAX_CHECKOUT_ID {
+        errors.push(FieldError::new(
+            "checkout_id",
+            format!("must be at most {MAX_CHECKOUT_ID} bytes (UTF-8)"),
+        ));
     }
     if order.currency.len() != 3 || !order.currency.bytes().all(|b| b.is_ascii_uppercase()) {
         errors.push(FieldError::new("currency", "must be 3 upper-case letters"));
