@@ -881,6 +881,13 @@ async fn the_order_server_answers_hostile_requests_by_its_contract() {
         "{:?}",
         server.records().await
     );
+    // The longest checkout id is stored.
+    let longest = format!(
+        r#"{{"checkout_id":"{}","currency":"JPY","items":[{{"sku":"SKU-1","unit_price":1}}],"shipping_address_id":"addr_1"}}"#,
+        random_text(1024)
+    );
+    let (status, answer) = server.post_order("k-longest", "", longest.as_bytes()).await;
+    assert_eq!(status, 201, "{answer:?}");
 }
 
 /// `n` characters of incompressible text (PostgreSQL compresses a long
