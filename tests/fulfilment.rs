@@ -660,6 +660,8 @@ async fn fulfilment_answers_the_contract_table() {
             "2b7e1516-28ae-4d2a-a6ab-f7158809cf4f",
         ),
         ("ship-malformed", TOKEN_A, "not-a-uuid"),
+        // Not UTF-8 once decoded: no order has such an id.
+        ("ship-not-utf8", TOKEN_A, "%FF"),
         ("ship-foreign", TOKEN_B, order_id.as_str()),
     ] {
         let missing = server.fulfil_as(token, key, path_id, TOKYO).await;
@@ -679,6 +681,13 @@ async fn fulfilment_answers_the_contract_table() {
             )
             .await;
         assert_eq!(status, 404);
+        assert_eq!(missing.headers["content-type"], "application/problem+json");
+        let read = server.get_as(token, &format!("/orders/{path_id}")).await;
+        assert_eq!(
+            read.status_and_code(),
+            (StatusCode::NOT_FOUND, json!("not_found")),
+            "GET {path_id}"
+        );
     }
 
     // The order fulfilled under another key: 409 naming the shipment, remembered.

@@ -24,7 +24,7 @@
 //! After `IDEMPOTENCY_MAX_ATTEMPTS` attempts the layer ends it `failed`.
 
 use axum::{
-    extract::{Path, State},
+    extract::{rejection::PathRejection, Path, State},
     response::{IntoResponse, Response},
     routing::{post, MethodRouter},
     Json,
@@ -192,9 +192,13 @@ enum Found {
 async fn fulfil(
     State(warehouse): State<WarehouseClient>,
     lease: PgLease,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     request: Validated<FulfilmentRequest>,
 ) -> Response {
+    // An id that does not even decode (`%FF`) names no order: `not_found`,
+    // as a malformed one, not axum's plain-text rejection (which the
+    // long-running mode would take for a failed attempt and retry).
+    let id = id.map(|Path(id)| id).unwrap_or_default();
     let span = tracing::info_span!(
         "fulfilment",
         operation_id = %lease.operation_id(),

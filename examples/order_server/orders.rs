@@ -1,7 +1,7 @@
 //! POST /orders and GET /orders/{id}.
 
 use axum::{
-    extract::{Path, State},
+    extract::{rejection::PathRejection, Path, State},
     response::{IntoResponse, Response},
     Extension,
 };
@@ -253,8 +253,10 @@ pub(crate) async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
 pub(crate) async fn get(
     State(store): State<PgStore>,
     Extension(tenant): Extension<TenantId>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> Response {
+    // An id that does not even decode (`%FF`) names no order either.
+    let id = id.map(|Path(id)| id).unwrap_or_default();
     let not_found = || {
         crate::problem(Problem::new(
             StatusCode::NOT_FOUND,
