@@ -9,7 +9,10 @@ pub const MAX_KEY_LEN: usize = 255;
 ///
 /// The header may carry the key bare (`Idempotency-Key: abc`) or as an
 /// RFC 8941 string (`Idempotency-Key: "abc"`, the form the IETF draft uses);
-/// both mean the key `abc`.
+/// both mean the key `abc`. A key whose own text is a quoted string (`"abc"`,
+/// quotes included) is sent quoted: `"\"abc\""`;
+/// [`header_value`](Self::header_value) writes each key in a form that
+/// reads back as it.
 ///
 /// `Debug` and `Display` never print the raw key: keys are client secrets in
 /// the same sense as request bodies, so logs only see [`IdempotencyKey::short_hash`].
@@ -38,10 +41,6 @@ pub enum KeyError {
     InvalidCharacter,
     /// The header appeared more than once.
     Repeated,
-    /// The key is in the quoted form, and what it quotes is a quoted
-    /// string again (`"\"abc\""`): kept as `"abc"`, it would read as `abc`
-    /// the next time, another key.
-    QuotedTwice,
 }
 
 impl fmt::Display for KeyError {
@@ -55,9 +54,6 @@ impl fmt::Display for KeyError {
                 "the key may only contain visible ASCII characters (0x21-0x7E)"
             }
             KeyError::Repeated => "the key header appears more than once",
-            KeyError::QuotedTwice => {
-                "the quoted key quotes a quoted string; send the key quoted once, or bare"
-            }
         })
     }
 }
@@ -68,15 +64,41 @@ impl IdempotencyKey {
     /// Parses a header value: a bare key or an RFC 8941 quoted string.
     ///
     /// A value that is a well-formed quoted string is unquoted (`"abc"` and
-    /// `abc` name the same key); anything else is taken as it is, so a bare
-    /// key may itself contain `"`. A quoted string of a quoted string
-    /// (`"\"abc\""`) is refused ([`KeyError::QuotedTwice`]), so that a key
-    /// read again from [`as_str`](Self::as_str) is always the same key.
+    /// `abc` name the same key; `"\"abc\""` is the key `"abc"`); anything
+    /// else is taken as it is, so a bare key may itself contain `"`.
     pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
         match quoted(raw) {
-            Some(contents) if quoted(&contents).is_some() => Err(KeyError::QuotedTwice),
             Some(contents) => Self::from_bytes(contents),
             None => Self::from_bytes(raw.to_vec()),
+        }
+    }
+
+    /// The key from its own text, as [`as_str`](Self::as_str) gave it (what
+    /// a store keeps): nothing is unquoted.
+    pub(crate) fn from_text(text: &str) -> Result<Self, KeyError> {
+        Self::from_bytes(text.as_bytes().to_vec())
+    }
+
+    /// The header value that [`parse`](Self::parse) reads as this key: the
+    /// key itself, or its RFC 8941 quoted form when the key's own text is a
+    /// quoted string (the key `"abc"` is sent as `"\"abc\""`). Send this,
+    /// not [`as_str`](Self::as_str), to name the key again.
+    ///
+    /// ```
+    /// use tower_idempotency::key::IdempotencyKey;
+    ///
+    /// let key = IdempotencyKey::parse(br#""\"abc\"""#).unwrap();
+    /// assert_eq!(key.as_str(), r#""abc""#);
+    /// assert_eq!(key.header_value(), r#""\"abc\"""#);
+    /// assert_eq!(IdempotencyKey::parse(key.header_value().as_bytes()), Ok(key));
+    /// assert_eq!(IdempotencyKey::parse(b"abc").unwrap().header_value(), "abc");
+    /// ```
+    pub fn header_value(&self) -> std::borrow::Cow<'_, str> {
+        if quoted(self.0.as_bytes()).is_some() {
+            let escaped = self.0.replace('\\', "\\\\").replace('"', "\\\"");
+            std::borrow::Cow::Owned(format!("\"{escaped}\""))
+        } else {
+            std::borrow::Cow::Borrowed(&self.0)
         }
     }
 
@@ -200,16 +222,18 @@ mod tests {
     }
 
     #[test]
-    fn a_key_quoted_twice_is_refused() {
-        // Unquoted once, these would be `"rk1"` and `""`: read again (by
-        // the recovery worker, from the store) they would be `rk1` and
-        // nothing, other keys than the request's.
-        for raw in [&br#""\"rk1\"""#[..], br#""\"\"""#] {
-            assert_eq!(IdempotencyKey::parse(raw), Err(KeyError::QuotedTwice));
+    fn a_key_that_is_a_quoted_string_is_sent_quoted() {
+        // The keys `"rk1"` and `""`, quotes included.
+        for (raw, text) in [(&br#""\"rk1\"""#[..], r#""rk1""#), (br#""\"\"""#, r#""""#)] {
+            let key = IdempotencyKey::parse(raw).unwrap();
+            assert_eq!(key.as_str(), text);
+            assert_eq!(key.header_value().as_bytes(), raw);
+            assert_eq!(IdempotencyKey::from_text(key.as_str()), Ok(key));
         }
         // Quotes that do not make a quoted string are the key's own.
         let key = IdempotencyKey::parse(br#""\"a\"b\"""#).unwrap();
         assert_eq!(key.as_str(), r#""a"b""#);
+        assert_eq!(key.header_value(), key.as_str());
         assert_eq!(IdempotencyKey::parse(key.as_str().as_bytes()), Ok(key));
     }
 
@@ -242,17 +266,14 @@ mod tests {
         }
 
         #[test]
-        fn quoted_keys_round_trip(key in "[!-~]{1,255}") {
-            // Contents that are a quoted string themselves are refused
-            // (`a_key_quoted_twice_is_refused`).
-            prop_assume!(IdempotencyKey::parse(key.as_bytes()).map(|k| k.as_str() == key) == Ok(true));
+        fn quoted_keys_round_trip(key in "[!-~]{1,253}") {
             let parsed = IdempotencyKey::parse(quote(&key).as_bytes()).unwrap();
             prop_assert_eq!(parsed.as_str(), key.as_str());
         }
 
-        /// An accepted key read again is the same key: what the store keeps
-        /// (`as_str`) names the key the request did, for the recovery
-        /// worker that reads it back and for a client that sends it again.
+        /// An accepted key read again is the same key: from the text a store
+        /// keeps (`as_str`, for the recovery worker), and from its
+        /// `header_value` (for a client that sends it again).
         #[test]
         fn an_accepted_key_reads_back_as_itself(
             raw in prop_oneof![
@@ -262,7 +283,8 @@ mod tests {
             ],
         ) {
             if let Ok(key) = IdempotencyKey::parse(&raw) {
-                prop_assert_eq!(IdempotencyKey::parse(key.as_str().as_bytes()), Ok(key));
+                prop_assert_eq!(IdempotencyKey::from_text(key.as_str()), Ok(key.clone()));
+                prop_assert_eq!(IdempotencyKey::parse(key.header_value().as_bytes()), Ok(key));
             }
         }
 

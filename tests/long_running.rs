@@ -1288,3 +1288,34 @@ async fn drained_waits_for_an_operation_the_recovery_worker_fails() {
     assert_eq!(state, "failed");
     assert_eq!(calls.load(Ordering::SeqCst), 0, "it could not run");
 }
+
+/// A key that is itself a quoted string (sent as `"\"q1\""`: the key `"q1"`,
+/// quotes included) is accepted, and the recovery worker, reading it back
+/// from the store, drives the operation under that same key; a retry gets
+/// its answer.
+#[tokio::test]
+async fn a_key_that_is_a_quoted_string_keeps_its_operation_through_recovery() {
+    let pg = Postgres::new().await;
+    let sent = r#""\"q1\"""#;
+    let stored = r#""q1""#;
+    let (_dead, operation_id, dead_token) = crashed_owner(&pg, sent).await;
+    until_lease_expired(&pg, stored).await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let layer = long_layer(pg.store.clone(), Duration::from_secs(5));
+    let recovery = layer.recovery(fenced_orders(calls.clone(), None));
+    assert_eq!(recovery.run_once().await.unwrap(), 1);
+    let (state, token, _, id) = row(&pg, stored).await.unwrap();
+    assert_eq!(state, "completed");
+    assert!(token > dead_token);
+    assert_eq!(id, Some(operation_id.to_string()));
+    assert_eq!(row(&pg, "q1").await, None, "no other key was touched");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let retry = send(
+        service(&layer, fenced_orders(calls.clone(), None)),
+        tenant_a_post(sent),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}

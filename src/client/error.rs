@@ -95,7 +95,8 @@ impl ClientError {
 
     /// The key every attempt carried (none if the request's own key was
     /// invalid). Retrying the operation later with this key is safe: the
-    /// server replays it if one of the attempts got through.
+    /// server replays it if one of the attempts got through. Send it as
+    /// [`IdempotencyKey::header_value`](crate::key::IdempotencyKey::header_value).
     pub fn key(&self) -> Option<&IdempotencyKey> {
         self.key.as_ref()
     }

@@ -234,7 +234,7 @@ pub(crate) fn recovered<L>(
     handle: impl FnOnce(LeaseIdentity) -> L,
 ) -> Result<Recovered<L>, StoreError> {
     let scope = Scope::new(TenantId::new(row.tenant), endpoint.to_owned());
-    let key = IdempotencyKey::parse(row.key.as_bytes())
+    let key = IdempotencyKey::from_text(row.key)
         .map_err(|_| corrupt("stored record has an invalid key"))?;
     let operation_id = parse_id(row.operation_id)?;
     let request = stored_request(row.method, row.target, row.headers, row.body)?;
