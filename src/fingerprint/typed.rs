@@ -196,11 +196,18 @@ where
                 ),
             )])
         };
-        let canonical = serde_path_to_error::serialize(&dto, serde_json::value::Serializer)
-            .map_err(|e| {
-                let field = e.path().to_string();
-                let field = if field == "." { String::new() } else { field };
-                wide(field, e.inner())
+        // Paths cost a little per field, so the failing one is looked for
+        // only once the value is known not to encode.
+        let canonical =
+            serde_json::to_value(&dto).map_err(|_| {
+                match serde_path_to_error::serialize(&dto, serde_json::value::Serializer) {
+                    Err(e) => {
+                        let field = e.path().to_string();
+                        let field = if field == "." { String::new() } else { field };
+                        wide(field, e.inner())
+                    }
+                    Ok(_) => wide(String::new(), &"it does not encode as JSON"),
+                }
             })?;
         // With serde_json's `arbitrary_precision` (turned on by any crate in
         // the build) a 128-bit integer serializes; refuse it all the same.
