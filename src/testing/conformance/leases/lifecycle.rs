@@ -9,14 +9,7 @@ pub async fn heartbeats_keep_the_lease<St: LeaseStore>(store: &St) -> Result<(),
     const G: Guarantee = Guarantee::Heartbeat;
     let claim = new_request(WAIT);
     let owner = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
-    // Twice the lease in all, a heartbeat every half lease.
-    for _ in 0..4 {
-        tokio::time::sleep(SHORT / 2).await;
-        store
-            .heartbeat(&owner.lease, SHORT)
-            .await
-            .or_fail(G, "the owner's heartbeat")?;
-    }
+    heartbeat_through_twice_the_lease(store, &owner, G).await?;
     must_be_running(
         store,
         &claim,
@@ -326,13 +319,7 @@ pub async fn an_operation_outlives_its_retention_while_it_runs<St: LeaseStore>(
     let claim = request(scope.clone(), &unique_key(), 1, retention, WAIT);
     let owner = must_acquire(store, &claim, &lease_request(SHORT), G, "owner").await?;
     // The work outlasts the retention, heart-beating; then its owner dies.
-    for _ in 0..4 {
-        tokio::time::sleep(SHORT / 2).await;
-        store
-            .heartbeat(&owner.lease, SHORT)
-            .await
-            .or_fail(G, "the owner's heartbeat")?;
-    }
+    heartbeat_through_twice_the_lease(store, &owner, G).await?;
     tokio::time::sleep(PAST_SHORT).await;
     match store.operation(scope.tenant(), owner.operation_id).await {
         Ok(Some(op)) if op.state == OperationState::Running => {}
@@ -361,4 +348,21 @@ pub async fn an_operation_outlives_its_retention_while_it_runs<St: LeaseStore>(
         .finish(&recovered.owned.lease, &response(b"late"))
         .await
         .or_fail(G, "the recovered operation's finish")
+}
+
+/// Heartbeats `owner`'s lease of [`SHORT`] every half lease, four times:
+/// twice the lease in all.
+async fn heartbeat_through_twice_the_lease<St: LeaseStore>(
+    store: &St,
+    owner: &Owned<St::Lease>,
+    guarantee: Guarantee,
+) -> Result<(), CheckFailure> {
+    for _ in 0..4 {
+        tokio::time::sleep(SHORT / 2).await;
+        store
+            .heartbeat(&owner.lease, SHORT)
+            .await
+            .or_fail(guarantee, "the owner's heartbeat")?;
+    }
+    Ok(())
 }
