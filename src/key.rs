@@ -75,6 +75,7 @@ impl IdempotencyKey {
 
     /// The key from its own text, as [`as_str`](Self::as_str) gave it (what
     /// a store keeps): nothing is unquoted.
+    #[cfg(any(feature = "postgres", feature = "sqlx", test))]
     pub(crate) fn from_text(text: &str) -> Result<Self, KeyError> {
         Self::from_bytes(text.as_bytes().to_vec())
     }
