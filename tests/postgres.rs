@@ -801,3 +801,97 @@ async fn a_statement_running_when_the_handler_answers_is_waited_for_and_committe
     a_statement_running_when_the_handler_answers_commits_with_it(&pg, &pg.db).await;
     assert_eq!(pg.idle_in_transaction().await, 0);
 }
+
+/// A duplicate that waits out its wait on the owner's row answers in
+/// progress and gives its connection back to the pool: a lock wait that ran
+/// out is no broken connection, to be closed and replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_waits_out_its_wait_keeps_its_connection() {
+    use tower_idempotency::store::{Claim, Store};
+    let pg = Postgres::with_pool(2).await;
+    let store = pg.store.clone();
+    let Ok(Claim::Owned(held)) = store
+        .claim(&claim_request("held", Duration::from_secs(2)))
+        .await
+    else {
+        panic!("a new key is owned")
+    };
+    // The pool's second connection, used once and idle again.
+    let Ok(Claim::Owned(other)) = store
+        .claim(&claim_request("other", Duration::from_secs(2)))
+        .await
+    else {
+        panic!("a new key is owned")
+    };
+    store.abort(other).await.unwrap();
+    // The pool's own count: `PgStore { max_connections: 2, connections: N, … }`.
+    let pooled = |store: &PgStore| format!("{store:?}");
+    assert!(pooled(&store).contains(" connections: 2,"), "{store:?}");
+    let duplicate = claim_request("held", Duration::from_millis(200));
+    assert!(matches!(
+        store.claim(&duplicate).await,
+        Ok(Claim::InProgress)
+    ));
+    assert!(
+        pooled(&store).contains(" connections: 2,"),
+        "the duplicate's connection was closed: {store:?}"
+    );
+    store.abort(held).await.unwrap();
+}
+
+/// An acquire that waits out its wait on a row another transaction holds
+/// (a takeover of an expired lease, behind an operator's lock) answers in
+/// progress and gives its connection back to the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_that_waits_out_its_wait_keeps_its_connection() {
+    use tower_idempotency::{
+        lease::OperationId,
+        store::{Acquired, Claim, LeaseRequest, LeaseStore, Store, StoredRequest},
+    };
+    let pg = Postgres::with_pool(2).await;
+    let store = pg.store.clone();
+    let lease = |millis| {
+        LeaseRequest::new(
+            Duration::from_millis(millis),
+            OperationId::random(),
+            StoredRequest::new(http::Method::POST, "/x", vec![], bytes::Bytes::new()),
+        )
+    };
+    let claim = claim_request("op", Duration::from_millis(200));
+    let Ok(Acquired::Owned(_dead)) = store.acquire(&claim, &lease(100)).await else {
+        panic!("a new operation is owned")
+    };
+    // The pool's second connection, used once and idle again.
+    let Ok(Claim::Owned(held)) = store
+        .claim(&claim_request("other", Duration::from_secs(2)))
+        .await
+    else {
+        panic!("a new key is owned")
+    };
+    let Ok(Claim::Owned(other)) = store
+        .claim(&claim_request("another", Duration::from_secs(2)))
+        .await
+    else {
+        panic!("a new key is owned")
+    };
+    store.abort(other).await.unwrap();
+    store.abort(held).await.unwrap();
+    let mut locker = pg.db.client().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM idempotency_requests WHERE idempotency_key = 'op' FOR SHARE",
+        &[],
+    )
+    .await
+    .unwrap();
+    pg.exec("SELECT pg_sleep(0.2)").await;
+    let pooled = |store: &PgStore| format!("{store:?}");
+    assert!(pooled(&store).contains(" connections: 2,"), "{store:?}");
+    let second = store.acquire(&claim, &lease(300)).await;
+    assert!(matches!(second, Ok(Acquired::InProgress)), "{second:?}");
+    assert!(
+        pooled(&store).contains(" connections: 2,"),
+        "the acquire's connection was closed: {store:?}"
+    );
+    lock.rollback().await.unwrap();
+}

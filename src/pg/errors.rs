@@ -7,6 +7,14 @@ use crate::store::StoreErrorKind;
 /// The SQLSTATE of a lock wait that ran out (`lock_timeout`).
 pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 
+/// Whether an error with SQLSTATE `code` ended only its statement (a lock
+/// wait or a statement that ran out), leaving the session sound: roll back
+/// and pool the connection again. Every other [`StoreErrorKind::Unavailable`]
+/// error means the connection or the server is going away.
+pub(crate) fn ends_only_the_statement(code: &str) -> bool {
+    matches!(code, LOCK_NOT_AVAILABLE | "57014")
+}
+
 /// The kind of a server error with SQLSTATE `code`.
 pub(crate) fn kind_of(code: &str) -> StoreErrorKind {
     match code {
@@ -53,5 +61,7 @@ mod tests {
         ] {
             assert_eq!(kind_of(code), kind, "{code}");
         }
+        assert!(ends_only_the_statement("55P03") && ends_only_the_statement("57014"));
+        assert!(!ends_only_the_statement("57P01") && !ends_only_the_statement("08006"));
     }
 }

@@ -11,7 +11,7 @@ use tokio_postgres::{
 };
 
 use super::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx};
-use crate::pg::statements::BEGIN;
+use crate::pg::{errors::ends_only_the_statement, statements::BEGIN};
 use crate::store::{Claim, ClaimRequest, StoreError, StoreErrorKind};
 
 // Parameters carry explicit casts so their types are fixed by the SQL text:
@@ -128,30 +128,29 @@ async fn claim_once(
             return Ok(Claim::Owned(PgTx::of_request(conn, request, token, xid)))
         }
         Ok(Ok(Claimed::Found(found))) => found,
+        // A lock wait past the wait (a duplicate's row, or the whole table
+        // locked by a migration): in progress. The connection is sound: it
+        // rolls back and goes back to the pool.
+        Ok(Err(e)) if e.sql_state() == Some(SqlState::LOCK_NOT_AVAILABLE.code()) => {
+            // A failed rollback leaves `conn` marked dirty: it is closed.
+            let _ = rollback(conn).await;
+            return Ok(Claim::InProgress);
+        }
         // A pooled connection the server closed (a restart, a terminated
         // backend), or whose session is not what we left, is only found
         // out when used. Nothing was committed on it: drop it and start
         // over once on a fresh one, rather than answer 503 for a database
         // that is fine.
-        Ok(Err(e))
-            if (e.kind() == StoreErrorKind::Unavailable || is_session_fault(&e)) && !retried =>
-        {
+        Ok(Err(e)) if connection_fault(&e) && !retried => {
             drop(conn);
             return Box::pin(claim_once(store, request, Some(deadline))).await;
         }
         Ok(Err(e)) => {
-            let lock_timeout = e.sql_state() == Some(SqlState::LOCK_NOT_AVAILABLE.code());
-            if e.kind() != StoreErrorKind::Unavailable && !is_session_fault(&e) {
+            if !connection_fault(&e) {
                 // A failed rollback leaves `conn` marked dirty: it is closed.
                 let _ = rollback(conn).await;
             }
-            // A lock wait past the wait (a duplicate's row, or the whole
-            // table locked by a migration): in progress.
-            return if lock_timeout {
-                Ok(Claim::InProgress)
-            } else {
-                Err(e)
-            };
+            return Err(e);
         }
     };
     let answer = match found {
@@ -296,6 +295,13 @@ pub(super) fn begin_batch(lock_wait: Option<Duration>, hold_limit: Option<Durati
         ));
     }
     batch
+}
+
+/// Whether `e` says the connection itself is at fault (closed by the
+/// server, or its session not what we left), not only the statement.
+fn connection_fault(e: &StoreError) -> bool {
+    (e.kind() == StoreErrorKind::Unavailable && !e.sql_state().is_some_and(ends_only_the_statement))
+        || is_session_fault(e)
 }
 
 /// Errors that say this connection's session is not what the store left

@@ -15,7 +15,7 @@ use super::PgLease;
 use crate::pg::lease::{
     acquired, attempt_of, fenced, operation_state, recovered, running, stored_response, RecoverRow,
 };
-use crate::pg::statements::BEGIN;
+use crate::pg::{errors::ends_only_the_statement, statements::BEGIN};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
@@ -336,7 +336,9 @@ async fn short_transaction(
         }
         Ok(Err(e)) => {
             let e = map_error(e);
-            if e.kind() != StoreErrorKind::Unavailable {
+            if e.kind() != StoreErrorKind::Unavailable
+                || e.sql_state().is_some_and(ends_only_the_statement)
+            {
                 let _ = rollback(conn).await;
             }
             Err(e)
