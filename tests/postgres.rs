@@ -895,3 +895,10 @@ async fn an_acquire_that_waits_out_its_wait_keeps_its_connection() {
     );
     lock.rollback().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_the_server_refuses_is_sorted_by_its_cause() {
+    let pg = Postgres::new().await;
+    common::a_completion_the_server_refuses_is_sorted_by_its_cause(&pg, &pg.client).await;
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}

@@ -843,3 +843,10 @@ async fn a_statement_running_when_the_handler_answers_is_waited_for_and_committe
     a_statement_running_when_the_handler_answers_commits_with_it(&backend, &backend.db).await;
     assert_eq!(idle_in_transaction(&backend).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_the_server_refuses_is_sorted_by_its_cause() {
+    let backend = Sqlx::new().await;
+    common::a_completion_the_server_refuses_is_sorted_by_its_cause(&backend, &backend.client).await;
+    assert_eq!(idle_in_transaction(&backend).await, 0);
+}

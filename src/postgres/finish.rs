@@ -15,6 +15,7 @@ use super::{
     PgTx,
 };
 use crate::{
+    pg::errors::ends_only_the_statement,
     pg::statements::{COMPLETE, FENCED_CHECK},
     pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     record::StoredResponse,
@@ -203,7 +204,10 @@ pub(super) enum Finished {
 ///   (the handler swallowed a failed statement) or is no longer the claim's;
 ///   the `COMMIT` rolled back, and a retry fails the same way
 ///   ([`StoreErrorKind::TransactionAborted`]). Likewise an UPDATE that could
-///   not even be sent: the `COMMIT` never was.
+///   not even be sent: the `COMMIT` never was. But a statement cancelled or
+///   a lock wait run out ([`StoreErrorKind::Unavailable`]) and the server's
+///   own trouble, such as a full disk ([`StoreErrorKind::Backend`]), are
+///   rolled back too, and a retry may succeed.
 /// - The `COMMIT` failed in the server: a deferred constraint
 ///   ([`StoreErrorKind::TransactionAborted`]) or a serialization failure
 ///   ([`StoreErrorKind::Conflict`]); rolled back either way.
@@ -216,7 +220,13 @@ pub(super) fn completion_error(failed: Finished) -> StoreError {
         Finished::End(e) => (e, "the commit failed; the transaction was rolled back"),
     };
     let error = map_error(e);
+    let answered = error.sql_state().is_some();
     match error.kind() {
+        // A statement cancelled or a lock wait run out in the server: the
+        // transaction is rolled back for certain.
+        StoreErrorKind::Unavailable if error.sql_state().is_some_and(ends_only_the_statement) => {
+            error
+        }
         StoreErrorKind::Unavailable => StoreError::new(
             StoreErrorKind::OutcomeUnknown,
             "the connection was lost while committing; whether the commit happened is unknown",
@@ -224,6 +234,9 @@ pub(super) fn completion_error(failed: Finished) -> StoreError {
         .with_sql_state(error.sql_state().map(str::to_owned))
         .with_source(error),
         StoreErrorKind::Conflict => error,
+        // The server's own trouble (disk full, out of memory): rolled
+        // back, and a retry may well succeed.
+        StoreErrorKind::Backend if answered => error,
         _ => StoreError::new(StoreErrorKind::TransactionAborted, what)
             .with_sql_state(error.sql_state().map(str::to_owned))
             .with_source(error),

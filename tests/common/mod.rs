@@ -798,3 +798,48 @@ fn slow_insert_handler<B: Backend>(
         }
     }))
 }
+
+/// A completion the server refuses for a reason of its own (disk full,
+/// `53100`) is retryable (`Backend`, answered `503`), not "fails the same
+/// way" (`TransactionAborted`, `500 commit_rejected`); and one cancelled
+/// in the server (`57014`) is rolled back for certain (`Unavailable`), not
+/// of unknown outcome. Nothing is committed either way.
+pub(crate) async fn a_completion_the_server_refuses_is_sorted_by_its_cause<B: Backend>(
+    backend: &B,
+    client: &tokio_postgres::Client,
+) {
+    use tower_idempotency::store::StoreErrorKind;
+    client
+        .batch_execute(
+            "CREATE FUNCTION refuse_completion() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               IF NEW.idempotency_key = 'disk-full' THEN RAISE EXCEPTION 'no space' USING ERRCODE = '53100'; END IF; \
+               IF NEW.idempotency_key = 'cancelled' THEN RAISE EXCEPTION 'cancelled' USING ERRCODE = '57014'; END IF; \
+               RETURN NEW; END $$; \
+             CREATE TRIGGER refuse_completion BEFORE UPDATE ON idempotency_requests FOR EACH ROW \
+               WHEN (NEW.state = 'completed') EXECUTE FUNCTION refuse_completion()",
+        )
+        .await
+        .unwrap();
+    let store = backend.store();
+    for (key, kind) in [
+        ("disk-full", StoreErrorKind::Backend),
+        ("cancelled", StoreErrorKind::Unavailable),
+    ] {
+        let claim = claim_request(key, Duration::from_secs(2));
+        let Ok(Claim::Owned(tx)) = store.claim(&claim).await else {
+            panic!("{key}: a new key is owned")
+        };
+        B::insert_order(&tx, key, "t").await.unwrap();
+        let refused = store
+            .complete(tx, &stored(b"done"))
+            .await
+            .expect_err("the completion is refused");
+        assert_eq!(refused.kind(), kind, "{key}: {refused}");
+        let Ok(Claim::Owned(again)) = store.claim(&claim).await else {
+            panic!("{key}: rolled back, the key is free again")
+        };
+        store.abort(again).await.unwrap();
+    }
+    assert!(backend.orders().await.is_empty(), "nothing was committed");
+    assert_eq!(backend.remembered().await, 0);
+}
