@@ -11,6 +11,7 @@ pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// wait or a statement that ran out), leaving the session sound: roll back
 /// and pool the connection again. Every other [`StoreErrorKind::Unavailable`]
 /// error means the connection or the server is going away.
+#[cfg(any(feature = "postgres", test))]
 pub(crate) fn ends_only_the_statement(code: &str) -> bool {
     matches!(code, LOCK_NOT_AVAILABLE | "57014")
 }
