@@ -902,3 +902,8 @@ async fn a_completion_the_server_refuses_is_sorted_by_its_cause() {
     common::a_completion_the_server_refuses_is_sorted_by_its_cause(&pg, &pg.client).await;
     assert_eq!(pg.idle_in_transaction().await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_store_holds_extreme_durations_to_their_limits() {
+    common::extreme_durations_are_held_to_their_limits(&Postgres::new().await).await;
+}

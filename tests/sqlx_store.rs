@@ -850,3 +850,8 @@ async fn a_completion_the_server_refuses_is_sorted_by_its_cause() {
     common::a_completion_the_server_refuses_is_sorted_by_its_cause(&backend, &backend.client).await;
     assert_eq!(idle_in_transaction(&backend).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_holds_extreme_durations_to_their_limits() {
+    common::extreme_durations_are_held_to_their_limits(&Sqlx::new().await).await;
+}

@@ -82,6 +82,7 @@ impl LeaseStore for MemoryStore {
     }
 
     async fn heartbeat(&self, lease: &MemoryLease, extend: Duration) -> Result<(), StoreError> {
+        let extend = extend.min(crate::store::MAX_WAIT);
         self.check_same(&lease.inner.state)?;
         let mut state = lock(&self.state);
         let leased = leased_mut(
@@ -197,6 +198,7 @@ impl LeaseStore for MemoryStore {
         retention: Duration,
         backoff: Backoff,
     ) -> Result<Option<Recovered<MemoryLease>>, StoreError> {
+        let (lease, retention) = crate::store::bounded(lease, retention);
         let mut state = lock(&self.state);
         let now = Instant::now();
         let State {

@@ -161,7 +161,7 @@ impl LeaseStore for PgStore {
         lease: &PgLease,
         extend: std::time::Duration,
     ) -> Result<(), StoreError> {
-        lease::protocol::heartbeat(lease, extend).await
+        lease::protocol::heartbeat(lease, extend.min(crate::store::MAX_WAIT)).await
     }
 
     async fn fenced(&self, lease: &PgLease) -> Result<PgTx, StoreError> {
@@ -204,6 +204,7 @@ impl LeaseStore for PgStore {
         retention: std::time::Duration,
         backoff: crate::store::Backoff,
     ) -> Result<Option<Recovered<PgLease>>, StoreError> {
+        let (lease, retention) = crate::store::bounded(lease, retention);
         lease::protocol::recover(self, endpoint, lease, retention, backoff).await
     }
 }

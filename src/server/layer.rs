@@ -18,10 +18,10 @@ use crate::{
 };
 
 /// PostgreSQL takes at most `i32::MAX` milliseconds for its timeouts.
-pub(crate) const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
+pub(crate) const MAX_WAIT: Duration = crate::store::MAX_WAIT;
 /// The largest body limit: a quarter of PostgreSQL's 1 GiB field and message limits.
 const MAX_BODY: usize = 256 * 1024 * 1024;
-const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+const MAX_RETENTION: Duration = crate::store::MAX_RETENTION;
 
 /// Gives the wrapped service Idempotency-Key semantics.
 ///

@@ -33,7 +33,7 @@ impl LeaseRequest {
     /// A request for a lease of `lease` on a new operation `operation_id`.
     pub fn new(lease: Duration, operation_id: OperationId, request: StoredRequest) -> Self {
         LeaseRequest {
-            lease,
+            lease: lease.min(super::MAX_WAIT),
             operation_id,
             request,
         }
@@ -190,11 +190,13 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// A backoff starting at `first`, doubling, capped at `max` (at least `first`).
+    /// A backoff starting at `first`, doubling, capped at `max` (at least
+    /// `first`; both at most 100 years).
     pub fn new(first: Duration, max: Duration) -> Self {
+        let first = first.min(super::MAX_RETENTION);
         Backoff {
             first,
-            max: max.max(first),
+            max: max.min(super::MAX_RETENTION).max(first),
         }
     }
 

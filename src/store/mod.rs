@@ -54,6 +54,17 @@ use crate::{
     scope::Scope,
 };
 
+/// The longest wait a store is given: PostgreSQL's longest lock timeout
+/// (`i32::MAX` milliseconds, about 24.8 days).
+pub(crate) const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
+/// The longest retention and backoff: 100 years.
+pub(crate) const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// A lease and a retention given to a store, held to what it can keep.
+pub(crate) fn bounded(lease: Duration, retention: Duration) -> (Duration, Duration) {
+    (lease.min(MAX_WAIT), retention.min(MAX_RETENTION))
+}
+
 /// What the layer asks a store for when a request arrives.
 ///
 /// ```
@@ -108,14 +119,15 @@ impl ClaimRequest {
         }
     }
 
-    /// Sets [`retention`](Self::retention).
+    /// Sets [`retention`](Self::retention) (at most 100 years).
     pub fn with_retention(self, retention: Duration) -> Self {
-        crate::with(self, |c| c.retention = retention)
+        crate::with(self, |c| c.retention = retention.min(MAX_RETENTION))
     }
 
-    /// Sets [`wait`](Self::wait).
+    /// Sets [`wait`](Self::wait) (at most PostgreSQL's longest lock
+    /// timeout, about 24.8 days).
     pub fn with_wait(self, wait: Duration) -> Self {
-        crate::with(self, |c| c.wait = wait)
+        crate::with(self, |c| c.wait = wait.min(MAX_WAIT))
     }
 
     /// Sets [`hold_limit`](Self::hold_limit).

@@ -843,3 +843,47 @@ pub(crate) async fn a_completion_the_server_refuses_is_sorted_by_its_cause<B: Ba
     assert!(backend.orders().await.is_empty(), "nothing was committed");
     assert_eq!(backend.remembered().await, 0);
 }
+
+/// Durations past what a store can hold are held to their limits by the
+/// store API's constructors: a claim that would wait for ever, a backoff of
+/// ages, a lease and a retention of `Duration::MAX` neither panic nor fail.
+pub(crate) async fn extreme_durations_are_held_to_their_limits<B>(backend: &B)
+where
+    B: Backend<Store: tower_idempotency::store::LeaseStore>,
+{
+    use tower_idempotency::{
+        lease::OperationId,
+        store::{Acquired, Backoff, LeaseRequest, LeaseStore, StoredRequest},
+    };
+    let store = backend.store();
+    let claim = claim_request("forever", Duration::MAX).with_retention(Duration::MAX);
+    let Ok(Claim::Owned(tx)) = store.claim(&claim).await else {
+        panic!("a new key is owned")
+    };
+    store.complete(tx, &stored(b"kept")).await.unwrap();
+    let Ok(Claim::Completed(record)) = store.claim(&claim).await else {
+        panic!("and remembered")
+    };
+    assert_eq!(&record.response.body[..], b"kept");
+    let lease = LeaseRequest::new(
+        Duration::MAX,
+        OperationId::random(),
+        StoredRequest::new(http::Method::POST, "/x", vec![], Bytes::new()),
+    );
+    let operation = claim_request("ages", Duration::MAX).with_retention(Duration::MAX);
+    let Ok(Acquired::Owned(owned)) = store.acquire(&operation, &lease).await else {
+        panic!("a new operation is owned")
+    };
+    store.heartbeat(&owned.lease, Duration::MAX).await.unwrap();
+    let recovered = store
+        .recover(
+            "POST /x",
+            Duration::MAX,
+            Duration::MAX,
+            Backoff::new(Duration::MAX, Duration::MAX),
+        )
+        .await
+        .expect("a recovery with a backoff of ages looks and finds nothing");
+    assert!(recovered.is_none());
+    store.finish(&owned.lease, &stored(b"done")).await.unwrap();
+}

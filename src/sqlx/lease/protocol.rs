@@ -95,7 +95,7 @@ impl LeaseStore for SqlxStore {
 
     async fn heartbeat(&self, lease: &SqlxLease, extend: Duration) -> Result<(), StoreError> {
         let query = keyed(HEARTBEAT, lease)
-            .bind(extend.as_secs_f64())
+            .bind(extend.min(crate::store::MAX_WAIT).as_secs_f64())
             .bind(lease.identity().retention().as_secs_f64());
         self.guarded(query, lease).await
     }
@@ -156,6 +156,7 @@ impl LeaseStore for SqlxStore {
         retention: Duration,
         backoff: Backoff,
     ) -> Result<Option<Recovered<SqlxLease>>, StoreError> {
+        let (lease, retention) = crate::store::bounded(lease, retention);
         let mut tx = self.short(ROW_WAIT).await?;
         let row = query(RECOVER, self.transaction_pooling)
             .bind(endpoint)
