@@ -857,3 +857,36 @@ async fn a_failed_operation_is_not_a_recovery_and_an_attempt_that_never_ran_is_n
     assert_eq!(counter(failed, CRASHED, None), 1);
     assert_eq!(counter(recovered, CRASHED, None), 0);
 }
+
+/// A client that goes away while its handler runs: the work runs on and
+/// commits, and the request is counted as every other (`new`), once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_went_away_is_counted() {
+    let installed = installed();
+    const ENDPOINT: &str = "POST /client-gone v1";
+    let store = MemoryStore::new();
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let layer = v1_layer(store.clone(), ENDPOINT);
+    let service = layer.clone().layer(held(started.clone(), release.clone()));
+    let client = spawn_send(service, post(Some("t"), Some("k"), "{}"));
+    started.notified().await;
+    client.abort();
+    assert!(client.await.unwrap_err().is_cancelled());
+    release.notify_one();
+    layer.drained().await;
+    let replay = send(
+        layer.layer(status_handler(StatusCode::CREATED)),
+        post(Some("t"), Some("k"), "{}"),
+    )
+    .await;
+    assert!(replay.replayed(), "the work committed");
+    let values = snapshot(&installed.snapshotter);
+    assert_eq!(
+        outcome(&values, ENDPOINT, "new"),
+        Some(&DebugValue::Counter(1))
+    );
+    assert_eq!(
+        outcome(&values, ENDPOINT, "replayed"),
+        Some(&DebugValue::Counter(1))
+    );
+}

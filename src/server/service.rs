@@ -183,17 +183,28 @@ where
         .then(|| admitted.claim.scope.tenant().clone());
     // From the claim on, a connection may be inside a transaction: run to the
     // end on a task of our own, whether or not the client is still waiting.
+    // The task also counts how the request settled, so that a request whose
+    // client went away is counted too; a replay to rebuild is counted once
+    // rebuilt, for the client that waits for it.
     let running = setup.shared.operations.start();
     let work = M::run(setup, inner, admitted).instrument(span.clone());
-    let (settled, timings) = match tokio::spawn(async move {
+    let counted = (config.clone(), span.clone(), tenant.clone());
+    let rebuilds = rebuild_for.is_some();
+    let (settled, timings, observed) = match tokio::spawn(async move {
         let _running = running;
-        work.await
+        let (settled, timings) = work.await;
+        let observed = !(rebuilds && matches!(settled, Settled::Replayed(_)));
+        if observed {
+            let (config, span, tenant) = counted;
+            settled.observe(&config, &span, &timings, tenant.as_deref());
+        }
+        (settled, timings, observed)
     })
     .await
     {
         Ok(ended) => ended,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => (Settled::Cancelled, Timings::start()),
+        Err(_) => (Settled::Cancelled, Timings::start(), false),
     };
     let settled = match (settled, &config.rebuild, rebuild_for) {
         (Settled::Replayed(stored), Some(rebuilder), Some(tenant)) => {
@@ -203,7 +214,9 @@ where
         }
         (settled, ..) => settled,
     };
-    settled.observe(&config, &span, &timings, tenant.as_deref());
+    if !observed {
+        settled.observe(&config, &span, &timings, tenant.as_deref());
+    }
     settled.answer(&config)
 }
 
