@@ -907,3 +907,11 @@ async fn a_completion_the_server_refuses_is_sorted_by_its_cause() {
 async fn pg_store_holds_extreme_durations_to_their_limits() {
     common::extreme_durations_are_held_to_their_limits(&Postgres::new().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_store_lease_calls_are_bounded_when_the_database_stalls() {
+    let pg = Postgres::new().await;
+    let proxy = common::proxy::SlowProxy::start(pg.db.config()).await;
+    let store = PgStore::builder(proxy.config()).build().unwrap();
+    common::lease_calls_are_bounded_when_the_database_stalls(store, &proxy).await;
+}

@@ -855,3 +855,15 @@ async fn a_completion_the_server_refuses_is_sorted_by_its_cause() {
 async fn sqlx_store_holds_extreme_durations_to_their_limits() {
     common::extreme_durations_are_held_to_their_limits(&Sqlx::new().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_lease_calls_are_bounded_when_the_database_stalls() {
+    let backend = Sqlx::new().await;
+    let proxy = common::proxy::SlowProxy::start(backend.db.config()).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(sqlx_options_for(&proxy.config(), backend.db.name()))
+        .await
+        .expect("the pool connects through the proxy");
+    common::lease_calls_are_bounded_when_the_database_stalls(SqlxStore::new(pool), &proxy).await;
+}

@@ -284,8 +284,15 @@ pub(crate) async fn sqlx_pool(db: &TestDatabase, max_connections: u32) -> sqlx::
 
 /// sqlx's connection options for `db` (a Unix socket, as the test cluster listens).
 pub(crate) fn sqlx_options(db: &TestDatabase) -> sqlx::postgres::PgConnectOptions {
-    let config = db.config();
-    let mut options = sqlx::postgres::PgConnectOptions::new().database(db.name());
+    sqlx_options_for(&db.config(), db.name())
+}
+
+/// sqlx's connection options for database `name` at what `config` names.
+pub(crate) fn sqlx_options_for(
+    config: &tokio_postgres::Config,
+    name: &str,
+) -> sqlx::postgres::PgConnectOptions {
+    let mut options = sqlx::postgres::PgConnectOptions::new().database(name);
     match config.get_hosts().first() {
         Some(tokio_postgres::config::Host::Unix(path)) => options = options.socket(path),
         Some(tokio_postgres::config::Host::Tcp(host)) => options = options.host(host),
@@ -886,4 +893,52 @@ where
         .expect("a recovery with a backoff of ages looks and finds nothing");
     assert!(recovered.is_none());
     store.finish(&owned.lease, &stored(b"done")).await.unwrap();
+}
+
+/// A store whose database stops answering (`proxy` holds every answer back
+/// for a minute) answers its lease calls within their bound, `Unavailable`,
+/// instead of waiting for ever: a finish, a heartbeat, a recovery.
+pub(crate) async fn lease_calls_are_bounded_when_the_database_stalls<St>(
+    store: St,
+    proxy: &proxy::SlowProxy,
+) where
+    St: tower_idempotency::store::LeaseStore,
+{
+    use tower_idempotency::{
+        lease::OperationId,
+        store::{Acquired, Backoff, LeaseRequest, StoreErrorKind, StoredRequest},
+    };
+    let lease = LeaseRequest::new(
+        Duration::from_secs(30),
+        OperationId::random(),
+        StoredRequest::new(http::Method::POST, "/x", vec![], Bytes::new()),
+    );
+    let claim = claim_request("stalled", Duration::from_secs(2));
+    let Ok(Acquired::Owned(owned)) = store.acquire(&claim, &lease).await else {
+        panic!("a new operation is owned")
+    };
+    proxy.set_delay(Duration::from_secs(60));
+    let bound = Duration::from_secs(8);
+    let finished = tokio::time::timeout(bound, store.finish(&owned.lease, &stored(b"done")))
+        .await
+        .expect("the finish answers within its bound");
+    assert_eq!(
+        finished.map_err(|e| e.kind()),
+        Err(StoreErrorKind::Unavailable)
+    );
+    let recovered = tokio::time::timeout(
+        bound,
+        store.recover(
+            "POST /x",
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+            Backoff::NONE,
+        ),
+    )
+    .await
+    .expect("the recovery answers within its bound");
+    assert_eq!(
+        recovered.map(|found| found.is_some()).map_err(|e| e.kind()),
+        Err(StoreErrorKind::Unavailable)
+    );
 }

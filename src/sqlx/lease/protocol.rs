@@ -140,8 +140,7 @@ impl LeaseStore for SqlxStore {
                     .bind(id.to_string())
                     .bind(tenant.as_str()),
             )
-            .await
-            .map_err(map_error)?;
+            .await?;
         let Some(row) = row else { return Ok(None) };
         let state: &str = row.try_get(0).map_err(map_error)?;
         let attempts = attempt_of(row.try_get(5).map_err(map_error)?);
@@ -157,6 +156,19 @@ impl LeaseStore for SqlxStore {
         backoff: Backoff,
     ) -> Result<Option<Recovered<SqlxLease>>, StoreError> {
         let (lease, retention) = crate::store::bounded(lease, retention);
+        within(self.recover_within(endpoint, lease, retention, backoff)).await
+    }
+}
+
+impl SqlxStore {
+    /// [`LeaseStore::recover`], unbounded.
+    async fn recover_within(
+        &self,
+        endpoint: &str,
+        lease: Duration,
+        retention: Duration,
+        backoff: Backoff,
+    ) -> Result<Option<Recovered<SqlxLease>>, StoreError> {
         let mut tx = self.short(ROW_WAIT).await?;
         let row = query(RECOVER, self.transaction_pooling)
             .bind(endpoint)
@@ -193,9 +205,7 @@ impl LeaseStore for SqlxStore {
         })?;
         Ok(Some(recovered))
     }
-}
 
-impl SqlxStore {
     /// Where a key stands, without a lock or a write: `None` when an
     /// acquire may own it (no record, an expired one, an orphan, or an
     /// expired lease of the same request).
@@ -210,8 +220,7 @@ impl SqlxStore {
                     .bind(claim.scope.endpoint())
                     .bind(claim.key.as_str()),
             )
-            .await
-            .map_err(map_error)?;
+            .await?;
         let Some(row) = row else { return Ok(None) };
         let state: &str = row.try_get(1).map_err(map_error)?;
         let fingerprint: &[u8] = row.try_get(0).map_err(map_error)?;
@@ -236,15 +245,24 @@ impl SqlxStore {
     async fn read_optional(
         &self,
         statement: ::sqlx::query::Query<'_, Postgres, ::sqlx::postgres::PgArguments>,
-    ) -> Result<Option<PgRow>, ::sqlx::Error> {
-        if !self.transaction_pooling {
-            return statement.fetch_optional(&self.pool).await;
-        }
-        // Dropped on an error, the transaction rolls back.
-        let mut tx = self.pool.begin_with(BEGIN).await?;
-        let row = statement.fetch_optional(&mut *tx).await?;
-        tx.commit().await?;
-        Ok(row)
+    ) -> Result<Option<PgRow>, StoreError> {
+        within(async {
+            if !self.transaction_pooling {
+                return statement
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(map_error);
+            }
+            // Dropped on an error, the transaction rolls back.
+            let mut tx = self.pool.begin_with(BEGIN).await.map_err(map_error)?;
+            let row = statement
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(map_error)?;
+            tx.commit().await.map_err(map_error)?;
+            Ok(row)
+        })
+        .await
     }
 
     /// A short transaction whose lock waits last at most `wait`.
@@ -261,9 +279,12 @@ impl SqlxStore {
     /// Runs a statement guarded by the lease's token in a short transaction
     /// and commits it if it changed the row (see [`end_short`](Self::end_short)).
     async fn guarded(&self, query: Keyed<'_>, lease: &SqlxLease) -> Result<(), StoreError> {
-        let mut tx = self.short(ROW_WAIT).await?;
-        let done = query.execute(&mut *tx).await;
-        self.end_short(tx, done, lease).await
+        within(async {
+            let mut tx = self.short(ROW_WAIT).await?;
+            let done = query.execute(&mut *tx).await;
+            self.end_short(tx, done, lease).await
+        })
+        .await
     }
 
     /// Commits a heartbeat, finish or release that changed one row; no row
@@ -393,6 +414,17 @@ fn response_at(row: &PgRow, at: usize) -> Result<StoredResponse, StoreError> {
 
 fn corrupt(message: &str) -> StoreError {
     StoreError::new(StoreErrorKind::Corrupt, message)
+}
+
+/// `work`, answered within [`ROW_WAIT`] and [`GRACE`] whatever the database
+/// does, as `PgStore`'s lease calls are. Cut off, its connection is dropped
+/// mid-statement, and the server rolls back.
+async fn within<T>(
+    work: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(ROW_WAIT + GRACE, work)
+        .await
+        .unwrap_or_else(|_| Err(timed_out()))
 }
 
 fn timed_out() -> StoreError {
