@@ -18,6 +18,7 @@ mod key;
 pub(crate) mod relay;
 #[cfg(feature = "postgres")]
 mod sink;
+pub(crate) mod statements;
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

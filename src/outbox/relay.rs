@@ -10,14 +10,14 @@ use std::{
 
 use futures_util::FutureExt;
 use tokio::sync::Notify;
-use tokio_postgres::{
-    types::{ToSql, Type},
-    AsyncMessage,
-};
+use tokio_postgres::{types::ToSql, AsyncMessage};
 
 use super::{
     event::OutboxEvent,
     sink::{BatchReport, DeliveryError, OutboxStatus, Sink},
+    statements::{
+        CLAIM_EVENTS_SQL, MARK_DELIVERED_SQL, MARK_FAILED_SQL, MARK_PARKED_SQL, OUTBOX_BACKLOG,
+    },
 };
 use crate::{
     metrics,
@@ -86,59 +86,10 @@ impl<K> fmt::Debug for Relay<K> {
     }
 }
 
-// Due events, locked for this batch; rows another relay holds are skipped.
 /// The longest backoff, poll interval and delivery timeout a relay takes.
 const LONGEST: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// The shortest poll interval and delivery timeout.
 const SHORTEST: Duration = Duration::from_millis(1);
-
-const CLAIM_EVENTS: &str =
-    "SELECT id::text, tenant_id, aggregate_id, event_type, payload, attempts \
-     FROM outbox_events \
-     WHERE published_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now() \
-     ORDER BY next_attempt_at \
-     LIMIT $1::int8 \
-     FOR UPDATE SKIP LOCKED";
-
-// Events are named by their key, (tenant, id): the first array holds the
-// tenants, the second the ids, in the same order.
-const MARK_DELIVERED: &str = "UPDATE outbox_events AS o \
-     SET published_at = clock_timestamp(), attempts = o.attempts + 1, last_error = NULL \
-     FROM unnest($1::text[], $2::text[]) AS f(tenant_id, id) \
-     WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid";
-
-const MARK_FAILED: &str = "UPDATE outbox_events AS o \
-     SET attempts = o.attempts + 1, last_error = f.error, \
-         next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond' \
-     FROM unnest($1::text[], $2::text[], $3::text[], $4::float8[]) AS f(tenant_id, id, error, delay_ms) \
-     WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid";
-
-const MARK_PARKED: &str = "UPDATE outbox_events AS o \
-     SET attempts = o.attempts + 1, last_error = f.error, parked_at = clock_timestamp() \
-     FROM unnest($1::text[], $2::text[], $3::text[]) AS f(tenant_id, id, error) \
-     WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid";
-
-// Undelivered events and the age of the oldest (the backlog and lag gauges).
-const OUTBOX_BACKLOG: &str =
-    "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) \
-     FROM outbox_events WHERE published_at IS NULL AND parked_at IS NULL";
-
-pub(crate) const CLAIM_EVENTS_SQL: Sql<'static> = Sql::new(CLAIM_EVENTS, &[Type::INT8]);
-pub(crate) const MARK_DELIVERED_SQL: Sql<'static> =
-    Sql::new(MARK_DELIVERED, &[Type::TEXT_ARRAY, Type::TEXT_ARRAY]);
-pub(crate) const MARK_FAILED_SQL: Sql<'static> = Sql::new(
-    MARK_FAILED,
-    &[
-        Type::TEXT_ARRAY,
-        Type::TEXT_ARRAY,
-        Type::TEXT_ARRAY,
-        Type::FLOAT8_ARRAY,
-    ],
-);
-pub(crate) const MARK_PARKED_SQL: Sql<'static> = Sql::new(
-    MARK_PARKED,
-    &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY],
-);
 
 impl<K: Sink> Relay<K> {
     /// A relay over `store`'s database delivering to `sink`.

@@ -234,10 +234,13 @@ pub(crate) fn all_statements() -> Vec<(&'static str, statements::Sql<'static>)> 
         ("OPERATION", lp::OPERATION_SQL),
         ("RECOVER", lp::RECOVER_SQL),
         ("DELETE_BATCH", crate::retention::DELETE_BATCH_SQL),
-        ("CLAIM_EVENTS", crate::outbox::relay::CLAIM_EVENTS_SQL),
-        ("MARK_DELIVERED", crate::outbox::relay::MARK_DELIVERED_SQL),
-        ("MARK_FAILED", crate::outbox::relay::MARK_FAILED_SQL),
-        ("MARK_PARKED", crate::outbox::relay::MARK_PARKED_SQL),
+        ("CLAIM_EVENTS", crate::outbox::statements::CLAIM_EVENTS_SQL),
+        (
+            "MARK_DELIVERED",
+            crate::outbox::statements::MARK_DELIVERED_SQL,
+        ),
+        ("MARK_FAILED", crate::outbox::statements::MARK_FAILED_SQL),
+        ("MARK_PARKED", crate::outbox::statements::MARK_PARKED_SQL),
         ("ENQUEUE", crate::outbox::event::ENQUEUE),
         ("inbox INSERT", crate::outbox::inbox::INSERT_SQL),
     ]
