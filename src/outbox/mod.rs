@@ -18,6 +18,7 @@ mod key;
 pub(crate) mod relay;
 #[cfg(feature = "postgres")]
 mod sink;
+#[cfg(feature = "postgres")]
 pub(crate) mod statements;
 
 #[cfg(feature = "postgres")]
