@@ -6,6 +6,11 @@ use tower_idempotency::scope::TenantId;
 
 pub(crate) struct Settings {
     pub(crate) database_url: Option<String>,
+    /// `DATABASE_POOL_MODE`: whether the store's statements must survive a
+    /// pooler in transaction pooling mode (`transaction`, the default with
+    /// `DATABASE_URL`) or may use cached prepared statements and `LISTEN`
+    /// (`direct`, the default for the private cluster).
+    pub(crate) transaction_pooling: bool,
     pub(crate) addr: SocketAddr,
     pub(crate) tokens: HashMap<String, TenantId>,
     pub(crate) retention: Duration,
@@ -25,8 +30,20 @@ impl Settings {
     pub(crate) fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let addr = var("ORDER_SERVER_ADDR").unwrap_or_else(|| "127.0.0.1:3000".into());
+        let database_url = var("DATABASE_URL");
+        let transaction_pooling = match var("DATABASE_POOL_MODE").as_deref().map(str::trim) {
+            None => database_url.is_some(),
+            Some("transaction") => true,
+            Some("direct") => false,
+            Some(other) => {
+                return Err(format!(
+                    "DATABASE_POOL_MODE={other:?} is neither transaction nor direct"
+                ))
+            }
+        };
         Ok(Settings {
-            database_url: var("DATABASE_URL"),
+            database_url,
+            transaction_pooling,
             addr: addr
                 .parse()
                 .map_err(|e| format!("ORDER_SERVER_ADDR={addr:?} is not an address: {e}"))?,

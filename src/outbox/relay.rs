@@ -1,12 +1,6 @@
 //! The relay: delivers committed outbox events at least once.
 
-use std::{
-    fmt,
-    future::Future,
-    panic::AssertUnwindSafe,
-    sync::Arc,
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
 
 use futures_util::FutureExt;
 use tokio::sync::Notify;
@@ -151,11 +145,11 @@ impl<K: Sink> Relay<K> {
     /// The delay before retry number `attempts` (1-based): capped doubling,
     /// then "equal jitter" (half fixed, half random) so that many failed
     /// events do not retry in lockstep.
-    fn retry_delay(&self, attempts: i32, event_id: &str) -> Duration {
+    fn retry_delay(&self, attempts: i32) -> Duration {
         let doubling = 2_f64.powi(attempts.saturating_sub(1).min(30));
         let delay =
             (self.backoff_base.as_secs_f64() * doubling).min(self.backoff_cap.as_secs_f64());
-        Duration::from_secs_f64(delay * 0.5_f64.mul_add(jitter(event_id, attempts), 0.5))
+        crate::jitter::equal(delay)
     }
 
     /// Claims, delivers and records one batch. For tests, cron-style use and
@@ -234,7 +228,7 @@ impl<K: Sink> Relay<K> {
                         park_ids.push(event.id);
                         park_errors.push(error.message);
                     } else {
-                        let delay = self.retry_delay(in_round, &event.id);
+                        let delay = self.retry_delay(in_round);
                         tracing::info!(event_id = %event.id, event_type, attempts, retry_in_ms = delay.as_millis() as u64, error = %error, "outbox delivery failed; will retry");
                         retry_delays.push(delay.as_secs_f64() * 1000.0);
                         retry_tenants.push(event.tenant_id);
@@ -349,7 +343,7 @@ impl Drop for AbortOnDrop {
 async fn listen(store: PgStore, wake: Arc<Notify>) {
     loop {
         match store.dedicated().await {
-            Ok((client, mut connection)) => {
+            Ok((client, mut incoming)) => {
                 let listening = async {
                     client
                         .batch_execute("LISTEN tower_idempotency_outbox")
@@ -357,9 +351,7 @@ async fn listen(store: PgStore, wake: Arc<Notify>) {
                     Ok::<_, tokio_postgres::Error>(())
                 };
                 let mut messages = std::pin::pin!(async {
-                    while let Some(message) =
-                        std::future::poll_fn(|cx| connection.poll_message(cx)).await
-                    {
+                    while let Some(message) = futures_util::StreamExt::next(&mut incoming).await {
                         match message {
                             Ok(AsyncMessage::Notification(_)) => wake.notify_one(),
                             Ok(_) => {}
@@ -387,22 +379,4 @@ async fn listen(store: PgStore, wake: Arc<Notify>) {
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-}
-
-/// A number in [0, 1) from the event id, the attempt and the clock: enough
-/// to spread retries, no randomness crate needed.
-fn jitter(event_id: &str, attempts: i32) -> f64 {
-    use sha2::{Digest, Sha256};
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let digest = Sha256::new()
-        .chain_update(event_id.as_bytes())
-        .chain_update(attempts.to_be_bytes())
-        .chain_update(nanos.to_be_bytes())
-        .finalize();
-    let mut bytes = [0u8; 8];
-    bytes.copy_from_slice(&digest[..8]);
-    (u64::from_be_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64
 }

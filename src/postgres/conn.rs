@@ -30,16 +30,28 @@ pub(super) struct Conn {
     /// A `BEGIN` not sent yet: it goes out with the next statement, in the
     /// same round trip (the one-commit mode's transaction).
     deferred_begin: Option<String>,
+    /// The store's TLS, for cancel requests.
+    connector: super::tls::Connector,
 }
 
 impl Conn {
-    pub(super) fn new(object: Object, transaction_pooling: bool) -> Self {
+    pub(super) fn new(
+        object: Object,
+        transaction_pooling: bool,
+        connector: super::tls::Connector,
+    ) -> Self {
         Conn {
             object: Some(object),
             clean: true,
             unnamed: transaction_pooling,
             deferred_begin: None,
+            connector,
         }
+    }
+
+    /// What cancels a statement running on this connection, over its TLS.
+    pub(super) fn canceller(&self) -> super::tls::Canceller {
+        super::tls::Canceller::new(self.cancel_token(), self.connector.clone())
     }
 
     /// Defers `begin` (utility statements only: nothing to plan, nothing to

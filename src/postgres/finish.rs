@@ -2,10 +2,7 @@
 //! transaction ends, committed with its remembered response or rolled back,
 //! with the session reset behind it, in one round trip.
 
-use tokio_postgres::{
-    types::{ToSql, Type},
-    NoTls,
-};
+use tokio_postgres::types::{ToSql, Type};
 
 use super::{
     conn::Conn,
@@ -183,7 +180,7 @@ pub(super) async fn finish(
 /// cut off at its deadline, a task it spawned), so that its locks and
 /// its connection come back now rather than when the statement ends.
 async fn cancel_running(tx: &PgTx) {
-    if let Err(e) = tx.cancel_token().cancel_query(NoTls).await {
+    if let Err(e) = tx.canceller().cancel().await {
         tracing::warn!(error = %e, "could not cancel the statement still running for an abandoned owner");
     }
 }

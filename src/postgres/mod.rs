@@ -19,20 +19,19 @@
 use std::{fmt, str::FromStr};
 
 use deadpool_postgres::Pool;
-use tokio_postgres::NoTls;
 
 use crate::record::StoredResponse;
 use crate::scope::TenantId;
 use crate::store::OperationId;
 use crate::store::{
     Acquired, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered, StoreError,
-    StoreErrorKind,
 };
 
 mod admin;
 mod claim;
 mod commit;
 pub(crate) mod conn;
+mod conninfo;
 mod decode;
 mod error;
 pub(crate) mod finish;
@@ -42,6 +41,7 @@ pub(crate) mod migrations;
 mod pool;
 mod session;
 pub(crate) mod statements;
+pub(crate) mod tls;
 mod tx;
 
 pub use conn::PooledClient;
@@ -70,6 +70,7 @@ use error::map_error;
 pub struct PgStore {
     pool: Pool,
     config: std::sync::Arc<tokio_postgres::Config>,
+    connector: tls::Connector,
     transaction_pooling: bool,
 }
 
@@ -80,6 +81,7 @@ impl fmt::Debug for PgStore {
             .field("max_connections", &status.max_size)
             .field("connections", &status.size)
             .field("transaction_pooling", &self.transaction_pooling)
+            .field("tls", &self.connector)
             .finish()
     }
 }
@@ -91,12 +93,11 @@ impl PgStore {
     }
 
     /// A store for a connection string (`postgres://…` or `host=… user=…`)
-    /// with default pool settings.
+    /// with default pool settings. libpq's TLS parameters (`sslmode`,
+    /// `sslrootcert`, `sslcert`, `sslkey`) have libpq's meaning; see
+    /// [`PgStoreBuilder::from_conninfo`].
     pub fn connect(conninfo: &str) -> Result<PgStore, StoreError> {
-        let config = tokio_postgres::Config::from_str(conninfo).map_err(|e| {
-            StoreError::new(StoreErrorKind::Backend, "invalid connection string").with_source(e)
-        })?;
-        Self::builder(config).build()
+        PgStoreBuilder::from_str(conninfo)?.build()
     }
 
     /// Creates or upgrades the schema (`idempotency_requests`). Idempotent;
@@ -128,17 +129,15 @@ impl PgStore {
         self.transaction_pooling
     }
 
-    /// Opens a dedicated connection outside the pool (e.g. for `LISTEN`).
+    /// Opens a dedicated connection outside the pool (e.g. for `LISTEN`),
+    /// with the pool's TLS; its messages drive it.
     pub(crate) async fn dedicated(
         &self,
-    ) -> Result<
-        (
-            tokio_postgres::Client,
-            tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
-        ),
-        StoreError,
-    > {
-        self.config.connect(NoTls).await.map_err(map_error)
+    ) -> Result<(tokio_postgres::Client, tls::Messages), StoreError> {
+        self.connector
+            .connect(&self.config)
+            .await
+            .map_err(map_error)
     }
 }
 

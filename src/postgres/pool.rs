@@ -1,18 +1,30 @@
-//! The connection pool: [`PgStoreBuilder`] (its size, timeouts and TCP
-//! keepalives), building the deadpool pool, and taking a [`Conn`] from it.
+//! The connection pool: [`PgStoreBuilder`] (its size, timeouts, TCP
+//! keepalives and TLS), building the deadpool pool, and taking a [`Conn`]
+//! from it.
 
-use std::time::Duration;
+use std::{str::FromStr, time::Duration};
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
+use deadpool_postgres::{ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use tokio_postgres::{
+    tls::{MakeTlsConnect, TlsConnect},
+    Socket,
+};
 
-use super::{conn::Conn, PgStore};
+use super::{
+    conn::Conn,
+    conninfo::{self, SslMode, TlsParams},
+    tls::{config_error, Connector},
+    PgStore,
+};
 use crate::store::{StoreError, StoreErrorKind};
 
-/// Builds a [`PgStore`] with pool settings.
+/// Builds a [`PgStore`] with pool and TLS settings.
 #[derive(Debug, Clone)]
 pub struct PgStoreBuilder {
     config: tokio_postgres::Config,
+    tls_params: TlsParams,
+    tls: Option<Connector>,
+    pool: Option<Pool>,
     max_connections: usize,
     acquire_timeout: Duration,
     connect_timeout: Duration,
@@ -23,14 +35,105 @@ pub struct PgStoreBuilder {
 impl PgStoreBuilder {
     /// The defaults documented on each setting.
     pub(super) fn new(config: tokio_postgres::Config) -> Self {
+        use tokio_postgres::config::SslMode as Wire;
+        let mode = match config.get_ssl_mode() {
+            Wire::Disable => SslMode::Disable,
+            Wire::Require => SslMode::Require,
+            _ => SslMode::Prefer,
+        };
         PgStoreBuilder {
             config,
+            tls_params: TlsParams {
+                mode: Some(mode),
+                ..TlsParams::default()
+            },
+            tls: None,
+            pool: None,
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             keepalive_idle: Duration::from_secs(15),
             transaction_pooling: false,
         }
+    }
+
+    /// A builder for a connection string, a `postgres://` URL or libpq's
+    /// `key=value` pairs, including libpq's TLS parameters, which have
+    /// libpq's meaning:
+    ///
+    /// | parameter | meaning |
+    /// | --- | --- |
+    /// | `sslmode=disable` | no TLS |
+    /// | `sslmode=prefer` (the default) | TLS if the server offers it, plain if it does not |
+    /// | `sslmode=require` | TLS or no connection; the certificate is not checked, unless `sslrootcert` is given (then as `verify-ca`) |
+    /// | `sslmode=verify-ca` | TLS, the certificate must chain to `sslrootcert` |
+    /// | `sslmode=verify-full` | as `verify-ca`, and the certificate must name the host connected to (a DNS name or an IP address in its subject alternative names) |
+    /// | `sslrootcert=FILE` | trusted CA certificates (PEM) |
+    /// | `sslrootcert=system` | the platform's trusted roots; implies `verify-full` and refuses a weaker `sslmode`, as libpq 16 does |
+    /// | `sslcert=FILE`, `sslkey=FILE` | a client certificate (PEM chain) and its private key, for `hostssl … cert` authentication |
+    ///
+    /// `verify-ca` and `verify-full` without `sslrootcert` are refused here
+    /// (libpq would look for `~/.postgresql/root.crt`; nothing is read from
+    /// the home directory or from `PGSSL*` variables). `sslmode=allow` is
+    /// refused. A certificate that does not verify fails the connection, with
+    /// the reason ("invalid peer certificate: UnknownIssuer", "… certificate
+    /// not valid for name …"); nothing falls back to a connection the `sslmode`
+    /// excludes. TLS is rustls with ring (feature `tls-rustls`, on by
+    /// default); [`tls`](Self::tls) replaces it with a connector of your own.
+    ///
+    /// ```
+    /// use tower_idempotency::postgres::PgStoreBuilder;
+    ///
+    /// let builder = PgStoreBuilder::from_conninfo(
+    ///     "postgres://app@db.internal:5432/app?sslmode=require",
+    /// )?;
+    /// # Ok::<(), tower_idempotency::store::StoreError>(())
+    /// ```
+    pub fn from_conninfo(conninfo: &str) -> Result<Self, StoreError> {
+        let (rest, tls_params) = conninfo::split(conninfo).map_err(config_error)?;
+        tls_params.effective_mode().map_err(config_error)?;
+        let config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
+            StoreError::new(StoreErrorKind::Backend, "invalid connection string").with_source(e)
+        })?;
+        Ok(PgStoreBuilder {
+            tls_params,
+            ..PgStoreBuilder::new(config)
+        })
+    }
+
+    /// Connects with your own TLS connector instead of the one the
+    /// connection string asks for: `tokio_postgres_rustls`, `postgres-native-tls`
+    /// or `postgres-openssl` configured as your service needs it. It opens the
+    /// pool's connections, the outbox relay's `LISTEN` connection and the
+    /// cancel requests of timed-out handlers. TLS is then asked for as the
+    /// configuration's `sslmode` says (tokio-postgres's `disable`, `prefer` or
+    /// `require`); verifying the certificate is the connector's job.
+    pub fn tls<T>(self, tls: T) -> Self
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send + Sync + 'static,
+        T::TlsConnect: Send + Sync,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        crate::with(self, |b| {
+            b.tls = Some(Connector::new(tls, "a caller's connector"))
+        })
+    }
+
+    /// Serves the store from a pool you built (with IAM tokens, rotated
+    /// passwords or a `deadpool_postgres::Manager` of your own) instead of
+    /// one the builder opens. The pool's size and timeouts are then the
+    /// pool's: [`max_connections`](Self::max_connections),
+    /// [`acquire_timeout`](Self::acquire_timeout),
+    /// [`connect_timeout`](Self::connect_timeout) and
+    /// [`keepalive_idle`](Self::keepalive_idle) do not apply. The builder's
+    /// configuration and connector still open what the store opens outside
+    /// the pool (the relay's `LISTEN` connection, cancel requests): give it the
+    /// same host and TLS as the pool, with [`tls`](Self::tls) if the pool
+    /// uses a connector of its own. Every connection a store hands back
+    /// goes back to your pool rolled back and reset, as with its own.
+    pub fn pool(self, pool: Pool) -> Self {
+        crate::with(self, |b| b.pool = Some(pool))
     }
 
     /// The most connections the store's pool opens (default 16). Requests
@@ -95,7 +198,10 @@ impl PgStoreBuilder {
         crate::with(self, |b| b.transaction_pooling = on)
     }
 
-    /// Creates the store; connections are opened lazily.
+    /// Creates the store; connections are opened lazily. Fails on a TLS
+    /// setting that cannot work (a root certificate file that cannot be
+    /// read, `verify-full` without one, TLS asked for in a build without
+    /// `tls-rustls` and no connector given).
     pub fn build(mut self) -> Result<PgStore, StoreError> {
         self.config
             .connect_timeout(self.connect_timeout)
@@ -103,28 +209,41 @@ impl PgStoreBuilder {
             .keepalives_idle(self.keepalive_idle)
             .keepalives_interval(Duration::from_secs(5))
             .keepalives_retries(3);
+        let connector = match self.tls {
+            Some(tls) => tls,
+            None => {
+                let (connector, wire) = Connector::from_params(&self.tls_params)?;
+                self.config.ssl_mode(wire);
+                connector
+            }
+        };
         let config = std::sync::Arc::new(self.config.clone());
-        let manager = Manager::from_config(
-            self.config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(self.max_connections)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(self.acquire_timeout))
-            .create_timeout(Some(self.connect_timeout))
-            .recycle_timeout(Some(self.connect_timeout))
-            .build()
-            .map_err(|e| {
-                StoreError::new(StoreErrorKind::Backend, "cannot build the connection pool")
-                    .with_source(e)
-            })?;
+        let pool = match self.pool {
+            Some(pool) => pool,
+            None => {
+                let manager = connector.manager(
+                    self.config,
+                    ManagerConfig {
+                        recycling_method: RecyclingMethod::Fast,
+                    },
+                );
+                Pool::builder(manager)
+                    .max_size(self.max_connections)
+                    .runtime(Runtime::Tokio1)
+                    .wait_timeout(Some(self.acquire_timeout))
+                    .create_timeout(Some(self.connect_timeout))
+                    .recycle_timeout(Some(self.connect_timeout))
+                    .build()
+                    .map_err(|e| {
+                        StoreError::new(StoreErrorKind::Backend, "cannot build the connection pool")
+                            .with_source(e)
+                    })?
+            }
+        };
         Ok(PgStore {
             pool,
             config,
+            connector,
             transaction_pooling: self.transaction_pooling,
         })
     }
@@ -137,7 +256,7 @@ impl PgStore {
         self.pool
             .get()
             .await
-            .map(|o| Conn::new(o, pooling))
+            .map(|o| Conn::new(o, pooling, self.connector.clone()))
             .map_err(|e| {
                 let message = match &e {
                     PoolError::Timeout(_) => "timed out waiting for a pooled connection",
@@ -146,5 +265,14 @@ impl PgStore {
                 };
                 StoreError::new(StoreErrorKind::Unavailable, message).with_source(e)
             })
+    }
+}
+
+impl FromStr for PgStoreBuilder {
+    type Err = StoreError;
+
+    /// [`PgStoreBuilder::from_conninfo`].
+    fn from_str(conninfo: &str) -> Result<Self, StoreError> {
+        PgStoreBuilder::from_conninfo(conninfo)
     }
 }

@@ -379,8 +379,19 @@ impl StoreError {
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.kind.code(), self.message)?;
-        if let Some(source) = &self.source {
-            write!(f, ": {source}")?;
+        // The whole chain: a pool error says only "error performing TLS
+        // handshake" or "db error"; the reason (an unverified certificate,
+        // the server's refusal) is further down. A cause whose text its
+        // wrapper already printed is not repeated.
+        let mut printed = String::new();
+        let mut cause = self.source.as_deref().map(|e| e as &dyn std::error::Error);
+        while let Some(e) = cause {
+            let text = e.to_string();
+            if !printed.contains(&text) {
+                write!(f, ": {text}")?;
+                printed.push_str(&text);
+            }
+            cause = e.source();
         }
         Ok(())
     }

@@ -13,8 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 const DIR_PREFIX: &str = "tower-idempotency-pg-";
-// Only names the socket file: the server listens on a private socket directory, never on TCP.
-const PORT: &str = "5432";
+// Names the socket file; the server listens on a private socket directory, and on TCP only
+// when a test asks for it (`TempPostgresBuilder::tcp`).
+const PORT: u16 = 5432;
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const INSTALL: &str =
@@ -38,6 +39,9 @@ use host::{
 pub struct TempPostgresBuilder {
     durable: bool,
     settings: Vec<(String, String)>,
+    tcp_port: Option<u16>,
+    hba: Option<String>,
+    files: Vec<(String, Vec<u8>)>,
 }
 
 impl TempPostgresBuilder {
@@ -50,6 +54,28 @@ impl TempPostgresBuilder {
     /// Pass `-c name=value` to the server; later settings override earlier ones.
     pub fn setting(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.settings.push((name.into(), value.into()));
+        self
+    }
+
+    /// Also listen on TCP, on `127.0.0.1:port` (the socket file then carries
+    /// that port's number too). Pick a free port, e.g. by binding port 0.
+    pub fn tcp(self, port: u16) -> Self {
+        crate::with(self, |s| s.tcp_port = Some(port))
+    }
+
+    /// Replace `pg_hba.conf` with `contents` before the server starts. Keep
+    /// a `local` line that lets `postgres` in: the cluster checks that it is
+    /// ready, and makes test databases, over its Unix socket.
+    pub fn hba(self, contents: impl Into<String>) -> Self {
+        crate::with(self, |s| s.hba = Some(contents.into()))
+    }
+
+    /// Write a file into the data directory before the server starts (mode
+    /// 0600, owned by the server's user): certificates and keys for
+    /// `ssl_cert_file`, `ssl_key_file` and `ssl_ca_file`, which take paths
+    /// relative to it.
+    pub fn file(mut self, name: impl Into<String>, contents: impl Into<Vec<u8>>) -> Self {
+        self.files.push((name.into(), contents.into()));
         self
     }
 
@@ -73,6 +99,7 @@ impl TempPostgresBuilder {
             dir,
             data_dir,
             bin_dir: bin.clone(),
+            port: self.tcp_port.unwrap_or(PORT),
             owner,
             server_args: Vec::new(),
             child: None,
@@ -89,6 +116,8 @@ pub struct TempPostgres {
     dir: PathBuf,
     data_dir: PathBuf,
     bin_dir: PathBuf,
+    /// The socket's port number, and the TCP port when it listens on TCP.
+    port: u16,
     /// The `postgres` OS user's ids, when running as root.
     owner: Option<(u32, u32)>,
     /// The server's command line after the binary, kept for restarts.
@@ -123,9 +152,7 @@ impl TempPostgres {
     /// Connection settings for the `postgres` database as the `postgres` superuser.
     pub fn config(&self) -> tokio_postgres::Config {
         let mut config = tokio_postgres::Config::new();
-        config
-            .host_path(&self.dir)
-            .port(PORT.parse().expect("valid port"));
+        config.host_path(&self.dir).port(self.port);
         config.user("postgres").dbname("postgres");
         config
     }
@@ -133,7 +160,10 @@ impl TempPostgres {
     /// The same settings as [`config`](Self::config), in libpq key=value form.
     pub fn connection_string(&self) -> String {
         let host = conninfo_quote(&self.dir.to_string_lossy());
-        format!("host={host} port={PORT} user=postgres dbname=postgres")
+        format!(
+            "host={host} port={} user=postgres dbname=postgres",
+            self.port
+        )
     }
 
     /// The directory of the server binaries it was started from (`pgbench`,
@@ -183,14 +213,35 @@ impl TempPostgres {
             return Err(HarnessError::Initdb { stderr });
         }
 
-        let mut fixed = "listen_addresses= max_connections=300 shared_buffers=128MB".to_owned();
+        let data_file = |name: &str, contents: &[u8]| {
+            let path = data_dir.join(name);
+            fs::write(&path, contents)
+                .and_then(|()| fs::set_permissions(&path, fs::Permissions::from_mode(0o600)))
+                .and_then(|()| match owner {
+                    Some((uid, gid)) => std::os::unix::fs::chown(&path, Some(uid), Some(gid)),
+                    None => Ok(()),
+                })
+                .map_err(io_err(format!("writing {}", path.display())))
+        };
+        if let Some(hba) = &opts.hba {
+            data_file("pg_hba.conf", hba.as_bytes())?;
+        }
+        for (name, contents) in &opts.files {
+            data_file(name, contents)?;
+        }
+        let listen = match opts.tcp_port {
+            Some(_) => "127.0.0.1",
+            None => "",
+        };
+        let mut fixed =
+            format!("listen_addresses={listen} max_connections=300 shared_buffers=128MB");
         if !opts.durable {
             fixed.push_str(" fsync=off synchronous_commit=off full_page_writes=off");
         }
         let custom = opts.settings.iter().map(|(k, v)| format!("{k}={v}"));
         let mut args = vec!["-D".to_owned(), data_dir.to_string_lossy().into_owned()];
         args.extend(["-k".to_owned(), dir.to_string_lossy().into_owned()]);
-        args.extend(["-p".to_owned(), PORT.to_owned()]);
+        args.extend(["-p".to_owned(), self.port.to_string()]);
         for setting in fixed.split(' ').map(String::from).chain(custom) {
             args.extend(["-c".to_owned(), setting]);
         }
@@ -224,7 +275,7 @@ impl TempPostgres {
         let isready = Some(self.bin_dir.join("pg_isready")).filter(|p| p.is_file());
         let mut isready = Command::new(isready.unwrap_or_else(|| "pg_isready".into()));
         isready.arg("-h").arg(&self.dir);
-        quiet(isready.args(["-p", PORT, "-U", "postgres"]));
+        quiet(isready.args(["-p", &self.port.to_string(), "-U", "postgres"]));
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok()?) {

@@ -116,7 +116,7 @@ pub struct PgTx {
 struct Shared {
     conn: Mutex<Option<Conn>>,
     // Outside the mutex: a statement holding the mutex is what it cancels.
-    cancel: tokio_postgres::CancelToken,
+    cancel: crate::postgres::tls::Canceller,
     id: TxIdentity,
     // A long-running owner's fenced transaction (`LeaseStore::fenced`),
     // ended by `commit_fenced`; otherwise a claim's, ended by `complete`.
@@ -141,7 +141,7 @@ impl PgTx {
     fn build(conn: Conn, id: TxIdentity, fenced: bool) -> Self {
         PgTx {
             inner: Arc::new(Shared {
-                cancel: conn.cancel_token(),
+                cancel: conn.canceller(),
                 conn: Mutex::new(Some(conn)),
                 id,
                 fenced,
@@ -299,7 +299,7 @@ impl PgTx {
     }
 
     /// Cancels the statement running on the connection, if any.
-    pub(super) fn cancel_token(&self) -> &tokio_postgres::CancelToken {
+    pub(super) fn canceller(&self) -> &crate::postgres::tls::Canceller {
         &self.inner.cancel
     }
 }

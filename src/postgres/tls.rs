@@ -1,0 +1,361 @@
+//! The store's TLS connector: one value that opens the pool's connections,
+//! the relay's dedicated connection and the cancel requests of timed-out
+//! handlers, whichever `MakeTlsConnect` it wraps: rustls configured from
+//! libpq's parameters ([`Connector::from_params`]), a caller's own
+//! ([`PgStoreBuilder::tls`](super::PgStoreBuilder::tls)), or none.
+
+use std::{fmt, future::Future, pin::Pin, sync::Arc};
+
+use deadpool_postgres::{Manager, ManagerConfig};
+use futures_util::stream::{BoxStream, StreamExt};
+use tokio_postgres::{
+    tls::{MakeTlsConnect, TlsConnect},
+    AsyncMessage, CancelToken, Client, Config, Error, NoTls, Socket,
+};
+
+use super::conninfo::{SslMode, TlsParams};
+use crate::store::{StoreError, StoreErrorKind};
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The messages of a dedicated connection (notifications, notices), driving
+/// it while they are read.
+pub(crate) type Messages = BoxStream<'static, Result<AsyncMessage, Error>>;
+
+/// A `MakeTlsConnect` with its type erased, so that the store is one type
+/// whatever TLS it uses.
+#[derive(Clone)]
+pub(crate) struct Connector {
+    inner: Arc<dyn Connect>,
+    name: &'static str,
+}
+
+impl fmt::Debug for Connector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+trait Connect: Send + Sync {
+    fn manager(&self, config: Config, manager: ManagerConfig) -> Manager;
+    fn connect<'a>(
+        &'a self,
+        config: &'a Config,
+    ) -> BoxFuture<'a, Result<(Client, Messages), Error>>;
+    fn cancel<'a>(&'a self, token: &'a CancelToken) -> BoxFuture<'a, Result<(), Error>>;
+}
+
+impl<T> Connect for T
+where
+    T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+    T::Stream: Send + Sync + 'static,
+    T::TlsConnect: Send + Sync,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    fn manager(&self, config: Config, manager: ManagerConfig) -> Manager {
+        Manager::from_config(config, self.clone(), manager)
+    }
+
+    fn connect<'a>(
+        &'a self,
+        config: &'a Config,
+    ) -> BoxFuture<'a, Result<(Client, Messages), Error>> {
+        Box::pin(async move {
+            let (client, mut connection) = config.connect(self.clone()).await?;
+            let messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+            Ok((client, messages.boxed()))
+        })
+    }
+
+    fn cancel<'a>(&'a self, token: &'a CancelToken) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(token.cancel_query(self.clone()))
+    }
+}
+
+impl Connector {
+    /// Wraps a caller's connector.
+    pub(crate) fn new<T>(tls: T, name: &'static str) -> Self
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send + Sync + 'static,
+        T::TlsConnect: Send + Sync,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        Connector {
+            inner: Arc::new(tls),
+            name,
+        }
+    }
+
+    /// The connector libpq's parameters ask for, and the `sslmode` to set
+    /// on tokio-postgres's configuration (which knows only disable, prefer
+    /// and require: the verification is the connector's).
+    pub(crate) fn from_params(
+        params: &TlsParams,
+    ) -> Result<(Connector, tokio_postgres::config::SslMode), StoreError> {
+        use tokio_postgres::config::SslMode as Wire;
+        let mode = params.effective_mode().map_err(config_error)?;
+        let wire = match mode {
+            SslMode::Disable => return Ok((Connector::new(NoTls, "no TLS"), Wire::Disable)),
+            SslMode::Prefer => Wire::Prefer,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => Wire::Require,
+        };
+        Ok((rustls_connector(mode, params)?, wire))
+    }
+
+    /// A pool manager whose connections use this connector.
+    pub(crate) fn manager(&self, config: Config, manager: ManagerConfig) -> Manager {
+        self.inner.manager(config, manager)
+    }
+
+    /// A connection outside the pool, and its messages.
+    pub(crate) async fn connect(&self, config: &Config) -> Result<(Client, Messages), Error> {
+        self.inner.connect(config).await
+    }
+
+    /// Cancels what runs on the connection `token` came from, over the same
+    /// TLS as the connection itself.
+    pub(crate) async fn cancel(&self, token: &CancelToken) -> Result<(), Error> {
+        self.inner.cancel(token).await
+    }
+}
+
+/// Cancels what runs on one connection, over the TLS it was opened with.
+pub(crate) struct Canceller {
+    token: CancelToken,
+    connector: Connector,
+}
+
+impl Canceller {
+    pub(crate) fn new(token: CancelToken, connector: Connector) -> Self {
+        Canceller { token, connector }
+    }
+
+    pub(crate) async fn cancel(&self) -> Result<(), Error> {
+        self.connector.cancel(&self.token).await
+    }
+}
+
+pub(super) fn config_error(message: String) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Backend,
+        format!("invalid connection string: {message}"),
+    )
+}
+
+#[cfg(feature = "tls-rustls")]
+fn rustls_connector(mode: SslMode, params: &TlsParams) -> Result<Connector, StoreError> {
+    let config = rustls_config::client_config(mode, params).map_err(config_error)?;
+    Ok(Connector::new(
+        tokio_postgres_rustls::MakeRustlsConnect::new(config),
+        "rustls",
+    ))
+}
+
+#[cfg(not(feature = "tls-rustls"))]
+fn rustls_connector(mode: SslMode, params: &TlsParams) -> Result<Connector, StoreError> {
+    // Without a TLS stack, `prefer` is what it always was here: plain.
+    if mode == SslMode::Prefer && params.root.is_none() && params.client.is_none() {
+        return Ok(Connector::new(NoTls, "no TLS"));
+    }
+    Err(config_error(format!(
+        "sslmode={} needs TLS: build with the tls-rustls feature, or give a connector (PgStoreBuilder::tls)",
+        mode.name()
+    )))
+}
+
+#[cfg(feature = "tls-rustls")]
+mod rustls_config {
+    //! rustls's client configuration for each `sslmode`.
+
+    use std::{path::Path, sync::Arc};
+
+    use rustls::{
+        client::{
+            danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+            WebPkiServerVerifier,
+        },
+        crypto::{ring, CryptoProvider},
+        pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, ServerName, UnixTime},
+        CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+    };
+
+    use super::super::conninfo::{RootCert, SslMode, TlsParams};
+
+    pub(super) fn client_config(mode: SslMode, params: &TlsParams) -> Result<ClientConfig, String> {
+        let provider = Arc::new(ring::default_provider());
+        let verifier: Arc<dyn ServerCertVerifier> = match (&params.root, mode) {
+            (Some(root), _) => {
+                let roots = Arc::new(root_store(root)?);
+                let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+                    .build()
+                    .map_err(|e| format!("cannot use the root certificates: {e}"))?;
+                match mode {
+                    SslMode::VerifyFull => webpki,
+                    // libpq: with a root certificate, require (and prefer)
+                    // check the chain as verify-ca does.
+                    _ => Arc::new(ChainOnly(webpki)),
+                }
+            }
+            // `effective_mode` refused verify-* without a root.
+            (None, _) => Arc::new(Unverified(provider.clone())),
+        };
+        let builder = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("cannot configure TLS: {e}"))?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier);
+        match &params.client {
+            None => Ok(builder.with_no_client_auth()),
+            Some((cert, key)) => {
+                let chain = certificates(cert, "sslcert")?;
+                let key = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| format!("cannot read sslkey {}: {e}", key.display()))?;
+                builder.with_client_auth_cert(chain, key).map_err(|e| {
+                    format!("sslcert and sslkey do not make a client certificate: {e}")
+                })
+            }
+        }
+    }
+
+    fn certificates(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+        let read =
+            |e: &dyn std::fmt::Display| format!("cannot read {what} {}: {e}", path.display());
+        let certs = CertificateDer::pem_file_iter(path)
+            .map_err(|e| read(&e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| read(&e))?;
+        if certs.is_empty() {
+            return Err(format!("{what} {} holds no certificate", path.display()));
+        }
+        Ok(certs)
+    }
+
+    fn root_store(root: &RootCert) -> Result<RootCertStore, String> {
+        let mut store = RootCertStore::empty();
+        match root {
+            RootCert::File(path) => {
+                for cert in certificates(path, "sslrootcert")? {
+                    store
+                        .add(cert)
+                        .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                }
+            }
+            RootCert::System => {
+                let found = rustls_native_certs::load_native_certs();
+                let (added, _) = store.add_parsable_certificates(found.certs);
+                if added == 0 {
+                    return Err(format!(
+                        "sslrootcert=system: no trusted root certificate found on this platform ({} errors)",
+                        found.errors.len()
+                    ));
+                }
+            }
+        }
+        Ok(store)
+    }
+
+    /// verify-ca: the chain must end at a trusted root; the name is not
+    /// checked (webpki checks it last, after the chain).
+    #[derive(Debug)]
+    struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+    impl ServerCertVerifier for ChainOnly {
+        fn verify_server_cert(
+            &self,
+            end_entity: &CertificateDer<'_>,
+            intermediates: &[CertificateDer<'_>],
+            server_name: &ServerName<'_>,
+            ocsp_response: &[u8],
+            now: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            match self.0.verify_server_cert(
+                end_entity,
+                intermediates,
+                server_name,
+                ocsp_response,
+                now,
+            ) {
+                Err(rustls::Error::InvalidCertificate(
+                    CertificateError::NotValidForName
+                    | CertificateError::NotValidForNameContext { .. },
+                )) => Ok(ServerCertVerified::assertion()),
+                other => other,
+            }
+        }
+
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.0.verify_tls12_signature(message, cert, dss)
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.0.verify_tls13_signature(message, cert, dss)
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.supported_verify_schemes()
+        }
+    }
+
+    /// require (and prefer) without a root certificate: encrypted, the
+    /// certificate not checked, as libpq does. The handshake's signatures
+    /// are still verified, so the peer holds the key of the certificate it
+    /// sent.
+    #[derive(Debug)]
+    struct Unverified(Arc<CryptoProvider>);
+
+    impl ServerCertVerifier for Unverified {
+        fn verify_server_cert(
+            &self,
+            _: &CertificateDer<'_>,
+            _: &[CertificateDer<'_>],
+            _: &ServerName<'_>,
+            _: &[u8],
+            _: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls12_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+}
