@@ -32,6 +32,8 @@ pub mod guide;
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 pub mod fingerprint;
+#[cfg(any(feature = "client", feature = "postgres"))]
+mod jitter;
 pub mod key;
 pub mod lease;
 mod macros;
@@ -73,6 +75,7 @@ pub(crate) fn with<T>(mut value: T, set: impl FnOnce(&mut T)) -> T {
 // The middleware's own types live at the root; everything else under the
 // module named for its concern, each type at one path.
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use server::MissingFromLayer;
 pub use server::{
     replay, ClaimAtCommit, Idempotency, IdempotencyLayer, KeyReuseStatus, RequestBody,

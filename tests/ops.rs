@@ -3,13 +3,14 @@
 //! its annotations, a runbook section and a firing and a silent test case,
 //! the Grafana dashboard is well-formed JSON whose queries parse, and every
 //! metric name the rules, their tests and the dashboard use is one the crate
-//! exports.
+//! exports. And what a packager reads next to them: Cargo.toml's
+//! `rust-version` is no older than any dependency in Cargo.lock needs.
 //!
 //! Needs `promtool` (Debian/Ubuntu: `apt-get install prometheus`), or its
 //! path in `PROMTOOL`; without it the promtool tests fail and say so.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, VecDeque},
     io::ErrorKind,
     path::{Path, PathBuf},
     process::{Command, Output},
@@ -690,4 +691,145 @@ fn the_dashboard_queries_parse() {
     let _ = std::fs::remove_dir_all(&dir);
     let out = assert_success("promtool check rules (the dashboard's queries)", &output);
     assert!(out.contains(&format!("{count} rules found")), "{out}");
+}
+
+// ---------------------------------------------------------------- rust-version
+
+/// A `rust-version` (`1.89` or `1.89.0`) as numbers; a missing part is 0.
+fn rust_version(text: &str) -> (u64, u64, u64) {
+    let mut parts = text.split('.').map(|part| {
+        part.parse::<u64>()
+            .unwrap_or_else(|e| panic!("rust-version {text:?}: {e}"))
+    });
+    let mut next = || parts.next().unwrap_or(0);
+    (next(), next(), next())
+}
+
+/// What `cargo metadata --locked --all-features` says about this crate's
+/// build: the package of each id, and for each package reached from the
+/// crate over normal and build dependencies (every feature, every
+/// platform), the package that first reached it. Dev-dependencies are left
+/// out: they build the crate's tests and benches, not a user's build.
+struct Resolved {
+    metadata: serde_json::Value,
+}
+
+impl Resolved {
+    fn load() -> Self {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let output = Command::new(&cargo)
+            .args([
+                "metadata",
+                "--format-version",
+                "1",
+                "--locked",
+                "--all-features",
+            ])
+            .arg("--manifest-path")
+            .arg(path("Cargo.toml"))
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {cargo:?} metadata: {e}"));
+        let stdout = assert_success("cargo metadata --locked", &output);
+        let metadata = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("cargo metadata printed no JSON: {e}"));
+        Resolved { metadata }
+    }
+
+    fn packages(&self) -> BTreeMap<&str, &serde_json::Value> {
+        let packages = self.metadata["packages"].as_array().expect("packages");
+        packages
+            .iter()
+            .map(|p| (p["id"].as_str().expect("a package id"), p))
+            .collect()
+    }
+
+    fn root(&self) -> &str {
+        self.metadata["resolve"]["root"]
+            .as_str()
+            .expect("the resolve has this crate as its root")
+    }
+
+    /// Each package of the build, with the one that depends on it (none
+    /// for the crate itself).
+    fn build(&self) -> BTreeMap<&str, Option<&str>> {
+        let nodes: BTreeMap<&str, &serde_json::Value> = self.metadata["resolve"]["nodes"]
+            .as_array()
+            .expect("resolve nodes")
+            .iter()
+            .map(|n| (n["id"].as_str().expect("a node id"), n))
+            .collect();
+        let root = self.root();
+        let mut via = BTreeMap::from([(root, None)]);
+        let mut queue = VecDeque::from([root]);
+        while let Some(id) = queue.pop_front() {
+            for dep in nodes[id]["deps"].as_array().expect("a node's deps") {
+                let kinds = dep["dep_kinds"].as_array().expect("dep_kinds");
+                let dev_only = !kinds.is_empty() && kinds.iter().all(|k| k["kind"] == "dev");
+                let pkg = dep["pkg"].as_str().expect("a dependency's id");
+                if !dev_only && !via.contains_key(pkg) {
+                    via.insert(pkg, Some(id));
+                    queue.push_back(pkg);
+                }
+            }
+        }
+        via
+    }
+}
+
+#[test]
+fn no_dependency_needs_a_newer_rust_than_rust_version() {
+    let resolved = Resolved::load();
+    let packages = resolved.packages();
+    let build = resolved.build();
+    let name = |id: &str| {
+        let p = packages[id];
+        format!(
+            "{} {}",
+            p["name"].as_str().unwrap(),
+            p["version"].as_str().unwrap()
+        )
+    };
+
+    // The walk reaches what a user builds and nothing that only the tests do.
+    let names: BTreeSet<&str> = build
+        .keys()
+        .map(|id| packages[id]["name"].as_str().unwrap())
+        .collect();
+    for normal in ["serde", "tokio", "tokio-postgres", "sqlx", "tower"] {
+        assert!(names.contains(normal), "the walk missed {normal}");
+    }
+    for dev_only in ["proptest", "criterion", "tracing-subscriber"] {
+        assert!(!names.contains(dev_only), "the walk took in {dev_only}");
+    }
+
+    let ours_text = packages[resolved.root()]["rust_version"]
+        .as_str()
+        .expect("Cargo.toml sets rust-version");
+    let ours = rust_version(ours_text);
+    let newer: Vec<String> = build
+        .keys()
+        .filter_map(|&id| {
+            let theirs = packages[id]["rust_version"].as_str()?;
+            if rust_version(theirs) <= ours {
+                return None;
+            }
+            let mut chain = vec![name(id)];
+            let mut at = build[id];
+            while let Some(parent) = at {
+                chain.push(name(parent));
+                at = build[parent];
+            }
+            Some(format!(
+                "{} needs Rust {theirs} ({})",
+                chain[0],
+                chain.join(" <- ")
+            ))
+        })
+        .collect();
+    assert!(
+        newer.is_empty(),
+        "Cargo.toml says rust-version = \"{ours_text}\", but Cargo.lock resolves \
+         dependencies that need a newer Rust; raise rust-version to the highest:\n  {}",
+        newer.join("\n  ")
+    );
 }

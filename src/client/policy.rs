@@ -67,7 +67,7 @@ impl ClientPolicy {
         let doubling = 2_f64.powi(retry.saturating_sub(1).min(30) as i32);
         let full = (self.config.backoff_base.as_secs_f64() * doubling)
             .min(self.config.backoff_max.as_secs_f64());
-        Duration::from_secs_f64(full * 0.5_f64.mul_add(rand::random::<f64>(), 0.5))
+        crate::jitter::equal(full)
     }
 }
 

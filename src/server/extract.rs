@@ -16,6 +16,7 @@ use crate::{fingerprint::Validated, problem::Problem};
 /// the route is not behind [`IdempotencyLayer`](crate::IdempotencyLayer) (or
 /// not with the matching fingerprinter). A server configuration error: 500.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub struct MissingFromLayer(&'static str);
 
 impl IntoResponse for MissingFromLayer {
@@ -57,12 +58,21 @@ macro_rules! from_extensions {
 }
 
 from_extensions! {
-    #[cfg(feature = "postgres")] PgTx,
-    #[cfg(feature = "postgres")] PgLease,
-    #[cfg(feature = "sqlx")] SqlxTx,
-    #[cfg(feature = "sqlx")] SqlxLease,
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
+    PgTx,
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
+    PgLease,
+    #[cfg(feature = "sqlx")]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "sqlx"))))]
+    SqlxTx,
+    #[cfg(feature = "sqlx")]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "sqlx"))))]
+    SqlxLease,
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for Validated<T> {
     type Rejection = MissingFromLayer;
 
