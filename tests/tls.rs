@@ -8,182 +8,22 @@
 mod common;
 #[path = "common/example_binary.rs"]
 mod example_binary;
+#[path = "common/tls_server.rs"]
+mod tls_server;
 
-use std::{path::PathBuf, process::Stdio, sync::OnceLock, time::Duration};
+use std::{process::Stdio, time::Duration};
 
 use bytes::Bytes;
 use common::{created, handler, layer, send, tenant_a_post};
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use tls_server::{server, PASSWORD};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tower::Layer;
 use tower_idempotency::{
     postgres::{PgStore, PgStoreBuilder, PgTx},
     sqlx::SqlxStore,
-    testing::TempPostgres,
 };
-
-/// A CA, and certificates it signed, as PEM.
-struct Ca {
-    cert: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let key = KeyPair::generate().unwrap();
-        let cert = params.self_signed(&key).unwrap().pem();
-        Ca {
-            cert,
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    /// A certificate for `names` (DNS names or IP addresses) with common
-    /// name `cn`, and its key.
-    fn sign(&self, cn: &str, names: &[&str]) -> (String, String) {
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let mut params = CertificateParams::new(names).unwrap();
-        params.distinguished_name.push(DnType::CommonName, cn);
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
-}
-
-/// The TLS-only server of this test binary, and the files a client needs.
-struct TlsServer {
-    cluster: TempPostgres,
-    port: u16,
-    files: tempfile_dir::Dir,
-}
-
-mod tempfile_dir {
-    /// A directory removed on drop.
-    pub(crate) struct Dir(pub(crate) std::path::PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-const PASSWORD: &str = "tls-test-secret";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn server() -> &'static TlsServer {
-    static SERVER: OnceLock<TlsServer> = OnceLock::new();
-    SERVER.get_or_init(|| {
-        let ca = Ca::new("tower-idempotency test CA");
-        let (server_cert, server_key) = ca.sign("postgres", &["localhost", "127.0.0.1"]);
-        let (client_cert, client_key) = ca.sign("certuser", &[]);
-        let other = Ca::new("another CA");
-        let dir =
-            std::env::temp_dir().join(format!("tower-idempotency-tls-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        for (name, contents) in [
-            ("ca.pem", &ca.cert),
-            ("other-ca.pem", &other.cert),
-            ("client.pem", &client_cert),
-            ("client.key", &client_key),
-        ] {
-            std::fs::write(dir.join(name), contents).unwrap();
-        }
-        let port = free_port();
-        // The local line serves the harness (readiness, test databases);
-        // over TCP only TLS gets in: a password over SCRAM (with channel
-        // binding where the client offers it), a client certificate for
-        // certuser.
-        let hba = "local all all trust\n\
-                   hostssl all certuser 127.0.0.1/32 cert\n\
-                   hostssl all all 127.0.0.1/32 scram-sha-256\n\
-                   hostnossl all all 0.0.0.0/0 reject\n";
-        let cluster = TempPostgres::builder()
-            .tcp(port)
-            .hba(hba)
-            .file("server.crt", server_cert)
-            .file("server.key", server_key)
-            .file("root.crt", ca.cert.clone())
-            .setting("ssl", "on")
-            .setting("ssl_cert_file", "server.crt")
-            .setting("ssl_key_file", "server.key")
-            .setting("ssl_ca_file", "root.crt")
-            .setting("password_encryption", "scram-sha-256")
-            .start()
-            .unwrap_or_else(|e| panic!("{e}"));
-        TlsServer {
-            cluster,
-            port,
-            files: tempfile_dir::Dir(dir),
-        }
-    })
-}
-
-impl TlsServer {
-    fn file(&self, name: &str) -> PathBuf {
-        self.files.0.join(name)
-    }
-
-    /// A fresh database owned by `app` (a password user), made over the
-    /// Unix socket.
-    async fn database(&self) -> String {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let name = format!(
-            "tls_{}",
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        );
-        let (admin, connection) = self
-            .cluster
-            .config()
-            .connect(tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(connection);
-        admin
-            .batch_execute(&format!(
-                "DO $$ BEGIN
-                   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'app') THEN
-                     CREATE ROLE app LOGIN PASSWORD '{PASSWORD}';
-                   END IF;
-                   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'certuser') THEN
-                     CREATE ROLE certuser LOGIN;
-                   END IF;
-                 END $$"
-            ))
-            .await
-            .ok();
-        admin
-            .batch_execute(&format!("CREATE DATABASE {name} OWNER app"))
-            .await
-            .unwrap();
-        name
-    }
-
-    /// A URL for `db` as `app` at `host`, with the query `tls`.
-    fn url(&self, host: &str, db: &str, tls: &str) -> String {
-        format!("postgres://app:{PASSWORD}@{host}:{}/{db}?{tls}", self.port)
-    }
-
-    fn ca(&self) -> String {
-        self.file("ca.pem").display().to_string()
-    }
-
-    fn other_ca(&self) -> String {
-        self.file("other-ca.pem").display().to_string()
-    }
-}
 
 /// Whether the session of `client` is encrypted, as the server sees it.
 async fn encrypted(client: &tokio_postgres::Client) -> bool {
@@ -497,8 +337,11 @@ async fn the_example_server_runs_over_tls_and_refuses_an_unverified_certificate(
         &db,
         &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
     );
+    // Direct: cached statements, and the relay LISTENs on a connection of
+    // its own, which must be encrypted too.
     let mut child = tokio::process::Command::new(example_binary::example_binary())
         .env("DATABASE_URL", &url)
+        .env("DATABASE_POOL_MODE", "direct")
         .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
@@ -565,6 +408,28 @@ async fn the_example_server_runs_over_tls_and_refuses_an_unverified_certificate(
     };
     assert!(connections >= 2, "{connections}");
     assert_eq!(encrypted, connections);
+    let listening = async {
+        loop {
+            let row = sql
+                .query_opt(
+                    "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+                      WHERE a.datname = current_database()
+                        AND a.query = 'LISTEN tower_idempotency_outbox'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            match row {
+                Some(row) => break row.get::<_, bool>(0),
+                // Polled until the relay has connected, within the timeout below.
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    };
+    let listener_encrypted = tokio::time::timeout(Duration::from_secs(30), listening)
+        .await
+        .expect("the relay LISTENs in direct mode");
+    assert!(listener_encrypted);
     child.kill().await.ok();
 
     let refused = server.url(
@@ -589,6 +454,22 @@ async fn the_example_server_runs_over_tls_and_refuses_an_unverified_certificate(
     assert_eq!(lines.len(), 1, "{stderr}");
     assert!(
         lines[0].contains("invalid peer certificate") && lines[0].contains("UnknownIssuer"),
+        "{stderr}"
+    );
+
+    let out = tokio::process::Command::new(example_binary::example_binary())
+        .env("DATABASE_URL", &url)
+        .env("DATABASE_POOL_MODE", "session")
+        .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.trim().contains("DATABASE_POOL_MODE=\"session\""),
         "{stderr}"
     );
 }
