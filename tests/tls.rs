@@ -218,6 +218,73 @@ async fn pg_store_authenticates_with_a_client_certificate() {
     assert!(error.contains("certificate"), "{error}");
 }
 
+/// A service that configures its own TLS and pool keeps them: the store
+/// serves from the caller's deadpool pool, whose connector (a rustls
+/// configuration of the caller's, trusting the test CA) encrypts and
+/// verifies.
+#[tokio::test]
+async fn pg_store_serves_from_a_callers_pool_and_connector() {
+    use rustls::pki_types::{pem::PemObject, CertificateDer};
+
+    let server = server();
+    let db = server.database().await;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(server.file("ca.pem")).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let rustls_config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls_config);
+    let config: tokio_postgres::Config = format!(
+        "host=localhost port={} user=app password={PASSWORD} dbname={db} sslmode=require",
+        server.port
+    )
+    .parse()
+    .unwrap();
+    let manager = deadpool_postgres::Manager::new(config.clone(), tls.clone());
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(2)
+        .build()
+        .unwrap();
+    let store = PgStore::builder(config)
+        .tls(tls)
+        .pool(pool.clone())
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    create_and_replay(store).await;
+    let status = pool.status();
+    assert!(status.size >= 1 && status.size <= 2, "{status:?}");
+
+    // The caller's connector verifies: against another CA it refuses.
+    let mut other = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(server.file("other-ca.pem")).unwrap() {
+        other.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let untrusting = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(other)
+        .with_no_client_auth();
+    let config: tokio_postgres::Config = format!(
+        "host=localhost port={} user=app password={PASSWORD} dbname={db} sslmode=require",
+        server.port
+    )
+    .parse()
+    .unwrap();
+    let store = PgStore::builder(config)
+        .tls(tokio_postgres_rustls::MakeRustlsConnect::new(untrusting))
+        .build()
+        .unwrap();
+    let error = chain(&store.migrate().await.expect_err("refused"));
+    assert!(error.contains("UnknownIssuer"), "{error}");
+}
+
 /// Settings that cannot work fail when the store is built, saying which.
 #[test]
 fn tls_settings_that_cannot_work_are_refused_at_build() {
