@@ -56,3 +56,31 @@ pub mod observability {
 pub mod performance {
     #![doc = include_str!("../docs/performance.md")]
 }
+
+#[cfg(test)]
+mod tests {
+    /// The labels of the link definitions (`[label]: target`) in a text,
+    /// from lines that start with one (after `prefix`).
+    fn definitions<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+        text.lines()
+            .filter_map(|line| line.strip_prefix(prefix)?.strip_prefix('['))
+            .filter_map(|rest| rest.split_once("]: ").map(|(label, _)| label))
+            .collect()
+    }
+
+    /// README links guides and files by their place in the repository,
+    /// which is broken on docs.rs: every label it defines must be defined
+    /// again, first, in lib.rs's front page (a guide module, or the file on
+    /// GitHub), where the first definition wins.
+    #[test]
+    fn every_link_label_of_the_readme_resolves_in_rustdoc() {
+        let readme = definitions(include_str!("../README.md"), "");
+        let front = definitions(include_str!("lib.rs"), "//! ");
+        assert!(readme.len() > 10 && front.len() > 10, "{readme:?} {front:?}");
+        let missing: Vec<_> = readme.iter().filter(|l| !front.contains(l)).collect();
+        assert!(
+            missing.is_empty(),
+            "README link labels with no definition in lib.rs: {missing:?}"
+        );
+    }
+}

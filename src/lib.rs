@@ -3,6 +3,7 @@
 // definitions come first, so rustdoc uses them instead (the first definition
 // of a label wins): the guides as modules, the other files on GitHub.
 //! [request-flow]: guide::request_flow
+//! [modes]: guide::modes
 //! [fingerprints]: guide::fingerprints
 //! [transaction]: guide::transaction
 //! [replays]: guide::replays
