@@ -18,7 +18,7 @@ pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 // transaction id check catches a handler that ended the claim's transaction.
 //
 // A heap-only-tuple (HOT) update: it changes no indexed column and no column
-// of an index's predicate (`state` is in none since migration 0009;
+// of an index's predicate (`state` is in none, see `schema/0001_baseline.sql`;
 // `tests/hot_completion.rs` checks both the catalog and the statistics), so
 // with the table's fillfactor the new row version stays on its page and no
 // index is touched. That is why it leaves `expires_at` (indexed, for
@@ -86,7 +86,11 @@ pub(crate) const SESSION_RESET: &str =
 // rolls the handler's writes back: division by zero does that (SQLSTATE
 // 22012, which no other part of the statement can raise). A takeover
 // clears what the old record carried (an operation's id, lease, request).
-// Retention counts from this commit.
+// Retention counts from this commit, and expiry is judged at it too
+// (`statement_timestamp()`, not `now()`, which is the transaction's start:
+// a record that expired while the handler worked is free at commit, on
+// every store alike; the conformance check
+// `a_record_that_expires_during_the_work_is_won_at_commit`).
 pub(crate) const CLAIM_AT_COMMIT: &str = "WITH won AS ( \
          INSERT INTO idempotency_requests AS r \
              (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
@@ -102,8 +106,9 @@ pub(crate) const CLAIM_AT_COMMIT: &str = "WITH won AS ( \
              completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at, attempts = 0, \
              operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
              request_target = NULL, request_headers = NULL, request_body = NULL \
-         WHERE r.expires_at <= now() \
-             OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())) \
+         WHERE r.expires_at <= statement_timestamp() \
+             OR (r.state = 'in_progress' \
+                 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= statement_timestamp())) \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM won)";
 

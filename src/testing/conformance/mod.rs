@@ -167,10 +167,11 @@ mod runner;
 mod writes;
 
 pub use at_commit::{
-    a_losers_writes_are_rolled_back, a_remembered_key_is_never_won_again,
-    an_aborted_transaction_leaves_the_key_free, an_expired_record_is_won_again,
-    another_request_gets_the_first_fingerprint, concurrent_commits_have_one_winner, run_at_commit,
-    run_at_commit_with, scopes_are_isolated_at_commit, the_loser_gets_the_winners_record,
+    a_losers_writes_are_rolled_back, a_record_that_expires_during_the_work_is_won_at_commit,
+    a_remembered_key_is_never_won_again, an_aborted_transaction_leaves_the_key_free,
+    an_expired_record_is_won_again, another_request_gets_the_first_fingerprint,
+    concurrent_commits_have_one_winner, run_at_commit, run_at_commit_with,
+    scopes_are_isolated_at_commit, the_loser_gets_the_winners_record,
     the_winners_writes_commit_with_its_record,
 };
 pub use checks::{

@@ -18,7 +18,10 @@ use super::report::{ensure, fail, OrFail};
 
 mod writes;
 
-pub use writes::{a_losers_writes_are_rolled_back, the_winners_writes_commit_with_its_record};
+pub use writes::{
+    a_losers_writes_are_rolled_back, a_record_that_expires_during_the_work_is_won_at_commit,
+    the_winners_writes_commit_with_its_record,
+};
 
 const SKIPPED: &str = "needs a way to write through the handle: run_at_commit_with(store, writes)";
 
@@ -39,12 +42,13 @@ const RACERS: usize = 8;
 /// | [`scopes_are_isolated_at_commit`] | tenant isolation | let the same raw key of two tenants win once each |
 /// | [`an_expired_record_is_won_again`] | expiry takeover | let a commit win a key whose record's retention ended |
 ///
-/// With [`run_at_commit_with`], two more:
+/// With [`run_at_commit_with`], three more:
 ///
 /// | check | guarantee | the store must |
 /// | --- | --- | --- |
 /// | [`the_winners_writes_commit_with_its_record`] | atomic completion | show the winner's write only once its commit returned |
 /// | [`a_losers_writes_are_rolled_back`] | a loser rolls back | commit nothing a loser wrote, the winner's write only |
+/// | [`a_record_that_expires_during_the_work_is_won_at_commit`] | expiry takeover | judge expiry at the commit: a record whose retention ended while the handler worked is taken over by its commit |
 pub async fn run_at_commit<St: CommitStore>(store: St) -> Report {
     run(store, None::<NoWrites>).await
 }
@@ -74,6 +78,7 @@ async fn run<St: CommitStore, W: Writes<St::Tx>>(store: St, writes: Option<W>) -
     let writes = writes.map(Arc::new);
     check! { run, the_winners_writes_commit_with_its_record, AtomicCompletion, writes, SKIPPED }
     check! { run, a_losers_writes_are_rolled_back, LoserRollsBack, writes, SKIPPED }
+    check! { run, a_record_that_expires_during_the_work_is_won_at_commit, ExpiryTakeover, writes, SKIPPED }
     run.finish()
 }
 

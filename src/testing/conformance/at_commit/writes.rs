@@ -1,13 +1,17 @@
 //! The one-commit checks that look at what the handler wrote through the
 //! transaction handle ([`Writes`]).
 
-use super::{begin_new, begin_twice, commit, expect_won, win_then_lose};
+use std::time::Duration;
+
+use super::{
+    begin, begin_new, begin_twice, commit, expect_won, must_lose, must_win, win_then_lose,
+};
 use crate::{
     store::CommitStore,
     testing::conformance::{
-        new_request, response,
+        new_request, request, response, scope, unique_key,
         writes::{expect_row, marker, write, Row},
-        CheckFailure, Guarantee, Writes, WAIT,
+        CheckFailure, Guarantee, Writes, DAY, WAIT,
     },
 };
 
@@ -48,4 +52,39 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
     expect_row(writes, &won, Row::Committed, G, why).await?;
     let why = "the loser's write was committed although its commit lost";
     expect_row(writes, &lost, Row::Absent, G, why).await
+}
+
+/// **Expiry takeover**: a record whose retention ends while a handler's
+/// transaction runs (begun, and written through, before the end) is taken
+/// over by that transaction's commit: expiry is judged when the commit
+/// happens, not when the transaction began. The new record then answers.
+pub async fn a_record_that_expires_during_the_work_is_won_at_commit<
+    St: CommitStore,
+    W: Writes<St::Tx>,
+>(
+    store: &St,
+    writes: &W,
+) -> Result<(), CheckFailure> {
+    const G: Guarantee = Guarantee::ExpiryTakeover;
+    let key = unique_key();
+    let retention = Duration::from_millis(300);
+    let short = request(scope("t1"), &key, 1, retention, WAIT);
+    must_win(store, &short, &response(b"old"), G, "the first commit").await?;
+    let req = request(scope("t1"), &key, 2, DAY, WAIT);
+    let tx = begin(store, &req, G).await?;
+    let mark = marker("late");
+    write(writes, &tx, &mark, G).await?;
+    // The behaviour under test is time passing: the first record's
+    // retention runs out while this transaction is open.
+    tokio::time::sleep(retention * 2).await;
+    let committed = commit(store, tx, &req, &response(b"new"), G, "commit").await?;
+    expect_won(
+        committed,
+        G,
+        "the commit of a transaction begun before the record expired, committed after",
+    )?;
+    let why = "the winner's write is not committed";
+    expect_row(writes, &mark, Row::Committed, G, why).await?;
+    let what = "a retry of the new record (which must replace the expired one)";
+    must_lose(store, &req, &response(b"again"), b"new", G, what).await
 }
