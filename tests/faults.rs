@@ -152,6 +152,62 @@ impl Boundary {
     }
 }
 
+/// The one-commit mode's transaction begins with the handler's first
+/// statement (its `BEGIN` pipelined with it). A pooled connection that dies
+/// there, before or after the statement reached the server, has committed
+/// nothing: it is replaced once with a fresh one and the statement sent
+/// again, as the default mode's claim is, so the request is served instead
+/// of answered 503. One order, one event, one remembered answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_commit_mode_replaces_a_connection_lost_at_the_first_statement() {
+    // Direct, the BEGIN goes out with the first statement; behind a
+    // transaction pooler, before it.
+    for (cut, pooling) in [
+        (Cut::Before, false),
+        (Cut::After, false),
+        (Cut::Before, true),
+        (Cut::After, true),
+    ] {
+        let pg = database().await;
+        let proxy = FaultProxy::start(pg.db.config()).await;
+        let store = PgStore::builder(proxy.config())
+            .max_connections(4)
+            .transaction_pooling(pooling)
+            .build()
+            .unwrap();
+        let service = layer(store).claim_at_commit().layer(order_and_event());
+        proxy.cut_at(cut, |sql| Boundary::OrderInsert.matches(sql));
+        let first = send(service.clone(), tenant_a_post("k-first")).await;
+        assert!(
+            proxy.fired().is_some(),
+            "{cut:?}/{pooling}: the cut never fired"
+        );
+        proxy.cut_finished().await;
+        assert_eq!(
+            first.status,
+            StatusCode::CREATED,
+            "{cut:?}/{pooling}: {:?}",
+            first.body
+        );
+        let end = rows(&pg).await;
+        assert_eq!(end.orders.len(), 1, "{cut:?}/{pooling}: exactly one order");
+        assert_eq!(end.events_per_order, vec![1], "{cut:?}/{pooling}");
+        assert_eq!(
+            (end.completed, end.in_progress),
+            (1, 0),
+            "{cut:?}/{pooling}"
+        );
+        assert_eq!(
+            end.orders[0],
+            first.json()["id"].as_str().unwrap_or_default(),
+            "{cut:?}/{pooling}: the answer names the order"
+        );
+        let retry = send(service, tenant_a_post("k-first")).await;
+        assert!(retry.replayed(), "{cut:?}/{pooling}");
+        assert_eq!(rows(&pg).await.orders.len(), 1, "{cut:?}/{pooling}");
+    }
+}
+
 /// Cuts the store's connection at `boundary`, then retries the same
 /// request, and checks that the operation converged to exactly one order.
 async fn cut_then_retry(boundary: Boundary, cut: Cut) {

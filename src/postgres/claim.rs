@@ -299,7 +299,7 @@ pub(super) fn begin_batch(lock_wait: Option<Duration>, hold_limit: Option<Durati
 
 /// Whether `e` says the connection itself is at fault (closed by the
 /// server, or its session not what we left), not only the statement.
-fn connection_fault(e: &StoreError) -> bool {
+pub(super) fn connection_fault(e: &StoreError) -> bool {
     (e.kind() == StoreErrorKind::Unavailable && !e.sql_state().is_some_and(ends_only_the_statement))
         || is_session_fault(e)
 }

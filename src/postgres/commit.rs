@@ -52,12 +52,21 @@ impl CommitStore for PgStore {
         // session's); should this process freeze, the server ends the
         // transaction by itself after the hold limit.
         let begin = begin_batch(None, request.hold_limit);
+        // Until the handler's first statement is answered, a lost
+        // connection costs nothing: the transaction starts over on another.
+        conn.restartable(begin.clone());
         if conn.unnamed() {
             // Behind a transaction pooler, a statement prepared before the
             // BEGIN may reach another server connection than the
             // transaction: begin now.
             conn.mark_dirty();
-            conn.batch_pipelined(&begin).await.map_err(map_error)?;
+            if let Err(e) = conn.batch_pipelined(&begin).await {
+                let error = map_error(e);
+                if !super::claim::connection_fault(&error) {
+                    return Err(error);
+                }
+                conn.replace(begin).await?;
+            }
         } else {
             // Sent with the handler's first statement (or with the claim,
             // if the handler sends none): no round trip of its own.

@@ -12,6 +12,7 @@ use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
 use crate::pg::statements::SESSION_RESET_STATEMENTS;
+use crate::store::{StoreError, StoreErrorKind};
 
 /// A pooled connection that may be inside a transaction.
 ///
@@ -32,6 +33,11 @@ pub(super) struct Conn {
     deferred_begin: Option<String>,
     /// The store's TLS, for cancel requests.
     connector: super::tls::Connector,
+    /// The pool it came from, for a replacement ([`Conn::replace`]).
+    pool: deadpool_postgres::Pool,
+    /// The one-commit mode's `BEGIN` while nothing but it has been sent:
+    /// the transaction may still start over on another connection.
+    restartable: Option<String>,
 }
 
 impl Conn {
@@ -39,6 +45,7 @@ impl Conn {
         object: Object,
         transaction_pooling: bool,
         connector: super::tls::Connector,
+        pool: deadpool_postgres::Pool,
     ) -> Self {
         Conn {
             object: Some(object),
@@ -46,7 +53,55 @@ impl Conn {
             unnamed: transaction_pooling,
             deferred_begin: None,
             connector,
+            pool,
+            restartable: None,
         }
+    }
+
+    /// Marks the transaction begun with `begin` as one that may start over
+    /// on another connection until its first statement is answered
+    /// ([`Conn::replace`]): nothing of it can have committed before.
+    pub(super) fn restartable(&mut self, begin: String) {
+        self.restartable = Some(begin);
+    }
+
+    /// The `BEGIN` to start over with, while the transaction may still.
+    pub(super) fn restart(&self) -> Option<String> {
+        self.restartable.clone()
+    }
+
+    /// The first statement was answered: the transaction holds work now,
+    /// and can no longer start over.
+    pub(super) fn started(&mut self) {
+        self.restartable = None;
+    }
+
+    /// Swaps this connection, lost before its transaction's first statement
+    /// was answered, for a fresh one from the pool, with the transaction's
+    /// `begin` deferred again (behind a transaction pooler, sent again at
+    /// once). The lost one is closed, never pooled; whatever was sent on it
+    /// died with its session, uncommitted.
+    pub(super) async fn replace(&mut self, begin: String) -> Result<(), StoreError> {
+        let fresh = self.pool.get().await.map_err(|e| {
+            StoreError::new(
+                StoreErrorKind::Unavailable,
+                "cannot open a database connection",
+            )
+            .with_source(e)
+        })?;
+        if let Some(lost) = self.object.replace(fresh) {
+            drop(Object::take(lost));
+        }
+        if self.unnamed {
+            self.clean = false;
+            self.batch_pipelined(&begin)
+                .await
+                .map_err(super::error::map_error)?;
+        } else {
+            self.clean = true;
+            self.deferred_begin = Some(begin);
+        }
+        Ok(())
     }
 
     /// What cancels a statement running on this connection, over its TLS.

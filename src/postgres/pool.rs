@@ -256,7 +256,7 @@ impl PgStore {
         self.pool
             .get()
             .await
-            .map(|o| Conn::new(o, pooling, self.connector.clone()))
+            .map(|o| Conn::new(o, pooling, self.connector.clone(), self.pool.clone()))
             .map_err(|e| {
                 let message = match &e {
                     PoolError::Timeout(_) => "timed out waiting for a pooled connection",

@@ -121,6 +121,7 @@ impl Connector {
 }
 
 /// Cancels what runs on one connection, over the TLS it was opened with.
+#[derive(Clone)]
 pub(crate) struct Canceller {
     token: CancelToken,
     connector: Connector,

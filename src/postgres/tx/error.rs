@@ -70,6 +70,23 @@ impl TxError {
         }
     }
 
+    /// The connection is gone (closed, reset, or its server process
+    /// terminated): nothing sent on it can still commit.
+    pub(super) fn lost_connection(&self) -> bool {
+        let Some(Source::Postgres(e)) = &self.source else {
+            return false;
+        };
+        match e.as_db_error() {
+            // admin_shutdown, crash_shutdown, cannot_connect_now: the server
+            // ended the session.
+            Some(db) => db.code().code().starts_with("57P"),
+            None => {
+                e.is_closed()
+                    || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+            }
+        }
+    }
+
     /// The category.
     pub fn kind(&self) -> TxErrorKind {
         self.kind

@@ -38,9 +38,31 @@ where
     Ok(behind(conn, begin, run(conn)).await?)
 }
 
-/// The handle's ways to run a statement with parameters: `$prepare` locks
-/// the connection and prepares `sql` ([`PgTx::prepared`] for the caller's,
-/// [`PgTx::prepared_sql`] for the crate's own), then `$run` runs it.
+/// Runs `$attempt` (a block using the locked connection `$conn`) and, when
+/// nothing but the transaction's `BEGIN` had gone out before it (the
+/// one-commit mode's first statement) and the connection turned out dead,
+/// once more on a fresh connection from the pool, as the default mode's
+/// claim does. The lost connection's transaction never committed: the
+/// server rolled it back with the session.
+macro_rules! again_on_a_fresh_connection {
+    ($tx:expr, $conn:ident, $attempt:block) => {{
+        let restart = $conn.restart();
+        let first: Result<_, TxError> = async { $attempt }.await;
+        let answered = match (first, restart) {
+            (Err(lost), Some(begin)) if lost.lost_connection() => {
+                $tx.replace_connection(&mut $conn, begin, lost).await?;
+                async { $attempt }.await
+            }
+            (result, _) => result,
+        };
+        $conn.started();
+        answered
+    }};
+}
+
+/// The handle's ways to run a statement with parameters: `$prepare`
+/// prepares `sql` on the locked connection ([`prepare`] for the caller's,
+/// [`prepare_own`] for the crate's own), then `$run` runs it.
 macro_rules! run_prepared {
     ($($(#[$doc:meta])* $vis:vis fn $name:ident(sql: $sql:ty) -> $out:ty {
         prepare: $prepare:ident, run: $run:ident $(,)?
@@ -52,11 +74,49 @@ macro_rules! run_prepared {
                 sql: $sql,
                 params: &[&(dyn ToSql + Sync)],
             ) -> Result<$out, TxError> {
-                let (mut conn, statement) = self.$prepare(sql).await?;
-                behind_begin(&mut conn, |conn| conn.$run(&statement, params)).await
+                let mut conn = self.guarded(Text::text(&sql)).await?;
+                again_on_a_fresh_connection!(self, conn, {
+                    let statement = $prepare(&conn, sql).await?;
+                    behind_begin(&mut conn, |conn| conn.$run(&statement, params)).await
+                })
             }
         )*
     };
+}
+
+/// The text of a statement, whichever way it is given.
+trait Text {
+    fn text(&self) -> &str;
+}
+
+impl Text for &str {
+    fn text(&self) -> &str {
+        self
+    }
+}
+
+impl Text for Sql<'_> {
+    fn text(&self) -> &str {
+        Sql::text(self)
+    }
+}
+
+/// The caller's `sql`, prepared: cached per connection, or, behind a
+/// transaction pooler, prepared for this one statement (the driver closes
+/// it when it is dropped, still inside the transaction, so nothing is left
+/// on the pooler's server connection).
+async fn prepare(conn: &Conn, sql: &str) -> Result<Statement, tokio_postgres::Error> {
+    if conn.unnamed() {
+        conn.prepare(sql).await
+    } else {
+        conn.prepare_cached(sql).await
+    }
+}
+
+/// The crate's own `sql`, prepared as the store prepares its statements
+/// ([`Conn::prepare_sql`]).
+async fn prepare_own<'a>(conn: &Conn, sql: Sql<'a>) -> Result<Prepared<'a>, tokio_postgres::Error> {
+    conn.prepare_sql(sql).await
 }
 
 /// The open PostgreSQL transaction of the request that owns its key.
@@ -115,8 +175,9 @@ pub struct PgTx {
 
 struct Shared {
     conn: Mutex<Option<Conn>>,
-    // Outside the mutex: a statement holding the mutex is what it cancels.
-    cancel: crate::postgres::tls::Canceller,
+    // Outside the connection's mutex: a statement holding that mutex is
+    // what it cancels. Replaced with the connection (`replace_connection`).
+    cancel: std::sync::Mutex<crate::postgres::tls::Canceller>,
     id: TxIdentity,
     // A long-running owner's fenced transaction (`LeaseStore::fenced`),
     // ended by `commit_fenced`; otherwise a claim's, ended by `complete`.
@@ -141,7 +202,7 @@ impl PgTx {
     fn build(conn: Conn, id: TxIdentity, fenced: bool) -> Self {
         PgTx {
             inner: Arc::new(Shared {
-                cancel: conn.canceller(),
+                cancel: std::sync::Mutex::new(conn.canceller()),
                 conn: Mutex::new(Some(conn)),
                 id,
                 fenced,
@@ -177,13 +238,13 @@ impl PgTx {
 
     run_prepared! {
         /// Runs one statement and returns the number of rows it affected.
-        pub fn execute(sql: &str) -> u64 { prepare: prepared, run: execute }
+        pub fn execute(sql: &str) -> u64 { prepare: prepare, run: execute }
         /// Runs one query and returns its rows.
-        pub fn query(sql: &str) -> Vec<Row> { prepare: prepared, run: query }
+        pub fn query(sql: &str) -> Vec<Row> { prepare: prepare, run: query }
         /// Runs a query that returns exactly one row.
-        pub fn query_one(sql: &str) -> Row { prepare: prepared, run: query_one }
+        pub fn query_one(sql: &str) -> Row { prepare: prepare, run: query_one }
         /// Runs a query that returns at most one row.
-        pub fn query_opt(sql: &str) -> Option<Row> { prepare: prepared, run: query_opt }
+        pub fn query_opt(sql: &str) -> Option<Row> { prepare: prepare, run: query_opt }
     }
 
     /// Runs one query with the types of its parameters given, as one
@@ -209,7 +270,9 @@ impl PgTx {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, TxError> {
         let mut conn = self.guarded(sql).await?;
-        behind_begin(&mut conn, |conn| conn.query_typed(sql, params)).await
+        again_on_a_fresh_connection!(self, conn, {
+            behind_begin(&mut conn, |conn| conn.query_typed(sql, params)).await
+        })
     }
 
     /// [`query_typed`](Self::query_typed) for a statement whose rows are not
@@ -220,20 +283,22 @@ impl PgTx {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<u64, TxError> {
         let mut conn = self.guarded(sql).await?;
-        behind_begin(&mut conn, |conn| conn.execute_typed(sql, params)).await
+        again_on_a_fresh_connection!(self, conn, {
+            behind_begin(&mut conn, |conn| conn.execute_typed(sql, params)).await
+        })
     }
 
     run_prepared! {
         /// One of the crate's own statements, sent as the store sends its own
         /// (cached, or unnamed behind a transaction pooler).
         pub(crate) fn query_one_sql(sql: Sql<'_>) -> Row {
-            prepare: prepared_sql,
+            prepare: prepare_own,
             run: query_one_prepared,
         }
         /// [`query_one_sql`](Self::query_one_sql) for a statement whose rows
         /// are not needed: returns the number of rows it affected.
         pub(crate) fn execute_sql(sql: Sql<'_>) -> u64 {
-            prepare: prepared_sql,
+            prepare: prepare_own,
             run: execute_prepared,
         }
     }
@@ -241,7 +306,9 @@ impl PgTx {
     /// Runs statements without parameters (e.g. `SAVEPOINT s1`).
     pub async fn batch_execute(&self, sql: &str) -> Result<(), TxError> {
         let mut conn = self.guarded(sql).await?;
-        behind_begin(&mut conn, |conn| conn.batch_execute(sql)).await
+        again_on_a_fresh_connection!(self, conn, {
+            behind_begin(&mut conn, |conn| conn.batch_execute(sql)).await
+        })
     }
 
     /// The path every statement takes: refused if it would end the
@@ -254,32 +321,26 @@ impl PgTx {
             .map_err(|_| TxError::finished())
     }
 
-    /// [`guarded`](Self::guarded), with `sql` prepared: cached per
-    /// connection, or, behind a transaction pooler, prepared for this one
-    /// statement (the driver closes it when it is dropped, still inside the
-    /// transaction, so nothing is left on the pooler's server connection).
-    async fn prepared(
+    /// Swaps `conn`, lost before its transaction's first statement was
+    /// answered, for a fresh one with `begin` deferred again; the cancel
+    /// requests follow it. A pool that has none to give leaves `lost` as
+    /// the answer.
+    async fn replace_connection(
         &self,
-        sql: &str,
-    ) -> Result<(MappedMutexGuard<'_, Conn>, Statement), TxError> {
-        let conn = self.guarded(sql).await?;
-        let statement = if conn.unnamed() {
-            conn.prepare(sql).await?
-        } else {
-            conn.prepare_cached(sql).await?
-        };
-        Ok((conn, statement))
-    }
-
-    /// [`guarded`](Self::guarded), with the crate's own `sql` prepared as
-    /// the store prepares its statements ([`Conn::prepare_sql`]).
-    async fn prepared_sql<'a>(
-        &self,
-        sql: Sql<'a>,
-    ) -> Result<(MappedMutexGuard<'_, Conn>, Prepared<'a>), TxError> {
-        let conn = self.guarded(sql.text()).await?;
-        let statement = conn.prepare_sql(sql).await?;
-        Ok((conn, statement))
+        conn: &mut Conn,
+        begin: String,
+        lost: TxError,
+    ) -> Result<(), TxError> {
+        tracing::debug!(error = %lost, "the transaction's connection was lost before its first statement; on a fresh one");
+        if conn.replace(begin).await.is_err() {
+            return Err(lost);
+        }
+        *self
+            .inner
+            .cancel
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = conn.canceller();
+        Ok(())
     }
 
     /// Takes the connection out to end the transaction; `None` if it already ended.
@@ -299,8 +360,12 @@ impl PgTx {
     }
 
     /// Cancels the statement running on the connection, if any.
-    pub(super) fn canceller(&self) -> &crate::postgres::tls::Canceller {
-        &self.inner.cancel
+    pub(super) fn canceller(&self) -> crate::postgres::tls::Canceller {
+        self.inner
+            .cancel
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 }
 
