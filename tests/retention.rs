@@ -11,7 +11,7 @@ use tower::Layer;
 use tower_idempotency::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    postgres::KeyState,
+    postgres::{KeyState, PgTx},
     retention::Cleanup,
     scope::{Scope, TenantId},
     store::{Claim, ClaimRequest, Store},
@@ -207,4 +207,43 @@ async fn attempt_token_keeps_growing_after_the_row_is_removed() {
         tokens.windows(2).all(|pair| pair[1] > pair[0]),
         "tokens {tokens:?}"
     );
+}
+
+/// A retention shorter than the work: the key's record must still hold the
+/// key when the work commits, so that a retry right after it replays
+/// instead of running the work again. The retention is raised to cover the
+/// handler's deadline (and the commit after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_shorter_than_the_work_still_covers_its_commit() {
+    let pg = Postgres::new().await;
+    let retention = Duration::from_millis(300);
+    let slow = handler(move |tx: PgTx| async move {
+        // The work outlasts the retention.
+        tokio::time::sleep(retention * 3).await;
+        tx.execute(
+            "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
+            &[&new_order_id()],
+        )
+        .await?;
+        Ok(created("{}"))
+    });
+    let service = layer(pg.store.clone())
+        .retention(retention)
+        .handler_timeout(Duration::from_secs(5))
+        .layer(slow);
+    let first = send(service.clone(), tenant_a_post("slow")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    let covered: bool = pg
+        .client
+        .query_one(
+            "SELECT expires_at > completed_at FROM idempotency_requests",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(covered, "the record expired before its work committed");
+    let retry = send(service, tenant_a_post("slow")).await;
+    assert!(retry.replayed(), "{:?}", retry.body);
+    assert_eq!(pg.orders().await.len(), 1);
 }

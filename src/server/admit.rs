@@ -43,6 +43,7 @@ pub(crate) async fn admit<St, F, R, M, B>(
 where
     F: Fingerprinter,
     R: ResolveTenant,
+    M: super::mode::Mode<St>,
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
@@ -80,7 +81,7 @@ where
         key,
         fingerprint,
     )
-    .with_retention(config.retention)
+    .with_retention(setup.retention())
     .with_wait(config.wait);
     Admission::Admitted(Admitted { parts, body, claim })
 }

@@ -191,6 +191,15 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// How long a completed key is remembered (default 24 h). After that the
     /// same key is a new operation.
     ///
+    /// In the default mode retention counts from the claim, so it is raised
+    /// to cover the work: at least [`handler_timeout`](Self::handler_timeout)
+    /// plus 5 s (the margin within which the database ends a silent owner),
+    /// or a record could expire before its work commits, and a retry right
+    /// after that commit would run the work again. In the long-running mode
+    /// it is raised to at least the lease plus the longest recovery backoff
+    /// plus 5 s, so that a released operation is still there when recovery
+    /// may take it. The one-commit mode counts it from the commit: no floor.
+    ///
     /// Values above 100 years are clamped to it.
     pub fn retention(self, retention: Duration) -> Self {
         self.configure(|c| c.retention = retention.min(MAX_RETENTION))

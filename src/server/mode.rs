@@ -3,7 +3,7 @@
 //! which carries its [`LeaseConfig`]. One `Service` impl serves all three;
 //! the mode decides phases 2 to 5 of a request.
 
-use std::future::Future;
+use std::{future::Future, time::Duration};
 
 use super::{
     admit::Admitted,
@@ -36,6 +36,22 @@ mod sealed {
             inner: S,
             admitted: Admitted,
         ) -> impl Future<Output = (Settled<B, S::Error>, Timings)> + Send + 'static;
+
+        /// The shortest retention that covers the mode's work: a record
+        /// must not expire while the work that will remember its answer
+        /// may still commit, or a retry would run the work again.
+        fn covers(&self, handler_timeout: Duration) -> Duration;
+    }
+}
+
+impl<St, F, R, M: Mode<St>> Setup<St, F, R, M> {
+    /// The retention records are kept for: the configured one, raised to
+    /// what the mode's work needs (see [`IdempotencyLayer::retention`](crate::IdempotencyLayer::retention)).
+    pub(crate) fn retention(&self) -> Duration {
+        self.config.retention.max(sealed::Sealed::covers(
+            &self.mode,
+            self.config.handler_timeout,
+        ))
     }
 }
 
@@ -78,7 +94,7 @@ impl LongRunning {
 
 /// Each mode runs its own flow, for the stores it works with.
 macro_rules! mode {
-    ($mode:ty, $store:ident, $flow:path) => {
+    ($mode:ty, $store:ident, $flow:path, |$this:pat_param, $config:ident| $covers:expr) => {
         impl<St: $store> Mode<St> for $mode {}
 
         impl<St: $store> sealed::Sealed<St> for $mode {
@@ -89,10 +105,28 @@ macro_rules! mode {
             ) -> impl Future<Output = (Settled<B, S::Error>, Timings)> + Send + 'static {
                 $flow(setup, inner, admitted)
             }
+
+            fn covers(&self, $config: Duration) -> Duration {
+                let $this = self;
+                $covers
+            }
         }
     };
 }
 
-mode!(ShortTransaction, Store, short::run);
-mode!(ClaimAtCommit, CommitStore, short::run);
-mode!(LongRunning, LeaseStore, long::run);
+// The default mode's record counts its retention from the claim, and the
+// work may run until the handler's deadline, then commit within the hold
+// margin. The one-commit mode's counts from the commit itself. A released
+// long-running operation waits up to the longest recovery backoff after its
+// lease before recovery may take it, and must still be there then.
+mode!(ShortTransaction, Store, short::run, |_, handler_timeout| {
+    handler_timeout.saturating_add(short::HOLD_MARGIN)
+});
+mode!(ClaimAtCommit, CommitStore, short::run, |_, _config| {
+    Duration::ZERO
+});
+mode!(LongRunning, LeaseStore, long::run, |mode, _config| mode
+    .config
+    .lease
+    .saturating_add(mode.config.backoff.max)
+    .saturating_add(short::HOLD_MARGIN));

@@ -134,7 +134,7 @@ where
             .recover(
                 &self.setup.config.endpoint,
                 lease,
-                self.setup.config.retention,
+                self.setup.retention(),
                 backoff,
             )
             .await

@@ -169,7 +169,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     // wait. Should this process freeze past the handler's deadline, the
     // database ends the claim by itself. The record's retention counts from
     // the claim (or the commit), so it ends no sooner than `expires`.
-    let expires = std::time::Instant::now() + config.retention;
+    let expires = std::time::Instant::now() + claim.retention;
     claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
     let claimed = M::open(&setup.store, &claim).await;
@@ -282,4 +282,4 @@ type Faults = ();
 
 /// How long past the handler's deadline the database itself ends an owner's
 /// transaction that went silent (its process frozen, its network gone).
-const HOLD_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+pub(crate) const HOLD_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
