@@ -49,6 +49,10 @@ pub mod retention {
     #![doc = include_str!("../docs/retention.md")]
 }
 
+pub mod migrations {
+    #![doc = include_str!("../docs/migrations.md")]
+}
+
 pub mod observability {
     #![doc = include_str!("../docs/observability.md")]
 }

@@ -2,8 +2,7 @@
 //! real PostgreSQL: no index names a column it changes (the catalog), and
 //! PostgreSQL counts every completion of creates through the layer as HOT
 //! (its statistics), with both stores. Retention counts from the claim,
-//! which is what lets the completion leave `expires_at` alone; and the
-//! migration that made it so upgrades a database of the previous version.
+//! which is what lets the completion leave `expires_at` alone.
 
 mod common;
 
@@ -15,12 +14,7 @@ use std::{
 
 use common::*;
 use tower::Layer;
-use tower_idempotency::{
-    postgres::PgStore,
-    retention::Cleanup,
-    store::{Claim, Store},
-    testing::TestDatabase,
-};
+use tower_idempotency::store::{Claim, Store};
 
 /// Creates sent through the layer in each statistics test.
 const CREATES: i64 = 200;
@@ -114,7 +108,7 @@ async fn no_index_names_a_column_the_completion_sets() {
     );
 
     // The catalog query sees a column named only in a predicate: an index
-    // like the one migration 0003 made would be found.
+    // on in-progress rows (`WHERE state = 'in_progress'`) would be found.
     let mut client = pg.db.client().await;
     let probe = client.transaction().await.unwrap();
     probe
@@ -236,129 +230,4 @@ async fn pg_store_counts_retention_from_the_claim() {
 async fn sqlx_store_counts_retention_from_the_claim() {
     let backend = Sqlx::new().await;
     retention_counts_from_the_claim(&backend.store, &backend.client).await;
-}
-
-/// The schema as version 8 left it (applied as `migrate` applied it then).
-const VERSION_8: &[(i32, &str, &str)] = &[
-    (
-        1,
-        "idempotency_requests",
-        include_str!("../src/pg/schema/0001_idempotency_requests.sql"),
-    ),
-    (
-        2,
-        "outbox_and_inbox",
-        include_str!("../src/pg/schema/0002_outbox_and_inbox.sql"),
-    ),
-    (
-        3,
-        "retention",
-        include_str!("../src/pg/schema/0003_retention.sql"),
-    ),
-    (
-        4,
-        "attempt_token_sequence",
-        include_str!("../src/pg/schema/0004_attempt_token_sequence.sql"),
-    ),
-    (
-        5,
-        "long_running_operations",
-        include_str!("../src/pg/schema/0005_long_running_operations.sql"),
-    ),
-    (
-        6,
-        "resource_id",
-        include_str!("../src/pg/schema/0006_resource_id.sql"),
-    ),
-    (
-        7,
-        "operation_attempts",
-        include_str!("../src/pg/schema/0007_operation_attempts.sql"),
-    ),
-    (
-        8,
-        "tenant_in_every_key",
-        include_str!("../src/pg/schema/0008_tenant_in_every_key.sql"),
-    ),
-];
-
-/// A database at schema version 8, with a running long-running operation
-/// and a completed record, upgrades: the completion's indexes go, the lease
-/// index keeps the operation, and the gauges still find it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_version_8_database_upgrades_to_hot_completions() {
-    let db = TestDatabase::create().await;
-    let client = db.client().await;
-    client
-        .batch_execute(
-            "CREATE TABLE tower_idempotency_migrations (
-                 version    integer PRIMARY KEY,
-                 name       text NOT NULL,
-                 applied_at timestamptz NOT NULL DEFAULT now()
-             );",
-        )
-        .await
-        .unwrap();
-    for (version, name, sql) in VERSION_8 {
-        client.batch_execute(sql).await.unwrap();
-        client
-            .execute(
-                "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
-                &[version, name],
-            )
-            .await
-            .unwrap();
-    }
-    assert!(indexed_columns(&client).await.contains(&(
-        "idempotency_requests_in_progress_idx".into(),
-        "state".into()
-    )));
-    client
-        .batch_execute(
-            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint,
-                                               state, created_at, expires_at, operation_id, lease_expires_at)
-             VALUES ('t', 'e', 'running', '\\x00', 'in_progress', now() - interval '1 hour',
-                     now() + interval '1 day', gen_random_uuid(), now() + interval '1 minute');
-             INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint,
-                                               state, response_status, expires_at)
-             VALUES ('t', 'e', 'done', '\\x00', 'completed', 201, now() + interval '1 day');",
-        )
-        .await
-        .unwrap();
-
-    let store = PgStore::builder(db.config()).build().unwrap();
-    store.migrate().await.expect("version 9 applies");
-    let versions = migration_versions(&client).await;
-    assert_eq!(versions, (1..=9).collect::<Vec<_>>());
-    let indexes: Vec<(String, String)> = client
-        .query(
-            "SELECT indexname::text, indexdef FROM pg_indexes WHERE tablename = 'idempotency_requests' ORDER BY 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
-    assert!(
-        !indexes
-            .iter()
-            .any(|(name, _)| name == "idempotency_requests_in_progress_idx"),
-        "{indexes:?}"
-    );
-    let lease = indexes
-        .iter()
-        .find(|(name, _)| name == "idempotency_requests_lease_idx")
-        .map(|(_, def)| def.as_str());
-    assert_eq!(
-        lease,
-        Some("CREATE INDEX idempotency_requests_lease_idx ON public.idempotency_requests USING btree (endpoint, lease_expires_at) WHERE (lease_expires_at IS NOT NULL)")
-    );
-    let gauges = Cleanup::new(store.clone()).refresh_gauges().await.unwrap();
-    assert!(
-        gauges.oldest_lease >= Duration::from_secs(3600)
-            && gauges.oldest_in_progress >= Duration::from_secs(3600),
-        "the running operation is found: {gauges:?}"
-    );
-    store.migrate().await.expect("a rerun is a no-op");
 }

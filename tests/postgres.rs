@@ -127,7 +127,7 @@ async fn migrations_are_idempotent_under_concurrency() {
     store.migrate().await.expect("a rerun is a no-op");
     let client = db.client().await;
     let versions = migration_versions(&client).await;
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(versions, [1]);
     // A migrator that waited for another's lock reads what it committed,
     // also when the database defaults to a snapshot per transaction.
     let later = tower_idempotency::testing::TestDatabase::create().await;
@@ -145,13 +145,70 @@ async fn migrations_are_idempotent_under_concurrency() {
     })
     .await;
     let versions = migration_versions(&later.client().await).await;
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(versions, [1]);
     let fillfactor: String = client
         .query_one("SELECT array_to_string(reloptions, ',') FROM pg_class WHERE relname = 'idempotency_requests'", &[])
         .await
         .unwrap()
         .get(0);
     assert_eq!(fillfactor, "fillfactor=80");
+}
+
+/// The development schema of before the first release (its migrations
+/// recorded under their own versions and names), and a schema newer than
+/// this build, are refused by both stores, and left as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_development_schema_and_a_newer_one_are_refused() {
+    use tower_idempotency::store::{StoreError, StoreErrorKind};
+    const DEVELOPMENT: &str = "INSERT INTO tower_idempotency_migrations (version, name) VALUES \
+         (1, 'idempotency_requests'), (2, 'outbox_and_inbox'), (3, 'retention'), \
+         (4, 'attempt_token_sequence'), (5, 'long_running_operations'), (6, 'resource_id'), \
+         (7, 'operation_attempts'), (8, 'tenant_in_every_key'), (9, 'hot_completion')";
+    const NEWER: &str = "INSERT INTO tower_idempotency_migrations (version, name) VALUES \
+         (1, 'baseline'), (1000, 'from_a_later_release')";
+    for (recorded, expected) in [
+        (DEVELOPMENT, "development schema"),
+        (NEWER, "newer than this build"),
+    ] {
+        let db = tower_idempotency::testing::TestDatabase::create().await;
+        let client = db.client().await;
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE tower_idempotency_migrations (
+                     version    integer PRIMARY KEY,
+                     name       text NOT NULL,
+                     applied_at timestamptz NOT NULL DEFAULT now()
+                 );
+                 {recorded}"
+            ))
+            .await
+            .unwrap();
+        let before = migration_versions(&client).await;
+        let pg = PgStore::builder(db.config()).build().unwrap();
+        let sqlx = tower_idempotency::sqlx::SqlxStore::new(sqlx_pool(&db, 2).await);
+        let refusals: [StoreError; 2] = [
+            pg.migrate().await.unwrap_err(),
+            sqlx.migrate().await.unwrap_err(),
+        ];
+        for e in refusals {
+            assert_eq!(e.kind(), StoreErrorKind::Schema, "{e}");
+            assert!(e.to_string().contains(expected), "{e}");
+            if expected == "development schema" {
+                assert!(e.to_string().contains("fresh database"), "{e}");
+            }
+        }
+        assert_eq!(
+            migration_versions(&client).await,
+            before,
+            "nothing recorded"
+        );
+        let table: Option<String> = client
+            .query_one("SELECT to_regclass('idempotency_requests')::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(table, None, "nothing created");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

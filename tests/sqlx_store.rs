@@ -224,7 +224,7 @@ async fn records_are_shared_with_pg_store() {
         backend
             .count("SELECT count(*) FROM tower_idempotency_migrations")
             .await,
-        9
+        1
     );
     let request = claim_request("k1", Duration::from_secs(2));
     let Claim::Owned(tx) = backend.store.claim(&request).await.unwrap() else {
@@ -293,7 +293,7 @@ async fn migrate_runs_from_a_spawned_task_and_concurrently() {
         .await;
     }
     let versions = migration_versions(&later.client().await).await;
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(versions, [1]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,53 +1,722 @@
-//! The schema, as versioned migrations both drivers apply: append only;
-//! never edit an applied migration.
+//! The schema, as versioned migrations, and the one runner both drivers
+//! apply them with. Append only; never edit a released migration. The
+//! rules a migration follows are in the migration guide
+//! (`docs/migrations.md`).
+//!
+//! The runner is written for a table under load. Each transactional
+//! migration runs in a transaction of its own, under the migration lock (an
+//! advisory lock held to the transaction's end) and with a short
+//! `lock_timeout`: a DDL statement that queues for its table's lock makes
+//! every claim queue behind it, so it gives up after [`LOCK_TIMEOUT`], rolls
+//! back, lets the claims through for a jittered backoff and tries again (at
+//! most [`LOCK_ATTEMPTS`] times). Indexes are built with `CREATE INDEX
+//! CONCURRENTLY` outside any transaction, checked valid, and rebuilt when an
+//! interrupted build left a dead one. Nothing relies on session state
+//! between statements, so it runs through a transaction pooler too.
+//!
+//! A driver adds only a [`Transport`]: how it sends the runner's statements.
+
+use std::{
+    fmt,
+    future::Future,
+    time::{Duration, Instant},
+};
+
+use super::{errors::LOCK_NOT_AVAILABLE, statements::BEGIN};
+use crate::store::{StoreError, StoreErrorKind};
+
+/// The SQLSTATE of a deadlock PostgreSQL broke by ending one statement.
+const DEADLOCK_DETECTED: &str = "40P01";
 
 /// Serialises concurrent migrators (any constant unique to this crate).
 pub(crate) const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 
-/// `(version, name, sql)`: append only; never edit an applied migration.
-pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
-    (
-        1,
-        "idempotency_requests",
-        include_str!("schema/0001_idempotency_requests.sql"),
-    ),
-    (
-        2,
-        "outbox_and_inbox",
-        include_str!("schema/0002_outbox_and_inbox.sql"),
-    ),
-    (3, "retention", include_str!("schema/0003_retention.sql")),
-    (
-        4,
-        "attempt_token_sequence",
-        include_str!("schema/0004_attempt_token_sequence.sql"),
-    ),
-    (
-        5,
-        "long_running_operations",
-        include_str!("schema/0005_long_running_operations.sql"),
-    ),
-    (
-        6,
-        "resource_id",
-        include_str!("schema/0006_resource_id.sql"),
-    ),
-    (
-        7,
-        "operation_attempts",
-        include_str!("schema/0007_operation_attempts.sql"),
-    ),
-    (
-        8,
-        "tenant_in_every_key",
-        include_str!("schema/0008_tenant_in_every_key.sql"),
-    ),
-    (
-        9,
-        "hot_completion",
-        include_str!("schema/0009_hot_completion.sql"),
-    ),
-];
+/// How long one statement of a migration waits for a lock before its
+/// transaction gives up and is tried again. While a DDL statement waits for
+/// its table's lock, the claims on that table wait behind it: this is the
+/// longest a migration holds them up at a time.
+pub(crate) const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The newest schema version this build knows.
-pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
+/// How many times a transaction of the runner is tried before the migration
+/// gives up with [`StoreErrorKind::Unavailable`].
+pub(crate) const LOCK_ATTEMPTS: u32 = 10;
+
+/// How many times a concurrent index is built before the runner gives up
+/// on it (a build that fails leaves an invalid index, which is dropped and
+/// built again).
+pub(crate) const INDEX_BUILDS: u32 = 3;
+
+/// How long a migrator waits for another one's build of the same index
+/// before it gives up with [`StoreErrorKind::Unavailable`].
+pub(crate) const BUILD_WAIT: Duration = Duration::from_secs(60 * 60);
+
+/// One step of a [`Migration`]. A migration's steps are all of one kind
+/// (see [`Migration`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Step {
+    /// Statements (one simple-query string) run in the migration's
+    /// transaction.
+    Transactional(&'static str),
+    /// `CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} …`,
+    /// one statement, run outside any transaction.
+    // No migration of the baseline's release builds an index yet.
+    #[cfg_attr(not(test), allow(dead_code))]
+    ConcurrentIndex {
+        name: &'static str,
+        table: &'static str,
+        sql: &'static str,
+    },
+}
+
+/// A version of the schema: the steps that bring the previous one to it.
+///
+/// Either transactional steps only, run in one transaction with the record
+/// of the migration (all or nothing), or index builds only, each built
+/// concurrently and checked valid, and then the migration recorded. Never
+/// both: such a migration is recorded only after its builds, so a second
+/// migrator would run its transactional steps again, and its `ALTER`
+/// queued behind one migrator's build while that build waits out the
+/// `ALTER`'s transaction (`CREATE INDEX CONCURRENTLY` waits for every older
+/// snapshot) is a deadlock.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Migration {
+    pub(crate) version: i32,
+    pub(crate) name: &'static str,
+    pub(crate) steps: &'static [Step],
+}
+
+/// Every migration, in order: append only; never edit a released one.
+pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "baseline",
+    steps: &[Step::Transactional(include_str!(
+        "schema/0001_baseline.sql"
+    ))],
+}];
+
+/// The newest schema version this build knows (the runner reads it off the
+/// list it is given).
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
+
+/// The migration table, created by the first migrator.
+const MIGRATION_TABLE: &str = "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)";
+
+/// What [`Transport::applied`] runs: every recorded `(version, name)`.
+pub(crate) const APPLIED: &str = "SELECT version, name FROM tower_idempotency_migrations";
+
+/// What [`Transport::record`] runs, with the version and the name.
+pub(crate) const RECORD: &str =
+    "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)";
+
+/// What [`Transport::index_valid`] runs, with the index's name: one row,
+/// whether the index is valid, or none if there is no such index.
+pub(crate) const INDEX_VALID: &str =
+    "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)";
+
+/// How a driver sends the runner's statements, all on one connection.
+///
+/// Methods return `impl Future + Send`; implementations may write
+/// `async fn`. Every statement the runner sends with parameters runs inside
+/// a transaction it began (so a transaction pooler keeps it on one server
+/// connection); only [`batch`](Self::batch) runs outside one.
+pub(crate) trait Transport: Send {
+    /// Sends `sql`, one or more statements without parameters, as one
+    /// simple-query message.
+    fn batch(&mut self, sql: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Runs [`APPLIED`].
+    fn applied(&mut self) -> impl Future<Output = Result<Vec<(i32, String)>, StoreError>> + Send;
+
+    /// Runs [`RECORD`].
+    fn record(
+        &mut self,
+        version: i32,
+        name: &'static str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Runs [`INDEX_VALID`].
+    fn index_valid(
+        &mut self,
+        name: &'static str,
+    ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
+
+    /// Commits the transaction the runner began.
+    fn commit(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.batch("COMMIT")
+    }
+
+    /// Whether `error` is a lock wait that ran out (`55P03`): the
+    /// transaction is rolled back and tried again.
+    fn lock_timed_out(error: &StoreError) -> bool {
+        error.sql_state() == Some(LOCK_NOT_AVAILABLE)
+    }
+}
+
+/// How the runner waits and retries; [`Settings::DEFAULT`] but in tests.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    pub(crate) lock_timeout: Duration,
+    pub(crate) attempts: u32,
+    /// The backoff after the first timed-out attempt, doubling to `max_backoff`.
+    pub(crate) first_backoff: Duration,
+    pub(crate) max_backoff: Duration,
+    pub(crate) index_builds: u32,
+    /// How long to wait for another migrator's build of an index.
+    pub(crate) build_wait: Duration,
+}
+
+impl Settings {
+    pub(crate) const DEFAULT: Settings = Settings {
+        lock_timeout: LOCK_TIMEOUT,
+        attempts: LOCK_ATTEMPTS,
+        first_backoff: Duration::from_millis(100),
+        max_backoff: LOCK_TIMEOUT,
+        index_builds: INDEX_BUILDS,
+        build_wait: BUILD_WAIT,
+    };
+
+    /// The wait after `attempts` timed-out attempts: exponential, with
+    /// "equal jitter" (half fixed, half random), so that migrators that
+    /// timed out together do not queue for the table together again.
+    fn backoff(&self, attempts: u32) -> Duration {
+        let doublings = attempts.saturating_sub(1).min(20);
+        let full = self
+            .first_backoff
+            .saturating_mul(1 << doublings)
+            .min(self.max_backoff);
+        full.mul_f64(0.5_f64.mul_add(jitter(), 0.5))
+    }
+}
+
+/// A number in [0, 1): the standard library's randomly keyed hasher over the
+/// clock; enough to spread retries.
+fn jitter() -> f64 {
+    use std::hash::BuildHasher as _;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let hash = std::collections::hash_map::RandomState::new().hash_one(nanos);
+    (hash >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// What a run did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Summary {
+    /// The versions this run recorded, in order.
+    pub(crate) applied: Vec<i32>,
+    /// Transactions rolled back because a lock wait ran out, and tried again.
+    pub(crate) lock_timeouts: u32,
+    /// Invalid indexes dropped and built again.
+    pub(crate) rebuilds: u32,
+    /// Index builds that met another migrator's build and were ended by
+    /// PostgreSQL's deadlock detection, checked again after a backoff.
+    pub(crate) build_races: u32,
+}
+
+/// Applies the migrations the database lacks.
+pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, StoreError> {
+    run_list(transport, MIGRATIONS, &Settings::DEFAULT).await
+}
+
+/// Applies those of `list` the database lacks: [`run`] with a list and
+/// settings of the caller's.
+pub(crate) async fn run_list<T: Transport>(
+    transport: &mut T,
+    list: &[Migration],
+    settings: &Settings,
+) -> Result<Summary, StoreError> {
+    check_list(list)?;
+    let mut runner = Runner {
+        transport,
+        settings,
+        summary: Summary::default(),
+    };
+    let Done::Read(applied) = runner.transaction(&Label::Table, Work::Bootstrap).await? else {
+        unreachable!("the bootstrap reads the recorded versions")
+    };
+    check_recorded(&applied, list)?;
+    for migration in list {
+        if applied
+            .iter()
+            .any(|(version, _)| *version == migration.version)
+        {
+            continue;
+        }
+        runner.apply(migration).await?;
+    }
+    Ok(runner.summary)
+}
+
+/// Refuses a database whose recorded migrations are not a prefix of `list`:
+/// a development schema, or a newer one.
+fn check_recorded(applied: &[(i32, String)], list: &[Migration]) -> Result<(), StoreError> {
+    let latest = list.last().map_or(0, |m| m.version);
+    for (version, name) in applied {
+        let known = list.iter().find(|m| m.version == *version);
+        if *version <= latest && known.is_none_or(|m| m.name != name) {
+            return Err(StoreError::new(
+                StoreErrorKind::Schema,
+                format!(
+                    "the database holds a development schema of tower-idempotency from before its \
+                     first release (migration {version} is recorded as `{name}`, which this build \
+                     does not know); it cannot be upgraded: migrate a fresh database, or drop the \
+                     crate's tables (idempotency_requests, outbox_events, inbox_events, \
+                     tower_idempotency_migrations) and migrate again"
+                ),
+            ));
+        }
+    }
+    if let Some((newer, _)) = applied.iter().find(|(version, _)| *version > latest) {
+        return Err(StoreError::new(
+            StoreErrorKind::Schema,
+            format!("the database has schema version {newer}, newer than this build's {latest}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a list the runner cannot apply safely: versions out of order,
+/// a migration without steps or with both kinds.
+fn check_list(list: &[Migration]) -> Result<(), StoreError> {
+    let refuse = |m: &Migration, why: &str| {
+        Err(StoreError::new(
+            StoreErrorKind::Backend,
+            format!("migration {} ({}) {why}", m.version, m.name),
+        ))
+    };
+    for (i, migration) in list.iter().enumerate() {
+        let indexes = migration
+            .steps
+            .iter()
+            .filter(|step| matches!(step, Step::ConcurrentIndex { .. }))
+            .count();
+        if usize::try_from(migration.version) != Ok(i + 1) {
+            return refuse(migration, "is out of order: versions are 1, 2, 3, …");
+        }
+        if migration.steps.is_empty() {
+            return refuse(migration, "has no steps");
+        }
+        if indexes != 0 && indexes != migration.steps.len() {
+            return refuse(
+                migration,
+                "mixes transactional steps and concurrent index builds",
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A run in progress.
+struct Runner<'a, T> {
+    transport: &'a mut T,
+    settings: &'a Settings,
+    summary: Summary,
+}
+
+/// What one transaction of the runner does.
+#[derive(Clone, Copy)]
+enum Work<'a> {
+    /// Creates the migration table if it is missing and reads what is
+    /// recorded.
+    Bootstrap,
+    /// Unless `migration` is recorded: runs its transactional steps if
+    /// `steps`, then records it if `record`.
+    Apply {
+        migration: &'a Migration,
+        steps: bool,
+        record: bool,
+    },
+    /// Whether index `name` on `table` is valid, and whether anything
+    /// holds the table's SHARE UPDATE EXCLUSIVE lock (a build).
+    IndexState {
+        name: &'static str,
+        table: &'static str,
+    },
+}
+
+/// What a transaction found.
+enum Done {
+    Read(Vec<(i32, String)>),
+    /// Another migrator recorded the migration first.
+    AlreadyRecorded,
+    Ran,
+    Index {
+        /// `None`: no such index.
+        valid: Option<bool>,
+        /// The table's SHARE UPDATE EXCLUSIVE lock is held: a build of an
+        /// index on it (or a vacuum) runs.
+        busy: bool,
+    },
+}
+
+/// What a transaction is for, in logs and errors.
+enum Label<'a> {
+    Table,
+    Migration(&'a Migration),
+}
+
+impl fmt::Display for Label<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Label::Table => f.write_str("the migration table"),
+            Label::Migration(m) => write!(f, "migration {} ({})", m.version, m.name),
+        }
+    }
+}
+
+impl<T: Transport> Runner<'_, T> {
+    /// Applies `migration` and records it, unless another migrator did.
+    async fn apply(&mut self, migration: &Migration) -> Result<(), StoreError> {
+        let label = Label::Migration(migration);
+        let started = Instant::now();
+        let lock_timeouts = self.summary.lock_timeouts;
+        let builds: Vec<_> = migration
+            .steps
+            .iter()
+            .filter_map(|step| match *step {
+                Step::ConcurrentIndex { name, table, sql } => Some((name, table, sql)),
+                Step::Transactional(_) => None,
+            })
+            .collect();
+        let done = if builds.is_empty() {
+            let work = Work::Apply {
+                migration,
+                steps: true,
+                record: true,
+            };
+            self.transaction(&label, work).await?
+        } else {
+            // Recorded meanwhile by another migrator: nothing to build.
+            let check = Work::Apply {
+                migration,
+                steps: false,
+                record: false,
+            };
+            if let Done::AlreadyRecorded = self.transaction(&label, check).await? {
+                return Ok(());
+            }
+            for (name, table, sql) in builds {
+                self.build_index(&label, name, table, sql).await?;
+            }
+            let record = Work::Apply {
+                migration,
+                steps: false,
+                record: true,
+            };
+            self.transaction(&label, record).await?
+        };
+        if let Done::AlreadyRecorded = done {
+            return Ok(());
+        }
+        self.summary.applied.push(migration.version);
+        tracing::info!(
+            version = migration.version,
+            name = migration.name,
+            lock_timeouts = self.summary.lock_timeouts - lock_timeouts,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "applied idempotency migration"
+        );
+        Ok(())
+    }
+
+    /// Builds index `name` with `sql` (`CREATE INDEX CONCURRENTLY IF NOT
+    /// EXISTS`) unless it is there and valid.
+    ///
+    /// No `lock_timeout`: the build's SHARE UPDATE EXCLUSIVE lock does not
+    /// conflict with the claims' row writes. Two builds on one table must
+    /// not overlap: the second queues for the table's lock holding a
+    /// snapshot, which the first waits out before it ends (`CREATE INDEX
+    /// CONCURRENTLY` waits for every older snapshot), a deadlock that
+    /// PostgreSQL breaks by ending one of them. So a migrator that finds the
+    /// index being built (invalid, its table's lock held) waits for it by
+    /// looking again after a backoff, and builds only an index that is
+    /// missing, or invalid with nothing building it (a dead leftover of an
+    /// interrupted build, which `IF NOT EXISTS` would take for done: it is
+    /// dropped first). Migrators that found it missing at the same moment
+    /// may still start two builds: the one PostgreSQL ends backs off and
+    /// looks again.
+    async fn build_index(
+        &mut self,
+        label: &Label<'_>,
+        name: &'static str,
+        table: &'static str,
+        sql: &'static str,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let (mut drops, mut races, mut looks) = (0, 0, 0);
+        loop {
+            looks += 1;
+            let Done::Index { valid, busy } = self
+                .transaction(label, Work::IndexState { name, table })
+                .await?
+            else {
+                unreachable!("an index check reads the index")
+            };
+            let build = match (valid, busy) {
+                (Some(true), _) => return Ok(()),
+                (Some(false), true) => {
+                    let waited = started.elapsed();
+                    if waited >= self.settings.build_wait {
+                        return Err(StoreError::new(
+                            StoreErrorKind::Unavailable,
+                            format!(
+                                "{label}: index {name} has been built by another migrator, or \
+                                 its table locked, for {waited:?}; migrate again later"
+                            ),
+                        ));
+                    }
+                    tokio::time::sleep(self.settings.backoff(looks)).await;
+                    continue;
+                }
+                (Some(false), false) => {
+                    if drops >= self.settings.index_builds {
+                        return Err(StoreError::new(
+                            StoreErrorKind::Unavailable,
+                            format!("{label}: index {name} is still invalid after {drops} builds"),
+                        ));
+                    }
+                    drops += 1;
+                    self.summary.rebuilds += 1;
+                    tracing::warn!(
+                        %label,
+                        index = name,
+                        "dropping an invalid index left by an interrupted build, to build it again"
+                    );
+                    let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {name}");
+                    match self.transport.batch(&drop).await {
+                        Ok(()) => self.transport.batch(sql).await,
+                        Err(e) => Err(e),
+                    }
+                }
+                (None, _) => self.transport.batch(sql).await,
+            };
+            match build {
+                Ok(()) => {}
+                Err(e) if T::lock_timed_out(&e) || e.sql_state() == Some(DEADLOCK_DETECTED) => {
+                    races += 1;
+                    self.summary.build_races += 1;
+                    if races >= self.settings.attempts {
+                        return Err(e);
+                    }
+                    let backoff = self.settings.backoff(races);
+                    tracing::warn!(
+                        %label,
+                        index = name,
+                        backoff_ms = backoff.as_millis() as u64,
+                        error = %e,
+                        "an index build met another migrator's; looking again"
+                    );
+                    tokio::time::sleep(backoff).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Runs `work` in a transaction of its own, tried again after a jittered
+    /// backoff when a lock wait ran out, at most `attempts` times.
+    async fn transaction(&mut self, label: &Label<'_>, work: Work<'_>) -> Result<Done, StoreError> {
+        let started = Instant::now();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let error = match self.attempt(work).await {
+                Ok(done) => return Ok(done),
+                Err(e) if T::lock_timed_out(&e) => e,
+                // The driver closes a connection left inside a transaction.
+                Err(e) => return Err(e),
+            };
+            self.transport.batch("ROLLBACK").await?;
+            self.summary.lock_timeouts += 1;
+            let lock_timeout = self.settings.lock_timeout;
+            if attempts >= self.settings.attempts {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    format!(
+                        "{label} could not get its locks: {attempts} attempts, each waiting at \
+                         most {lock_timeout:?}, timed out over {:?}; a long transaction holds a \
+                         lock on its table. Nothing of it was applied: migrate again later",
+                        started.elapsed()
+                    ),
+                )
+                .with_sql_state(Some(LOCK_NOT_AVAILABLE.to_owned()))
+                .with_source(error));
+            }
+            let backoff = self.settings.backoff(attempts);
+            tracing::warn!(
+                %label,
+                attempt = attempts,
+                lock_timeout_ms = lock_timeout.as_millis() as u64,
+                backoff_ms = backoff.as_millis() as u64,
+                "a migration's lock wait ran out; rolled back, trying again"
+            );
+            tokio::time::sleep(backoff).await;
+        }
+    }
+
+    async fn attempt(&mut self, work: Work<'_>) -> Result<Done, StoreError> {
+        let t = &mut *self.transport;
+        let lock_timeout = self.settings.lock_timeout.as_millis();
+        let begin_locked = format!(
+            "{BEGIN}; SELECT pg_advisory_xact_lock({MIGRATION_LOCK}); \
+             SET LOCAL lock_timeout = '{lock_timeout}ms'"
+        );
+        let done = match work {
+            Work::Bootstrap => {
+                t.batch(&begin_locked).await?;
+                t.batch(MIGRATION_TABLE).await?;
+                Done::Read(t.applied().await?)
+            }
+            Work::Apply {
+                migration,
+                steps,
+                record,
+            } => {
+                t.batch(&begin_locked).await?;
+                // Read under the lock: what another migrator committed
+                // while this one waited for it (READ COMMITTED: each
+                // statement sees the latest commits).
+                let applied = t.applied().await?;
+                if applied.iter().any(|(v, _)| *v == migration.version) {
+                    Done::AlreadyRecorded
+                } else {
+                    if steps {
+                        for step in migration.steps {
+                            if let Step::Transactional(sql) = *step {
+                                t.batch(sql).await?;
+                            }
+                        }
+                    }
+                    if record {
+                        t.record(migration.version, migration.name).await?;
+                    }
+                    Done::Ran
+                }
+            }
+            Work::IndexState { name, table } => {
+                // Asked without waiting: a statement queued for the lock
+                // may hold a snapshot (the catalog's), which the running
+                // build waits out before it ends: a deadlock.
+                t.batch(BEGIN).await?;
+                let lock = format!("LOCK TABLE {table} IN SHARE UPDATE EXCLUSIVE MODE NOWAIT");
+                let busy = match t.batch(&lock).await {
+                    Ok(()) => false,
+                    Err(e) if T::lock_timed_out(&e) => {
+                        t.batch("ROLLBACK").await?;
+                        t.batch(BEGIN).await?;
+                        true
+                    }
+                    Err(e) => return Err(e),
+                };
+                Done::Index {
+                    valid: t.index_valid(name).await?,
+                    busy,
+                }
+            }
+        };
+        t.commit().await?;
+        Ok(done)
+    }
+}
+
+#[cfg(test)]
+mod list_tests {
+    use super::*;
+
+    /// The list's shape: versions 1, 2, … with distinct names, each
+    /// migration of one kind; every concurrent index step one `CREATE
+    /// [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS` of the index it names.
+    #[test]
+    fn migrations_are_numbered_in_order_and_index_steps_are_concurrent() {
+        check_list(MIGRATIONS).unwrap();
+        for migration in MIGRATIONS {
+            assert_eq!(
+                MIGRATIONS
+                    .iter()
+                    .filter(|m| m.name == migration.name)
+                    .count(),
+                1
+            );
+            for step in migration.steps {
+                if let Step::ConcurrentIndex { name, table, sql } = step {
+                    let sql = sql.trim().trim_end_matches(';');
+                    assert!(!sql.contains(';'), "one statement: {sql}");
+                    let head = format!("INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table}");
+                    assert!(
+                        sql.starts_with(&format!("CREATE {head}"))
+                            || sql.starts_with(&format!("CREATE UNIQUE {head}")),
+                        "{sql}"
+                    );
+                }
+            }
+        }
+        assert_eq!(LATEST, MIGRATIONS.len() as i32);
+    }
+
+    #[test]
+    fn a_list_that_mixes_kinds_or_skips_a_version_is_refused() {
+        const INDEX: Step = Step::ConcurrentIndex {
+            name: "i",
+            table: "t",
+            sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS i ON t (c)",
+        };
+        let mixed = [Migration {
+            version: 1,
+            name: "mixed",
+            steps: &[Step::Transactional("SELECT 1"), INDEX],
+        }];
+        let e = check_list(&mixed).unwrap_err();
+        assert!(e.to_string().contains("mixes"), "{e}");
+        let skipped = [Migration {
+            version: 2,
+            name: "second",
+            steps: &[INDEX],
+        }];
+        assert!(check_list(&skipped).is_err());
+        let empty = [Migration {
+            version: 1,
+            name: "empty",
+            steps: &[],
+        }];
+        assert!(check_list(&empty).is_err());
+    }
+
+    #[test]
+    fn a_development_schema_and_a_newer_one_are_refused() {
+        let recorded = |rows: &[(i32, &str)]| -> Vec<(i32, String)> {
+            rows.iter().map(|(v, n)| (*v, (*n).to_owned())).collect()
+        };
+        assert!(check_recorded(&[], MIGRATIONS).is_ok());
+        assert!(check_recorded(&recorded(&[(1, "baseline")]), MIGRATIONS).is_ok());
+        let development = recorded(&[(1, "idempotency_requests"), (2, "outbox_and_inbox")]);
+        let e = check_recorded(&development, MIGRATIONS).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Schema);
+        assert!(e.to_string().contains("development schema"), "{e}");
+        let newer = recorded(&[(1, "baseline"), (LATEST + 1, "later")]);
+        let e = check_recorded(&newer, MIGRATIONS).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Schema);
+        assert!(e.to_string().contains("newer than this build"), "{e}");
+    }
+
+    #[test]
+    fn the_backoff_doubles_with_jitter_to_its_cap() {
+        let settings = Settings::DEFAULT;
+        for attempts in 1..=12 {
+            let full = settings
+                .first_backoff
+                .saturating_mul(1 << (attempts - 1).min(20))
+                .min(settings.max_backoff);
+            let wait = settings.backoff(attempts);
+            assert!(wait >= full / 2 && wait <= full, "{attempts}: {wait:?}");
+        }
+    }
+}
+
+#[cfg(all(test, feature = "test-util"))]
+mod tests;

@@ -96,15 +96,9 @@
 
 use std::fmt;
 
-use ::sqlx::{Executor as _, PgPool};
+use ::sqlx::PgPool;
 
-use crate::{
-    pg::{
-        migrations::{LATEST, MIGRATIONS, MIGRATION_LOCK},
-        statements::BEGIN,
-    },
-    store::{StoreError, StoreErrorKind},
-};
+use crate::store::StoreError;
 
 mod claim;
 mod commit;
@@ -112,13 +106,12 @@ mod conn;
 mod error;
 mod finish;
 mod lease;
+pub(crate) mod migrations;
 mod tx;
 
 pub use conn::GuardedConnection;
 pub use lease::SqlxLease;
 pub use tx::{SqlxConn, SqlxTx};
-
-use error::map_error;
 
 /// One of the store's statements: prepared once per connection and cached
 /// by sqlx, or, behind a transaction pooler, unnamed (see
@@ -193,56 +186,18 @@ impl SqlxStore {
 
     /// Creates or upgrades the schema (the same migrations as
     /// [`PgStore::migrate`](crate::postgres::PgStore::migrate), recorded in
-    /// the same table), in one transaction under an advisory lock.
+    /// the same table). Safe from many processes at once, and on a table
+    /// under load: each migration runs in a transaction of its own that
+    /// waits for a table lock at most briefly, then backs off and tries
+    /// again; see the [migration guide](crate::guide::migrations).
     ///
-    /// [`StoreErrorKind::Schema`] if the database has a newer schema than
-    /// this build knows.
+    /// [`StoreErrorKind::Schema`](crate::store::StoreErrorKind::Schema) if
+    /// the database has a newer schema than this build knows, or a
+    /// development schema from before the first release;
+    /// [`StoreErrorKind::Unavailable`](crate::store::StoreErrorKind::Unavailable)
+    /// if a migration could not get its locks.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin_with(BEGIN).await.map_err(map_error)?;
-        // A string without arguments goes out as a simple query: several
-        // statements in one.
-        (&mut *tx)
-            .execute(&*format!(
-                "SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
-                 CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
-                     version    integer PRIMARY KEY,
-                     name       text NOT NULL,
-                     applied_at timestamptz NOT NULL DEFAULT now()
-                 );"
-            ))
-            .await
-            .map_err(map_error)?;
-        let applied: Vec<i32> =
-            ::sqlx::query_scalar("SELECT version FROM tower_idempotency_migrations")
-                .persistent(!self.transaction_pooling)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(map_error)?;
-        if let Some(newer) = applied.iter().find(|v| **v > LATEST) {
-            return Err(StoreError::new(
-                StoreErrorKind::Schema,
-                format!(
-                    "the database has schema version {newer}, newer than this build's {LATEST}"
-                ),
-            ));
-        }
-        for (version, name, sql) in MIGRATIONS {
-            if applied.contains(version) {
-                continue;
-            }
-            (&mut *tx).execute(*sql).await.map_err(map_error)?;
-            query(
-                "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1, $2)",
-                self.transaction_pooling,
-            )
-            .bind(version)
-            .bind(name)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_error)?;
-            tracing::info!(version, name, "applied idempotency migration");
-        }
-        tx.commit().await.map_err(map_error)
+        migrations::run(&self.pool, self.transaction_pooling).await
     }
 }
 

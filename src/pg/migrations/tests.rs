@@ -1,0 +1,468 @@
+//! The runner against a real PostgreSQL, with lists of the tests' own: a
+//! migration applied while claims keep the table busy, an interrupted
+//! index build, migrators racing over an index build.
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering::Relaxed},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http::StatusCode;
+
+use super::{Migration, Settings, Step, Summary, MIGRATIONS};
+use crate::{
+    fingerprint::Fingerprint,
+    key::IdempotencyKey,
+    postgres::{migrations::run_on, PgStore},
+    record::StoredResponse,
+    scope::{Scope, TenantId},
+    store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind},
+    testing::TestDatabase,
+};
+
+/// Short waits, so that a test sees several attempts time out in a second.
+const SETTINGS: Settings = Settings {
+    lock_timeout: Duration::from_millis(300),
+    attempts: 100,
+    first_backoff: Duration::from_millis(10),
+    max_backoff: Duration::from_millis(50),
+    index_builds: 3,
+    build_wait: Duration::from_secs(60),
+};
+
+const BASELINE: Migration = MIGRATIONS[0];
+
+const NOTE_INDEX: &str = "idempotency_requests_load_note_idx";
+
+/// Migrations of the kinds the guide allows: a nullable column, then an
+/// index on it built concurrently.
+const UNDER_LOAD: &[Migration] = &[
+    BASELINE,
+    Migration {
+        version: 2,
+        name: "load_note",
+        steps: &[Step::Transactional(
+            "ALTER TABLE idempotency_requests ADD COLUMN load_note text",
+        )],
+    },
+    Migration {
+        version: 3,
+        name: "load_note_index",
+        steps: &[Step::ConcurrentIndex {
+            name: NOTE_INDEX,
+            table: "idempotency_requests",
+            sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS idempotency_requests_load_note_idx \
+                  ON idempotency_requests (load_note)",
+        }],
+    },
+];
+
+/// The recorded rows `UNDER_LOAD` leaves.
+fn under_load_recorded() -> Vec<(i32, String)> {
+    UNDER_LOAD
+        .iter()
+        .map(|m| (m.version, m.name.to_owned()))
+        .collect()
+}
+
+const TARGET_INDEX: &str = "idempotency_requests_target_idx";
+
+/// A unique index, which a build fails on duplicate rows.
+const UNIQUE_TARGET: &[Migration] = &[
+    BASELINE,
+    Migration {
+        version: 2,
+        name: "unique_target",
+        steps: &[Step::ConcurrentIndex {
+            name: TARGET_INDEX,
+            table: "idempotency_requests",
+            sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS idempotency_requests_target_idx \
+                  ON idempotency_requests (tenant_id, request_target)",
+        }],
+    },
+];
+
+async fn value<T>(client: &tokio_postgres::Client, sql: &str) -> T
+where
+    T: for<'a> tokio_postgres::types::FromSql<'a>,
+{
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// Whether index `name` exists and is valid.
+async fn index_valid(client: &tokio_postgres::Client, name: &str) -> Option<bool> {
+    client
+        .query_opt(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .map(|row| row.get(0))
+}
+
+async fn recorded(client: &tokio_postgres::Client) -> Vec<(i32, String)> {
+    client
+        .query(
+            "SELECT version, name FROM tower_idempotency_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+fn claim_request(key: &str) -> ClaimRequest {
+    ClaimRequest::new(
+        Scope::new(TenantId::new("t"), "POST /x"),
+        IdempotencyKey::parse(key.as_bytes()).unwrap(),
+        Fingerprint::from_bytes([1; 32]),
+    )
+    .with_retention(Duration::from_secs(60))
+    .with_wait(Duration::from_secs(5))
+}
+
+/// One claim and its completion; how long both took.
+async fn claim_and_complete(store: &PgStore, key: &str) -> Result<Duration, StoreError> {
+    let started = Instant::now();
+    let Claim::Owned(tx) = store.claim(&claim_request(key)).await? else {
+        panic!("a new key {key} is owned")
+    };
+    let response = StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from_static(b"done"),
+        resource_id: None,
+    };
+    store.complete(tx, &response).await?;
+    Ok(started.elapsed())
+}
+
+/// What a claim worker saw: every claim's end (since the test began) and
+/// how long it took.
+type Claims = Vec<(Duration, Duration)>;
+
+/// Claims new keys until `stop`, as an application's requests would.
+async fn claim_until(
+    store: PgStore,
+    worker: usize,
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+) -> Claims {
+    let mut claims = Vec::new();
+    for i in 0.. {
+        if stop.load(Relaxed) {
+            break;
+        }
+        let latency = claim_and_complete(&store, &format!("w{worker}-{i}"))
+            .await
+            .unwrap_or_else(|e| panic!("a claim failed during the migration: {e}"));
+        claims.push((epoch.elapsed(), latency));
+    }
+    claims
+}
+
+/// A migration applied while claims keep the table busy and a long
+/// transaction holds a lock on it (a report, an idle-in-transaction
+/// session): the `ALTER TABLE` queues for its lock at most the lock timeout
+/// at a time, the claims queued behind it go through in between, and the
+/// migration gets through once the long transaction ends. The index is
+/// built concurrently, under the claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_under_load_holds_claims_up_at_most_its_lock_timeout() {
+    const WORKERS: usize = 4;
+    let db = TestDatabase::create().await;
+    let store = PgStore::builder(db.config())
+        .max_connections(WORKERS)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let mut config = db.config();
+    config.application_name("migration-under-load");
+    let migrator = PgStore::builder(config).max_connections(1).build().unwrap();
+    let client = db.client().await;
+
+    // The claims' own latency, as many at once, with no migration.
+    let warm_up: Vec<_> = (0..WORKERS)
+        .map(|worker| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut slowest = Duration::ZERO;
+                for i in 0..25 {
+                    let key = format!("warm-{worker}-{i}");
+                    slowest = slowest.max(claim_and_complete(&store, &key).await.unwrap());
+                }
+                slowest
+            })
+        })
+        .collect();
+    let mut unloaded = Duration::ZERO;
+    for worker in warm_up {
+        unloaded = unloaded.max(worker.await.unwrap());
+    }
+
+    let epoch = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|worker| tokio::spawn(claim_until(store.clone(), worker, epoch, stop.clone())))
+        .collect();
+
+    // A long transaction holding ACCESS SHARE: the ALTER must wait for it.
+    let blocker = db.client().await;
+    blocker
+        .batch_execute("BEGIN; SELECT count(*) FROM idempotency_requests")
+        .await
+        .unwrap();
+    let blocked_at = epoch.elapsed();
+    let migration = tokio::spawn(async move { run_on(&migrator, UNDER_LOAD, &SETTINGS).await });
+
+    // Hold it until the ALTER has queued for its lock in four
+    // transactions: three of them timed out. Each wait lasts the lock
+    // timeout; a look every 20 ms sees each.
+    let mut waits: Vec<String> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while waits.len() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the ALTER never waited: {waits:?}"
+        );
+        let rows = client
+            .query(
+                "SELECT xact_start::text FROM pg_stat_activity \
+                 WHERE application_name = 'migration-under-load' AND wait_event_type = 'Lock' \
+                   AND query LIKE '%ADD COLUMN%'",
+                &[],
+            )
+            .await
+            .unwrap();
+        for row in rows {
+            let started: String = row.get(0);
+            if !waits.contains(&started) {
+                waits.push(started);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    blocker.batch_execute("COMMIT").await.unwrap();
+    let released_at = epoch.elapsed();
+    let summary: Summary = migration
+        .await
+        .unwrap()
+        .expect("the migration gets through");
+    let migrated_at = epoch.elapsed();
+    stop.store(true, Relaxed);
+    let mut claims = Claims::new();
+    for worker in workers {
+        claims.extend(worker.await.unwrap());
+    }
+
+    // A claim queues behind the waiting ALTER at most its lock timeout,
+    // on top of what a claim takes anyway.
+    let bound = SETTINGS.lock_timeout + unloaded * 2 + Duration::from_millis(200);
+    let held = released_at - blocked_at;
+    assert!(
+        held > bound,
+        "the long transaction held its lock {held:?}, past the bound {bound:?}"
+    );
+    let during: Vec<_> = claims
+        .iter()
+        .filter(|(end, _)| *end > blocked_at && *end <= released_at)
+        .collect();
+    let slowest = claims.iter().map(|(_, latency)| *latency).max().unwrap();
+    eprintln!(
+        "claims: {} in all, {} while the lock was held ({held:?}); slowest {slowest:?}, bound \
+         {bound:?} (lock timeout {:?}, unloaded slowest {unloaded:?}); migration done after \
+         {:?}: {summary:?}",
+        claims.len(),
+        during.len(),
+        SETTINGS.lock_timeout,
+        migrated_at - blocked_at,
+    );
+    assert!(
+        during.len() >= WORKERS,
+        "the claims kept answering: {}",
+        during.len()
+    );
+    assert!(slowest <= bound, "a claim took {slowest:?}, past {bound:?}");
+
+    assert_eq!(summary.applied, [2, 3]);
+    assert!(
+        summary.lock_timeouts as usize >= waits.len() - 1,
+        "{} waits seen, {summary:?}",
+        waits.len()
+    );
+    assert_eq!(summary.rebuilds, 0);
+    let column: i64 = value(
+        &client,
+        "SELECT count(*) FROM pg_attribute \
+         WHERE attrelid = 'idempotency_requests'::regclass AND attname = 'load_note'",
+    )
+    .await;
+    assert_eq!(column, 1);
+    assert_eq!(index_valid(&client, NOTE_INDEX).await, Some(true));
+    assert_eq!(recorded(&client).await, under_load_recorded());
+}
+
+/// A migration whose lock never comes gives up after its attempts with
+/// `Unavailable`, naming itself, and leaves nothing applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_that_never_gets_its_lock_gives_up_unavailable() {
+    let db = TestDatabase::create().await;
+    let store = PgStore::builder(db.config()).build().unwrap();
+    store.migrate().await.unwrap();
+    let blocker = db.client().await;
+    blocker
+        .batch_execute("BEGIN; SELECT count(*) FROM idempotency_requests")
+        .await
+        .unwrap();
+    let settings = Settings {
+        lock_timeout: Duration::from_millis(50),
+        attempts: 3,
+        ..SETTINGS
+    };
+    let e = run_on(&store, UNDER_LOAD, &settings).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
+    assert_eq!(e.sql_state(), Some("55P03"));
+    let message = e.to_string();
+    assert!(
+        message.contains("migration 2 (load_note)") && message.contains("3 attempts"),
+        "{message}"
+    );
+    blocker.batch_execute("COMMIT").await.unwrap();
+    let client = db.client().await;
+    assert_eq!(recorded(&client).await, [(1, "baseline".to_owned())]);
+    assert_eq!(index_valid(&client, NOTE_INDEX).await, None);
+}
+
+/// Rows on which a unique index build fails: two keys with one target.
+async fn duplicate_targets(client: &tokio_postgres::Client) {
+    client
+        .batch_execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+                 request_fingerprint, expires_at, request_target)
+             VALUES ('t', 'e', 'a', '\\x00', now() + interval '1 day', '/dup'),
+                    ('t', 'e', 'b', '\\x00', now() + interval '1 day', '/dup')",
+        )
+        .await
+        .unwrap();
+}
+
+/// An interrupted concurrent build leaves an invalid index, which `IF NOT
+/// EXISTS` alone would take for done: the runner drops it and builds it
+/// again. A build that fails leaves the migration unrecorded.
+async fn an_interrupted_index_build_is_rebuilt<F, Fut>(db: &TestDatabase, run: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Summary, StoreError>>,
+{
+    let client = db.client().await;
+    duplicate_targets(&client).await;
+    let interrupted = client
+        .batch_execute(
+            "CREATE UNIQUE INDEX CONCURRENTLY idempotency_requests_target_idx \
+             ON idempotency_requests (tenant_id, request_target)",
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(interrupted.code().map(|c| c.code()), Some("23505"));
+    assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(false));
+
+    // The duplicates are still there: the build fails again, nothing is
+    // recorded.
+    let e = run().await.unwrap_err();
+    assert_eq!(e.sql_state(), Some("23505"), "{e}");
+    assert_eq!(recorded(&client).await, [(1, "baseline".to_owned())]);
+    assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(false));
+
+    client
+        .batch_execute("DELETE FROM idempotency_requests WHERE idempotency_key = 'b'")
+        .await
+        .unwrap();
+    let summary = run().await.unwrap();
+    assert_eq!(summary.applied, [2]);
+    assert_eq!(summary.rebuilds, 1, "{summary:?}");
+    assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(true));
+    assert_eq!(
+        recorded(&client).await,
+        [(1, "baseline".to_owned()), (2, "unique_target".to_owned())]
+    );
+    assert_eq!(
+        run().await.unwrap(),
+        Summary::default(),
+        "nothing left to do"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_index_build_is_rebuilt_by_pg_store() {
+    let db = TestDatabase::create().await;
+    let store = PgStore::builder(db.config()).build().unwrap();
+    store.migrate().await.unwrap();
+    an_interrupted_index_build_is_rebuilt(&db, || run_on(&store, UNIQUE_TARGET, &SETTINGS)).await;
+}
+
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_index_build_is_rebuilt_by_sqlx_store() {
+    use crate::sqlx::migrations::run_with;
+    let db = TestDatabase::create().await;
+    let pool = sqlx_pool(&db).await;
+    crate::sqlx::SqlxStore::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    an_interrupted_index_build_is_rebuilt(&db, || run_with(&pool, false, UNIQUE_TARGET, &SETTINGS))
+        .await;
+}
+
+#[cfg(feature = "sqlx")]
+async fn sqlx_pool(db: &TestDatabase) -> ::sqlx::PgPool {
+    let config = db.config();
+    let mut options = ::sqlx::postgres::PgConnectOptions::new().database(db.name());
+    if let Some(tokio_postgres::config::Host::Unix(path)) = config.get_hosts().first() {
+        options = options.socket(path);
+    }
+    if let Some(port) = config.get_ports().first() {
+        options = options.port(*port);
+    }
+    if let Some(user) = config.get_user() {
+        options = options.username(user);
+    }
+    ::sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap()
+}
+
+/// Migrators racing over the same index build: the later builds wait for
+/// the first one's table lock and find the index there; one row per
+/// version, a valid index, nothing rebuilt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrators_racing_over_an_index_build_record_each_version_once() {
+    let db = TestDatabase::create().await;
+    let store = PgStore::builder(db.config()).build().unwrap();
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { run_on(&store, UNDER_LOAD, &SETTINGS).await })
+        })
+        .collect();
+    let mut applied = Vec::new();
+    for run in runs {
+        let summary = run.await.unwrap().expect("every migrator succeeds");
+        eprintln!("{summary:?}");
+        applied.extend(summary.applied);
+    }
+    applied.sort_unstable();
+    assert_eq!(applied, [1, 2, 3], "each version applied by one migrator");
+    let client = db.client().await;
+    assert_eq!(recorded(&client).await, under_load_recorded());
+    assert_eq!(index_valid(&client, NOTE_INDEX).await, Some(true));
+}

@@ -1,0 +1,105 @@
+//! The migration runner's [`Transport`] on one of the pool's connections;
+//! the runner and the migrations are in `crate::pg::migrations`.
+
+use ::sqlx::{pool::PoolConnection, Executor as _, PgPool, Postgres};
+
+use super::{error::map_error, query};
+use crate::{
+    pg::migrations::{self, Transport, APPLIED, INDEX_VALID, RECORD},
+    store::StoreError,
+};
+
+/// Applies what is missing, on one connection of `pool`.
+pub(super) async fn run(pool: &PgPool, transaction_pooling: bool) -> Result<(), StoreError> {
+    let mut transport = ConnTransport::acquire(pool, transaction_pooling).await?;
+    migrations::run(&mut transport).await?;
+    transport.succeeded();
+    Ok(())
+}
+
+/// [`run`] with a list and settings of the caller's.
+#[cfg(test)]
+pub(crate) async fn run_with(
+    pool: &PgPool,
+    transaction_pooling: bool,
+    list: &[migrations::Migration],
+    settings: &migrations::Settings,
+) -> Result<migrations::Summary, StoreError> {
+    let mut transport = ConnTransport::acquire(pool, transaction_pooling).await?;
+    let summary = migrations::run_list(&mut transport, list, settings).await?;
+    transport.succeeded();
+    Ok(summary)
+}
+
+/// A pooled connection as the runner's transport; closed rather than
+/// pooled again unless the run succeeded.
+struct ConnTransport {
+    conn: PoolConnection<Postgres>,
+    /// Statements go out unnamed (see `SqlxStore::transaction_pooling`).
+    transaction_pooling: bool,
+    clean: bool,
+}
+
+impl ConnTransport {
+    async fn acquire(pool: &PgPool, transaction_pooling: bool) -> Result<Self, StoreError> {
+        Ok(ConnTransport {
+            conn: pool.acquire().await.map_err(map_error)?,
+            transaction_pooling,
+            clean: false,
+        })
+    }
+
+    /// The run succeeded: every transaction of it ended with its `COMMIT`,
+    /// so the connection may serve again.
+    fn succeeded(mut self) {
+        self.clean = true;
+    }
+}
+
+impl Drop for ConnTransport {
+    fn drop(&mut self) {
+        if !self.clean {
+            // Possibly inside a transaction: the server rolls it back.
+            self.conn.close_on_drop();
+        }
+    }
+}
+
+impl Transport for ConnTransport {
+    async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {
+        // A string without arguments goes out as a simple query: several
+        // statements in one.
+        (&mut *self.conn)
+            .execute(sql)
+            .await
+            .map(drop)
+            .map_err(map_error)
+    }
+
+    async fn applied(&mut self) -> Result<Vec<(i32, String)>, StoreError> {
+        ::sqlx::query_as(APPLIED)
+            .persistent(!self.transaction_pooling)
+            .fetch_all(&mut *self.conn)
+            .await
+            .map_err(map_error)
+    }
+
+    async fn record(&mut self, version: i32, name: &'static str) -> Result<(), StoreError> {
+        query(RECORD, self.transaction_pooling)
+            .bind(version)
+            .bind(name)
+            .execute(&mut *self.conn)
+            .await
+            .map(drop)
+            .map_err(map_error)
+    }
+
+    async fn index_valid(&mut self, name: &'static str) -> Result<Option<bool>, StoreError> {
+        ::sqlx::query_scalar(INDEX_VALID)
+            .bind(name)
+            .persistent(!self.transaction_pooling)
+            .fetch_optional(&mut *self.conn)
+            .await
+            .map_err(map_error)
+    }
+}
