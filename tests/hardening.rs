@@ -8,12 +8,15 @@ use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use common::{proxy::SlowProxy, *};
+use futures_util::FutureExt;
 use http::StatusCode;
+use std::future::Future as _;
 use tokio::sync::oneshot;
 use tower::Layer;
 use tower_idempotency::{
     postgres::{PgStore, PgTx, TxErrorKind},
     record::StoredResponse,
+    sqlx::SqlxTx,
     store::{Claim, Store, StoreErrorKind},
 };
 
@@ -231,6 +234,238 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
     let third = send(orders_service(pg.store.clone()), tenant_a_post("k2")).await;
     assert_eq!(third.status, StatusCode::CREATED, "{:?}", third.body);
     assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// Statements that change the session in ways the guard used to miss, each
+/// with what the handler runs after it (its result ignored): an UPDATE of
+/// the pg_settings view (its rule calls `set_config(…, false)`), the same
+/// call in a `DO` block, in a function created and called in one text, in
+/// SQL text that `query_to_xml` runs; and a search_path naming pg_temp, which
+/// makes the next unqualified CREATE TABLE a temporary table that lives as
+/// long as the session (and hides a permanent table of the same name).
+const SESSION_CHANGES: [(&str, Option<&str>); 5] = [
+    (
+        "UPDATE pg_settings SET setting = '1234kB' WHERE name = 'work_mem'",
+        None,
+    ),
+    (
+        "DO $$ BEGIN PERFORM set_config('work_mem', '2345kB', false); END $$",
+        None,
+    ),
+    (
+        "CREATE FUNCTION wander() RETURNS text LANGUAGE sql AS \
+             $$ SELECT set_config('work_mem', '3456kB', false) $$; \
+         SELECT wander()",
+        None,
+    ),
+    (
+        "SELECT query_to_xml('SELECT set_config(''work_mem'', ''4567kB'', false)', true, false, '')",
+        None,
+    ),
+    (
+        // pg_temp alone would hide the key table from the completion, which
+        // then fails and rolls the table back; with public after it, the
+        // request commits and the table stays.
+        "SET LOCAL search_path = pg_temp, public",
+        Some("CREATE TABLE scratch (x int)"),
+    ),
+];
+
+/// What a transaction sees of its session: the backend's process id,
+/// work_mem, search_path, and how many temporary relations it has.
+type Session = (i32, String, String, i64);
+
+const SESSION: &str = "SELECT pg_backend_pid(), current_setting('work_mem'), \
+     current_setting('search_path'), \
+     (SELECT count(*) FROM pg_class WHERE relnamespace = pg_my_temp_schema())";
+
+/// What a leaking handler reports: whether the guard refused the statement,
+/// and the session before it and at the end of the handler.
+type Leaked = (bool, Session, Session);
+
+/// Checks one case: refused, nothing changed in the request's transaction,
+/// and the next transaction on the same connection finds the session as the
+/// first one did. The problems found, for one report over all cases.
+fn check_session_case(sql: &str, leaked: Leaked, next: Session, problems: &mut Vec<String>) {
+    let (refused, before, after) = leaked;
+    if !refused {
+        problems.push(format!("not refused: {sql}"));
+    }
+    if after != before {
+        problems.push(format!(
+            "{sql}: in its transaction {before:?} became {after:?}"
+        ));
+    }
+    if next.0 != before.0 {
+        problems.push(format!("{sql}: the next request got another connection"));
+    } else if next != before {
+        problems.push(format!(
+            "{sql}: the next request on the connection found {next:?}, not {before:?}"
+        ));
+    }
+}
+
+/// With `transaction_pooling(true)` the store sends no session reset (it
+/// would reach another server connection behind a pooler), so the guard is
+/// all that stands between a handler's session change and the next request
+/// on the connection. A pool of one, reached directly: the next request
+/// surely gets the same server session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_changes_through_pg_settings_bodies_and_pg_temp_are_refused_in_pooling_mode() {
+    let pg =
+        Postgres::with_store(|builder| builder.max_connections(1).transaction_pooling(true)).await;
+    let mut problems = Vec::new();
+    for (i, (sql, then)) in SESSION_CHANGES.into_iter().enumerate() {
+        let (report, seen) = Report::channel();
+        let leaking = handler(move |tx: PgTx| {
+            let report = report.clone();
+            async move {
+                insert_order(&tx).await?;
+                let session = |row: tokio_postgres::Row| -> Session {
+                    (row.get(0), row.get(1), row.get(2), row.get(3))
+                };
+                let before = session(tx.query_one(SESSION, &[]).await?);
+                let refused = tx.batch_execute(sql).await.map_err(|e| e.kind())
+                    == Err(TxErrorKind::SessionState);
+                if let Some(then) = then {
+                    let _ = tx.batch_execute(then).await;
+                }
+                let after = session(tx.query_one(SESSION, &[]).await?);
+                report.send((refused, before, after));
+                Ok(created("{}"))
+            }
+        });
+        let first = send(
+            layer(pg.store.clone()).layer(leaking),
+            tenant_a_post(&format!("a{i}")),
+        )
+        .await;
+        if first.status != StatusCode::CREATED {
+            problems.push(format!("{sql}: answered {:?}", first.body));
+            continue;
+        }
+        let leaked = seen.await.unwrap();
+
+        let (report, seen) = Report::channel();
+        let looking = handler(move |tx: PgTx| {
+            let report = report.clone();
+            async move {
+                let row = tx.query_one(SESSION, &[]).await?;
+                report.send((row.get(0), row.get(1), row.get(2), row.get(3)));
+                Ok(created("{}"))
+            }
+        });
+        let second = send(
+            layer(pg.store.clone()).layer(looking),
+            tenant_a_post(&format!("b{i}")),
+        )
+        .await;
+        assert_eq!(
+            second.status,
+            StatusCode::CREATED,
+            "{sql}: {:?}",
+            second.body
+        );
+        check_session_case(sql, leaked, seen.await.unwrap(), &mut problems);
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert_eq!(pg.orders().await.len(), SESSION_CHANGES.len());
+}
+
+/// The same with `SqlxStore`, whose guarded connection uses the same guard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_changes_through_pg_settings_bodies_and_pg_temp_are_refused_in_pooling_mode_sqlx() {
+    use sqlx::Executor as _;
+    let backend = Sqlx::with_pool(1).await;
+    let store = backend.store.clone().transaction_pooling(true);
+    let mut problems = Vec::new();
+    for (i, (sql, then)) in SESSION_CHANGES.into_iter().enumerate() {
+        let (report, seen) = Report::channel();
+        let leaking = sqlx_service(move |tx: SqlxTx| {
+            let report = report.clone();
+            async move {
+                let mut conn = tx.conn().await?;
+                sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')")
+                    .bind(new_order_id())
+                    .persistent(false)
+                    .execute(&mut *conn)
+                    .await?;
+                let before: Session = sqlx::query_as(SESSION)
+                    .persistent(false)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                let refused = matches!(
+                    (&mut *conn).execute(sql).await,
+                    Err(sqlx::Error::InvalidArgument(ref m)) if m.contains("idempotency")
+                );
+                if let Some(then) = then {
+                    let _ = (&mut *conn).execute(then).await;
+                }
+                let after: Session = sqlx::query_as(SESSION)
+                    .persistent(false)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                report.send((refused, before, after));
+                Ok(created("{}"))
+            }
+        });
+        let first = send(
+            layer(store.clone()).layer(leaking),
+            tenant_a_post(&format!("a{i}")),
+        )
+        .await;
+        if first.status != StatusCode::CREATED {
+            problems.push(format!("{sql}: answered {:?}", first.body));
+            continue;
+        }
+        let leaked = seen.await.unwrap();
+
+        let (report, seen) = Report::channel();
+        let looking = sqlx_service(move |tx: SqlxTx| {
+            let report = report.clone();
+            async move {
+                let mut conn = tx.conn().await?;
+                let session: Session = sqlx::query_as(SESSION)
+                    .persistent(false)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                report.send(session);
+                Ok(created("{}"))
+            }
+        });
+        let second = send(
+            layer(store.clone()).layer(looking),
+            tenant_a_post(&format!("b{i}")),
+        )
+        .await;
+        assert_eq!(
+            second.status,
+            StatusCode::CREATED,
+            "{sql}: {:?}",
+            second.body
+        );
+        check_session_case(sql, leaked, seen.await.unwrap(), &mut problems);
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert_eq!(backend.orders().await.len(), SESSION_CHANGES.len());
+}
+
+/// The layer's service around a handler that runs `f` on the `SqlxTx` the
+/// layer passes.
+fn sqlx_service<F, Fut>(f: F) -> Handler
+where
+    F: Fn(SqlxTx) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<http::Response<http_body_util::Full<Bytes>>, BoxError>>
+        + Send
+        + 'static,
+{
+    tower::util::BoxCloneService::new(tower::service_fn(
+        move |request: http::Request<tower_idempotency::RequestBody>| {
+            let tx = request.extensions().get::<SqlxTx>().cloned();
+            let f = f.clone();
+            async move { f(tx.ok_or("the layer passes a SqlxTx")?).await }
+        },
+    ))
 }
 
 /// A connection whose cached statements were destroyed behind the layer's

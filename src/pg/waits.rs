@@ -17,3 +17,20 @@ pub(crate) const MIN_WAIT: Duration = Duration::from_millis(100);
 /// cancelled, and how long the cancelled statement then has to end.
 pub(crate) const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
 pub(crate) const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+/// How long ending an owner's transaction (the completion, the one-commit
+/// mode's commit, a fenced commit) waits for a statement that a task of the
+/// handler still runs through a clone of the handle, or a connection such a
+/// task holds: the statement would commit with the response. Past it the
+/// statement is cancelled and the transaction rolled back (`503`): the
+/// handler's deadline does not cover its tasks, and nothing else bounds them.
+pub(crate) const COMMIT_PATIENCE: Duration = Duration::from_secs(5);
+
+/// The answer when [`COMMIT_PATIENCE`] ran out.
+pub(crate) fn commit_gave_up() -> crate::store::StoreError {
+    crate::store::StoreError::new(
+        crate::store::StoreErrorKind::Unavailable,
+        "a statement a task of the handler left running did not end within 5 s; \
+         it was cancelled and the transaction rolled back",
+    )
+}

@@ -13,7 +13,6 @@ use super::{
     error::map_error,
     finish::{completion_error, Finished},
     statements::Sql,
-    tx::Take,
     PgStore, PgTx,
 };
 use crate::{
@@ -81,13 +80,11 @@ impl CommitStore for PgStore {
         request: &ClaimRequest,
         response: &StoredResponse,
     ) -> Result<Committed, StoreError> {
-        let mut conn = match tx.try_take() {
-            Take::Taken(conn) => *conn,
-            Take::Finished => return Err(finished()),
-            // A statement of the handler still runs through a clone: the
-            // commit queues behind it, as in the default mode.
-            Take::Busy => tx.take().await.ok_or_else(finished)?,
-        };
+        // A statement of the handler still running through a clone: the
+        // commit queues behind it, as in the default mode, for a while.
+        let mut conn = super::finish::take_to_commit(&tx)
+            .await?
+            .ok_or_else(finished)?;
         let statement = match conn.prepare_sql(CLAIM_AT_COMMIT_SQL).await {
             Ok(statement) => statement,
             Err(e) => {

@@ -14,7 +14,7 @@ use super::{
 use crate::{
     pg::errors::ends_only_the_statement,
     pg::statements::{COMPLETE, FENCED_CHECK},
-    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
+    pg::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };
@@ -90,7 +90,7 @@ async fn commit_behind(
     sql: Sql<'static>,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<(), StoreError> {
-    let Some(conn) = tx.take().await else {
+    let Some(conn) = take_to_commit(tx).await? else {
         return Err(StoreError::new(
             StoreErrorKind::TransactionAborted,
             "the transaction has already finished",
@@ -107,6 +107,29 @@ async fn commit_behind(
     finish(conn, Some((&statement, params)), "COMMIT")
         .await
         .map_err(completion_error)
+}
+
+/// The connection of `tx`, taken out to commit; `None` if the transaction
+/// already ended. A statement a task of the handler still runs through a
+/// clone commits with the response, so the commit waits for it, up to
+/// [`COMMIT_PATIENCE`]; then the statement is cancelled, the transaction
+/// rolled back, and the commit refused (retryable).
+pub(super) async fn take_to_commit(tx: &PgTx) -> Result<Option<Conn>, StoreError> {
+    match tx.try_take() {
+        Take::Taken(conn) => return Ok(Some(*conn)),
+        Take::Finished => return Ok(None),
+        Take::Busy => {}
+    }
+    if let Ok(taken) = tokio::time::timeout(COMMIT_PATIENCE, tx.take()).await {
+        return Ok(taken);
+    }
+    cancel_running(tx).await;
+    if let Ok(Some(conn)) = tokio::time::timeout(CANCEL_GRACE, tx.take()).await {
+        let _ = finish(conn, None, "ROLLBACK").await;
+    }
+    // Not taken within the grace: the last handle to go closes the
+    // connection, and the server rolls back.
+    Err(commit_gave_up())
 }
 
 /// [`Store::abort`](crate::store::Store::abort) for [`PgStore`](super::PgStore).

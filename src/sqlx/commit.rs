@@ -60,7 +60,7 @@ impl CommitStore for SqlxStore {
         request: &ClaimRequest,
         response: &StoredResponse,
     ) -> Result<Committed, StoreError> {
-        let Some(mut transaction) = tx.take_to_commit().await else {
+        let Some(mut transaction) = tx.take_to_commit().await? else {
             return Err(StoreError::new(
                 StoreErrorKind::TransactionAborted,
                 "the transaction has already finished",

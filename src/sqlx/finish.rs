@@ -28,7 +28,7 @@ pub(super) fn finished() -> StoreError {
 /// against the claim's token and transaction, then `COMMIT` and the session
 /// reset.
 pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<(), StoreError> {
-    let Some(mut transaction) = tx.take_to_commit().await else {
+    let Some(mut transaction) = tx.take_to_commit().await? else {
         return Err(finished());
     };
     if tx.is_fenced() {
@@ -70,7 +70,7 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
             "a claim's transaction commits with Store::complete",
         ));
     }
-    let Some(mut transaction) = tx.take_to_commit().await else {
+    let Some(mut transaction) = tx.take_to_commit().await? else {
         return Err(finished());
     };
     let (tenant, endpoint, key, token) = tx.identity().columns();

@@ -15,7 +15,7 @@ use super::{conn::GuardedConnection, finish::finished};
 use crate::{
     key::IdempotencyKey,
     pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
-    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
+    pg::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     scope::Scope,
     store::{StoreError, StoreErrorKind},
 };
@@ -180,9 +180,23 @@ impl SqlxTx {
     /// A statement a task of the handler started through a clone and that
     /// still runs is part of the work the response describes: this waits
     /// for it, as [`PgTx`](crate::postgres::PgTx) does, and the commit
-    /// decides.
-    pub(super) async fn take_to_commit(&self) -> Option<GuardedConnection> {
-        self.inner.tx.lock().await.take()
+    /// decides; but at most [`COMMIT_PATIENCE`]. Past it (a statement that
+    /// does not end, an [`SqlxConn`](super::SqlxConn) a task keeps) the
+    /// statement is cancelled, the transaction rolled back as soon as the
+    /// connection is free, and the commit refused (`Unavailable`).
+    pub(super) async fn take_to_commit(&self) -> Result<Option<GuardedConnection>, StoreError> {
+        if let Ok(mut held) = tokio::time::timeout(COMMIT_PATIENCE, self.inner.tx.lock()).await {
+            return Ok(held.take());
+        }
+        self.cancel_running().await;
+        if let Ok(mut held) = tokio::time::timeout(CANCEL_GRACE, self.inner.tx.lock()).await {
+            if let Some(transaction) = held.take() {
+                transaction.rollback_quietly().await;
+            }
+        }
+        // Not free within the grace: the last handle to go closes the
+        // connection, and the server rolls back.
+        Err(commit_gave_up())
     }
 
     /// Takes the transaction out to roll it back; `None` if it already

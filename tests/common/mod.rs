@@ -783,6 +783,83 @@ pub(crate) async fn a_statement_running_when_the_handler_answers_commits_with_it
     assert_eq!(backend.remembered().await, 2);
 }
 
+/// A handler that answers while a task it spawned still runs a statement
+/// through a clone of the handle (an insert a trigger holds for an hour):
+/// the commit waits for that statement, which would commit with the
+/// response, but not without bound. Past the commit's patience (5 s) the
+/// statement is cancelled and the transaction rolled back: `503
+/// store_unavailable`, nothing committed, the key free; in both modes.
+pub(crate) async fn a_statement_left_running_past_the_commits_patience_is_cancelled<B>(
+    backend: &B,
+    db: &TestDatabase,
+) where
+    B: Backend<Store: tower_idempotency::store::CommitStore>,
+{
+    let setup = db.client().await;
+    setup
+        .batch_execute(
+            "CREATE FUNCTION stuck_order() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_sleep(3600); RETURN NEW; END $$; \
+             CREATE TRIGGER stuck_order BEFORE INSERT ON orders FOR EACH ROW \
+             WHEN (NEW.id LIKE 'stuck%') EXECUTE FUNCTION stuck_order()",
+        )
+        .await
+        .unwrap();
+    let watcher = Arc::new(db.client().await);
+    for (one_commit, id) in [(false, "stuck-1"), (true, "stuck-2")] {
+        let (late_tx, late_rx) = Report::channel();
+        let handler = slow_insert_handler::<B>(watcher.clone(), late_tx, id);
+        let started = std::time::Instant::now();
+        let answered = if one_commit {
+            let service = layer(backend.store()).claim_at_commit().layer(handler);
+            tokio::time::timeout(Duration::from_secs(30), send(service, tenant_a_post(id))).await
+        } else {
+            let service = layer(backend.store()).layer(handler);
+            tokio::time::timeout(Duration::from_secs(30), send(service, tenant_a_post(id))).await
+        };
+        let answer = answered.expect("answered, not held by the statement left running");
+        assert_eq!(
+            answer.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{id}: {:?}",
+            answer.body
+        );
+        assert_eq!(answer.json()["code"], "store_unavailable", "{id}");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{id}: {:?}",
+            started.elapsed()
+        );
+        assert!(
+            late_rx.await.unwrap().is_err(),
+            "{id}: the insert was cancelled"
+        );
+        let sleeping: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event = 'PgSleep' AND datname = current_database()",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(sleeping, 0, "{id}: nothing left sleeping");
+    }
+    assert!(backend.orders().await.is_empty(), "nothing committed");
+    assert_eq!(backend.remembered().await, 0);
+    let retry = send(
+        layer(backend.store()).layer(order_handler::<B>(Default::default())),
+        tenant_a_post("stuck-1"),
+    )
+    .await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the key is free: {:?}",
+        retry.body
+    );
+}
+
 /// A handler that starts inserting the order `id` from a task of its own,
 /// and answers once the insert runs in the database (its trigger sleeps);
 /// the task reports how the insert ended.
