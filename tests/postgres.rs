@@ -713,6 +713,34 @@ async fn duplicates_of_a_rolled_back_leader_do_not_stampede() {
 async fn connections_the_server_closed_are_replaced_transparently() {
     let pg = Postgres::with_pool(1).await;
     let service = layer(pg.store.clone()).layer(order_handler::<Postgres>(Default::default()));
+    served_after_the_server_closed_its_connections(&pg, service).await;
+}
+
+/// The same in the one-commit mode, whose transaction begins with the
+/// handler's first statement: that statement meets the dead connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_the_server_closed_are_replaced_transparently_in_the_one_commit_mode() {
+    let pg = Postgres::with_pool(1).await;
+    let service = layer(pg.store.clone())
+        .claim_at_commit()
+        .layer(order_handler::<Postgres>(Default::default()));
+    served_after_the_server_closed_its_connections(&pg, service).await;
+}
+
+/// Four creates, the pool's one connection terminated by the server before
+/// each of the last three: every one is `201`, four orders.
+async fn served_after_the_server_closed_its_connections<S, B>(pg: &Postgres, service: S)
+where
+    S: tower::Service<
+            http::Request<http_body_util::Full<bytes::Bytes>>,
+            Response = http::Response<tower_idempotency::ResponseBody<B>>,
+        > + Clone
+        + Send,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<conformance::BoxError>,
+{
     assert_eq!(
         send(service.clone(), tenant_a_post("k1")).await.status,
         StatusCode::CREATED
@@ -857,6 +885,12 @@ async fn a_statement_running_when_the_handler_answers_is_waited_for_and_committe
     let pg = Postgres::new().await;
     a_statement_running_when_the_handler_answers_commits_with_it(&pg, &pg.db).await;
     assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_left_running_past_the_commits_patience_is_cancelled_pg_store() {
+    let pg = Postgres::new().await;
+    a_statement_left_running_past_the_commits_patience_is_cancelled(&pg, &pg.db).await;
 }
 
 /// A duplicate that waits out its wait on the owner's row answers in

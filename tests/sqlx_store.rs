@@ -845,6 +845,12 @@ async fn a_statement_running_when_the_handler_answers_is_waited_for_and_committe
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_left_running_past_the_commits_patience_is_cancelled_sqlx_store() {
+    let backend = Sqlx::new().await;
+    a_statement_left_running_past_the_commits_patience_is_cancelled(&backend, &backend.db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_the_server_refuses_is_sorted_by_its_cause() {
     let backend = Sqlx::new().await;
     common::a_completion_the_server_refuses_is_sorted_by_its_cause(&backend, &backend.client).await;

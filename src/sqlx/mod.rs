@@ -93,6 +93,27 @@
 //! Behind a pooler in transaction pooling mode (PgBouncer), build it with
 //! [`SqlxStore::transaction_pooling`] and give your own statements
 //! `.persistent(false)`; see the [deploying guide](crate::guide::deploying).
+//!
+//! # TLS
+//!
+//! The pool is yours, and so is its TLS: sqlx reads libpq's `sslmode`,
+//! `sslrootcert`, `sslcert` and `sslkey` from the URL, once sqlx is built
+//! with a TLS feature (this crate's `tls-rustls` turns on sqlx's
+//! `tls-rustls`; `tls-native-tls` on your own `sqlx` dependency works too).
+//! For a managed database use `sslmode=verify-full` with the provider's
+//! root certificate; without `sslrootcert` sqlx trusts the webpki roots
+//! (sqlx has no `sslrootcert=system`). A certificate that does not verify
+//! fails `PgPool::connect` with the reason.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect(
+//!     "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem",
+//! )
+//! .await?;
+//! let store = tower_idempotency::sqlx::SqlxStore::new(pool);
+//! # Ok(()) }
+//! ```
 
 use std::fmt;
 
