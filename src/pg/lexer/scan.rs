@@ -1,6 +1,8 @@
 //! The scanner: [`Lexer`] splits SQL text into [`Token`]s as PostgreSQL's
 //! `scan.l` would, or stops ([`Stop`]) where it cannot follow the text.
 
+use std::borrow::Cow;
+
 use super::token::Token;
 
 /// Why the lexer stopped before the end of the text.
@@ -57,7 +59,7 @@ impl<'a> Lexer<'a> {
                 b'/' if self.peek(1) == Some(b'*') => self.block_comment()?,
                 b'\'' => {
                     self.pos += 1;
-                    self.string(self.plain())?;
+                    self.string(self.plain(), true)?;
                 }
                 b'"' => {
                     self.pos += 1;
@@ -104,23 +106,24 @@ impl<'a> Lexer<'a> {
         match (word.as_bytes(), self.peek(0), self.peek(1)) {
             ([b'e' | b'E'], Some(b'\''), _) => {
                 self.pos += 1;
-                self.string(Quote::Escaped)
+                self.string(Quote::Escaped, true)
             }
             ([b'b' | b'B' | b'x' | b'X'], Some(b'\''), _) => {
                 self.pos += 1;
-                self.string(Quote::Bits)
+                self.string(Quote::Bits, false)
             }
             ([b'n' | b'N'], Some(b'\''), _) => {
                 self.pos += 1;
-                self.string(self.plain())
+                self.string(self.plain(), true)
             }
             ([b'u' | b'U'], Some(b'&'), Some(b'\'')) => {
                 // "unsafe use of string constant with Unicode escapes"
                 if !self.standard_conforming_strings {
                     return Err(Stop::Rejected);
                 }
+                // Its value depends on a UESCAPE after it: not kept.
                 self.pos += 2;
-                self.string(Quote::Standard)
+                self.string(Quote::Standard, false)
             }
             ([b'u' | b'U'], Some(b'&'), Some(b'"')) => {
                 self.pos += 2;
@@ -148,19 +151,34 @@ impl<'a> Lexer<'a> {
     }
 
     /// The rest of a single-quoted string whose opening quote is consumed,
-    /// including its continuations on later lines.
-    fn string(&mut self, quote: Quote) -> Result<(), Stop> {
+    /// including its continuations on later lines; its value is kept if
+    /// `keep` and the value is certain (see [`Token::Literal`]).
+    fn string(&mut self, quote: Quote, keep: bool) -> Result<(), Stop> {
+        let start = self.pos;
+        let mut continued = false;
         loop {
             match self.peek(0) {
                 None => return Err(Stop::Rejected),
                 Some(b'\\') if quote == Quote::Escaped => self.pos += 2,
                 Some(b'\'') if quote != Quote::Bits && self.peek(1) == Some(b'\'') => self.pos += 2,
                 Some(b'\'') => {
+                    let end = self.pos;
                     self.pos += 1;
                     match string_continuation(self.bytes, self.pos) {
-                        Some(next) => self.pos = next,
+                        Some(next) => {
+                            self.pos = next;
+                            continued = true;
+                        }
                         None => {
-                            self.tokens.push(Token::Literal);
+                            let raw = self.sql.get(start..end).filter(|raw| {
+                                keep && !continued
+                                    && !(quote == Quote::Escaped && raw.contains('\\'))
+                            });
+                            let value = raw.map(|raw| match raw.contains("''") {
+                                true => Cow::Owned(raw.replace("''", "'")),
+                                false => Cow::Borrowed(raw),
+                            });
+                            self.tokens.push(Token::Literal(value));
                             return Ok(());
                         }
                     }
@@ -223,7 +241,9 @@ impl<'a> Lexer<'a> {
             .position(|window| window == tag)
             .ok_or(Stop::Rejected)?;
         self.pos = body + close + tag.len();
-        self.tokens.push(Token::Literal);
+        // Nothing in a dollar-quoted string is an escape.
+        let value = self.sql.get(body..body + close).map(Cow::Borrowed);
+        self.tokens.push(Token::Literal(value));
         Ok(())
     }
 

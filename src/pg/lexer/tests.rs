@@ -136,7 +136,6 @@ const OUTLIVES_TRANSACTION: &[&str] = &[
 
 const SESSION_FUNCTIONS_ANYWHERE: &[&str] = &[
     "SELECT set_config('search_path', 'x', false)",
-    "SELECT set_config('search_path', 'x', true)",
     "SELECT SET_CONFIG('a.b', 'x', false)",
     "SELECT pg_catalog.set_config('a.b', 'x', false)",
     "SELECT pg_catalog . set_config ('a.b', 'x', false)",
@@ -153,6 +152,188 @@ const SESSION_FUNCTIONS_ANYWHERE: &[&str] = &[
     "SELECT 1 /* pg_advisory_lock */; SELECT pg_advisory_lock(1)",
     // A single-byte server encoding with a Turkish locale folds İ into i.
     "SELECT set_conf\u{130}g('a.b', 'x', false)",
+];
+
+/// An UPDATE of the pg_settings view calls `set_config(name, setting,
+/// false)` through its rule: a session setting. So does an UPDATE of a view
+/// over it, which a CREATE naming pg_settings could make.
+const PG_SETTINGS_WRITES: &[&str] = &[
+    "UPDATE pg_settings SET setting = 'x' WHERE name = 'search_path'",
+    "update PG_SETTINGS set setting = 'x' where name = 'work_mem'",
+    "UPDATE pg_catalog.pg_settings SET setting = 'x' WHERE name = 'work_mem'",
+    "UPDATE /* c */ pg_catalog . \"pg_settings\" SET setting = 'x'",
+    "UPDATE ONLY pg_settings SET setting = 'x' WHERE name = 'work_mem'",
+    "UPDATE \"pg_settings\" AS s SET setting = 'x' WHERE s.name = 'work_mem'",
+    "UPDATE U&\"pg\\005fsettings\" SET setting = 'x'",
+    // A single-byte server encoding with a Turkish locale folds İ into i.
+    "UPDATE pg_sett\u{130}ngs SET setting = 'x'",
+    "EXPLAIN ANALYZE UPDATE pg_settings SET setting = 'x' WHERE name = 'work_mem'",
+    "WITH u AS (UPDATE pg_settings SET setting = 'x' WHERE name = 'work_mem') SELECT 1",
+    "SELECT 1; UPDATE pg_settings SET setting = 'x' WHERE name = 'work_mem'",
+    "CREATE VIEW s AS SELECT * FROM pg_settings",
+    "CREATE OR REPLACE VIEW s AS SELECT name, setting FROM pg_catalog.pg_settings",
+    "CREATE RULE r AS ON INSERT TO t DO ALSO UPDATE pg_settings SET setting = 'x'",
+];
+
+/// Only `set_config(<name>, <value>, true)` with a name written out (not
+/// client_encoding) ends with the transaction; anything else might not.
+const SET_CONFIG_NOT_SURELY_LOCAL: &[&str] = &[
+    "SELECT set_config('a.b', 'x', 't')",
+    "SELECT set_config('a.b', 'x', 'true')",
+    "SELECT set_config('a.b', 'x', $1)",
+    "SELECT set_config('a.b', 'x', true OR false)",
+    "SELECT set_config('a.b', 'x', true::bool)",
+    "SELECT set_config('a.b', 'x', (true))",
+    "SELECT set_config('a.b', 'x', \"true\")",
+    "SELECT set_config('a.b', 'x')",
+    "SELECT set_config('a.b', 'x', true, true)",
+    "SELECT set_config",
+    "SELECT set_config('a.b', 'x', true), set_config('c.d', 'y', false)",
+    "SELECT set_config($1, 'x', true)",
+    "SELECT set_config(name, 'x', true) FROM t",
+    "SELECT set_config('client_encoding', 'SJIS', true)",
+    "SELECT set_config('CLIENT_ENCODING', 'SJIS', true)",
+    "SELECT set_config('client_' || 'encoding', 'SJIS', true)",
+    "SELECT set_config(E'client\\_encoding', 'SJIS', true)",
+    "SELECT set_config(U&'client\\005fencoding', 'SJIS', true)",
+    "SELECT set_config('client'\n'_encoding', 'SJIS', true)",
+    "SELECT set_config('search_path', 'pg_temp', true)",
+    "SELECT set_config('search_path', 'app, PG_TEMP', true)",
+    "SELECT set_config('search_path', $1, true)",
+    "SELECT set_config('Search_Path', 'nowhere,pg_temp_3', true)",
+    "SELECT set_config('search_path', $$\"pg_temp\"$$, true)",
+    "SELECT set_config('search_path', 'caf\u{e9}, public', true)",
+];
+
+/// A `DO` block's body runs now, and a function's whenever it is called:
+/// what would be refused as a statement is refused in them, and so is
+/// what the guard cannot read there (dynamic SQL, other languages).
+const BODIES: &[&str] = &[
+    "DO $$ BEGIN PERFORM set_config('search_path', 'x', false); END $$",
+    "do $$begin perform pg_catalog.set_config('a.b', 'x', false); end$$",
+    "DO $body$ BEGIN SET search_path = x; END $body$",
+    "DO LANGUAGE plpgsql $$ BEGIN IF true THEN RESET ALL; END IF; END $$",
+    "DO $$ BEGIN PERFORM 1; END $$ LANGUAGE plpgsql; DO $$ BEGIN LISTEN c; END $$",
+    "DO 'BEGIN PERFORM set_config(''a.b'', ''x'', false); END'",
+    "DO $$ BEGIN EXECUTE 'SET search_path = x'; END $$",
+    "DO $$ BEGIN EXECUTE format('SELECT %s(%L, %L, false)', 'set_config', 'a.b', 'x'); END $$",
+    "DO $$ DECLARE r record; BEGIN FOR r IN EXECUTE 'SELECT 1' LOOP END LOOP; END $$",
+    "DO $$ BEGIN CREATE TEMP TABLE t (x int); END $$",
+    "DO $$ BEGIN PERFORM pg_advisory_lock(1); END $$",
+    "DO $$ BEGIN UPDATE pg_settings SET setting = 'x' WHERE name = 'work_mem'; END $$",
+    "DO $$ BEGIN SET LOCAL search_path = pg_temp; CREATE TABLE t (x int); END $$",
+    "DO $$ <<outer>> BEGIN LISTEN c; END $$",
+    "DO $$ DECLARE n int; BEGIN LOOP DISCARD TEMP; EXIT; END LOOP; END $$",
+    "DO $$ BEGIN PERFORM 1; EXCEPTION WHEN others THEN SET work_mem = '1MB'; END $$",
+    "DO $$ BEGIN IF false THEN NULL; ELSE SET SESSION work_mem = '1MB'; END IF; END $$",
+    "DO $a$ BEGIN DO $b$ BEGIN PERFORM set_config('a.b', 'x', false); END $b$; END $a$",
+    "DO $$ BEGIN PERFORM query_to_xml('SELECT 1', true, false, ''); END $$",
+    "DO LANGUAGE plperl $$ spi_exec_query('SET search_path = x') $$",
+    "DO $$ spi_exec_query('SET search_path = x') $$ LANGUAGE \"plperl\"",
+    // An escape string with a backslash: its value is not read.
+    "DO E'BEGIN PERFORM set_config(\\'a.b\\', \\'x\\', false); END'",
+    "DO $$ BEGIN PERFORM 'unterminated; END $$",
+    "DO $$ /* unterminated BEGIN NULL; END $$",
+    "CREATE FUNCTION f() RETURNS void LANGUAGE sql AS $$ SELECT set_config('search_path', 'x', false) $$",
+    "CREATE OR REPLACE FUNCTION f() RETURNS void AS $$ BEGIN SET search_path = x; END $$ LANGUAGE plpgsql",
+    "CREATE PROCEDURE p() LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_lock(1); END $$",
+    "CREATE FUNCTION f() RETURNS void LANGUAGE sql AS 'SELECT set_config(''a.b'', ''x'', false)'",
+    "CREATE FUNCTION f() RETURNS void LANGUAGE plpgsql SET search_path = pg_temp AS $$ BEGIN CREATE TABLE t (x int); END $$",
+    "CREATE FUNCTION f(text, text, boolean) RETURNS text LANGUAGE internal AS 'set_config_by_name'",
+    "CREATE FUNCTION f() RETURNS void LANGUAGE plpython3u AS $$ plpy.execute('SET search_path = x') $$",
+    "CREATE FUNCTION f() RETURNS void AS 'f.so', 'f' LANGUAGE C",
+    // Quoting inside a body is read as at the top.
+    "DO $do$ BEGIN PERFORM /* $$ */ set_config('a.b', 'x', false); END $do$",
+    "DO $$ BEGIN PERFORM \"set_config\"('a.b', 'x', false); END $$",
+    "DO $$BEGIN PERFORM U&\"set\\005fconfig\"('a.b', 'x', false); END$$",
+    "DO $$ BEGIN PERFORM 1; -- '\rRESET ALL; END $$",
+    "/* DO $$ */ DO $$ BEGIN RESET ALL; END $$",
+    "DO $$ BEGIN UPDATE \"pg_catalog\".\"pg_settings\" SET setting = 'x'; END $$",
+];
+
+/// A search_path naming the temporary schema makes an unqualified CREATE
+/// create a temporary object (when it comes first, or when the schemas
+/// before it do not exist), which lives as long as the session and is
+/// found before the permanent one of the same name.
+const SEARCH_PATH_WITH_PG_TEMP: &[&str] = &[
+    "SET LOCAL search_path = pg_temp",
+    "SET LOCAL search_path TO app, pg_temp",
+    "SET LOCAL search_path = nowhere, pg_temp",
+    "SET LOCAL search_path = 'pg_temp'",
+    "SET LOCAL \"search_path\" = \"pg_temp\"",
+    "set local SEARCH_PATH = PG_TEMP",
+    "SET LOCAL search_path = pg_temp_3",
+    "SET LOCAL search_path = E'pg_temp'",
+    "SET LOCAL search_path = U&'pg\\005ftemp'",
+    "SET LOCAL search_path = 'app'\n', pg_temp'",
+    "SET LOCAL search_path = /* c */ pg_temp",
+    "SET LOCAL search_path = pg_temp; CREATE TABLE t (id int)",
+    "ALTER FUNCTION f() SET search_path = app, pg_temp",
+];
+
+/// Functions that run SQL text, where the guard cannot read it.
+const SQL_TEXT_FUNCTIONS: &[&str] = &[
+    "SELECT query_to_xml('SELECT set_config(''a.b'', ''x'', false)', true, false, '')",
+    "SELECT query_to_xml($1, true, false, '')",
+    "SELECT pg_catalog.query_to_xml_and_xmlschema($1, true, false, '')",
+    "SELECT * FROM ts_stat('SELECT v FROM docs')",
+    "SELECT ts_rewrite('a'::tsquery, 'SELECT t, s FROM aliases')",
+    "SELECT ts_rewrite('a'::tsquery, $1)",
+];
+
+/// What the rules above must leave alone.
+const ALLOWED_NEAR_THE_RULES: &[&str] = &[
+    "SELECT setting FROM pg_settings WHERE name = 'search_path'",
+    "SELECT name, setting FROM pg_catalog.pg_settings WHERE source <> 'default'",
+    "INSERT INTO audit (name, setting) SELECT name, setting FROM pg_settings",
+    "UPDATE settings SET setting = 'x' WHERE name = 'theme'",
+    "UPDATE app.settings SET setting = $1 WHERE name = $2",
+    "UPDATE t SET setting = (SELECT setting FROM pg_settings WHERE name = 'work_mem')",
+    "UPDATE t SET pg_settings = 1",
+    "UPDATE pg_settings_archive SET setting = 'x'",
+    "UPDATE t SET note = 'UPDATE pg_settings SET setting = 1'",
+    "SELECT id FROM t FOR UPDATE",
+    "INSERT INTO settings VALUES ($1, $2) ON CONFLICT (name) DO UPDATE SET setting = excluded.setting",
+    "INSERT INTO t VALUES (1) ON CONFLICT DO NOTHING",
+    "SELECT set_config('app.tenant_id', $1, true)",
+    "SELECT set_config('search_path', 'app, public', true)",
+    "SELECT pg_catalog.set_config('app.user', $1::text, TRUE)",
+    "SELECT set_config('a.b', f(x, ARRAY[1, 2]), true)",
+    "SELECT set_config('statement_timeout', '5s', true), set_config('app.x', $1, true)",
+    "SELECT set_config(E'app.x', $1, true)",
+    "SELECT set_config('app.x', 'it''s', /* local */ true)",
+    "SELECT 'set_config(''a'', ''b'', false)' FROM t -- set_config(",
+    "SET LOCAL search_path = 'app'",
+    "SET LOCAL search_path TO \"$user\", public",
+    "SET LOCAL search_path = app_pg_temp, pg_temporary",
+    "SET LOCAL work_mem = '64MB'",
+    "CREATE TABLE t (id int)",
+    "CREATE TABLE app.t (id int)",
+    "CREATE TABLE pg_temp_notes (id int)",
+    "SELECT * FROM t WHERE note = 'pg_temp.x'",
+    "DO $$ BEGIN INSERT INTO t VALUES (1); END $$",
+    "DO $$ DECLARE n int; BEGIN SELECT count(*) INTO n FROM t; IF n = 0 THEN UPDATE t SET x = 1; END IF; END $$",
+    "DO $$ BEGIN PERFORM set_config('app.x', 'v', true); SET LOCAL work_mem = '8MB'; END $$",
+    "DO $$ BEGIN RAISE NOTICE 'SET search_path = x; %', 'set_config(a, b, false)'; END $$",
+    "DO $$ BEGIN -- RESET ALL\n PERFORM 1; END $$",
+    "DO 'BEGIN PERFORM 1; END'",
+    "DO E'BEGIN PERFORM 1; END'",
+    "DO LANGUAGE plpgsql $$ BEGIN NULL; END $$",
+    "DO $outer$ BEGIN PERFORM $x$ SET search_path = x $x$; END $outer$",
+    "DO $$ BEGIN INSERT INTO t VALUES ('set_config(''a'', ''b'', false)'); END $$",
+    "DO $$ BEGIN PERFORM 1; /* RESET ALL; */ END $$",
+    "DO $$ BEGIN INSERT INTO \"SET\" VALUES (1); END $$",
+    "SELECT $$DO $x$ BEGIN RESET ALL; END $x$$$",
+    "CREATE FUNCTION add(a int, b int) RETURNS int LANGUAGE sql IMMUTABLE AS $$ SELECT a + b $$",
+    "CREATE FUNCTION f() RETURNS int LANGUAGE plpgsql AS 'BEGIN RETURN 1; END'",
+    "CREATE OR REPLACE FUNCTION f() RETURNS void AS $$ BEGIN UPDATE t SET x = 1; END $$ LANGUAGE plpgsql",
+    "CREATE FUNCTION f() RETURNS int LANGUAGE sql RETURN 1",
+    "CREATE FUNCTION f(a text DEFAULT 'it''s') RETURNS text LANGUAGE sql AS $$ SELECT a $$",
+    "CREATE FUNCTION f() RETURNS void LANGUAGE plpgsql SET search_path = app, public AS $$ BEGIN NULL; END $$",
+    "CREATE FUNCTION f(language text) RETURNS text LANGUAGE sql AS $$ SELECT language $$",
+    "SELECT ts_rewrite(q, 'a'::tsquery, 'b'::tsquery) FROM t",
+    "SELECT to_tsvector('english', body) @@ plainto_tsquery($1) FROM docs",
+    "SELECT 'query_to_xml(''SET x = 1'')', 'ts_stat' FROM t",
 ];
 
 const ALLOWED: &[&str] = &[
@@ -275,6 +456,18 @@ refusal_tests! {
         ORDINARY_DML => None;
     keywords_must_be_exact_and_unquoted:
         KEYWORD_LOOKALIKES => None;
+    refuses_writes_to_pg_settings:
+        PG_SETTINGS_WRITES => Some(Refusal::SessionState);
+    refuses_set_config_unless_surely_transaction_local:
+        SET_CONFIG_NOT_SURELY_LOCAL => Some(Refusal::SessionState);
+    reads_do_blocks_and_function_bodies:
+        BODIES => Some(Refusal::SessionState);
+    refuses_a_search_path_naming_the_temporary_schema:
+        SEARCH_PATH_WITH_PG_TEMP => Some(Refusal::SessionState);
+    refuses_functions_that_run_sql_text:
+        SQL_TEXT_FUNCTIONS => Some(Refusal::SessionState);
+    allows_what_resembles_the_session_rules:
+        ALLOWED_NEAR_THE_RULES => None;
 }
 
 #[test]
@@ -381,6 +574,11 @@ fn refused() -> Vec<(&'static str, Refusal)> {
         SESSION_SETTINGS,
         OUTLIVES_TRANSACTION,
         SESSION_FUNCTIONS_ANYWHERE,
+        PG_SETTINGS_WRITES,
+        SET_CONFIG_NOT_SURELY_LOCAL,
+        BODIES,
+        SEARCH_PATH_WITH_PG_TEMP,
+        SQL_TEXT_FUNCTIONS,
     ];
     let tc = tc
         .into_iter()
@@ -421,7 +619,7 @@ proptest! {
     #[test]
     fn whitespace_and_comments_before_an_allowed_statement_change_nothing(
         prefix in prop::collection::vec(separator(), 0..6),
-        sql in prop::sample::select([ALLOWED, ORDINARY_DML].concat()),
+        sql in prop::sample::select([ALLOWED, ORDINARY_DML, ALLOWED_NEAR_THE_RULES].concat()),
     ) {
         let sql = format!("{}{sql}", prefix.concat());
         prop_assert_eq!(refusal(&sql), None, "{:?}", sql);

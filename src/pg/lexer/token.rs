@@ -1,16 +1,21 @@
 //! [`Token`]: what the classification needs of a token, and which names an
 //! identifier may spell once PostgreSQL has folded its case.
 
-/// What the classification needs of a token; strings keep no content, since
-/// nothing in them is ever run as a statement.
+use std::borrow::Cow;
+
+/// What the classification needs of a token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Token<'a> {
     /// A keyword or unquoted identifier, as written.
     Word(&'a str),
     /// A quoted identifier, unescaped; `unicode` for `U&"…"`.
     Quoted { name: String, unicode: bool },
-    /// A string constant of any kind.
-    Literal,
+    /// A string constant of any kind, with its value where that is certain
+    /// without knowing more than the text: a `$tag$…$tag$` body, a `'…'`
+    /// (`E'…'`, `N'…'`) without backslashes and not continued on another
+    /// line, `''` read as `'`. Its value matters where it is code (the body
+    /// of a `DO` block or a function) or a setting's name or value.
+    Literal(Option<Cow<'a, str>>),
     /// Punctuation, an operator character, a digit, the `$` of `$1`.
     Other(u8),
 }
