@@ -80,7 +80,10 @@ mod tests {
     fn every_link_label_of_the_readme_resolves_in_rustdoc() {
         let readme = definitions(include_str!("../README.md"), "");
         let front = definitions(include_str!("lib.rs"), "//! ");
-        assert!(readme.len() > 10 && front.len() > 10, "{readme:?} {front:?}");
+        assert!(
+            readme.len() > 10 && front.len() > 10,
+            "{readme:?} {front:?}"
+        );
         let missing: Vec<_> = readme.iter().filter(|l| !front.contains(l)).collect();
         assert!(
             missing.is_empty(),

@@ -1,10 +1,10 @@
-//! Retry jitter from the standard library alone: the client's and the
-//! outbox relay's backoffs share it, and neither needs a randomness crate.
+//! Retry jitter from the standard library alone: the client's, the outbox
+//! relay's and the migration runner's backoffs share it, and none needs a
+//! randomness crate.
 
 use std::{
     hash::{BuildHasher, Hasher, RandomState},
     sync::atomic::{AtomicU64, Ordering},
-    time::Duration,
 };
 
 /// A number in [0, 1), a new one on every call. A `RandomState` has hash
@@ -23,8 +23,9 @@ pub(crate) fn unit() -> f64 {
 
 /// "Equal jitter" on a wait of `full_secs` seconds: half of it fixed, the
 /// other half random, so that many failed calls do not retry in lockstep.
-pub(crate) fn equal(full_secs: f64) -> Duration {
-    Duration::from_secs_f64(full_secs * 0.5_f64.mul_add(unit(), 0.5))
+#[cfg(any(feature = "client", feature = "postgres"))]
+pub(crate) fn equal(full_secs: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(full_secs * 0.5_f64.mul_add(unit(), 0.5))
 }
 
 #[cfg(test)]
@@ -45,11 +46,16 @@ mod tests {
     }
 
     #[test]
+    #[cfg(any(feature = "client", feature = "postgres"))]
     fn equal_jitter_waits_between_half_and_all() {
         for _ in 0..1000 {
             let wait = equal(2.0);
-            assert!(wait >= Duration::from_secs(1) && wait <= Duration::from_secs(2));
+            let (half, all) = (
+                std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(2),
+            );
+            assert!(wait >= half && wait <= all);
         }
-        assert_eq!(equal(0.0), Duration::ZERO);
+        assert_eq!(equal(0.0), std::time::Duration::ZERO);
     }
 }

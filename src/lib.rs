@@ -15,6 +15,7 @@
 //! [observability]: guide::observability
 //! [performance]: guide::performance
 //! [deploying]: guide::deploying
+//! [migrations]: guide::migrations
 //! [order-server]: https://github.com/tower-idempotency/tower-idempotency/blob/main/examples/order_server/README.md
 //! [testing]: https://github.com/tower-idempotency/tower-idempotency/blob/main/TESTING.md
 //! [benchmarks]: https://github.com/tower-idempotency/tower-idempotency/blob/main/BENCHMARKS.md
@@ -33,7 +34,7 @@ pub mod guide;
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 pub mod fingerprint;
-#[cfg(any(feature = "client", feature = "postgres"))]
+#[cfg(any(feature = "client", feature = "postgres", feature = "sqlx"))]
 mod jitter;
 pub mod key;
 pub mod lease;

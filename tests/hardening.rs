@@ -8,9 +8,7 @@ use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use common::{proxy::SlowProxy, *};
-use futures_util::FutureExt;
 use http::StatusCode;
-use std::future::Future as _;
 use tokio::sync::oneshot;
 use tower::Layer;
 use tower_idempotency::{

@@ -189,20 +189,8 @@ impl Settings {
             .first_backoff
             .saturating_mul(1 << doublings)
             .min(self.max_backoff);
-        full.mul_f64(0.5_f64.mul_add(jitter(), 0.5))
+        full.mul_f64(0.5_f64.mul_add(crate::jitter::unit(), 0.5))
     }
-}
-
-/// A number in [0, 1): the standard library's randomly keyed hasher over the
-/// clock; enough to spread retries.
-fn jitter() -> f64 {
-    use std::hash::BuildHasher as _;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let hash = std::collections::hash_map::RandomState::new().hash_one(nanos);
-    (hash >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// What a run did.

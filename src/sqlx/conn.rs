@@ -35,7 +35,8 @@ use crate::pg::{
 /// savepoints are fine. So is what would outlive the request on the pooled
 /// connection: session-level `SET`/`RESET`, `PREPARE`, `EXECUTE`,
 /// `DEALLOCATE`, `LISTEN`/`UNLISTEN`, `DISCARD`, `LOAD`, temporary objects,
-/// `WITH HOLD` cursors, `set_config` and session advisory locks (use
+/// `WITH HOLD` cursors, `set_config(…, false)`, writes to `pg_settings`, a
+/// `pg_temp` search path, and session advisory locks (use
 /// `SET LOCAL` and `pg_advisory_xact_lock`). The guard reads SQL as
 /// [`PgTx`](crate::postgres::PgTx)'s does, and fails closed on text it
 /// cannot follow. What no guard can see (a function that changes the

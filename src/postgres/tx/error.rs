@@ -36,7 +36,9 @@ pub enum TxErrorKind {
     /// The statement would change the session beyond this request, on a
     /// connection other requests reuse: a `SET` without `LOCAL`, `RESET`,
     /// prepared statements, `LISTEN`, temporary objects, `WITH HOLD` cursors,
-    /// `set_config`, session advisory locks.
+    /// `set_config(…, false)`, writes to `pg_settings`, a `pg_temp` search
+    /// path, session advisory locks (see the [transaction
+    /// guide](crate::guide::transaction)).
     SessionState,
     /// PostgreSQL answered with an error; see [`TxError::code`].
     Database,

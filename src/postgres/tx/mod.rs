@@ -144,7 +144,8 @@ async fn prepare_own<'a>(conn: &Conn, sql: Sql<'a>) -> Result<Prepared<'a>, toki
 /// What would outlive the request on the pooled connection is refused with
 /// [`TxErrorKind::SessionState`]: session-level `SET`/`RESET`, `PREPARE`,
 /// `EXECUTE`, `DEALLOCATE`, `LISTEN`/`UNLISTEN`, `DISCARD`, `LOAD`, temporary
-/// objects, `WITH HOLD` cursors, `set_config` and session advisory locks. Use
+/// objects, `WITH HOLD` cursors, `set_config(…, false)`, writes to
+/// `pg_settings`, a `pg_temp` search path, and session advisory locks. Use
 /// `SET LOCAL` and `pg_advisory_xact_lock`. What no guard can see (a function
 /// that changes the session) is undone by a session reset the store sends
 /// behind every `COMMIT` and `ROLLBACK`. (As a backstop, should a `COMMIT`
