@@ -12,7 +12,8 @@
 //! (default 8), `--seed N` (default 1; the same seed gives the same keys,
 //! order bodies and crash points), `--deadline SECONDS` (default 1800: operations
 //! still without a final answer then count as mismatched). `--server PATH` runs another
-//! `order_server` binary than the one next to this one.
+//! `order_server` binary than the one next to this one. `--mode claim-first|one-commit`
+//! sets the server's `IDEMPOTENCY_MODE` (default `claim-first`).
 //!
 //! It starts its own temporary PostgreSQL (as the order server does when
 //! `DATABASE_URL` is unset), runs the `order_server` example built next to
@@ -70,6 +71,8 @@ struct Args {
     /// reported as mismatched answers).
     deadline: Duration,
     server: Option<PathBuf>,
+    /// The server's `IDEMPOTENCY_MODE`.
+    mode: String,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -80,6 +83,7 @@ fn parse_args() -> Result<Args, String> {
         seed: 1,
         deadline: Duration::from_secs(1800),
         server: None,
+        mode: "claim-first".to_owned(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -95,9 +99,17 @@ fn parse_args() -> Result<Args, String> {
             "--seed" => args.seed = number(value()?)?,
             "--deadline" => args.deadline = Duration::from_secs(number(value()?)?),
             "--server" => args.server = Some(PathBuf::from(value()?)),
+            "--mode" => match value()?.as_str() {
+                mode @ ("claim-first" | "one-commit") => args.mode = mode.to_owned(),
+                other => {
+                    return Err(format!(
+                        "--mode: {other:?} is neither claim-first nor one-commit"
+                    ))
+                }
+            },
             "--help" | "-h" => {
                 return Err(
-                    "usage: chaos [--ops N] [--crashes N] [--clients N] [--seed N] [--deadline SECONDS] [--server PATH]"
+                    "usage: chaos [--ops N] [--crashes N] [--clients N] [--seed N] [--deadline SECONDS] [--server PATH] [--mode claim-first|one-commit]"
                         .into(),
                 )
             }
@@ -130,6 +142,8 @@ impl Rng {
 /// The order server child process, restarted after every crash.
 struct Server {
     binary: PathBuf,
+    /// Its `IDEMPOTENCY_MODE`.
+    mode: String,
     database_url: String,
     addr: String,
     log: PathBuf,
@@ -159,6 +173,7 @@ impl Server {
             .map_err(|e| format!("cannot open {}: {e}", self.log.display()))?;
         let mut child = Command::new(&self.binary)
             .env("DATABASE_URL", &self.database_url)
+            .env("IDEMPOTENCY_MODE", &self.mode)
             .env("ORDER_SERVER_ADDR", &self.addr)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -320,6 +335,32 @@ async fn operation(
             Final::Other(format!("{} {}", status.as_u16(), json["code"]))
         };
     }
+}
+
+/// The mode the server runs `POST /orders` in, as its `/metrics` shows it:
+/// only the one-commit mode exports `idempotency_commits_lost_total`.
+async fn served_mode(base: &str) -> Result<&'static str, String> {
+    let http: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let uri = format!("{base}/metrics")
+        .parse()
+        .map_err(|e| format!("{base}/metrics: {e}"))?;
+    let response = http
+        .get(uri)
+        .await
+        .map_err(|e| format!("GET /metrics: {e}"))?;
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("GET /metrics: {e}"))?
+        .to_bytes();
+    let lost = "idempotency_commits_lost_total{endpoint=\"POST /orders v1\"}";
+    Ok(if String::from_utf8_lossy(&body).contains(lost) {
+        "one-commit"
+    } else {
+        "claim-first"
+    })
 }
 
 /// What the database holds per logical operation.
@@ -486,6 +527,7 @@ async fn run() -> Result<bool, String> {
     let log = std::env::temp_dir().join(format!("chaos-order-server-{}.log", std::process::id()));
     let mut server = Server {
         binary,
+        mode: args.mode.clone(),
         database_url,
         addr: addr.clone(),
         log: log.clone(),
@@ -494,12 +536,20 @@ async fn run() -> Result<bool, String> {
     // The first start applies the migrations.
     server.start().await?;
     let base = format!("http://{addr}");
+    let mode = served_mode(&base).await?;
+    if mode != args.mode {
+        return Err(format!(
+            "the server runs POST /orders in the {mode} mode, not {}",
+            args.mode
+        ));
+    }
     eprintln!(
-        "chaos: {} operations, {} clients, {} crashes, seed {}; server log: {}",
+        "chaos: {} operations, {} clients, {} crashes, seed {}, mode {}; server log: {}",
         args.ops,
         args.clients,
         args.crashes,
         args.seed,
+        args.mode,
         log.display()
     );
 
@@ -614,6 +664,7 @@ async fn run() -> Result<bool, String> {
 
     println!("| measure | value |");
     println!("| --- | --- |");
+    println!("| mode | {mode} |");
     println!("| operations | {} |", args.ops);
     println!("| clients | {} |", args.clients);
     println!("| requests | {requests} |");

@@ -1,14 +1,15 @@
 //! A short process crash soak: the `chaos` example SIGKILLs the example
 //! order server at random moments while 8 clients retry their operations,
 //! restarts it, and checks the database with SQL; here its summary is held
-//! to the guarantees. (`TESTING.md` keeps a longer run.)
+//! to the guarantees, in both modes of `POST /orders`. (`TESTING.md` keeps
+//! a longer run.)
 
 #[path = "common/example_binary.rs"]
 mod example_binary;
 
 use std::collections::HashMap;
 
-use example_binary::{example, example_binary};
+use example_binary::{both_modes, example, example_binary, Mode};
 
 /// The summary table's rows, `| name | value |`, by name.
 fn summary(stdout: &str) -> HashMap<String, String> {
@@ -30,8 +31,7 @@ fn summary(stdout: &str) -> HashMap<String, String> {
         .collect()
 }
 
-#[test]
-fn sigkilled_server_leaves_one_order_event_result_and_charge_per_operation() {
+fn sigkilled_server_leaves_one_order_event_result_and_charge_per_operation(mode: Mode) {
     // The soak runs this server binary; both must be as new as their sources.
     let server = example_binary();
     let chaos = example("chaos", &["examples/chaos.rs", "Cargo.toml"]);
@@ -45,6 +45,8 @@ fn sigkilled_server_leaves_one_order_event_result_and_charge_per_operation() {
             "8",
             "--seed",
             "13",
+            "--mode",
+            mode.name(),
         ])
         .arg("--server")
         .arg(server)
@@ -62,6 +64,7 @@ fn sigkilled_server_leaves_one_order_event_result_and_charge_per_operation() {
             .parse()
             .unwrap_or_else(|_| panic!("{name:?} is {:?}\n{stdout}\n{stderr}", row(name)))
     };
+    assert_eq!(row("mode"), mode.name());
     assert_eq!(number("operations"), 120);
     assert_eq!(number("crashes"), 2, "the server was killed twice");
     assert!(
@@ -85,3 +88,5 @@ fn sigkilled_server_leaves_one_order_event_result_and_charge_per_operation() {
         output.status
     );
 }
+
+both_modes!(sync sigkilled_server_leaves_one_order_event_result_and_charge_per_operation);

@@ -16,7 +16,9 @@
 //!   the relay makes them again under the same derived keys (which a replay
 //!   cache in the providers' layers used to answer from memory instead).
 //!
-//! The outage figures are printed (run with `--nocapture` to see them).
+//! Each runs in both modes of `POST /orders` (`IDEMPOTENCY_MODE`), a
+//! cluster pair of its own per mode. The outage figures are printed (run
+//! with `--nocapture` to see them).
 
 #[path = "common/example_binary.rs"]
 mod example_binary;
@@ -45,7 +47,7 @@ use tokio::{
 };
 use tower_idempotency::testing::{Shutdown, TempPostgres};
 
-use example_binary::{example_binary, Answer};
+use example_binary::{both_modes, example_binary, Answer, Mode};
 use standby::{socket_dir, Standby, PORT};
 
 const TOKEN_A: &str = "demo-token-a";
@@ -211,9 +213,10 @@ struct Http {
 }
 
 impl Server {
-    async fn start(database_url: &str) -> Server {
+    async fn start(database_url: &str, mode: Mode) -> Server {
         let mut child = Command::new(example_binary())
             .env("DATABASE_URL", database_url)
+            .envs([mode.env()])
             .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -258,14 +261,16 @@ impl Server {
             .to_owned();
         let mut http = Client::builder(TokioExecutor::new());
         http.pool_idle_timeout(Duration::from_secs(5));
-        Server {
+        let server = Server {
             child,
             pid,
             http: Http {
                 base,
                 client: http.build_http(),
             },
-        }
+        };
+        mode.assert_serves(&server.http.metrics().await);
+        server
     }
 
     /// Asserts that the process started by the test is still the one running.
@@ -292,6 +297,21 @@ impl Server {
 }
 
 impl Http {
+    /// The text of `GET /metrics`.
+    async fn metrics(&self) -> String {
+        let request = Request::get(format!("{}/metrics", self.base))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let response = self.client.request(request).await.expect("server answers");
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        String::from_utf8(body.to_vec()).expect("UTF-8")
+    }
+
     /// POST /orders; `Err` when the transport failed.
     async fn post_order(&self, key: &str, body: &str) -> Result<Answer, String> {
         let request = Request::builder()
@@ -420,10 +440,9 @@ const ORDERS_PER_CLIENT: usize = 40;
 /// Creates answered before the primary is crashed.
 const CRASH_AFTER: usize = 30;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn synchronous_failover_under_load_loses_and_doubles_nothing() {
+async fn synchronous_failover_under_load_loses_and_doubles_nothing(mode: Mode) {
     let mut pair = Pair::start(true).await;
-    let mut server = Server::start(&pair.url).await;
+    let mut server = Server::start(&pair.url, mode).await;
     let log = Arc::new(Mutex::new(Log::default()));
     let crashed_at = Arc::new(Mutex::new(None::<Instant>));
     let answered = Arc::new(AtomicUsize::new(0));
@@ -468,9 +487,10 @@ async fn synchronous_failover_under_load_loses_and_doubles_nothing() {
         .expect("a request sent after the crash was created");
     let outage = first_after - crash;
     eprintln!(
-        "synchronous failover: {} creates ({} answered before the crash), {} answers 503 \
+        "synchronous failover, {}: {} creates ({} answered before the crash), {} answers 503 \
          store_unavailable, {} transport errors, {} replayed 201s; promotion done {:?} after \
          the crash; outage (crash to the first 201 of a request sent after it) {:?}; whole load {:?}",
+        mode.name(),
         log.created.len(),
         in_flight_at_crash,
         log.unavailable,
@@ -584,10 +604,9 @@ async fn synchronous_failover_under_load_loses_and_doubles_nothing() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order() {
+async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(mode: Mode) {
     let mut pair = Pair::start(false).await;
-    let mut server = Server::start(&pair.url).await;
+    let mut server = Server::start(&pair.url, mode).await;
     let primary_sql = connect(&db_config(&pair.primary, DB)).await;
     let no_crash = Mutex::new(None);
     let log = Mutex::new(Log::default());
@@ -811,11 +830,12 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         );
     }
     eprintln!(
-        "asynchronous failover: {} of {} acknowledged creates vanished (key row, order and event \
+        "asynchronous failover, {}: {} of {} acknowledged creates vanished (key row, order and event \
          together; {} of them had been charged on the old primary, and the charges vanished too), \
          {} kept ({} of their charges, made on the old primary, had reached the standby; the relay \
          made the others again, under the same derived keys, on the promoted primary); the retries (same keys) made {} new orders; {} answers 503 and {} \
          transport errors before the first retry was created, {:?} after the crash",
+        mode.name(),
         vanished,
         kept.len() + lost.len(),
         lost_charged_before,
@@ -833,3 +853,8 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         "graceful shutdown after the failover exits 0"
     );
 }
+
+both_modes!(
+    synchronous_failover_under_load_loses_and_doubles_nothing,
+    asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order,
+);

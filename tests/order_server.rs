@@ -5,7 +5,7 @@
 #[path = "common/example_binary.rs"]
 mod example_binary;
 
-use example_binary::{example_binary, Answer};
+use example_binary::{both_modes, example_binary, Answer, Mode};
 
 use std::{process::Stdio, time::Duration};
 
@@ -40,12 +40,15 @@ impl Answer {
 }
 
 impl Server {
-    async fn start(env: &[(&str, &str)]) -> Server {
+    /// Starts the server on a fresh database, with `POST /orders` in
+    /// `mode` and `env` on top of the defaults.
+    async fn start(mode: Mode, env: &[(&str, &str)]) -> Server {
         let db = TestDatabase::create().await;
         let mut child = Command::new(example_binary())
             .env("DATABASE_URL", db.connection_string())
             .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
+            .envs([mode.env()])
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -65,13 +68,15 @@ impl Server {
             .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
             .to_owned();
         let sql = db.client().await;
-        Server {
+        let server = Server {
             child,
             base,
             db,
             sql,
             http: Client::builder(TokioExecutor::new()).build_http(),
-        }
+        };
+        mode.assert_serves(&server.metrics().await);
+        server
     }
 
     async fn call(
@@ -180,9 +185,8 @@ fn order(checkout: &str) -> String {
     .to_string()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serves_the_contract_table() {
-    let server = Server::start(&[]).await;
+async fn serves_the_contract_table(mode: Mode) {
+    let server = Server::start(mode, &[]).await;
 
     // New order: 201, Location, the order body; order + outbox event + memory in the database.
     let created = server.place_order("key-1", "chk_123").await;
@@ -374,9 +378,8 @@ async fn serves_the_contract_table() {
     assert!(server.stop().await.success(), "graceful shutdown exits 0");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_concurrent_identical_requests_make_one_order() {
-    let server = std::sync::Arc::new(Server::start(&[]).await);
+async fn fifty_concurrent_identical_requests_make_one_order(mode: Mode) {
+    let server = std::sync::Arc::new(Server::start(mode, &[]).await);
     let body = order("chk_hot");
     let tasks: Vec<_> = (0..50)
         .map(|_| {
@@ -412,9 +415,8 @@ async fn fifty_concurrent_identical_requests_make_one_order() {
     assert_eq!(answers[0].json()["id"], order_id);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_that_disconnects_after_sending_gets_its_order_on_retry() {
-    let server = Server::start(&[]).await;
+async fn client_that_disconnects_after_sending_gets_its_order_on_retry(mode: Mode) {
+    let server = Server::start(mode, &[]).await;
     let body = order("chk_gone");
     let stream = server.send_raw("gone-key", &body).await;
     drop(stream);
@@ -452,9 +454,8 @@ async fn wait_for_blocked_insert(server: &Server) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn request_abandoned_mid_flight_commits_and_its_retry_replays() {
-    let server = std::sync::Arc::new(Server::start(&[]).await);
+async fn request_abandoned_mid_flight_commits_and_its_retry_replays(mode: Mode) {
+    let server = std::sync::Arc::new(Server::start(mode, &[]).await);
     let lock = server.lock_orders().await;
     let body = order("chk_abandoned");
     // The client goes away while its request owns the key.
@@ -482,9 +483,8 @@ async fn request_abandoned_mid_flight_commits_and_its_retry_replays() {
     assert_eq!(retry.json()["id"], order_id.as_str());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicate_of_a_running_request_is_told_in_progress() {
-    let server = std::sync::Arc::new(Server::start(&[("IDEMPOTENCY_WAIT", "300ms")]).await);
+async fn duplicate_of_a_running_request_is_told_in_progress(mode: Mode) {
+    let server = std::sync::Arc::new(Server::start(mode, &[("IDEMPOTENCY_WAIT", "300ms")]).await);
     // Hold the orders table so the first request stops inside its transaction.
     let lock = server.lock_orders().await;
     let first = tokio::spawn({
@@ -506,9 +506,8 @@ async fn duplicate_of_a_running_request_is_told_in_progress() {
     assert_eq!(server.count("SELECT count(*) FROM orders").await, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn database_outage_answers_503_and_the_retry_starts_afresh() {
-    let server = Server::start(&[]).await;
+async fn database_outage_answers_503_and_the_retry_starts_afresh(mode: Mode) {
+    let server = Server::start(mode, &[]).await;
     assert_eq!(
         server.place_order("warm", "chk_warm").await.status,
         StatusCode::CREATED
@@ -617,9 +616,8 @@ impl Server {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_order_is_charged_once_whatever_the_deliveries() {
-    let server = Server::start(&[]).await;
+async fn each_order_is_charged_once_whatever_the_deliveries(mode: Mode) {
+    let server = Server::start(mode, &[]).await;
     let mut orders = Vec::new();
     for i in 0..3 {
         let created = server
@@ -703,13 +701,27 @@ async fn each_order_is_charged_once_whatever_the_deliveries() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands() {
-    let server = Server::start(&[("IDEMPOTENCY_RETENTION", "1h")]).await;
+async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands(mode: Mode) {
+    let server = Server::start(mode, &[("IDEMPOTENCY_RETENTION", "1h")]).await;
     let first = server.place_order("retained", "chk_retained").await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let window: f64 = server.value("SELECT extract(epoch from expires_at - created_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'").await;
+    // The retention counts from when the key's record is written: the claim
+    // (`created_at`, its transaction's start) in the claim-first mode, the
+    // commit in the one-commit mode (docs/modes.md: the record goes in with
+    // the COMMIT; `completed_at` is that moment, and `created_at` there is
+    // the transaction's start, a handler's run earlier).
+    let written = match mode {
+        Mode::ClaimFirst => "created_at",
+        Mode::OneCommit => "completed_at",
+    };
+    let window: f64 = server
+        .value(&format!("SELECT extract(epoch from expires_at - {written})::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'"))
+        .await;
     assert_eq!(window, 3600.0, "IDEMPOTENCY_RETENTION sets expires_at");
+    let created_first: bool = server
+        .value("SELECT created_at <= completed_at AND completed_at < expires_at FROM idempotency_requests WHERE idempotency_key = 'retained'")
+        .await;
+    assert!(created_first, "created, completed, then expires");
     assert!(
         server
             .place_order("retained", "chk_retained")
@@ -741,9 +753,8 @@ async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands() {
     assert_eq!(row.get::<_, i16>(1), 409);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redelivery_after_the_providers_keys_expired_still_charges_once() {
-    let server = Server::start(&[]).await;
+async fn redelivery_after_the_providers_keys_expired_still_charges_once(mode: Mode) {
+    let server = Server::start(mode, &[]).await;
     let created = server.place_order("late", "chk_late").await;
     let order_id = created.order_id();
     server.wait_published(1).await;
@@ -771,9 +782,8 @@ async fn redelivery_after_the_providers_keys_expired_still_charges_once() {
     assert_eq!(charged, order_id);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_lets_an_abandoned_request_commit() {
-    let mut server = Server::start(&[]).await;
+async fn shutdown_lets_an_abandoned_request_commit(mode: Mode) {
+    let mut server = Server::start(mode, &[]).await;
     let lock = server.lock_orders().await;
     server
         .abandon_while_blocked("at-shutdown", &order("chk_shutdown"))
@@ -793,9 +803,8 @@ async fn shutdown_lets_an_abandoned_request_commit() {
     assert_eq!(state, "completed");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_route_but_health_and_metrics_needs_a_token() {
-    let server = Server::start(&[]).await;
+async fn every_route_but_health_and_metrics_needs_a_token(mode: Mode) {
+    let server = Server::start(mode, &[]).await;
     let unknown = server.get("/nope", &[]).await;
     assert_eq!(
         unknown.status_and_code(),
@@ -834,3 +843,44 @@ async fn every_route_but_health_and_metrics_needs_a_token() {
         "every outcome's series exists from the start:\n{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_idempotency_mode_stops_the_start_in_one_line() {
+    // Refused before the database is reached: this one is never connected to.
+    let out = Command::new(example_binary())
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:9/nothing")
+        .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+        .env("IDEMPOTENCY_MODE", "claim-later")
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "it never listened");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains("IDEMPOTENCY_MODE=\"claim-later\"")
+            && lines[0].contains("claim-first")
+            && lines[0].contains("one-commit"),
+        "names the variable, the value and the modes: {stderr}"
+    );
+}
+
+// Every test above posts orders: each runs in both modes of POST /orders.
+both_modes!(
+    serves_the_contract_table,
+    fifty_concurrent_identical_requests_make_one_order,
+    client_that_disconnects_after_sending_gets_its_order_on_retry,
+    request_abandoned_mid_flight_commits_and_its_retry_replays,
+    duplicate_of_a_running_request_is_told_in_progress,
+    database_outage_answers_503_and_the_retry_starts_afresh,
+    each_order_is_charged_once_whatever_the_deliveries,
+    expired_key_is_a_new_operation_but_the_checkout_rule_stands,
+    redelivery_after_the_providers_keys_expired_still_charges_once,
+    shutdown_lets_an_abandoned_request_commit,
+    every_route_but_health_and_metrics_needs_a_token,
+);

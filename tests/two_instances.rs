@@ -14,7 +14,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use example_binary::example_binary;
+use example_binary::{both_modes, commits_lost, example_binary, Mode};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::{
@@ -42,7 +42,7 @@ struct Instance {
 }
 
 impl Instance {
-    async fn start(db: &TestDatabase, name: &str, env: &[(&str, &str)]) -> Instance {
+    async fn start(db: &TestDatabase, name: &str, mode: Mode, env: &[(&str, &str)]) -> Instance {
         let mut child = Command::new(example_binary())
             .env(
                 "DATABASE_URL",
@@ -50,6 +50,7 @@ impl Instance {
             )
             .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
+            .envs([mode.env()])
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -73,8 +74,8 @@ impl Instance {
     }
 }
 
-/// Both instances (started together: both apply the migrations at once) and
-/// the test's own connection.
+/// Both instances (started together: both apply the migrations at once),
+/// with `POST /orders` in one mode, and the test's own connection.
 struct Pair {
     db: TestDatabase,
     instances: [Instance; 2],
@@ -97,19 +98,48 @@ impl Answer {
 }
 
 impl Pair {
-    async fn start(env: &[(&str, &str)]) -> Arc<Pair> {
+    async fn start(mode: Mode, env: &[(&str, &str)]) -> Arc<Pair> {
         let db = TestDatabase::create().await;
         let (a, b) = tokio::join!(
-            Instance::start(&db, INSTANCES[0], env),
-            Instance::start(&db, INSTANCES[1], env)
+            Instance::start(&db, INSTANCES[0], mode, env),
+            Instance::start(&db, INSTANCES[1], mode, env)
         );
         let sql = connect(&db, "observer").await;
-        Arc::new(Pair {
+        let pair = Arc::new(Pair {
             db,
             instances: [a, b],
             sql,
             http: Client::builder(TokioExecutor::new()).build_http(),
-        })
+        });
+        for i in 0..2 {
+            mode.assert_serves(&pair.metrics(i).await);
+        }
+        pair
+    }
+
+    /// The text of instance `i`'s `GET /metrics`.
+    async fn metrics(&self, i: usize) -> String {
+        let request = Request::get(format!("{}/metrics", self.instances[i].base))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let response = self.http.request(request).await.expect("server answers");
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        String::from_utf8(body.to_vec()).expect("UTF-8")
+    }
+
+    /// Lost commits of `POST /orders` over both instances (one-commit mode;
+    /// 0 in the claim-first mode, which commits only what it claimed).
+    async fn commits_lost(&self) -> u64 {
+        let mut lost = 0;
+        for i in 0..2 {
+            lost += commits_lost(&self.metrics(i).await).unwrap_or(0);
+        }
+        lost
     }
 
     /// Tenant A posts `order(checkout)` under `key` to instance `i % 2`.
@@ -237,10 +267,9 @@ fn p99(mut latencies: Vec<Duration>) -> Duration {
     latencies[rank - 1]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_duplicates_over_two_instances_make_one_order_with_one_answer() {
+async fn fifty_duplicates_over_two_instances_make_one_order_with_one_answer(mode: Mode) {
     let _serial = SERIAL.lock().await;
-    let pair = Pair::start(&[]).await;
+    let pair = Pair::start(mode, &[]).await;
     let body_checkout = "chk_split";
     let tasks: Vec<_> = (0..50)
         .map(|i| {
@@ -261,10 +290,14 @@ async fn fifty_duplicates_over_two_instances_make_one_order_with_one_answer() {
         answers.iter().all(|a| a.body == answers[0].body),
         "every client gets the same body, byte for byte"
     );
+    // Claim-first: one execution, every other answer its replay. One-commit:
+    // each instance may run the handler (docs/modes.md, "one commit wins"),
+    // but one commit wins and every loser rolls back and answers the
+    // winner's response, marked replayed: the same one original answer.
     assert_eq!(
         answers.iter().filter(|a| !a.replayed).count(),
         1,
-        "one execution; every other answer is its replay"
+        "one commit; every other answer is its replay"
     );
     assert_eq!(pair.count("SELECT count(*) FROM orders").await, 1);
     let order_id: String = pair
@@ -301,16 +334,22 @@ async fn fifty_duplicates_over_two_instances_make_one_order_with_one_answer() {
     assert_eq!(records[0].get::<_, &str>(0), "split-key");
     assert_eq!(records[0].get::<_, &str>(1), "completed");
     assert_eq!(records[0].get::<_, i16>(2), 201);
+    println!(
+        "{}: {} handler runs lost at commit and rolled back",
+        mode.name(),
+        pair.commits_lost().await
+    );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hot_key_storm_holds_a_couple_of_connections_per_instance_and_spares_other_keys() {
+async fn hot_key_storm_holds_a_couple_of_connections_per_instance_and_spares_other_keys(
+    mode: Mode,
+) {
     const STORM: usize = 500;
     const OTHERS: usize = 200;
     const CONCURRENCY: usize = 8;
     let _serial = SERIAL.lock().await;
     // Duplicates wait for the storm's first request rather than give up.
-    let pair = Pair::start(&[("IDEMPOTENCY_WAIT", "60s")]).await;
+    let pair = Pair::start(mode, &[("IDEMPOTENCY_WAIT", "60s")]).await;
 
     // Warm up (pools filled, statements prepared), then other keys without the storm.
     pair.create_others("warm", 4 * CONCURRENCY, CONCURRENCY)
@@ -335,9 +374,11 @@ async fn hot_key_storm_holds_a_couple_of_connections_per_instance_and_spares_oth
             tokio::spawn(async move { pair.place_order(i, "storm-key", "chk_storm").await })
         })
         .collect();
-    // Both instances have reached the database for the storm: one request's
-    // insert waits on the test's order, the other instance's claim on that
-    // request's key.
+    // Both instances have reached the database for the storm: claim-first,
+    // one request's insert waits on the test's order, the other instance's
+    // claim on that request's key; one-commit, each instance's request runs
+    // the handler (nothing is claimed first), and both inserts wait on the
+    // test's order.
     let deadline = Instant::now() + Duration::from_secs(30);
     let waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
                    AND application_name IN ('order-a', 'order-b') AND wait_event_type = 'Lock'";
@@ -426,4 +467,114 @@ async fn hot_key_storm_holds_a_couple_of_connections_per_instance_and_spares_oth
             .await,
         expected
     );
+    println!(
+        "{}: {} handler runs lost at commit and rolled back",
+        mode.name(),
+        pair.commits_lost().await
+    );
 }
+
+/// The same key for two different orders, one on each instance, the first
+/// still running when the second arrives: one of them is created, the other
+/// is told `409 idempotency_key_reused`, and nothing of the refused one
+/// remains. Which one wins is each mode's rule: the first to claim the key
+/// (claim-first), the first to commit it (one-commit, docs/modes.md: the
+/// loser's handler ran and its order was rolled back).
+async fn one_key_for_two_orders_on_two_instances_creates_one_and_refuses_the_other(mode: Mode) {
+    let _serial = SERIAL.lock().await;
+    let pair = Pair::start(mode, &[("IDEMPOTENCY_WAIT", "60s")]).await;
+    // The first request's insert waits on an uncommitted order of the test's.
+    let holder = connect(&pair.db, "holder").await;
+    holder
+        .batch_execute(
+            "BEGIN; INSERT INTO orders (tenant_id, checkout_id, currency, items, total, shipping_address_id) \
+             VALUES ('tenant-a', 'chk_reuse_first', 'JPY', '[]', 0, 'addr_1')",
+        )
+        .await
+        .unwrap();
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                   AND application_name IN ('order-a', 'order-b') AND wait_event_type = 'Lock'";
+    let first = tokio::spawn({
+        let pair = pair.clone();
+        async move { pair.place_order(0, "reused-key", "chk_reuse_first").await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pair.count(waiting).await < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the first request never reached its insert"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let second = tokio::spawn({
+        let pair = pair.clone();
+        async move { pair.place_order(1, "reused-key", "chk_reuse_second").await }
+    });
+    // Claim-first: the second waits on the first's claim. One-commit: it
+    // runs and commits on its own.
+    while !second.is_finished() && pair.count(waiting).await < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the second request neither waited nor ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    let (won, lost, won_checkout, lost_checkout) = match mode {
+        Mode::ClaimFirst => (first, second, "chk_reuse_first", "chk_reuse_second"),
+        Mode::OneCommit => (second, first, "chk_reuse_second", "chk_reuse_first"),
+    };
+    assert_eq!(won.status, StatusCode::CREATED, "{:?}", won.json());
+    assert!(!won.replayed);
+    assert_eq!(won.json()["checkout_id"], won_checkout);
+    assert_eq!(lost.status, StatusCode::CONFLICT, "{:?}", lost.json());
+    assert_eq!(lost.json()["code"], "idempotency_key_reused");
+    let orders: Vec<String> = pair
+        .sql
+        .query("SELECT checkout_id FROM orders", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        orders,
+        [won_checkout],
+        "no order of {lost_checkout} remains"
+    );
+    assert_eq!(
+        pair.count("SELECT count(*) FROM outbox_events").await,
+        1,
+        "one OrderCreated event"
+    );
+    let record = pair
+        .sql
+        .query_one(
+            "SELECT state, response_status, resource_id FROM idempotency_requests \
+             WHERE endpoint = 'POST /orders v1' AND idempotency_key = 'reused-key'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(record.get::<_, &str>(0), "completed");
+    assert_eq!(record.get::<_, i16>(1), 201);
+    assert_eq!(record.get::<_, Option<&str>>(2), won.json()["id"].as_str());
+    // Both instances replay the winner's answer to its own request, and
+    // refuse the other's.
+    for i in 0..2 {
+        let replay = pair.place_order(i, "reused-key", won_checkout).await;
+        assert!(replay.replayed);
+        assert_eq!(replay.body, won.body);
+        let refused = pair.place_order(i, "reused-key", lost_checkout).await;
+        assert_eq!(refused.status, StatusCode::CONFLICT);
+        assert_eq!(refused.json()["code"], "idempotency_key_reused");
+    }
+    assert_eq!(pair.count("SELECT count(*) FROM orders").await, 1);
+}
+
+both_modes!(
+    fifty_duplicates_over_two_instances_make_one_order_with_one_answer,
+    hot_key_storm_holds_a_couple_of_connections_per_instance_and_spares_other_keys,
+    one_key_for_two_orders_on_two_instances_creates_one_and_refuses_the_other,
+);

@@ -24,6 +24,42 @@ pub(crate) struct Settings {
     /// Attempts a fulfilment gets (first run, takeovers, recovery) before
     /// it ends `failed`.
     pub(crate) max_attempts: u32,
+    /// `IDEMPOTENCY_MODE`: how `POST /orders` is made idempotent.
+    pub(crate) mode: Mode,
+}
+
+/// How `POST /orders` is made idempotent (`IDEMPOTENCY_MODE`). The answers
+/// are the same in both; what differs is who may run the handler and what
+/// a create costs (the guide `docs/modes.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// `claim-first`, the default mode: the key is claimed before the
+    /// handler runs, and one owner runs it.
+    ClaimFirst,
+    /// `one-commit`: the key's record is inserted with the commit; of
+    /// duplicates that reach several instances at once, one commit wins and
+    /// every other rolls back and answers the winner's response.
+    OneCommit,
+}
+
+impl Mode {
+    /// The value `IDEMPOTENCY_MODE` takes for this mode.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Mode::ClaimFirst => "claim-first",
+            Mode::OneCommit => "one-commit",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Mode, String> {
+        match text.trim() {
+            "claim-first" => Ok(Mode::ClaimFirst),
+            "one-commit" => Ok(Mode::OneCommit),
+            other => Err(format!(
+                "IDEMPOTENCY_MODE={other:?} is neither claim-first nor one-commit"
+            )),
+        }
+    }
 }
 
 impl Settings {
@@ -70,6 +106,7 @@ impl Settings {
             max_attempts: parse_attempts(
                 &var("IDEMPOTENCY_MAX_ATTEMPTS").unwrap_or_else(|| "5".into()),
             )?,
+            mode: Mode::parse(&var("IDEMPOTENCY_MODE").unwrap_or_else(|| "claim-first".into()))?,
         })
     }
 }

@@ -12,7 +12,9 @@
 //! store is built for the pooler whenever the URL is given unless
 //! `DATABASE_POOL_MODE=direct` (see the `deploying` guide), and the
 //! server's own statements outside a transaction are typed, one round trip
-//! each.
+//! each. `IDEMPOTENCY_MODE=one-commit` runs `POST /orders` in the
+//! one-commit mode (the key's record inserted with the `COMMIT`) instead of
+//! the default `claim-first`; the answers are the same.
 
 mod auth;
 mod config;
@@ -22,7 +24,7 @@ mod orders;
 mod schema;
 mod warehouse;
 
-use std::{sync::Arc, time::Duration};
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use axum::{
     extract::State,
@@ -129,6 +131,27 @@ async fn run() -> Result<(), String> {
             // idempotency_requests rows directly; a replay cache would keep
             // answering from memory for up to its TTL.
             .without_replay_cache();
+    // IDEMPOTENCY_MODE: the same answers either way. In the one-commit mode
+    // the key's record goes in with the COMMIT (no claim round trip); sound
+    // here because every effect of orders::create is a row of its
+    // transaction (the order and its outbox event). Without a replay cache,
+    // a retry runs the handler again there, loses at commit, rolls back and
+    // answers the record (idempotency_commits_lost_total counts it). The
+    // fulfilment below stays long-running: it calls a slow warehouse.
+    let (create_order, orders_drained): (_, Pin<Box<dyn Future<Output = ()> + Send>>) =
+        match settings.mode {
+            config::Mode::ClaimFirst => (
+                post(orders::create).layer(idempotency.clone()),
+                Box::pin(idempotency.drained()),
+            ),
+            config::Mode::OneCommit => {
+                let idempotency = idempotency.claim_at_commit();
+                (
+                    post(orders::create).layer(idempotency.clone()),
+                    Box::pin(idempotency.drained()),
+                )
+            }
+        };
     let warehouse = warehouse::WarehouseClient::new(store.clone(), settings.fulfilment_delay);
     let fulfilment = IdempotencyLayer::new(
         store.clone(),
@@ -151,7 +174,7 @@ async fn run() -> Result<(), String> {
     );
     // Everything but /healthz and /metrics needs a token, unknown routes included.
     let protected = Router::new()
-        .route("/orders", post(orders::create).layer(idempotency.clone()))
+        .route("/orders", create_order)
         .route("/orders/{id}", get(orders::get))
         .route(
             "/orders/{id}/fulfilment",
@@ -212,7 +235,7 @@ async fn run() -> Result<(), String> {
     });
 
     println!("listening on http://{addr}");
-    tracing::info!(%addr, retention = ?settings.retention, wait = ?settings.wait, lease = ?settings.lease, fulfilment_delay = ?settings.fulfilment_delay, "order server started; outbox relay and fulfilment recovery running");
+    tracing::info!(%addr, mode = settings.mode.name(), retention = ?settings.retention, wait = ?settings.wait, lease = ?settings.lease, fulfilment_delay = ?settings.fulfilment_delay, "order server started; outbox relay and fulfilment recovery running");
     axum::serve(listener, app)
         .with_graceful_shutdown(until_stopped(stopped))
         .await
@@ -223,7 +246,7 @@ async fn run() -> Result<(), String> {
     // Requests whose clients left, and fulfilments (whose work always runs
     // on a task of its own), run on; let them commit before the database goes.
     let drained = async {
-        tokio::join!(idempotency.drained(), fulfilment.drained());
+        tokio::join!(orders_drained, fulfilment.drained());
     };
     if tokio::time::timeout(
         settings

@@ -1,8 +1,106 @@
 //! The examples' binaries, for the process-level tests (shared by
-//! `tests/order_server.rs`, `tests/fulfilment.rs`, `tests/two_instances.rs`
-//! and `tests/chaos.rs`).
+//! `tests/order_server.rs`, `tests/fulfilment.rs`, `tests/two_instances.rs`,
+//! `tests/chaos.rs`, `tests/failover.rs`, the pooler's and others), and the
+//! two modes the order server's `POST /orders` runs in ([`Mode`],
+//! [`both_modes!`]).
 // Each test binary uses part of this module.
 #![allow(dead_code)]
+
+/// How the example order server makes `POST /orders` idempotent: its
+/// `IDEMPOTENCY_MODE`. Its HTTP contract is the same in both; the process
+/// tests of `POST /orders` run in each (see [`both_modes!`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// `claim-first`, the default mode: the key is claimed before the
+    /// handler runs; one owner runs it.
+    ClaimFirst,
+    /// `one-commit`: the key's record is inserted with the `COMMIT`. One
+    /// commit wins; duplicates that reach two processes at once may both
+    /// run the handler, and the loser rolls back and answers the winner's
+    /// response (docs/modes.md).
+    OneCommit,
+}
+
+impl Mode {
+    /// Both modes, the default first.
+    pub(crate) const BOTH: [Mode; 2] = [Mode::ClaimFirst, Mode::OneCommit];
+
+    /// The value of `IDEMPOTENCY_MODE` for this mode.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Mode::ClaimFirst => "claim-first",
+            Mode::OneCommit => "one-commit",
+        }
+    }
+
+    /// The server's environment entry that selects this mode.
+    pub(crate) fn env(self) -> (&'static str, &'static str) {
+        ("IDEMPOTENCY_MODE", self.name())
+    }
+
+    /// Fails unless `metrics` (the text of `GET /metrics`) comes from a
+    /// server whose `POST /orders` runs in this mode: only the one-commit
+    /// mode exports `idempotency_commits_lost_total` for it, at 0 from the
+    /// start. A test of both modes that ran one of them twice would pass
+    /// without this.
+    pub(crate) fn assert_serves(self, metrics: &str) {
+        assert_eq!(
+            commits_lost(metrics).is_some(),
+            self == Mode::OneCommit,
+            "the server does not run POST /orders in the {} mode:\n{metrics}",
+            self.name()
+        );
+    }
+}
+
+/// `idempotency_commits_lost_total` of `POST /orders v1` in `metrics` (the
+/// text of `GET /metrics`): one-commit requests whose handler ran and whose
+/// commit lost to another commit of the key. `None` when the series is not
+/// exported (the claim-first mode).
+pub(crate) fn commits_lost(metrics: &str) -> Option<u64> {
+    metrics.lines().find_map(|line| {
+        line.strip_prefix("idempotency_commits_lost_total{endpoint=\"POST /orders v1\"} ")
+            .map(|n| n.trim().parse().expect("a counter's value"))
+    })
+}
+
+/// `both_modes!(test_fn, …)`: for each `async fn test_fn(mode: Mode)`, a
+/// module `test_fn` holding two tests, `test_fn::claim_first` and
+/// `test_fn::one_commit`, each running it in its mode (`cargo test
+/// one_commit` runs every test of the one-commit mode). `both_modes!(sync
+/// test_fn, …)` does the same for a blocking `fn test_fn(mode: Mode)`.
+// Only the tests of POST /orders use it.
+#[allow(unused_macros)]
+macro_rules! both_modes {
+    (sync $($test:ident),+ $(,)?) => {$(
+        mod $test {
+            #[test]
+            fn claim_first() {
+                super::$test(crate::example_binary::Mode::ClaimFirst)
+            }
+
+            #[test]
+            fn one_commit() {
+                super::$test(crate::example_binary::Mode::OneCommit)
+            }
+        }
+    )+};
+    ($($test:ident),+ $(,)?) => {$(
+        mod $test {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn claim_first() {
+                super::$test(crate::example_binary::Mode::ClaimFirst).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn one_commit() {
+                super::$test(crate::example_binary::Mode::OneCommit).await
+            }
+        }
+    )+};
+}
+#[allow(unused_imports)]
+pub(crate) use both_modes;
 
 /// The example order server's binary (see [`example`]).
 pub(crate) fn example_binary() -> std::path::PathBuf {

@@ -2,8 +2,9 @@
 //! PgBouncer in transaction pooling mode (a server pool of 4 under the
 //! server's pool of 32), checked with the same row assertions as its direct
 //! tests: an order and its replay, 50 concurrent duplicates, the outbox
-//! delivering the charges, and a fulfilment answered 202 and then shipped.
-//! Its log must not mention a prepared statement.
+//! delivering the charges, and a fulfilment answered 202 and then shipped;
+//! with `POST /orders` in each of its modes. Its log must not mention a
+//! prepared statement.
 
 use std::{
     process::Stdio,
@@ -24,7 +25,7 @@ use tower_idempotency::{outbox::derive_tenant_key, testing::TestDatabase};
 
 use crate::{
     common::pgbouncer::PgBouncer,
-    example_binary::{example_binary, Answer},
+    example_binary::{both_modes, example_binary, Answer, Mode},
 };
 
 const TOKEN_A: &str = "demo-token-a";
@@ -39,9 +40,10 @@ struct Server {
 }
 
 impl Server {
-    async fn start(database_url: &str) -> Server {
+    async fn start(database_url: &str, mode: Mode) -> Server {
         let mut child = Command::new(example_binary())
             .env("DATABASE_URL", database_url)
+            .envs([mode.env()])
             .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .env("FULFILMENT_DELAY", "2s")
@@ -81,12 +83,15 @@ impl Server {
                 )
             })
             .to_owned();
-        Server {
+        let server = Server {
             child,
             base,
             log,
             http: Client::builder(TokioExecutor::new()).build_http(),
-        }
+        };
+        let metrics = server.call(Method::GET, "/metrics", None, "").await;
+        mode.assert_serves(&String::from_utf8_lossy(&metrics.body));
+        server
     }
 
     async fn call(&self, method: Method, path: &str, key: Option<&str>, body: &str) -> Answer {
@@ -152,11 +157,10 @@ async fn eventually<Fut: std::future::Future<Output = bool>>(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_order_server_keeps_its_contract_through_pgbouncer() {
+async fn the_order_server_keeps_its_contract_through_pgbouncer(mode: Mode) {
     let db = TestDatabase::create().await;
     let bouncer = PgBouncer::start(&db.config());
-    let server = Arc::new(Server::start(&bouncer.url(db.name())).await);
+    let server = Arc::new(Server::start(&bouncer.url(db.name()), mode).await);
     let sql = db.client().await;
     let count = |query: &'static str, params: Vec<String>| {
         let sql = &sql;
@@ -350,3 +354,5 @@ async fn the_order_server_keeps_its_contract_through_pgbouncer() {
     );
     drop(bouncer);
 }
+
+both_modes!(the_order_server_keeps_its_contract_through_pgbouncer);
