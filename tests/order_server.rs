@@ -705,17 +705,11 @@ async fn expired_key_is_a_new_operation_but_the_checkout_rule_stands(mode: Mode)
     let server = Server::start(mode, &[("IDEMPOTENCY_RETENTION", "1h")]).await;
     let first = server.place_order("retained", "chk_retained").await;
     assert_eq!(first.status, StatusCode::CREATED);
-    // The retention counts from when the key's record is written: the claim
-    // (`created_at`, its transaction's start) in the claim-first mode, the
-    // commit in the one-commit mode (docs/modes.md: the record goes in with
-    // the COMMIT; `completed_at` is that moment, and `created_at` there is
-    // the transaction's start, a handler's run earlier).
-    let written = match mode {
-        Mode::ClaimFirst => "created_at",
-        Mode::OneCommit => "completed_at",
-    };
+    // The retention counts from when the key's record is written
+    // (`created_at`): the claim in the claim-first mode, the commit in the
+    // one-commit mode (docs/modes.md: the record goes in with the COMMIT).
     let window: f64 = server
-        .value(&format!("SELECT extract(epoch from expires_at - {written})::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'"))
+        .value("SELECT extract(epoch from expires_at - created_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'retained'")
         .await;
     assert_eq!(window, 3600.0, "IDEMPOTENCY_RETENTION sets expires_at");
     let created_first: bool = server

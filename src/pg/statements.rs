@@ -86,7 +86,9 @@ pub(crate) const SESSION_RESET: &str =
 // rolls the handler's writes back: division by zero does that (SQLSTATE
 // 22012, which no other part of the statement can raise). A takeover
 // clears what the old record carried (an operation's id, lease, request).
-// Retention counts from this commit, and expiry is judged at it too
+// The record is created at this commit (`created_at` too: the
+// transaction's start is the handler's, not the record's). Retention counts
+// from this commit, and expiry is judged at it too
 // (`statement_timestamp()`, not `now()`, which is the transaction's start:
 // a record that expired while the handler worked is free at commit, on
 // every store alike; the conformance check
@@ -94,9 +96,9 @@ pub(crate) const SESSION_RESET: &str =
 pub(crate) const CLAIM_AT_COMMIT: &str = "WITH won AS ( \
          INSERT INTO idempotency_requests AS r \
              (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
-              response_headers, response_body, resource_id, completed_at, expires_at) \
+              response_headers, response_body, resource_id, created_at, completed_at, expires_at) \
          VALUES ($1::text, $2::text, $3::text, $4::bytea, 'completed', $5::int2, $6::bytea, \
-             $7::bytea, $8::text, statement_timestamp(), \
+             $7::bytea, $8::text, statement_timestamp(), statement_timestamp(), \
              statement_timestamp() + make_interval(secs => $9::float8)) \
          ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
              request_fingerprint = EXCLUDED.request_fingerprint, state = 'completed', \

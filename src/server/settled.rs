@@ -202,7 +202,7 @@ impl<B, E> Settled<B, E> {
             Settled::ClaimFailed(e) => tracing::error!(error = %e, "claim failed"),
             Settled::Committed(parts, _) => tracing::info!(
                 status = parts.status.as_u16(),
-                "committed the response to remember (in the short mode, with the handler's writes)"
+                "committed the response to remember with the handler's writes"
             ),
             Settled::RolledBack(rollback) => {
                 let reason = match rollback {
