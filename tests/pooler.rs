@@ -13,7 +13,7 @@ mod order_server;
 
 use std::{
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     time::Duration,
@@ -691,4 +691,213 @@ async fn migrations_run_through_the_pooler_and_concurrently() {
     // Again: nothing to do, nothing doubled.
     stores[0].migrate().await.expect("migrating again");
     drop(bouncer);
+}
+
+/// Types the driver does not know (an enum, a domain, `citext`) in a
+/// handler's statements, through the pooler. Each driver looks such a type
+/// up once per connection with a statement of its own, prepared under a name
+/// on whichever server connection the transaction had: a name later reused
+/// on another server connection (`26000`), or left behind where another
+/// client prepares the same name (`42P05`), must not fail requests. A type
+/// created after the connections opened costs each connection at most one
+/// failed request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_types_in_handler_statements_work_through_the_pooler() {
+    let db = TestDatabase::create().await;
+    let client = db.client().await;
+    client.batch_execute(CUSTOM_TYPES).await.expect("the types");
+    let bouncer = PgBouncer::start(&db.config());
+    let store = pooled_store(&bouncer, &db, |builder| builder);
+    store.migrate().await.expect("migrations");
+    let late = Arc::new(AtomicBool::new(false));
+    let reads = late.clone();
+    let service = layer(store).layer(handler(move |tx: PgTx| {
+        let reads = reads.clone();
+        async move {
+            let id = new_order_id();
+            let read = async {
+                tx.execute(
+                    "INSERT INTO typed_orders (id, tenant_id) VALUES ($1, $2)",
+                    &[&id, &tx.tenant()],
+                )
+                .await
+                .map_err(|e| format!("INSERT {e:?}"))?;
+                let sql = typed_read(&reads);
+                tx.query_one(&sql, &[&id])
+                    .await
+                    .map_err(|e| format!("{sql} {e:?}"))
+            };
+            Ok(match read.await {
+                Ok(_) => created(id),
+                Err(e) => response(StatusCode::SERVICE_UNAVAILABLE, e),
+            })
+        }
+    }));
+    custom_types_scenario(service, &client, Some(&*late)).await;
+}
+
+/// The same for `SqlxStore`, whose pool loads the types into each new
+/// connection with `tower_idempotency::sqlx::load_types`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_types_in_sqlx_handler_statements_work_through_the_pooler() {
+    let db = TestDatabase::create().await;
+    let client = db.client().await;
+    client.batch_execute(CUSTOM_TYPES).await.expect("the types");
+    let bouncer = PgBouncer::start(&db.config());
+    let options = sqlx::postgres::PgConnectOptions::new()
+        .host("127.0.0.1")
+        .port(bouncer.port())
+        .username("postgres")
+        .database(db.name());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(APP_POOL as u32)
+        .after_connect(|conn, _| Box::pin(tower_idempotency::sqlx::load_types(conn)))
+        .connect_with(options)
+        .await
+        .expect("the pool connects through the pooler");
+    let store = SqlxStore::new(pool).transaction_pooling(true);
+    store.migrate().await.expect("migrations");
+    let late = Arc::new(AtomicBool::new(false));
+    let reads = late.clone();
+    let service = layer(store).layer(tower::util::BoxCloneService::new(tower::service_fn(
+        move |request: Request<RequestBody>| {
+            let reads = reads.clone();
+            async move {
+                let tx = request
+                    .extensions()
+                    .get::<SqlxTx>()
+                    .cloned()
+                    .ok_or("no transaction")?;
+                let id = new_order_id();
+                let mut conn = tx.conn().await?;
+                let read = async {
+                    sqlx::query("INSERT INTO typed_orders (id, tenant_id) VALUES ($1, $2)")
+                        .persistent(false)
+                        .bind(&id)
+                        .bind(tx.tenant())
+                        .execute(&mut *conn)
+                        .await?;
+                    sqlx::query(&typed_read(&reads))
+                        .persistent(false)
+                        .bind(&id)
+                        .fetch_one(&mut *conn)
+                        .await
+                };
+                Ok::<_, BoxError>(match read.await {
+                    Ok(_) => created(id),
+                    Err(e) => response(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                })
+            }
+        },
+    )));
+    // A type made after a connection opened is looked up as sqlx does it:
+    // the connections must be replaced (`load_types` says so); not run here.
+    custom_types_scenario(service, &client, None).await;
+}
+
+const CUSTOM_TYPES: &str = "CREATE EXTENSION IF NOT EXISTS citext; \
+     CREATE TYPE order_state AS ENUM ('new', 'paid'); \
+     CREATE DOMAIN positive_amount AS bigint CHECK (VALUE > 0); \
+     CREATE TABLE typed_orders (id text PRIMARY KEY, tenant_id text NOT NULL, \
+         state order_state NOT NULL DEFAULT 'new', amount positive_amount NOT NULL DEFAULT 1, \
+         email citext NOT NULL DEFAULT 'A@Example.com')";
+
+/// A read of one of the custom types' columns, each in turn, so that a
+/// connection meets them in different transactions; with `late`, also the
+/// column of a type made after the pools opened.
+fn typed_read(late: &AtomicBool) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let columns: &[&str] = match late.load(Ordering::SeqCst) {
+        false => &["state", "amount", "email"],
+        true => &["state", "amount", "email", "late"],
+    };
+    let column = columns[(NEXT.fetch_add(1, Ordering::Relaxed) as usize) % columns.len()];
+    format!("SELECT {column} FROM typed_orders WHERE id = $1")
+}
+
+/// Rounds of concurrent requests of `service`: none fails while the types
+/// stay as they were; after a new type is created, each connection fails
+/// at most one request, and the rounds after that none.
+async fn custom_types_scenario<S, B>(
+    service: S,
+    client: &tokio_postgres::Client,
+    late: Option<&AtomicBool>,
+) where
+    S: tower::Service<
+            Request<Full<Bytes>>,
+            Response = Response<tower_idempotency::ResponseBody<B>>,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let rounds = |name: &'static str, count: usize| {
+        let service = service.clone();
+        async move {
+            let mut failed = Vec::new();
+            for round in 0..count {
+                let requests: Vec<_> = (0..2 * APP_POOL)
+                    .map(|i| {
+                        spawn_send(
+                            service.clone(),
+                            tenant_a_post(&format!("{name}-{round}-{i}")),
+                        )
+                    })
+                    .collect();
+                for answer in requests {
+                    let answer = answer.await.unwrap();
+                    if answer.status != StatusCode::CREATED {
+                        failed.push(text(&answer));
+                    }
+                }
+            }
+            failed
+        }
+    };
+    let failed = rounds("typed", 4).await;
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    let count = || async {
+        client
+            .query_one("SELECT count(*) FROM typed_orders", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    assert_eq!(count().await, 4 * 2 * APP_POOL as i64, "a row per 201");
+    let Some(late) = late else {
+        return;
+    };
+    client
+        .batch_execute(
+            "CREATE TYPE late_state AS ENUM ('x'); \
+             ALTER TABLE typed_orders ADD COLUMN late late_state NOT NULL DEFAULT 'x'",
+        )
+        .await
+        .unwrap();
+    late.store(true, Ordering::SeqCst);
+    // A connection that meets the new type fails that request once and is
+    // then replaced; one that met it already never fails again.
+    let mut failed = rounds("late", 5).await;
+    let late_failures = failed.len() as i64;
+    assert!(
+        failed.len() <= APP_POOL,
+        "more than one failure per connection: {} {:?}",
+        failed.len(),
+        failed.first()
+    );
+    failed.retain(|f| !f.contains("26000") && !f.contains("does not exist"));
+    assert!(failed.is_empty(), "other failures: {failed:?}");
+    assert_eq!(
+        count().await,
+        (4 + 5) * 2 * APP_POOL as i64 - late_failures,
+        "a row per 201"
+    );
 }

@@ -38,6 +38,8 @@ pub(super) struct Conn {
     /// The one-commit mode's `BEGIN` while nothing but it has been sent:
     /// the transaction may still start over on another connection.
     restartable: Option<String>,
+    /// Closed instead of pooled again, however it ends (see [`Conn::poison`]).
+    poisoned: bool,
 }
 
 impl Conn {
@@ -55,7 +57,16 @@ impl Conn {
             connector,
             pool,
             restartable: None,
+            poisoned: false,
         }
+    }
+
+    /// Closes this connection when it is done, instead of pooling it again:
+    /// behind a transaction pooler, its driver named a statement on another
+    /// server connection (a type created since the connection opened was
+    /// looked up; see `types.rs`), and will again until replaced.
+    pub(super) fn poison(&mut self) {
+        self.poisoned = true;
     }
 
     /// Marks the transaction begun with `begin` as one that may start over
@@ -207,7 +218,7 @@ impl std::ops::Deref for Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         if let Some(object) = self.object.take() {
-            if !self.clean || object.is_closed() {
+            if !self.clean || self.poisoned || object.is_closed() {
                 drop(Object::take(object));
             }
         }

@@ -43,12 +43,14 @@ mod session;
 pub(crate) mod statements;
 pub(crate) mod tls;
 mod tx;
+mod types;
 
 pub use conn::PooledClient;
 pub use key_record::{KeyRecord, KeyState};
 pub use lease::{FencedTx, PgLease};
 pub use pool::PgStoreBuilder;
 pub use tx::{PgTx, TxError, TxErrorKind};
+pub use types::load_types;
 
 use error::map_error;
 

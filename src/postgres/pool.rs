@@ -4,7 +4,9 @@
 
 use std::{str::FromStr, time::Duration};
 
-use deadpool_postgres::{ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use deadpool_postgres::{
+    Hook, HookError, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
+};
 use tokio_postgres::{
     tls::{MakeTlsConnect, TlsConnect},
     Socket,
@@ -227,8 +229,17 @@ impl PgStoreBuilder {
                         recycling_method: RecyclingMethod::Fast,
                     },
                 );
-                Pool::builder(manager)
-                    .max_size(self.max_connections)
+                let mut pool = Pool::builder(manager);
+                if self.transaction_pooling {
+                    pool = pool.post_create(Hook::async_fn(|client, _| {
+                        Box::pin(async move {
+                            super::types::load_types(client)
+                                .await
+                                .map_err(HookError::Backend)
+                        })
+                    }));
+                }
+                pool.max_size(self.max_connections)
                     .runtime(Runtime::Tokio1)
                     .wait_timeout(Some(self.acquire_timeout))
                     .create_timeout(Some(self.connect_timeout))

@@ -129,10 +129,12 @@ mod finish;
 mod lease;
 pub(crate) mod migrations;
 mod tx;
+mod types;
 
 pub use conn::GuardedConnection;
 pub use lease::SqlxLease;
 pub use tx::{SqlxConn, SqlxTx};
+pub use types::load_types;
 
 /// One of the store's statements: prepared once per connection and cached
 /// by sqlx, or, behind a transaction pooler, unnamed (see

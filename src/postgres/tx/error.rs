@@ -89,6 +89,14 @@ impl TxError {
         }
     }
 
+    /// The server knows no prepared statement of the name the driver used
+    /// (`26000`), or has one of the name it meant to create (`42P05`).
+    pub(super) fn names_a_missing_statement(&self) -> bool {
+        self.code().is_some_and(|code| {
+            *code == SqlState::INVALID_SQL_STATEMENT_NAME || *code == SqlState::DUPLICATE_PSTATEMENT
+        })
+    }
+
     /// The category.
     pub fn kind(&self) -> TxErrorKind {
         self.kind

@@ -56,6 +56,11 @@ macro_rules! again_on_a_fresh_connection {
             (result, _) => result,
         };
         $conn.started();
+        if let Err(e) = &answered {
+            if $conn.unnamed() && e.names_a_missing_statement() {
+                $conn.poison();
+            }
+        }
         answered
     }};
 }
