@@ -1319,3 +1319,50 @@ async fn a_key_that_is_a_quoted_string_keeps_its_operation_through_recovery() {
     assert!(retry.replayed());
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// A retention shorter than the lease plus the recovery backoff: a released
+/// operation must still be there when it may be resumed, or its operation
+/// id, and the work keyed by it, would be forgotten and run again under a
+/// new one. The retention is raised to cover them.
+#[tokio::test]
+async fn a_retention_shorter_than_the_recovery_backoff_keeps_a_released_operation() {
+    let pg = Postgres::new().await;
+    pg.exec("CREATE TABLE charges (key text PRIMARY KEY, operation_id text NOT NULL, token bigint NOT NULL)")
+        .await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let handler = charge_once_then(FirstAttempt::BadGateway, calls.clone());
+    let retention = Duration::from_millis(300);
+    let layer = IdempotencyLayer::new(
+        pg.store.clone(),
+        ENDPOINT,
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .wait(Duration::from_millis(500))
+    .retention(retention)
+    .long_running(
+        LeaseConfig::new(LEASE)
+            .heartbeat(Duration::from_millis(100))
+            .respond_within(Duration::from_secs(5))
+            .recovery_backoff(Duration::from_secs(2), Duration::from_secs(2)),
+    );
+    let first = send(service(&layer, handler.clone()), tenant_a_post("k1")).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    let (_, _, _, id) = row(&pg, "k1").await.expect("the record stays");
+    let id = id.expect("an operation id");
+    // The behaviour under test is time passing: past the configured
+    // retention, within the lease plus the backoff.
+    tokio::time::sleep(retention * 3).await;
+    let retry = send(service(&layer, handler), tenant_a_post("k1")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(
+        retry.json()["operation_id"],
+        id.as_str(),
+        "the same operation"
+    );
+    assert_eq!(
+        pg.count("SELECT count(*) FROM charges").await,
+        1,
+        "charged once"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
