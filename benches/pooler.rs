@@ -12,6 +12,8 @@
 //! Environment: `POOLER_SECONDS` (per run, default 3), `POOLER_ROUNDS`
 //! (default 3). Needs PgBouncer (`apt-get install pgbouncer`).
 
+#[path = "support/create.rs"]
+mod create;
 #[path = "../tests/common/pgbouncer.rs"]
 #[allow(dead_code)]
 mod pgbouncer;
@@ -25,29 +27,17 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use create::{layered, Service, INSERT};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tokio_postgres::types::Type;
-use tower::{util::BoxCloneSyncService, ServiceExt};
-use tower_idempotency::{
-    fingerprint::JsonFingerprinter,
-    postgres::{PgStore, PgTx},
-    scope::SingleTenant,
-    testing::TempPostgres,
-    IdempotencyLayer, RequestBody,
-};
+use tower::ServiceExt;
+use tower_idempotency::{postgres::PgStore, testing::TempPostgres};
 
 /// The application pool; PgBouncer's server pool is 4 per database (as in
 /// the tests), so through it 16 clients share 4 server connections.
 const POOL: usize = 16;
 const CONCURRENCY: usize = 16;
-const INSERT: &str = "INSERT INTO orders (tenant_id, total) VALUES ($1, $2)";
-
-type Service = BoxCloneSyncService<
-    Request<Full<Bytes>>,
-    Response<tower_idempotency::ResponseBody<Full<Bytes>>>,
-    Box<dyn std::error::Error + Send + Sync>,
->;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Route {
@@ -235,34 +225,6 @@ async fn run(duration: Duration, rounds: usize) {
         rate(Route::Pooler, true, Work::Bare) / rate(Route::Direct, false, Work::Bare),
     );
     drop(bouncer);
-}
-
-/// The layer over a handler that inserts one order through the claim's
-/// transaction (one typed statement: the same in both statement modes).
-fn layered(store: PgStore) -> Service {
-    let handler = tower::service_fn(|request: Request<RequestBody>| async move {
-        let tx = request
-            .extensions()
-            .get::<PgTx>()
-            .cloned()
-            .ok_or("no transaction")?;
-        tx.execute_typed(INSERT, &[(&"bench", Type::TEXT), (&2400_i64, Type::INT8)])
-            .await?;
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
-            Response::builder()
-                .status(StatusCode::CREATED)
-                .body(Full::new(Bytes::from_static(b"{\"id\":1}")))
-                .expect("response"),
-        )
-    });
-    let layer = IdempotencyLayer::new(
-        store,
-        "POST /orders v1",
-        JsonFingerprinter::new("orders.v1"),
-    )
-    .tenant_resolver(SingleTenant::new("bench"))
-    .without_replay_cache();
-    BoxCloneSyncService::new(tower::Layer::layer(&layer, handler))
 }
 
 struct Target {

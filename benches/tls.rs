@@ -10,6 +10,8 @@
 //! Environment: `TLS_SECONDS` (per run, default 3), `TLS_ROUNDS` (default
 //! 3), `TLS_CONNECTIONS` (new connections timed each way, default 200).
 
+#[path = "support/create.rs"]
+mod create;
 #[path = "../tests/common/tls_server.rs"]
 mod tls_server;
 
@@ -19,26 +21,15 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use create::{layered, Service};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tls_server::{TlsServer, EITHER};
-use tokio_postgres::types::Type;
-use tower::{util::BoxCloneSyncService, ServiceExt};
-use tower_idempotency::{
-    fingerprint::JsonFingerprinter,
-    postgres::{PgStore, PgTx},
-    scope::SingleTenant,
-    IdempotencyLayer, RequestBody,
-};
+use tower::ServiceExt;
+use tower_idempotency::postgres::PgStore;
 
 const POOL: usize = 16;
 const CONCURRENCY: usize = 16;
-
-type Service = BoxCloneSyncService<
-    Request<Full<Bytes>>,
-    Response<tower_idempotency::ResponseBody<Full<Bytes>>>,
-    Box<dyn std::error::Error + Send + Sync>,
->;
 
 fn main() {
     let seconds = env("TLS_SECONDS", 3);
@@ -144,37 +135,6 @@ async fn run(duration: Duration, rounds: usize, connections: usize) {
         create_tls / create_plain,
         per(took[1]) - per(took[0])
     );
-}
-
-/// The layer over a handler that inserts one order through the claim's
-/// transaction.
-fn layered(store: PgStore) -> Service {
-    let handler = tower::service_fn(|request: Request<RequestBody>| async move {
-        let tx = request
-            .extensions()
-            .get::<PgTx>()
-            .cloned()
-            .ok_or("no transaction")?;
-        tx.execute_typed(
-            "INSERT INTO orders (tenant_id, total) VALUES ($1, $2)",
-            &[(&"bench", Type::TEXT), (&2400_i64, Type::INT8)],
-        )
-        .await?;
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
-            Response::builder()
-                .status(StatusCode::CREATED)
-                .body(Full::new(Bytes::from_static(b"{\"id\":1}")))
-                .expect("response"),
-        )
-    });
-    let layer = IdempotencyLayer::new(
-        store,
-        "POST /orders v1",
-        JsonFingerprinter::new("orders.v1"),
-    )
-    .tenant_resolver(SingleTenant::new("bench"))
-    .without_replay_cache();
-    BoxCloneSyncService::new(tower::Layer::layer(&layer, handler))
 }
 
 /// `CONCURRENCY` workers creating under fresh keys for `duration`: created
