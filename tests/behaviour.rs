@@ -278,10 +278,20 @@ async fn tenants_with_the_same_raw_key_stay_apart<B: Backend>(backend: B) {
 
 async fn expired_key_is_a_new_operation<B: Backend>(backend: B) {
     let calls = Arc::new(AtomicU64::new(0));
+    // The shortest retention a layer keeps: its handler's deadline plus the
+    // 5 s within which the work commits or is ended (see `retention`).
+    let deadline = std::time::Duration::from_millis(100);
     let service = layer(backend.store())
+        .handler_timeout(deadline)
         .retention(std::time::Duration::ZERO)
         .layer(order_handler::<B>(calls.clone()));
     let first = send(service.clone(), tenant_a_post("k1")).await;
+    assert!(
+        send(service.clone(), tenant_a_post("k1")).await.replayed(),
+        "a retention below the work's is raised to cover it"
+    );
+    // The behaviour under test is time passing: the raised retention ends.
+    tokio::time::sleep(deadline + std::time::Duration::from_millis(5300)).await;
     let second = send(service.clone(), tenant_a_post("k1")).await;
     assert!(!second.replayed(), "past retention the key is new again");
     assert_ne!(first.body, second.body);

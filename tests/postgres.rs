@@ -837,14 +837,18 @@ async fn replay_cache_answers_a_retry_from_memory_within_its_scope() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_cache_never_outlives_the_retention() {
     let pg = Postgres::new().await;
+    // The retention a layer keeps at the least: the handler's deadline
+    // plus 5 s (see `retention`).
+    let deadline = Duration::from_millis(100);
     let service = layer(pg.store.clone())
+        .handler_timeout(deadline)
         .retention(Duration::from_millis(600))
         .replay_cache(100, Duration::from_secs(3600))
         .layer(order_handler::<Postgres>(Default::default()));
     send(service.clone(), tenant_a_post("k1")).await;
     assert!(send(service.clone(), tenant_a_post("k1")).await.replayed());
     // The retention passes (the behaviour under test is time itself).
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(deadline + Duration::from_millis(5300)).await;
     let after = send(service, tenant_a_post("k1")).await;
     assert!(!after.replayed(), "expired: a new operation");
     assert_eq!(pg.orders().await.len(), 2);
