@@ -392,11 +392,10 @@ async fn sqlx_store_reaches_the_tls_only_server_with_verify_full() {
     assert!(chain(&error).contains("no encryption"), "{}", chain(&error));
 }
 
-/// The example server as a process, `DATABASE_URL` with `verify-full`: a
-/// create and its replay, every connection of the server encrypted; with
-/// another CA it does not start, and says why in one line.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_example_server_runs_over_tls_and_refuses_an_unverified_certificate() {
+/// The example server as a process, `DATABASE_URL` with `verify-full`, in
+/// both modes of `POST /orders`: a create and its replay, every connection
+/// of the server encrypted (the relay's `LISTEN` connection too).
+async fn the_example_server_serves_over_tls(mode: example_binary::Mode) {
     let server = server();
     let db = server.database().await;
     let url = server.url(
@@ -409,6 +408,7 @@ async fn the_example_server_runs_over_tls_and_refuses_an_unverified_certificate(
     let mut child = tokio::process::Command::new(example_binary::example_binary())
         .env("DATABASE_URL", &url)
         .env("DATABASE_POOL_MODE", "direct")
+        .env("IDEMPOTENCY_MODE", mode.name())
         .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
@@ -498,6 +498,21 @@ async fn the_example_server_runs_over_tls_and_refuses_an_unverified_certificate(
         .expect("the relay LISTENs in direct mode");
     assert!(listener_encrypted);
     child.kill().await.ok();
+}
+
+example_binary::both_modes!(the_example_server_serves_over_tls);
+
+/// With another CA the example server does not start, and says why in one
+/// line; an unknown `DATABASE_POOL_MODE` is refused the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_server_refuses_an_unverified_certificate() {
+    let server = server();
+    let db = server.database().await;
+    let url = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
+    );
 
     let refused = server.url(
         "localhost",
