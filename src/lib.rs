@@ -42,12 +42,12 @@ mod macros;
 pub mod memory;
 pub mod metrics;
 pub mod outbox;
-#[cfg(any(feature = "postgres", feature = "sqlx"))]
-mod pg;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 pub mod problem;
+#[cfg(any(feature = "postgres", feature = "sqlx"))]
+mod protocol;
 pub mod record;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

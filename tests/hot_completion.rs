@@ -23,10 +23,10 @@ const CREATES: i64 = 200;
 const STATS_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The columns the completion's `SET` list assigns, read from the statement
-/// itself (`COMPLETE` in `src/pg/statements.rs`), so that a column added to
+/// itself (`COMPLETE` in `src/protocol/statements.rs`), so that a column added to
 /// it later is checked too.
 fn completion_sets() -> BTreeSet<String> {
-    let source = include_str!("../src/pg/statements.rs");
+    let source = include_str!("../src/protocol/statements.rs");
     let start = source
         .find("pub(crate) const COMPLETE: &str = \"")
         .expect("COMPLETE is in statements.rs");

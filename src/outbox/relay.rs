@@ -15,8 +15,8 @@ use super::{
 };
 use crate::{
     metrics,
-    pg::statements::BEGIN,
     postgres::{statements::Sql, PgStore},
+    protocol::statements::BEGIN,
     store::StoreError,
 };
 

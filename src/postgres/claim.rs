@@ -11,7 +11,7 @@ use tokio_postgres::{
 };
 
 use super::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx};
-use crate::pg::{errors::ends_only_the_statement, statements::BEGIN};
+use crate::protocol::{errors::ends_only_the_statement, statements::BEGIN};
 use crate::store::{Claim, ClaimRequest, StoreError, StoreErrorKind};
 
 // Parameters carry explicit casts so their types are fixed by the SQL text:

@@ -16,7 +16,7 @@ use super::{
     PgStore, PgTx,
 };
 use crate::{
-    pg::statements::{CLAIM_AT_COMMIT, LOST_AT_COMMIT},
+    protocol::statements::{CLAIM_AT_COMMIT, LOST_AT_COMMIT},
     record::StoredResponse,
     store::{ClaimRequest, CommitStore, Committed, StoreError, StoreErrorKind},
 };

@@ -11,7 +11,7 @@ use std::{fmt, time::Duration};
 use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
-use crate::pg::statements::SESSION_RESET_STATEMENTS;
+use crate::protocol::statements::SESSION_RESET_STATEMENTS;
 use crate::store::{StoreError, StoreErrorKind};
 
 /// A pooled connection that may be inside a transaction.

@@ -24,7 +24,7 @@ pub(super) fn record(row: &Row) -> Result<Option<Record>, StoreError> {
 /// [`record`], for the same six columns starting at column `at`.
 pub(super) fn record_at(row: &Row, at: usize) -> Result<Option<Record>, StoreError> {
     let state: &str = row.try_get(at + 1).map_err(|_| corrupt("state"))?;
-    if !crate::pg::lease::answered(state) {
+    if !crate::protocol::lease::answered(state) {
         return Ok(None);
     }
     let fingerprint: &[u8] = row.try_get(at).map_err(|_| corrupt("fingerprint"))?;

@@ -1,7 +1,7 @@
 //! Driver errors sorted into the store's stable [`StoreErrorKind`]s.
 
 use crate::{
-    pg::errors::kind_of,
+    protocol::errors::kind_of,
     store::{StoreError, StoreErrorKind},
 };
 

@@ -12,9 +12,9 @@ use super::{
     PgTx,
 };
 use crate::{
-    pg::errors::ends_only_the_statement,
-    pg::statements::{COMPLETE, FENCED_CHECK},
-    pg::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
+    protocol::errors::ends_only_the_statement,
+    protocol::statements::{COMPLETE, FENCED_CHECK},
+    protocol::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };

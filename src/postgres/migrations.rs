@@ -1,5 +1,5 @@
 //! The migration runner's [`Transport`] on a [`Session`]; the runner and the
-//! migrations are in `crate::pg::migrations`.
+//! migrations are in `crate::protocol::migrations`.
 
 use tokio_postgres::types::Type;
 
@@ -7,7 +7,7 @@ use super::{
     session::{Committed, Session},
     statements::Sql,
 };
-use crate::pg::migrations::{self, Transport, APPLIED, INDEX_VALID, RECORD};
+use crate::protocol::migrations::{self, Transport, APPLIED, INDEX_VALID, RECORD};
 use crate::store::{StoreError, StoreErrorKind};
 
 const APPLIED_SQL: Sql<'static> = Sql::new(APPLIED, &[]);

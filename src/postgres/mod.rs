@@ -143,7 +143,7 @@ impl PgStore {
     }
 }
 
-crate::pg::forward_store!(PgStore, PgTx);
+crate::protocol::forward_store!(PgStore, PgTx);
 
 /// Long-running operations; see [`lease`](crate::lease) and [`PgLease`].
 impl LeaseStore for PgStore {

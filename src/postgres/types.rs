@@ -15,7 +15,7 @@
 
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-use crate::pg::statements::USER_TYPES;
+use crate::protocol::statements::USER_TYPES;
 
 /// Types per loading statement.
 const CHUNK: usize = 200;

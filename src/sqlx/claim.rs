@@ -15,7 +15,7 @@ use super::{
 };
 use crate::{
     fingerprint::Fingerprint,
-    pg::lease::answered,
+    protocol::lease::answered,
     record::{Record, ResourceId, StoredResponse},
     store::{Claim, ClaimRequest, StoreError, StoreErrorKind},
 };

@@ -20,7 +20,7 @@ use ::sqlx::{
     Describe, Either, Execute, Executor, PgConnection, PgPool, Postgres,
 };
 
-use crate::pg::{
+use crate::protocol::{
     lexer::{self, Refusal},
     statements::{BEGIN, SESSION_RESET},
 };

@@ -1,9 +1,9 @@
 //! sqlx errors sorted into the store's stable [`StoreErrorKind`]s, by
 //! SQLSTATE for the server's errors.
 
-pub(super) use crate::pg::errors::LOCK_NOT_AVAILABLE;
+pub(super) use crate::protocol::errors::LOCK_NOT_AVAILABLE;
 use crate::{
-    pg::errors::kind_of,
+    protocol::errors::kind_of,
     store::{StoreError, StoreErrorKind},
 };
 

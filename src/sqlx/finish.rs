@@ -11,8 +11,8 @@ use super::{
     query, SqlxTx,
 };
 use crate::{
-    pg::statements::{COMPLETE, FENCED_CHECK},
-    pg::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
+    protocol::statements::{COMPLETE, FENCED_CHECK},
+    protocol::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };

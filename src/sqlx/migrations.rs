@@ -1,11 +1,11 @@
 //! The migration runner's [`Transport`] on one of the pool's connections;
-//! the runner and the migrations are in `crate::pg::migrations`.
+//! the runner and the migrations are in `crate::protocol::migrations`.
 
 use ::sqlx::{pool::PoolConnection, Executor as _, PgPool, Postgres};
 
 use super::{error::map_error, query};
 use crate::{
-    pg::migrations::{self, Transport, APPLIED, INDEX_VALID, RECORD},
+    protocol::migrations::{self, Transport, APPLIED, INDEX_VALID, RECORD},
     store::StoreError,
 };
 

@@ -224,4 +224,4 @@ impl SqlxStore {
     }
 }
 
-crate::pg::forward_store!(SqlxStore, SqlxTx);
+crate::protocol::forward_store!(SqlxStore, SqlxTx);

@@ -14,8 +14,8 @@ use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use super::{conn::GuardedConnection, finish::finished};
 use crate::{
     key::IdempotencyKey,
-    pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
-    pg::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
+    protocol::identity::{tx_accessors, Identity, Tx, TxIdentity},
+    protocol::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     scope::Scope,
     store::{StoreError, StoreErrorKind},
 };

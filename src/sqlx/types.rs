@@ -4,7 +4,7 @@ use std::{future::Future, pin::Pin};
 
 use ::sqlx::{postgres::PgConnection, Connection as _, Executor as _};
 
-use crate::pg::statements::USER_TYPES;
+use crate::protocol::statements::USER_TYPES;
 
 /// Types per loading statement.
 const CHUNK: usize = 200;

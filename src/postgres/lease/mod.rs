@@ -5,7 +5,7 @@
 use std::{fmt, sync::Arc};
 
 use super::{PgStore, PgTx, TxError};
-use crate::pg::identity::{lease_accessors, LeaseIdentity};
+use crate::protocol::identity::{lease_accessors, LeaseIdentity};
 
 pub(crate) mod protocol;
 pub(crate) mod statements;

@@ -12,16 +12,16 @@ use super::statements::{
     RECOVER_SQL, RELEASE_SQL,
 };
 use super::PgLease;
-use crate::pg::lease::{
+use crate::protocol::lease::{
     acquired, attempt_of, fenced, operation_state, recovered, running, stored_response, RecoverRow,
 };
-use crate::pg::{errors::ends_only_the_statement, statements::BEGIN};
+use crate::protocol::{errors::ends_only_the_statement, statements::BEGIN};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     metrics::FencedAt,
-    pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     postgres::{conn::Conn, decode, error::map_error, statements::Sql, PgStore, PgTx},
+    protocol::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     record::StoredResponse,
     scope::{Scope, TenantId},
     store::OperationId,

@@ -1,11 +1,13 @@
-//! The lease protocol's statements (their text in `pg::lease`, shared with
+//! The lease protocol's statements (their text in `protocol::lease`, shared with
 //! the sqlx store) with the parameter types tokio-postgres sends them with.
 
 use tokio_postgres::types::Type;
 
 use crate::{
-    pg::lease::{ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE},
     postgres::statements::Sql,
+    protocol::lease::{
+        ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
+    },
 };
 
 // The parameters of each, in order: the key's columns (tenant, endpoint,

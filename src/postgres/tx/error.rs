@@ -5,7 +5,7 @@ use std::fmt;
 
 use tokio_postgres::error::SqlState;
 
-use crate::pg::lexer::{self, Refusal};
+use crate::protocol::lexer::{self, Refusal};
 
 /// Statements that would end the layer's transaction or change the session.
 pub(super) fn refuse_transaction_control(sql: &str) -> Result<(), TxError> {

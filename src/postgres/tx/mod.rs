@@ -14,7 +14,7 @@ use super::{
 };
 use crate::{
     key::IdempotencyKey,
-    pg::identity::{tx_accessors, Identity, Tx, TxIdentity},
+    protocol::identity::{tx_accessors, Identity, Tx, TxIdentity},
     scope::Scope,
 };
 

@@ -9,8 +9,8 @@ use std::{fmt, sync::Arc};
 
 use super::{finish, SqlxStore, SqlxTx};
 use crate::{
-    pg::identity::{lease_accessors, LeaseIdentity},
-    pg::lease::fenced,
+    protocol::identity::{lease_accessors, LeaseIdentity},
+    protocol::lease::fenced,
     store::StoreError,
 };
 

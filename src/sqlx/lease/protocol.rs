@@ -7,12 +7,12 @@ use std::time::Duration;
 use super::SqlxLease;
 use crate::{
     fingerprint::Fingerprint,
-    pg::lease::{
+    protocol::lease::{
         acquired, answered, attempt_of, operation_state, recovered, running, stored_response,
         RecoverRow, ACQUIRE, FAIL, FINISH, HEARTBEAT, HOLD, LOOKUP, OPERATION, RECOVER, RELEASE,
     },
-    pg::statements::BEGIN,
-    pg::waits::{GRACE, MIN_WAIT, ROW_WAIT},
+    protocol::statements::BEGIN,
+    protocol::waits::{GRACE, MIN_WAIT, ROW_WAIT},
     record::{Record, StoredResponse},
     scope::TenantId,
     sqlx::{

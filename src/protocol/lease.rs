@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    pg::identity::{Identity, Lease, LeaseIdentity},
+    protocol::identity::{Identity, Lease, LeaseIdentity},
     record::{ResourceId, StoredResponse},
     scope::{Scope, TenantId},
     store::{
