@@ -7,7 +7,9 @@
 
 use std::{fmt, future::Future, time::Duration};
 
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::ToSql;
+
+use crate::protocol::sql::Ty;
 
 use crate::{
     metrics,
@@ -25,7 +27,7 @@ const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
             ORDER BY expires_at LIMIT $1::int8 FOR UPDATE SKIP LOCKED) AS d \
      WHERE r.tenant_id = d.tenant_id AND r.endpoint = d.endpoint AND r.idempotency_key = d.idempotency_key";
 
-pub(crate) const DELETE_BATCH_SQL: Sql<'static> = Sql::new(DELETE_BATCH, &[Type::INT8]);
+pub(crate) const DELETE_BATCH_SQL: Sql<'static> = Sql::new(DELETE_BATCH, &[Ty::Int8]);
 
 // Expired rows not yet removed (the cleanup backlog gauge).
 const CLEANUP_BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";

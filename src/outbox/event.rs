@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 
-use tokio_postgres::types::Type;
+use crate::protocol::sql::Ty;
 
 use crate::postgres::{statements::Sql, PgTx, TxError};
 
@@ -37,7 +37,7 @@ pub async fn enqueue(
 pub(crate) const ENQUEUE: Sql<'static> = Sql::new(
     "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
      VALUES ($1::text, $2::text, $3::text, $4::jsonb) RETURNING id::text",
-    &[Type::TEXT, Type::TEXT, Type::TEXT, Type::JSONB],
+    &[Ty::Text, Ty::Text, Ty::Text, Ty::Jsonb],
 );
 
 /// An event as the relay hands it to a [`Sink`](super::Sink).

@@ -2,7 +2,7 @@
 
 use tokio_postgres::GenericClient;
 
-use tokio_postgres::types::Type;
+use crate::protocol::sql::Ty;
 
 use crate::postgres::{statements::Sql, PgTx, TxError};
 
@@ -52,7 +52,7 @@ pub async fn first_delivery_in(
         == 1)
 }
 
-pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT, &[Type::TEXT, Type::TEXT, Type::TEXT]);
+pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT, &[Ty::Text, Ty::Text, Ty::Text]);
 
 const INSERT: &str = "INSERT INTO inbox_events (tenant_id, consumer, event_id) \
      VALUES ($1::text, $2::text, $3::text) \

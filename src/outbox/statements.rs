@@ -1,7 +1,7 @@
 //! The relay's statements: claiming a batch of due events, marking each
 //! delivered, failed (its retry scheduled) or parked, and the backlog.
 
-use tokio_postgres::types::Type;
+use crate::protocol::sql::Ty;
 
 use crate::postgres::statements::Sql;
 
@@ -37,19 +37,12 @@ pub(super) const OUTBOX_BACKLOG: &str =
     "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) \
      FROM outbox_events WHERE published_at IS NULL AND parked_at IS NULL";
 
-pub(crate) const CLAIM_EVENTS_SQL: Sql<'static> = Sql::new(CLAIM_EVENTS, &[Type::INT8]);
+pub(crate) const CLAIM_EVENTS_SQL: Sql<'static> = Sql::new(CLAIM_EVENTS, &[Ty::Int8]);
 pub(crate) const MARK_DELIVERED_SQL: Sql<'static> =
-    Sql::new(MARK_DELIVERED, &[Type::TEXT_ARRAY, Type::TEXT_ARRAY]);
+    Sql::new(MARK_DELIVERED, &[Ty::TextArray, Ty::TextArray]);
 pub(crate) const MARK_FAILED_SQL: Sql<'static> = Sql::new(
     MARK_FAILED,
-    &[
-        Type::TEXT_ARRAY,
-        Type::TEXT_ARRAY,
-        Type::TEXT_ARRAY,
-        Type::FLOAT8_ARRAY,
-    ],
+    &[Ty::TextArray, Ty::TextArray, Ty::TextArray, Ty::Float8Array],
 );
-pub(crate) const MARK_PARKED_SQL: Sql<'static> = Sql::new(
-    MARK_PARKED,
-    &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY],
-);
+pub(crate) const MARK_PARKED_SQL: Sql<'static> =
+    Sql::new(MARK_PARKED, &[Ty::TextArray, Ty::TextArray, Ty::TextArray]);

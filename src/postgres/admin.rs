@@ -1,24 +1,12 @@
 //! The operator API: look at one key, or forget it deliberately.
 
-use tokio_postgres::types::Type;
-
-use super::{decode, key_record::KeyRecord, statements::Sql, PgStore};
-use crate::{key::IdempotencyKey, scope::Scope, store::StoreError};
-
-// Column order as `decode::key_record` reads it.
-const INSPECT_KEY: &str =
-    "SELECT tenant_id, endpoint, state, request_fingerprint, response_status, attempt_token, \
-         created_at, completed_at, expires_at, resource_id \
-     FROM idempotency_requests \
-     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text";
-
-const REMOVE_KEY: &str = "DELETE FROM idempotency_requests \
-     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text";
-
-// tenant, endpoint, key.
-const KEY_PARAMS: &[Type] = &[Type::TEXT, Type::TEXT, Type::TEXT];
-pub(super) const INSPECT_KEY_SQL: Sql<'static> = Sql::new(INSPECT_KEY, KEY_PARAMS);
-pub(super) const REMOVE_KEY_SQL: Sql<'static> = Sql::new(REMOVE_KEY, KEY_PARAMS);
+use super::{key_record::KeyRecord, statements::dyn_params, PgStore};
+use crate::{
+    key::IdempotencyKey,
+    protocol::admin::{key_record, params, INSPECT_KEY, REMOVE_KEY},
+    scope::Scope,
+    store::StoreError,
+};
 
 impl PgStore {
     /// Looks up one key of one tenant on one endpoint.
@@ -43,11 +31,9 @@ impl PgStore {
         key: &IdempotencyKey,
     ) -> Result<Option<KeyRecord>, StoreError> {
         let session = self.session().await?;
-        let (tenant, endpoint, key) = (scope.tenant().as_str(), scope.endpoint(), key.as_str());
-        let row = session
-            .query_opt(INSPECT_KEY_SQL, &[&tenant, &endpoint, &key])
-            .await?;
-        row.as_ref().map(decode::key_record).transpose()
+        let params = params(scope, key);
+        let row = session.query_opt(INSPECT_KEY, &dyn_params(&params)).await?;
+        row.as_ref().map(key_record).transpose()
     }
 
     /// Forgets one key deliberately: the next request with it is a new
@@ -65,9 +51,8 @@ impl PgStore {
     ) -> Result<bool, StoreError> {
         let session = self.session().await?;
         let (tenant, endpoint) = (scope.tenant().as_str(), scope.endpoint());
-        let removed = session
-            .execute(REMOVE_KEY_SQL, &[&tenant, &endpoint, &key.as_str()])
-            .await?;
+        let params = params(scope, key);
+        let removed = session.execute(REMOVE_KEY, &dyn_params(&params)).await?;
         tracing::warn!(
             target: "tower_idempotency::audit",
             tenant,

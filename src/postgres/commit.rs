@@ -4,38 +4,22 @@
 
 use std::{future::Future, pin::pin, task::Poll};
 
-use tokio_postgres::types::{ToSql, Type};
-
 use super::{
-    claim::{begin_batch, lookup},
+    claim::connection_fault,
     conn::{behind, Conn},
-    decode,
     error::map_error,
     finish::{completion_error, Finished},
-    statements::Sql,
+    statements::dyn_params,
     PgStore, PgTx,
 };
 use crate::{
-    protocol::statements::{CLAIM_AT_COMMIT, LOST_AT_COMMIT},
+    protocol::{
+        claim::{begin_with_waits, winner},
+        statements::{at_commit_params, CLAIM_AT_COMMIT, COMMIT, LOST_AT_COMMIT, ROLLBACK},
+    },
     record::StoredResponse,
     store::{ClaimRequest, CommitStore, Committed, StoreError, StoreErrorKind},
 };
-
-// tenant, endpoint, key, fingerprint, status, headers, body, resource, retention.
-pub(super) const CLAIM_AT_COMMIT_SQL: Sql<'static> = Sql::new(
-    CLAIM_AT_COMMIT,
-    &[
-        Type::TEXT,
-        Type::TEXT,
-        Type::TEXT,
-        Type::BYTEA,
-        Type::INT2,
-        Type::BYTEA,
-        Type::BYTEA,
-        Type::TEXT,
-        Type::FLOAT8,
-    ],
-);
 
 /// The one-commit mode: see [`CommitStore`] and
 /// [`IdempotencyLayer::claim_at_commit`](crate::IdempotencyLayer::claim_at_commit).
@@ -50,7 +34,7 @@ impl CommitStore for PgStore {
         // No lock wait of its own (the handler's statements keep the
         // session's); should this process freeze, the server ends the
         // transaction by itself after the hold limit.
-        let begin = begin_batch(None, request.hold_limit);
+        let begin = begin_with_waits(None, request.hold_limit);
         // Until the handler's first statement is answered, a lost
         // connection costs nothing: the transaction starts over on another.
         conn.restartable(begin.clone());
@@ -61,7 +45,7 @@ impl CommitStore for PgStore {
             conn.mark_dirty();
             if let Err(e) = conn.batch_pipelined(&begin).await {
                 let error = map_error(e);
-                if !super::claim::connection_fault(&error) {
+                if !connection_fault(&error) {
                     return Err(error);
                 }
                 conn.replace(begin).await?;
@@ -85,35 +69,16 @@ impl CommitStore for PgStore {
         let mut conn = super::finish::take_to_commit(&tx)
             .await?
             .ok_or_else(finished)?;
-        let statement = match conn.prepare_sql(CLAIM_AT_COMMIT_SQL).await {
+        let statement = match conn.prepare_sql(CLAIM_AT_COMMIT).await {
             Ok(statement) => statement,
             Err(e) => {
-                let _ = super::finish::finish(conn, None, "ROLLBACK").await;
+                let _ = super::finish::finish(conn, None, ROLLBACK).await;
                 return Err(map_error(e));
             }
         };
-        let (tenant, endpoint, key) = (
-            request.scope.tenant().as_str(),
-            request.scope.endpoint(),
-            request.key.as_str(),
-        );
-        let fingerprint = request.fingerprint.as_bytes().as_slice();
-        let status = response.status.as_u16() as i16;
         let headers = response.encode_headers();
-        let body: &[u8] = &response.body;
-        let resource = response.resource_id.as_ref().map(|id| id.as_str());
-        let retention = request.retention.as_secs_f64();
-        let params: [&(dyn ToSql + Sync); 9] = [
-            &tenant,
-            &endpoint,
-            &key,
-            &fingerprint,
-            &status,
-            &headers,
-            &body,
-            &resource,
-            &retention,
-        ];
+        let params = at_commit_params(request, response, &headers);
+        let params = dyn_params(&params);
         // A handler that sent no statement left the BEGIN to go out here.
         let begin = conn.take_begin();
         let claimed = behind(&conn, begin, conn.query_one_prepared(&statement, &params));
@@ -152,8 +117,8 @@ where
     })
     .await;
     let end = match &first {
-        Some(Err(_)) => "ROLLBACK",
-        _ => "COMMIT",
+        Some(Err(_)) => ROLLBACK,
+        _ => COMMIT,
     };
     let claim = async {
         match first {
@@ -181,24 +146,13 @@ async fn lost(
     clean: bool,
     request: &ClaimRequest,
 ) -> Result<Committed, StoreError> {
-    let conn = if clean {
+    let mut conn = if clean {
         conn
     } else {
         drop(conn);
         store.conn().await?
     };
-    let row = lookup(&conn, request).await?;
-    Ok(match row {
-        Some(row) => match decode::record(&row)? {
-            Some(record) => Committed::Lost(record),
-            // An operation of the long-running mode, still under its lease.
-            None => Committed::Held,
-        },
-        // The winner's record is gone already (removed by an operator, or
-        // its retention ended since): the key is free, but this
-        // transaction is over. The client's retry runs again.
-        None => Committed::Held,
-    })
+    winner(&mut conn, request).await
 }
 
 fn finished() -> StoreError {

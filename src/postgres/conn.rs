@@ -11,7 +11,7 @@ use std::{fmt, time::Duration};
 use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
-use crate::protocol::statements::SESSION_RESET_STATEMENTS;
+use crate::protocol::statements::{OUTSIDE_A_TRANSACTION, ROLLBACK, SESSION_RESET_STATEMENTS};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// A pooled connection that may be inside a transaction.
@@ -300,13 +300,8 @@ impl Drop for PooledClient {
 async fn reset_borrowed(mut conn: Conn) {
     const RESET_LIMIT: Duration = Duration::from_secs(5);
     let reset = async {
-        // Outside a transaction block a statement is its own transaction, so
-        // now() and statement_timestamp() are one instant; inside a block the
-        // transaction began with an earlier message. A failed block answers
-        // 25P02. (A bare ROLLBACK would do too, but warns on every clean
-        // connection.)
         let in_transaction = match conn
-            .simple_query("SELECT now() = statement_timestamp()")
+            .simple_query(OUTSIDE_A_TRANSACTION)
             .await
         {
             Ok(messages) => !messages.iter().any(|m| {
@@ -316,7 +311,7 @@ async fn reset_borrowed(mut conn: Conn) {
             Err(e) => return Err(e),
         };
         if in_transaction {
-            conn.batch_execute("ROLLBACK").await?;
+            conn.batch_execute(ROLLBACK).await?;
         }
         conn.reset_session().await
     };

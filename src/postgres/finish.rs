@@ -2,39 +2,24 @@
 //! transaction ends, committed with its remembered response or rolled back,
 //! with the session reset behind it, in one round trip.
 
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::ToSql;
 
 use super::{
     conn::Conn,
     error::map_error,
-    statements::{Prepared, Sql},
+    statements::{dyn_params, Prepared, Sql},
     tx::Take,
     PgTx,
 };
 use crate::{
     protocol::errors::ends_only_the_statement,
-    protocol::statements::{COMPLETE, FENCED_CHECK},
+    protocol::statements::{
+        complete_params, fenced_check_params, COMMIT, COMPLETE, FENCED_CHECK, ROLLBACK,
+    },
     protocol::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };
-
-// tenant, endpoint, key, token, status, headers, body, retention, xid, resource.
-pub(super) const COMPLETE_SQL: Sql<'static> = Sql::new(
-    COMPLETE,
-    &[
-        Type::TEXT,
-        Type::TEXT,
-        Type::TEXT,
-        Type::INT8,
-        Type::INT2,
-        Type::BYTEA,
-        Type::BYTEA,
-        Type::FLOAT8,
-        Type::TEXT,
-        Type::TEXT,
-    ],
-);
 
 /// [`Store::complete`](crate::store::Store::complete) for
 /// [`PgStore`](super::PgStore).
@@ -48,24 +33,10 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
             "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
         ));
     }
-    let status = response.status.as_u16() as i16;
     let headers = response.encode_headers();
-    let body: &[u8] = &response.body;
-    let retention = tx.identity().retention().as_secs_f64();
-    let (tenant, endpoint, key, token) = tx.identity().columns();
-    let xid = tx.identity().xid();
-    let resource = response.resource_id.as_ref().map(|id| id.as_str());
-    let params: [&(dyn ToSql + Sync); 10] = [
-        &tenant, &endpoint, &key, &token, &status, &headers, &body, &retention, &xid, &resource,
-    ];
-    commit_behind(&tx, COMPLETE_SQL, &params).await
+    let params = complete_params(tx.identity(), response, &headers);
+    commit_behind(&tx, COMPLETE, &dyn_params(&params)).await
 }
-
-// tenant, endpoint, key, token, xid.
-pub(crate) const FENCED_CHECK_SQL: Sql<'static> = Sql::new(
-    FENCED_CHECK,
-    &[Type::TEXT, Type::TEXT, Type::TEXT, Type::INT8, Type::TEXT],
-);
 
 /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)
 /// for [`PgStore`](super::PgStore).
@@ -76,10 +47,8 @@ pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
             "a claim's transaction commits with Store::complete",
         ));
     }
-    let (tenant, endpoint, key, token) = tx.identity().columns();
-    let xid = tx.identity().xid();
-    let params: [&(dyn ToSql + Sync); 5] = [&tenant, &endpoint, &key, &token, &xid];
-    commit_behind(&tx, FENCED_CHECK_SQL, &params).await
+    let params = fenced_check_params(tx.identity());
+    commit_behind(&tx, FENCED_CHECK, &dyn_params(&params)).await
 }
 
 /// Ends the transaction of `tx` with `COMMIT` behind `sql`, the statement
@@ -100,11 +69,11 @@ async fn commit_behind(
         Ok(statement) => statement,
         Err(e) => {
             // The transaction is still open (or aborted): roll it back.
-            let _ = finish(conn, None, "ROLLBACK").await;
+            let _ = finish(conn, None, ROLLBACK).await;
             return Err(map_error(e));
         }
     };
-    finish(conn, Some((&statement, params)), "COMMIT")
+    finish(conn, Some((&statement, params)), COMMIT)
         .await
         .map_err(completion_error)
 }
@@ -125,7 +94,7 @@ pub(super) async fn take_to_commit(tx: &PgTx) -> Result<Option<Conn>, StoreError
     }
     cancel_running(tx).await;
     if let Ok(Some(conn)) = tokio::time::timeout(CANCEL_GRACE, tx.take()).await {
-        let _ = finish(conn, None, "ROLLBACK").await;
+        let _ = finish(conn, None, ROLLBACK).await;
     }
     // Not taken within the grace: the last handle to go closes the
     // connection, and the server rolls back.
@@ -148,7 +117,7 @@ pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
     // A statement the handler started may still be running on the
     // connection (its future was dropped at the deadline): the ROLLBACK
     // waits behind it. Cancel it if it does not end soon.
-    let mut rollback = std::pin::pin!(finish(conn, None, "ROLLBACK"));
+    let mut rollback = std::pin::pin!(finish(conn, None, ROLLBACK));
     let ended = match tokio::time::timeout(ROLLBACK_PATIENCE, &mut rollback).await {
         Ok(ended) => Some(ended),
         Err(_) => {

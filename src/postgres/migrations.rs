@@ -1,20 +1,17 @@
 //! The migration runner's [`Transport`] on a [`Session`]; the runner and the
 //! migrations are in `crate::protocol::migrations`.
 
-use tokio_postgres::types::Type;
+use tokio_postgres::Row;
 
 use super::{
     session::{Committed, Session},
-    statements::Sql,
+    statements::dyn_params,
 };
-use crate::protocol::migrations::{self, Transport, APPLIED, INDEX_VALID, RECORD};
+use crate::protocol::{
+    migrations::{self, Transport},
+    sql::{Param, Sql},
+};
 use crate::store::{StoreError, StoreErrorKind};
-
-const APPLIED_SQL: Sql<'static> = Sql::new(APPLIED, &[]);
-
-pub(super) const RECORD_SQL: Sql<'static> = Sql::new(RECORD, &[Type::INT4, Type::TEXT]);
-
-const INDEX_VALID_SQL: Sql<'static> = Sql::new(INDEX_VALID, &[Type::TEXT]);
 
 /// Applies what is missing; the caller marks `session` dirty first and
 /// clean with the returned [`Committed`], the proof of the run's last
@@ -72,26 +69,19 @@ impl<'a> SessionTransport<'a> {
 }
 
 impl Transport for SessionTransport<'_> {
+    type Row = Row;
+
     async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {
         self.committed = None;
         self.session.batch_execute(sql).await
     }
 
-    async fn applied(&mut self) -> Result<Vec<(i32, String)>, StoreError> {
-        let rows = self.session.query(APPLIED_SQL, &[]).await?;
-        Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
-    }
-
-    async fn record(&mut self, version: i32, name: &'static str) -> Result<(), StoreError> {
-        self.session
-            .execute(RECORD_SQL, &[&version, &name])
-            .await
-            .map(drop)
-    }
-
-    async fn index_valid(&mut self, name: &'static str) -> Result<Option<bool>, StoreError> {
-        let row = self.session.query_opt(INDEX_VALID_SQL, &[&name]).await?;
-        Ok(row.map(|row| row.get(0)))
+    async fn query(
+        &mut self,
+        sql: Sql<'static>,
+        params: &[Param<'_>],
+    ) -> Result<Vec<Row>, StoreError> {
+        self.session.query(sql, &dyn_params(params)).await
     }
 
     async fn commit(&mut self) -> Result<(), StoreError> {

@@ -20,19 +20,13 @@ use std::{fmt, str::FromStr};
 
 use deadpool_postgres::Pool;
 
-use crate::record::StoredResponse;
-use crate::scope::TenantId;
-use crate::store::OperationId;
-use crate::store::{
-    Acquired, ClaimRequest, LeaseRequest, LeaseStore, Operation, Recovered, StoreError,
-};
+use crate::store::StoreError;
 
 mod admin;
 mod claim;
 mod commit;
 pub(crate) mod conn;
 mod conninfo;
-mod decode;
 mod error;
 pub(crate) mod finish;
 mod key_record;
@@ -42,6 +36,7 @@ mod pool;
 mod session;
 pub(crate) mod statements;
 pub(crate) mod tls;
+mod transport;
 mod tx;
 mod types;
 
@@ -145,95 +140,34 @@ impl PgStore {
 
 crate::protocol::forward_store!(PgStore, PgTx);
 
-/// Long-running operations; see [`lease`](crate::lease) and [`PgLease`].
-impl LeaseStore for PgStore {
-    type Lease = PgLease;
-
-    async fn acquire(
-        &self,
-        claim: &ClaimRequest,
-        lease: &LeaseRequest,
-    ) -> Result<Acquired<PgLease>, StoreError> {
-        lease::protocol::acquire(self, claim, lease).await
-    }
-
-    async fn heartbeat(
-        &self,
-        lease: &PgLease,
-        extend: std::time::Duration,
-    ) -> Result<(), StoreError> {
-        lease::protocol::heartbeat(lease, extend.min(crate::store::MAX_WAIT)).await
-    }
-
-    async fn fenced(&self, lease: &PgLease) -> Result<PgTx, StoreError> {
-        lease::protocol::open_fenced(lease).await
-    }
-
-    async fn commit_fenced(&self, tx: PgTx) -> Result<(), StoreError> {
-        finish::commit_fenced(tx).await
-    }
-
-    async fn finish(&self, lease: &PgLease, response: &StoredResponse) -> Result<(), StoreError> {
-        lease::protocol::finish(lease, response).await
-    }
-
-    async fn release(&self, lease: &PgLease) -> Result<(), StoreError> {
-        lease::protocol::release(lease).await
-    }
-
-    async fn fail(
-        &self,
-        lease: &PgLease,
-        response: &StoredResponse,
-        attempts: u32,
-    ) -> Result<(), StoreError> {
-        lease::protocol::fail(lease, response, attempts).await
-    }
-
-    async fn operation(
-        &self,
-        tenant: &TenantId,
-        id: OperationId,
-    ) -> Result<Option<Operation>, StoreError> {
-        lease::protocol::operation(self, tenant, id).await
-    }
-
-    async fn recover(
-        &self,
-        endpoint: &str,
-        lease: std::time::Duration,
-        retention: std::time::Duration,
-        backoff: crate::store::Backoff,
-    ) -> Result<Option<Recovered<PgLease>>, StoreError> {
-        let (lease, retention) = crate::store::bounded(lease, retention);
-        lease::protocol::recover(self, endpoint, lease, retention, backoff).await
-    }
-}
+// Long-running operations; see [`lease`](crate::lease) and [`PgLease`].
+crate::protocol::forward_lease_store!(PgStore, PgLease, PgTx);
 
 /// Every statement the store sends with parameters, by name (for the check
 /// that each declares the types its text casts to).
 #[cfg(test)]
 pub(crate) fn all_statements() -> Vec<(&'static str, statements::Sql<'static>)> {
-    use lease::statements as lp;
+    use crate::protocol::{admin, claim, lease as lp, migrations, statements as st};
     vec![
-        ("claim LOOKUP", claim::LOOKUP_SQL),
-        ("CLAIM", claim::CLAIM_SQL),
-        ("CLAIM_KEY", claim::CLAIM_KEY_SQL),
-        ("COMPLETE", finish::COMPLETE_SQL),
-        ("CLAIM_AT_COMMIT", commit::CLAIM_AT_COMMIT_SQL),
-        ("FENCED_CHECK", finish::FENCED_CHECK_SQL),
-        ("INSPECT_KEY", admin::INSPECT_KEY_SQL),
-        ("REMOVE_KEY", admin::REMOVE_KEY_SQL),
-        ("migration RECORD", migrations::RECORD_SQL),
-        ("lease LOOKUP", lp::LOOKUP_SQL),
-        ("ACQUIRE", lp::ACQUIRE_SQL),
-        ("HEARTBEAT", lp::HEARTBEAT_SQL),
-        ("HOLD", lp::HOLD_SQL),
-        ("FINISH", lp::FINISH_SQL),
-        ("RELEASE", lp::RELEASE_SQL),
-        ("FAIL", lp::FAIL_SQL),
-        ("OPERATION", lp::OPERATION_SQL),
-        ("RECOVER", lp::RECOVER_SQL),
+        ("claim LOOKUP", claim::LOOKUP),
+        ("CLAIM", claim::CLAIM),
+        ("TAKE_OVER", claim::TAKE_OVER),
+        ("SET_WAITS", claim::SET_WAITS),
+        ("COMPLETE", st::COMPLETE),
+        ("CLAIM_AT_COMMIT", st::CLAIM_AT_COMMIT),
+        ("FENCED_CHECK", st::FENCED_CHECK),
+        ("INSPECT_KEY", admin::INSPECT_KEY),
+        ("REMOVE_KEY", admin::REMOVE_KEY),
+        ("migration RECORD", migrations::RECORD),
+        ("lease LOOKUP", lp::LOOKUP),
+        ("ACQUIRE", lp::ACQUIRE),
+        ("HEARTBEAT", lp::HEARTBEAT),
+        ("HOLD", lp::HOLD),
+        ("FINISH", lp::FINISH),
+        ("RELEASE", lp::RELEASE),
+        ("FAIL", lp::FAIL),
+        ("OPERATION", lp::OPERATION),
+        ("RECOVER", lp::RECOVER),
         ("DELETE_BATCH", crate::retention::DELETE_BATCH_SQL),
         ("CLAIM_EVENTS", crate::outbox::statements::CLAIM_EVENTS_SQL),
         (

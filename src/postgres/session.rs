@@ -24,7 +24,7 @@ use super::{
     statements::{Prepared, Sql},
     PgStore,
 };
-use crate::store::StoreError;
+use crate::{protocol::statements::COMMIT, store::StoreError};
 
 /// A pooled connection for the crate's own statements; see the module docs.
 pub(crate) struct Session {
@@ -103,7 +103,7 @@ impl Session {
     /// Sends `COMMIT`; pipeline it behind the transaction's last statements
     /// with `tokio::try_join!` (`biased`) to save a round trip.
     pub(crate) async fn commit(&self) -> Result<Committed, StoreError> {
-        self.batch_execute("COMMIT").await.map(|()| Committed(()))
+        self.batch_execute(COMMIT).await.map(|()| Committed(()))
     }
 
     /// The `COMMIT` was acknowledged: the session may go back to the pool.

@@ -15,7 +15,9 @@
 
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-use crate::protocol::statements::USER_TYPES;
+use crate::protocol::statements::{
+    describe_types, BEGIN, COMMIT, DEALLOCATE_ALL, ROLLBACK, USER_TYPES,
+};
 
 /// Types per loading statement.
 const CHUNK: usize = 200;
@@ -51,9 +53,9 @@ const CHUNK: usize = 200;
 /// does it: behind the pooler that request fails once (`26000`), and a
 /// store's connection is then closed and replaced.
 pub async fn load_types(client: &Client) -> Result<(), tokio_postgres::Error> {
-    client.batch_execute("BEGIN").await?;
+    client.batch_execute(BEGIN).await?;
     let loaded = load(client).await;
-    let end = if loaded.is_ok() { "COMMIT" } else { "ROLLBACK" };
+    let end = if loaded.is_ok() { COMMIT } else { ROLLBACK };
     let ended = client.batch_execute(end).await;
     loaded.and(ended)
 }
@@ -69,16 +71,11 @@ async fn load(client: &Client) -> Result<(), tokio_postgres::Error> {
         })
         .collect();
     for chunk in names.chunks(CHUNK) {
-        let columns: Vec<String> = chunk.iter().map(|name| format!("NULL::{name}")).collect();
         // Preparing it describes its columns: the driver looks each type
         // up. The statement itself is closed when dropped, here, before the
         // DEALLOCATE below and inside the transaction.
-        drop(
-            client
-                .prepare(&format!("SELECT {}", columns.join(", ")))
-                .await?,
-        );
+        drop(client.prepare(&describe_types(chunk)).await?);
     }
     // The driver's own lookup statements, on this server connection only.
-    client.batch_execute("DEALLOCATE ALL").await
+    client.batch_execute(DEALLOCATE_ALL).await
 }

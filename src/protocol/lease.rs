@@ -8,11 +8,17 @@ use http::Method;
 
 use std::time::Duration;
 
+use super::{
+    claim::{fingerprint, key_params, record_at, response_at},
+    sql::{Columns, Param, Sql, Ty},
+    transport::Transport,
+    waits::{GRACE, MIN_WAIT, ROW_WAIT},
+};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     protocol::identity::{Identity, Lease, LeaseIdentity},
-    record::{ResourceId, StoredResponse},
+    record::StoredResponse,
     scope::{Scope, TenantId},
     store::{
         Acquired, ClaimRequest, LeaseRequest, OperationId, OperationState, Owned, Recovered,
@@ -40,11 +46,36 @@ pub(crate) fn operation_state(
     })
 }
 
+/// The parameters of the statements guarded by a token: the key's columns
+/// (tenant, endpoint, key) and the token.
+const TOKEN_TYPES: &[Ty] = &[Ty::Text, Ty::Text, Ty::Text, Ty::Int8];
+
+/// The parameters of the two statements that end an operation with its
+/// answer (FINISH, FAIL): the key and the token, the response (status,
+/// headers, body) and its retention, then `last` (the resource id, the
+/// attempts).
+const fn answer_then(last: Ty) -> [Ty; 9] {
+    [
+        Ty::Text,
+        Ty::Text,
+        Ty::Text,
+        Ty::Int8,
+        Ty::Int2,
+        Ty::Bytea,
+        Ty::Bytea,
+        Ty::Float8,
+        last,
+    ]
+}
+
 /// Where a key stands, without a lock or a write.
-pub(crate) const LOOKUP: &str = "SELECT request_fingerprint, state, response_status, response_headers, response_body, \
+pub(crate) const LOOKUP: Sql<'static> = Sql::new(
+    "SELECT request_fingerprint, state, response_status, response_headers, response_body, \
          resource_id, operation_id::text, lease_expires_at > now() \
      FROM idempotency_requests \
-     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()";
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()",
+    &[Ty::Text, Ty::Text, Ty::Text],
+);
 
 // A new operation, or a takeover. ON CONFLICT waits for whoever holds the
 // row (a fenced transaction, another acquire) and then sees the committed
@@ -56,7 +87,8 @@ pub(crate) const LOOKUP: &str = "SELECT request_fingerprint, state, response_sta
 // token and renews the lease; the others find a live lease and take
 // nothing. The token comes from the sequence (EXCLUDED), so it is larger
 // than every token before it.
-pub(crate) const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
+pub(crate) const ACQUIRE: Sql<'static> = Sql::new(
+    "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at, \
           operation_id, lease_expires_at, request_method, request_target, request_headers, request_body, \
           attempts) \
@@ -80,53 +112,85 @@ pub(crate) const ACQUIRE: &str = "INSERT INTO idempotency_requests AS r \
      WHERE r.expires_at <= now() \
          OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL \
              OR (r.lease_expires_at <= now() AND r.request_fingerprint = EXCLUDED.request_fingerprint))) \
-     RETURNING attempt_token, operation_id::text, attempts";
+     RETURNING attempt_token, operation_id::text, attempts",
+    &[
+        Ty::Text,
+        Ty::Text,
+        Ty::Text,
+        Ty::Bytea,
+        Ty::Float8,
+        Ty::Float8,
+        Ty::Text,
+        Ty::Text,
+        Ty::Text,
+        Ty::Bytea,
+        Ty::Bytea,
+    ],
+);
 
 // An operation's retention counts from its end: while it runs, its record
 // lasts a retention ($6) past its lease, so one that outlives its retention
 // is neither cleaned up nor taken for a new operation, and one whose owner
 // died is still there for a recovery worker (ACQUIRE and RECOVER set it so
 // too). FINISH and FAIL count the retention from the answer.
-pub(crate) const HEARTBEAT: &str = "UPDATE idempotency_requests SET \
+pub(crate) const HEARTBEAT: Sql<'static> = Sql::new(
+    "UPDATE idempotency_requests SET \
          lease_expires_at = now() + make_interval(secs => $5::float8), \
          expires_at = GREATEST(expires_at, now() + make_interval(secs => $5::float8 + $6::float8)) \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-         AND attempt_token = $4::int8 AND state = 'in_progress'";
+         AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
+    &[
+        Ty::Text,
+        Ty::Text,
+        Ty::Text,
+        Ty::Int8,
+        Ty::Float8,
+        Ty::Float8,
+    ],
+);
 
 // FOR SHARE: concurrent fenced transactions of the owner do not wait for
 // each other, but a takeover (an UPDATE of the row) waits until they end,
 // and then finds the lease renewed or not, never half of a write. Also
 // returns the transaction id, which the commit checks.
-pub(crate) const HOLD: &str = "SELECT pg_current_xact_id()::text \
+pub(crate) const HOLD: Sql<'static> = Sql::new(
+    "SELECT pg_current_xact_id()::text \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' \
-     FOR SHARE";
+     FOR SHARE",
+    TOKEN_TYPES,
+);
 
 // The completion: a compare-and-swap on the token. The request is no
 // longer needed once the answer is stored.
-pub(crate) const FINISH: &str =
+pub(crate) const FINISH: Sql<'static> = Sql::new(
     "UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
          response_headers = $6::bytea, response_body = $7::bytea, resource_id = $9::text, \
          completed_at = statement_timestamp(), \
          expires_at = statement_timestamp() + make_interval(secs => $8::float8), \
          lease_expires_at = NULL, request_headers = NULL, request_body = NULL \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-         AND attempt_token = $4::int8 AND state = 'in_progress'";
+         AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
+    &answer_then(Ty::Text),
+);
 
 // The record stays (the operation keeps its identity); its lease ends now,
 // so the next acquire of the same request resumes it at once, and the token
 // moves on, so nothing more of this attempt gets through. A recovery worker
 // waits out its backoff first.
-pub(crate) const RELEASE: &str = "UPDATE idempotency_requests SET \
+pub(crate) const RELEASE: Sql<'static> = Sql::new(
+    "UPDATE idempotency_requests SET \
          attempt_token = nextval('idempotency_attempt_token_seq'), \
          lease_expires_at = statement_timestamp() \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-         AND attempt_token = $4::int8 AND state = 'in_progress'";
+         AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
+    TOKEN_TYPES,
+);
 
 // The failure is remembered as a completion is: replayed to every retry
 // until the retention ends.
-pub(crate) const FAIL: &str =
+pub(crate) const FAIL: Sql<'static> = Sql::new(
     "UPDATE idempotency_requests SET state = 'failed', response_status = $5::int2, \
          response_headers = $6::bytea, response_body = $7::bytea, resource_id = NULL, \
          completed_at = statement_timestamp(), \
@@ -134,18 +198,23 @@ pub(crate) const FAIL: &str =
          attempts = $9::int4, \
          lease_expires_at = NULL, request_headers = NULL, request_body = NULL \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-         AND attempt_token = $4::int8 AND state = 'in_progress'";
+         AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
+    &answer_then(Ty::Int4),
+);
 
-pub(crate) const OPERATION: &str =
+pub(crate) const OPERATION: Sql<'static> = Sql::new(
     "SELECT state, response_status, response_headers, response_body, resource_id, attempts \
      FROM idempotency_requests \
-     WHERE operation_id = $1::text::uuid AND tenant_id = $2::text AND expires_at > now()";
+     WHERE operation_id = $1::text::uuid AND tenant_id = $2::text AND expires_at > now()",
+    &[Ty::Text, Ty::Text],
+);
 
 // SKIP LOCKED: workers of several instances never wait on, nor take, the
 // same operation; the row is locked from the scan to the commit. An
 // operation is due once its lease ended and its backoff passed: $3 seconds
 // after the first attempt, doubling with each further one, at most $4.
-pub(crate) const RECOVER: &str = "WITH due AS ( \
+pub(crate) const RECOVER: Sql<'static> = Sql::new(
+    "WITH due AS ( \
          SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
          WHERE endpoint = $1::text AND state = 'in_progress' AND lease_expires_at <= now() \
              AND expires_at > now() \
@@ -162,7 +231,9 @@ pub(crate) const RECOVER: &str = "WITH due AS ( \
      WHERE r.tenant_id = due.tenant_id AND r.endpoint = due.endpoint \
          AND r.idempotency_key = due.idempotency_key \
      RETURNING r.tenant_id, r.idempotency_key, r.attempt_token, r.operation_id::text, \
-         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts";
+         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts",
+    &[Ty::Text, Ty::Float8, Ty::Float8, Ty::Float8, Ty::Float8],
+);
 
 /// The owner an acquire made, from the row [`ACQUIRE`] returns (attempt
 /// token, operation id, attempts); `handle` makes the driver's lease of
@@ -264,26 +335,6 @@ pub(crate) fn stored_request(
     ))
 }
 
-/// A completed operation's answer, from its stored columns (shared with the
-/// sqlx store).
-pub(crate) fn stored_response(
-    status: i16,
-    headers: &[u8],
-    body: &[u8],
-    resource_id: Option<String>,
-) -> Result<StoredResponse, StoreError> {
-    Ok(StoredResponse {
-        status: u16::try_from(status)
-            .ok()
-            .and_then(|s| http::StatusCode::from_u16(s).ok())
-            .ok_or_else(|| corrupt("stored record has an invalid status"))?,
-        headers: StoredResponse::decode_headers(headers)
-            .ok_or_else(|| corrupt("stored record has an invalid header block"))?,
-        body: Bytes::copy_from_slice(body),
-        resource_id: resource_id.map(ResourceId::new),
-    })
-}
-
 /// The `attempts` column (never negative; 0 for records older than the count).
 pub(crate) fn attempt_of(attempts: i32) -> u32 {
     u32::try_from(attempts).unwrap_or(0)
@@ -304,4 +355,235 @@ pub(crate) fn parse_id(id: &str) -> Result<OperationId, StoreError> {
 
 fn corrupt(message: &str) -> StoreError {
     StoreError::new(StoreErrorKind::Corrupt, message)
+}
+
+/// [`LeaseStore::acquire`](crate::store::LeaseStore::acquire) on
+/// `transport`: where the key stands, then (if it may be owned) [`ACQUIRE`]
+/// in a transaction of its own, within the claim's wait. `handle` makes the
+/// driver's lease of the owner's identity.
+pub(crate) async fn acquire<T: Transport, L>(
+    transport: &T,
+    claim: &ClaimRequest,
+    request: &LeaseRequest,
+    handle: impl FnOnce(LeaseIdentity) -> L,
+) -> Result<Acquired<L>, StoreError> {
+    let deadline = tokio::time::Instant::now() + claim.wait.max(MIN_WAIT);
+    if let Some(found) = lookup(transport, claim, deadline).await? {
+        return Ok(found);
+    }
+    let [tenant, endpoint, key] = key_params(claim);
+    let headers = request.request.encode_headers();
+    let proposed = request.operation_id.to_string();
+    let params = [
+        tenant,
+        endpoint,
+        key,
+        Param::Bytea(claim.fingerprint.as_bytes().as_slice()),
+        Param::from(claim.retention),
+        Param::from(request.lease),
+        Param::from(proposed.as_str()),
+        Param::from(request.request.method.as_str()),
+        Param::from(request.request.target.as_str()),
+        Param::Bytea(&headers),
+        Param::Bytea(&request.request.body),
+    ];
+    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let rows = match transport
+        .transaction(ACQUIRE, &params, remaining.max(MIN_WAIT))
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) if e.sql_state() == Some(super::errors::LOCK_NOT_AVAILABLE) => {
+            return Ok(Acquired::InProgress)
+        }
+        Err(e) => return Err(e),
+    };
+    if let Some(row) = rows.first() {
+        let columns = (row.int8(0)?, row.text(1)?, row.int4(2)?);
+        return Ok(Acquired::Owned(acquired(claim, request, columns, handle)?));
+    }
+    // Someone else's record: a live lease, a completion, another request.
+    let deadline = tokio::time::Instant::now() + MIN_WAIT.max(GRACE);
+    Ok(lookup(transport, claim, deadline)
+        .await?
+        .unwrap_or(Acquired::InProgress))
+}
+
+/// Where the key stands, if that decides the acquire: completed, or
+/// running under a live lease (or under an expired one, for another
+/// request). `None`: the key is free or may be taken over.
+async fn lookup<T: Transport, L>(
+    transport: &T,
+    claim: &ClaimRequest,
+    deadline: tokio::time::Instant,
+) -> Result<Option<Acquired<L>>, StoreError> {
+    let rows = transport.read(LOOKUP, &key_params(claim), deadline).await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    if let Some(record) = record_at(row, 0)? {
+        return Ok(Some(Acquired::Completed(record)));
+    }
+    running(
+        claim,
+        fingerprint(row.bytea(0)?)?,
+        row.opt_text(6)?,
+        row.opt_bool(7)?,
+    )
+}
+
+/// [`LeaseStore::heartbeat`](crate::store::LeaseStore::heartbeat).
+pub(crate) async fn heartbeat<T: Transport>(
+    transport: &T,
+    lease: &LeaseIdentity,
+    extend: Duration,
+) -> Result<(), StoreError> {
+    let [tenant, endpoint, key, token] = token_params(lease);
+    let params = [
+        tenant,
+        endpoint,
+        key,
+        token,
+        Param::from(extend.min(crate::store::MAX_WAIT)),
+        Param::from(lease.retention()),
+    ];
+    guarded(transport, lease, HEARTBEAT, &params).await
+}
+
+/// [`LeaseStore::finish`](crate::store::LeaseStore::finish).
+pub(crate) async fn finish<T: Transport>(
+    transport: &T,
+    lease: &LeaseIdentity,
+    response: &StoredResponse,
+) -> Result<(), StoreError> {
+    let resource = response.resource_id.as_ref().map(|id| id.as_str());
+    end_with(transport, lease, FINISH, response, Param::OptText(resource)).await
+}
+
+/// [`LeaseStore::fail`](crate::store::LeaseStore::fail).
+pub(crate) async fn fail<T: Transport>(
+    transport: &T,
+    lease: &LeaseIdentity,
+    response: &StoredResponse,
+    attempts: u32,
+) -> Result<(), StoreError> {
+    let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
+    end_with(transport, lease, FAIL, response, Param::Int4(attempts)).await
+}
+
+/// [`LeaseStore::release`](crate::store::LeaseStore::release).
+pub(crate) async fn release<T: Transport>(
+    transport: &T,
+    lease: &LeaseIdentity,
+) -> Result<(), StoreError> {
+    guarded(transport, lease, RELEASE, &token_params(lease)).await
+}
+
+/// The parameters every token-guarded statement starts with: tenant,
+/// endpoint, key, token.
+pub(crate) fn token_params(lease: &LeaseIdentity) -> [Param<'_>; 4] {
+    let (tenant, endpoint, key, token) = lease.columns();
+    [
+        Param::Text(tenant),
+        Param::Text(endpoint),
+        Param::Text(key),
+        Param::Int8(token),
+    ]
+}
+
+/// Finish or fail: the record ends with `response` (and `last`, the
+/// statement's own parameter), if the token is still the record's.
+async fn end_with<T: Transport>(
+    transport: &T,
+    lease: &LeaseIdentity,
+    sql: Sql<'static>,
+    response: &StoredResponse,
+    last: Param<'_>,
+) -> Result<(), StoreError> {
+    let [tenant, endpoint, key, token] = token_params(lease);
+    let headers = response.encode_headers();
+    let params = [
+        tenant,
+        endpoint,
+        key,
+        token,
+        Param::Int2(response.status.as_u16() as i16),
+        Param::Bytea(&headers),
+        Param::Bytea(&response.body),
+        Param::from(lease.retention()),
+        last,
+    ];
+    guarded(transport, lease, sql, &params).await
+}
+
+/// Runs a statement guarded by the lease's token (it returns a row for the
+/// row it changed); none changed: the owner is fenced.
+async fn guarded<T: Transport>(
+    transport: &T,
+    lease: &LeaseIdentity,
+    sql: Sql<'static>,
+    params: &[Param<'_>],
+) -> Result<(), StoreError> {
+    if transport
+        .transaction(sql, params, ROW_WAIT)
+        .await?
+        .is_empty()
+    {
+        lease.mark_fenced();
+        return Err(fenced());
+    }
+    Ok(())
+}
+
+/// [`LeaseStore::operation`](crate::store::LeaseStore::operation).
+pub(crate) async fn operation<T: Transport>(
+    transport: &T,
+    tenant: &TenantId,
+    id: OperationId,
+) -> Result<Option<crate::store::Operation>, StoreError> {
+    let text = id.to_string();
+    let deadline = tokio::time::Instant::now() + ROW_WAIT;
+    let params = [Param::Text(&text), Param::Text(tenant.as_str())];
+    let rows = transport.read(OPERATION, &params, deadline).await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    let attempts = attempt_of(row.int4(5)?);
+    let state = operation_state(row.text(0)?, || response_at(row, 1))?;
+    Ok(Some(crate::store::Operation::new(id, state, attempts)))
+}
+
+/// [`LeaseStore::recover`](crate::store::LeaseStore::recover).
+pub(crate) async fn recover<T: Transport, L>(
+    transport: &T,
+    endpoint: &str,
+    lease: Duration,
+    retention: Duration,
+    backoff: crate::store::Backoff,
+    handle: impl FnOnce(LeaseIdentity) -> L,
+) -> Result<Option<Recovered<L>>, StoreError> {
+    let (lease, retention) = crate::store::bounded(lease, retention);
+    let params = [
+        Param::Text(endpoint),
+        Param::from(lease),
+        Param::from(backoff.first),
+        Param::from(backoff.max),
+        Param::from(retention),
+    ];
+    let rows = transport.transaction(RECOVER, &params, ROW_WAIT).await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    let row = RecoverRow {
+        tenant: row.text(0)?.to_owned(),
+        key: row.text(1)?,
+        token: row.int8(2)?,
+        operation_id: row.text(3)?,
+        method: row.opt_text(4)?.map(str::to_owned),
+        target: row.opt_text(5)?.map(str::to_owned),
+        headers: row.opt_bytea(6)?,
+        body: row.opt_bytea(7)?,
+        attempts: row.int4(8)?,
+    };
+    recovered(row, endpoint, lease, retention, handle).map(Some)
 }

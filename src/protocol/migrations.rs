@@ -22,7 +22,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{errors::LOCK_NOT_AVAILABLE, statements::BEGIN};
+use super::{
+    errors::LOCK_NOT_AVAILABLE,
+    sql::{Columns, Param, Sql, Ty},
+    statements::BEGIN,
+};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// The SQLSTATE of a deadlock PostgreSQL broke by ending one statement.
@@ -107,16 +111,23 @@ const MIGRATION_TABLE: &str = "CREATE TABLE IF NOT EXISTS tower_idempotency_migr
 )";
 
 /// What [`Transport::applied`] runs: every recorded `(version, name)`.
-pub(crate) const APPLIED: &str = "SELECT version, name FROM tower_idempotency_migrations";
+pub(crate) const APPLIED: Sql<'static> = Sql::new(
+    "SELECT version, name FROM tower_idempotency_migrations",
+    &[],
+);
 
 /// What [`Transport::record`] runs, with the version and the name.
-pub(crate) const RECORD: &str =
-    "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)";
+pub(crate) const RECORD: Sql<'static> = Sql::new(
+    "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)",
+    &[Ty::Int4, Ty::Text],
+);
 
 /// What [`Transport::index_valid`] runs, with the index's name: one row,
 /// whether the index is valid, or none if there is no such index.
-pub(crate) const INDEX_VALID: &str =
-    "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)";
+pub(crate) const INDEX_VALID: Sql<'static> = Sql::new(
+    "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)",
+    &[Ty::Text],
+);
 
 /// How a driver sends the runner's statements, all on one connection.
 ///
@@ -129,25 +140,52 @@ pub(crate) trait Transport: Send {
     /// simple-query message.
     fn batch(&mut self, sql: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// A row of this driver.
+    type Row: Columns + Send;
+
+    /// Runs `sql` with `params` and returns its rows.
+    fn query(
+        &mut self,
+        sql: Sql<'static>,
+        params: &[Param<'_>],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
+
     /// Runs [`APPLIED`].
-    fn applied(&mut self) -> impl Future<Output = Result<Vec<(i32, String)>, StoreError>> + Send;
+    fn applied(&mut self) -> impl Future<Output = Result<Vec<(i32, String)>, StoreError>> + Send {
+        async {
+            let rows = self.query(APPLIED, &[]).await?;
+            rows.iter()
+                .map(|row| Ok((row.int4(0)?, row.text(1)?.to_owned())))
+                .collect()
+        }
+    }
 
     /// Runs [`RECORD`].
     fn record(
         &mut self,
         version: i32,
         name: &'static str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            let params = [Param::Int4(version), Param::Text(name)];
+            self.query(RECORD, &params).await.map(drop)
+        }
+    }
 
     /// Runs [`INDEX_VALID`].
     fn index_valid(
         &mut self,
         name: &'static str,
-    ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send {
+        async move {
+            let rows = self.query(INDEX_VALID, &[Param::Text(name)]).await?;
+            rows.first().map(|row| row.bool(0)).transpose()
+        }
+    }
 
     /// Commits the transaction the runner began.
     fn commit(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.batch("COMMIT")
+        self.batch(super::statements::COMMIT)
     }
 
     /// Whether `error` is a lock wait that ran out (`55P03`): the

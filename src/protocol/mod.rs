@@ -6,12 +6,17 @@
 //! (tokio-postgres and deadpool) and `sqlx/` each use this module and never
 //! each other; nothing here depends on a driver.
 
+#[cfg(feature = "postgres")]
+pub(crate) mod admin;
+pub(crate) mod claim;
 pub(crate) mod errors;
 pub(crate) mod identity;
 pub(crate) mod lease;
 pub(crate) mod lexer;
 pub(crate) mod migrations;
+pub(crate) mod sql;
 pub(crate) mod statements;
+pub(crate) mod transport;
 pub(crate) mod waits;
 
 /// [`Store`](crate::store::Store) for a store `$store` whose handle is
@@ -45,3 +50,88 @@ macro_rules! forward_store {
 }
 
 pub(crate) use forward_store;
+
+/// [`LeaseStore`](crate::store::LeaseStore) for a store `$store` (a
+/// [`Transport`](transport::Transport)) whose lease is `$lease` (made by
+/// `$lease::new(store, identity)`, answering `identity()`) and whose
+/// handle is `$tx`: the protocol's calls, and the fenced transaction of the
+/// invoking module's `lease::protocol::open_fenced` and
+/// `finish::commit_fenced`.
+macro_rules! forward_lease_store {
+    ($store:ty, $lease:ident, $tx:ty) => {
+        impl crate::store::LeaseStore for $store {
+            type Lease = $lease;
+
+            async fn acquire(
+                &self,
+                claim: &crate::store::ClaimRequest,
+                request: &crate::store::LeaseRequest,
+            ) -> Result<crate::store::Acquired<$lease>, crate::store::StoreError> {
+                crate::protocol::lease::acquire(self, claim, request, |id| {
+                    $lease::new(self.clone(), id)
+                })
+                .await
+            }
+
+            async fn heartbeat(
+                &self,
+                lease: &$lease,
+                extend: std::time::Duration,
+            ) -> Result<(), crate::store::StoreError> {
+                crate::protocol::lease::heartbeat(self, lease.identity(), extend).await
+            }
+
+            async fn fenced(&self, lease: &$lease) -> Result<$tx, crate::store::StoreError> {
+                lease::protocol::open_fenced(lease).await
+            }
+
+            async fn commit_fenced(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
+                finish::commit_fenced(tx).await
+            }
+
+            async fn finish(
+                &self,
+                lease: &$lease,
+                response: &crate::record::StoredResponse,
+            ) -> Result<(), crate::store::StoreError> {
+                crate::protocol::lease::finish(self, lease.identity(), response).await
+            }
+
+            async fn release(&self, lease: &$lease) -> Result<(), crate::store::StoreError> {
+                crate::protocol::lease::release(self, lease.identity()).await
+            }
+
+            async fn fail(
+                &self,
+                lease: &$lease,
+                response: &crate::record::StoredResponse,
+                attempts: u32,
+            ) -> Result<(), crate::store::StoreError> {
+                crate::protocol::lease::fail(self, lease.identity(), response, attempts).await
+            }
+
+            async fn operation(
+                &self,
+                tenant: &crate::scope::TenantId,
+                id: crate::store::OperationId,
+            ) -> Result<Option<crate::store::Operation>, crate::store::StoreError> {
+                crate::protocol::lease::operation(self, tenant, id).await
+            }
+
+            async fn recover(
+                &self,
+                endpoint: &str,
+                lease: std::time::Duration,
+                retention: std::time::Duration,
+                backoff: crate::store::Backoff,
+            ) -> Result<Option<crate::store::Recovered<$lease>>, crate::store::StoreError> {
+                crate::protocol::lease::recover(self, endpoint, lease, retention, backoff, |id| {
+                    $lease::new(self.clone(), id)
+                })
+                .await
+            }
+        }
+    };
+}
+
+pub(crate) use forward_lease_store;

@@ -2,6 +2,13 @@
 //! short mode's completion, the fenced transaction's check, and the session
 //! reset. One text each; a driver adds only how it sends it.
 
+use super::{
+    claim::{key_params, may_take_over},
+    identity::TxIdentity,
+    sql::{Param, Sql, Ty},
+};
+use crate::{record::StoredResponse, store::ClaimRequest};
+
 /// How every transaction of the store begins. The protocol is written for
 /// READ COMMITTED: a duplicate's `INSERT … ON CONFLICT` waits on the owner's
 /// row lock and then sees its commit, a loser's claim at commit fails on the
@@ -11,6 +18,12 @@
 /// lock would not see its tables; so the level is named here, never left to
 /// the database's `default_transaction_isolation`.
 pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// Ends a transaction, keeping its writes.
+pub(crate) const COMMIT: &str = "COMMIT";
+
+/// Ends a transaction, undoing its writes.
+pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
 // The COMMIT is pipelined behind this statement, so it must fail (aborting
 // the transaction) rather than match no row: the handler's writes must never
@@ -26,7 +39,8 @@ pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 // claim's transaction is bounded by the handler's timeout, seconds against
 // a retention of hours. `$8` (the retention) is no longer needed; it stays
 // a parameter so that both drivers bind the same list.
-pub(crate) const COMPLETE: &str = "WITH done AS ( \
+pub(crate) const COMPLETE: Sql<'static> = Sql::new(
+    "WITH done AS ( \
          UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
              response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
              completed_at = statement_timestamp() \
@@ -34,17 +48,33 @@ pub(crate) const COMPLETE: &str = "WITH done AS ( \
              AND attempt_token = $4::int8 AND state = 'in_progress' \
              AND pg_current_xact_id() = $9::text::xid8 AND $8::float8 IS NOT NULL \
          RETURNING 1) \
-     SELECT 1 / (SELECT count(*)::int FROM done)";
+     SELECT 1 / (SELECT count(*)::int FROM done)",
+    &[
+        Ty::Text,
+        Ty::Text,
+        Ty::Text,
+        Ty::Int8,
+        Ty::Int2,
+        Ty::Bytea,
+        Ty::Bytea,
+        Ty::Float8,
+        Ty::Text,
+        Ty::Text,
+    ],
+);
 
 // A fenced transaction's commit, guarded like the completion: the check
 // fails (aborting the transaction, so the pipelined COMMIT rolls back) if
 // the handler let a statement fail and went on, if it ended the
 // transaction itself, or if the record is no longer at this token (it
 // cannot be while the row is held FOR SHARE; the check costs nothing).
-pub(crate) const FENCED_CHECK: &str = "SELECT 1 / (SELECT count(*)::int FROM idempotency_requests \
+pub(crate) const FENCED_CHECK: Sql<'static> = Sql::new(
+    "SELECT 1 / (SELECT count(*)::int FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' \
-         AND pg_current_xact_id() = $5::text::xid8)";
+         AND pg_current_xact_id() = $5::text::xid8)",
+    &[Ty::Text, Ty::Text, Ty::Text, Ty::Int8, Ty::Text],
+);
 
 // What a request may have left on its session that would outlive it on a
 // pooled connection, undone before anyone else gets the connection: what
@@ -93,7 +123,9 @@ pub(crate) const SESSION_RESET: &str =
 // a record that expired while the handler worked is free at commit, on
 // every store alike; the conformance check
 // `a_record_that_expires_during_the_work_is_won_at_commit`).
-pub(crate) const CLAIM_AT_COMMIT: &str = "WITH won AS ( \
+pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(
+    concat!(
+        "WITH won AS ( \
          INSERT INTO idempotency_requests AS r \
              (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
               response_headers, response_body, resource_id, created_at, completed_at, expires_at) \
@@ -108,11 +140,24 @@ pub(crate) const CLAIM_AT_COMMIT: &str = "WITH won AS ( \
              completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at, attempts = 0, \
              operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
              request_target = NULL, request_headers = NULL, request_body = NULL \
-         WHERE r.expires_at <= statement_timestamp() \
-             OR (r.state = 'in_progress' \
-                 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= statement_timestamp())) \
+         WHERE ",
+        may_take_over!("r.", "statement_timestamp()"),
+        " \
          RETURNING 1) \
-     SELECT 1 / (SELECT count(*)::int FROM won)";
+     SELECT 1 / (SELECT count(*)::int FROM won)"
+    ),
+    &[
+        Ty::Text,
+        Ty::Text,
+        Ty::Text,
+        Ty::Bytea,
+        Ty::Int2,
+        Ty::Bytea,
+        Ty::Bytea,
+        Ty::Text,
+        Ty::Float8,
+    ],
+);
 
 /// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: division by zero.
 pub(crate) const LOST_AT_COMMIT: &str = "22012";
@@ -132,6 +177,35 @@ mod reset_tests {
     }
 }
 
+/// Whether the session is inside a transaction block: outside one a
+/// statement is its own transaction, so `now()` and
+/// `statement_timestamp()` are one instant (`t`); inside one the
+/// transaction began with an earlier message (`f`), and a failed block
+/// answers `25P02`. (A bare `ROLLBACK` would do too, but warns on every
+/// clean connection.)
+#[cfg(feature = "postgres")]
+pub(crate) const OUTSIDE_A_TRANSACTION: &str = "SELECT now() = statement_timestamp()";
+
+/// Cancels the statement running on the session with process id `pid`: a
+/// simple query (the id is a number of ours, never client data), one round
+/// trip, nothing prepared.
+#[cfg(feature = "sqlx")]
+pub(crate) fn cancel_backend(pid: i32) -> String {
+    format!("SELECT pg_cancel_backend({pid})")
+}
+
+/// A statement whose columns are `NULL` cast to each of `types` (names as
+/// [`USER_TYPES`] returns them): describing it makes a driver look each
+/// type up and cache it.
+pub(crate) fn describe_types(types: &[String]) -> String {
+    let columns: Vec<String> = types.iter().map(|name| format!("NULL::{name}")).collect();
+    format!("SELECT {}", columns.join(", "))
+}
+
+/// Drops the session's prepared statements (a driver's own type lookups
+/// among them), on this server connection only.
+pub(crate) const DEALLOCATE_ALL: &str = "DEALLOCATE ALL";
+
 /// The user-defined types a handler's statements may meet (enums, domains,
 /// ranges, base types such as `citext`, standalone composites, and arrays
 /// of these), as `regtype` text: quoted and qualified as needed. Table row
@@ -147,3 +221,58 @@ pub(crate) const USER_TYPES: &str = "SELECT t.oid::regtype::text FROM pg_type t 
        AND n.nspname !~ '^pg_(toast|temp)' AND t.typisdefined \
        AND (c.oid IS NULL OR c.relkind = 'c') AND (ec.oid IS NULL OR ec.relkind = 'c') \
      ORDER BY t.oid";
+
+/// [`COMPLETE`]'s parameters for the owner `id` and its `response`, whose
+/// header block `headers` the caller encoded.
+pub(crate) fn complete_params<'a>(
+    id: &'a TxIdentity,
+    response: &'a StoredResponse,
+    headers: &'a [u8],
+) -> [Param<'a>; 10] {
+    let (tenant, endpoint, key, token) = id.columns();
+    [
+        Param::Text(tenant),
+        Param::Text(endpoint),
+        Param::Text(key),
+        Param::Int8(token),
+        Param::Int2(response.status.as_u16() as i16),
+        Param::Bytea(headers),
+        Param::Bytea(&response.body),
+        Param::from(id.retention()),
+        Param::Text(id.xid()),
+        Param::OptText(response.resource_id.as_ref().map(|id| id.as_str())),
+    ]
+}
+
+/// [`FENCED_CHECK`]'s parameters for the owner `id`.
+pub(crate) fn fenced_check_params(id: &TxIdentity) -> [Param<'_>; 5] {
+    let (tenant, endpoint, key, token) = id.columns();
+    [
+        Param::Text(tenant),
+        Param::Text(endpoint),
+        Param::Text(key),
+        Param::Int8(token),
+        Param::Text(id.xid()),
+    ]
+}
+
+/// [`CLAIM_AT_COMMIT`]'s parameters for `request` and its `response`, whose
+/// header block `headers` the caller encoded.
+pub(crate) fn at_commit_params<'a>(
+    request: &'a ClaimRequest,
+    response: &'a StoredResponse,
+    headers: &'a [u8],
+) -> [Param<'a>; 9] {
+    let [tenant, endpoint, key] = key_params(request);
+    [
+        tenant,
+        endpoint,
+        key,
+        Param::Bytea(request.fingerprint.as_bytes().as_slice()),
+        Param::Int2(response.status.as_u16() as i16),
+        Param::Bytea(headers),
+        Param::Bytea(&response.body),
+        Param::OptText(response.resource_id.as_ref().map(|id| id.as_str())),
+        Param::from(request.retention),
+    ]
+}

@@ -2,16 +2,17 @@
 //! transaction is begun without a claim, and the key's record goes in with
 //! the response just before the `COMMIT`.
 
-use ::sqlx::Row;
-
 use super::{
-    claim::{decode, LOOKUP},
     conn::GuardedConnection,
     error::{map_commit_error, map_error, sql_state},
-    query, SqlxStore, SqlxTx,
+    transport::{query, SqlxLink},
+    SqlxStore, SqlxTx,
 };
 use crate::{
-    protocol::statements::{CLAIM_AT_COMMIT, LOST_AT_COMMIT},
+    protocol::{
+        claim::winner,
+        statements::{at_commit_params, CLAIM_AT_COMMIT, COMMIT, LOST_AT_COMMIT, ROLLBACK},
+    },
     record::StoredResponse,
     store::{ClaimRequest, CommitStore, Committed, StoreError, StoreErrorKind},
 };
@@ -31,24 +32,17 @@ impl CommitStore for SqlxStore {
         // The session's process id, which a cancel request names, and
         // (with a hold limit) how long the session may sit idle in the
         // transaction before the server ends it.
-        let idle = request
-            .hold_limit
-            .map(|d| format!("{}ms", d.as_millis().clamp(1, i32::MAX as u128)));
-        let pid = query(
-            "SELECT pg_backend_pid(), CASE WHEN $1::text IS NOT NULL \
-                 THEN set_config('idle_in_transaction_session_timeout', $1, true) END",
-            pooling,
-        )
-        .bind(idle)
-        .fetch_one(tx.raw())
-        .await
-        .and_then(|row| row.try_get::<i32, _>(0));
+        let pid = SqlxLink {
+            conn: tx.raw(),
+            transaction_pooling: pooling,
+        }
+        .set_waits(None, request.hold_limit)
+        .await;
         let pid = match pid {
             Ok(pid) => pid,
             Err(e) => {
-                let error = map_error(e);
                 tx.rollback_quietly().await;
-                return Err(error);
+                return Err(e);
             }
         };
         Ok(SqlxTx::of_request(tx, self, pid, request, 0, String::new()))
@@ -66,21 +60,14 @@ impl CommitStore for SqlxStore {
                 "the transaction has already finished",
             ));
         };
-        let claimed = query(CLAIM_AT_COMMIT, self.transaction_pooling)
-            .bind(request.scope.tenant().as_str())
-            .bind(request.scope.endpoint())
-            .bind(request.key.as_str())
-            .bind(request.fingerprint.as_bytes().as_slice())
-            .bind(response.status.as_u16() as i16)
-            .bind(response.encode_headers())
-            .bind(response.body.as_ref())
-            .bind(response.resource_id.as_ref().map(|id| id.as_str()))
-            .bind(request.retention.as_secs_f64())
+        let headers = response.encode_headers();
+        let params = at_commit_params(request, response, &headers);
+        let claimed = query(CLAIM_AT_COMMIT, &params, self.transaction_pooling)
             .execute(transaction.raw())
             .await;
         match claimed {
             Ok(_) => transaction
-                .end("COMMIT", true)
+                .end(COMMIT, true)
                 .await
                 .map(|()| Committed::Won)
                 .map_err(map_commit_error),
@@ -89,13 +76,13 @@ impl CommitStore for SqlxStore {
                 let error = map_error(e);
                 // Should the rollback fail, the connection is closed, and
                 // the server rolls back.
-                if let Err(rollback) = transaction.end("ROLLBACK", true).await {
+                if let Err(rollback) = transaction.end(ROLLBACK, true).await {
                     tracing::debug!(error = %rollback, "rolling back a lost commit failed");
                 }
                 if !lost {
                     return Err(error);
                 }
-                self.winner(request).await
+                self.lost_to(request).await
             }
         }
     }
@@ -106,24 +93,20 @@ impl SqlxStore {
     /// a transaction of its own, as every statement of this store is (behind
     /// a transaction pooler an unnamed statement outside one may reach
     /// another server connection than its own preparation).
-    async fn winner(&self, request: &ClaimRequest) -> Result<Committed, StoreError> {
+    async fn lost_to(&self, request: &ClaimRequest) -> Result<Committed, StoreError> {
         let pooling = self.transaction_pooling;
         let mut tx = GuardedConnection::begin(&self.pool, pooling)
             .await
             .map_err(map_error)?;
-        let row = query(LOOKUP, pooling)
-            .bind(request.scope.tenant().as_str())
-            .bind(request.scope.endpoint())
-            .bind(request.key.as_str())
-            .fetch_optional(tx.raw())
-            .await;
-        let record = row.and_then(|row| row.as_ref().map(decode).transpose());
+        let winner = winner(
+            &mut SqlxLink {
+                conn: tx.raw(),
+                transaction_pooling: pooling,
+            },
+            request,
+        )
+        .await;
         tx.rollback_quietly().await;
-        Ok(match record.map_err(map_error)?.flatten() {
-            Some(record) => Committed::Lost(record),
-            // An operation of the long-running mode under its lease, or a
-            // record already gone: this transaction is over either way.
-            None => Committed::Held,
-        })
+        winner
     }
 }

@@ -22,7 +22,7 @@ use ::sqlx::{
 
 use crate::protocol::{
     lexer::{self, Refusal},
-    statements::{BEGIN, SESSION_RESET},
+    statements::{BEGIN, ROLLBACK, SESSION_RESET},
 };
 
 /// What a [`SqlxConn`](super::SqlxConn) dereferences to: the claim's
@@ -101,7 +101,7 @@ impl GuardedConnection {
     /// touched (a claim that did not win the key, a fenced transaction
     /// refused before it was lent).
     pub(super) async fn rollback_quietly(self) {
-        if let Err(e) = self.end("ROLLBACK", false).await {
+        if let Err(e) = self.end(ROLLBACK, false).await {
             tracing::debug!(error = %e, "rolling back an unused transaction failed");
         }
     }

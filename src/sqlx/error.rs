@@ -1,7 +1,6 @@
 //! sqlx errors sorted into the store's stable [`StoreErrorKind`]s, by
 //! SQLSTATE for the server's errors.
 
-pub(super) use crate::protocol::errors::LOCK_NOT_AVAILABLE;
 use crate::{
     protocol::errors::kind_of,
     store::{StoreError, StoreErrorKind},

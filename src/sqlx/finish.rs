@@ -8,10 +8,13 @@ use ::sqlx::{postgres::PgQueryResult, Connection as _, PgConnection};
 use super::{
     conn::GuardedConnection,
     error::{map_commit_error, map_error},
-    query, SqlxTx,
+    transport::query,
+    SqlxTx,
 };
 use crate::{
-    protocol::statements::{COMPLETE, FENCED_CHECK},
+    protocol::statements::{
+        complete_params, fenced_check_params, COMMIT, COMPLETE, FENCED_CHECK, ROLLBACK,
+    },
     protocol::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
@@ -32,7 +35,7 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
         return Err(finished());
     };
     if tx.is_fenced() {
-        if let Err(e) = transaction.end("ROLLBACK", true).await {
+        if let Err(e) = transaction.end(ROLLBACK, true).await {
             tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
         }
         return Err(StoreError::new(
@@ -40,19 +43,9 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
             "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
         ));
     }
-    let id = tx.identity();
-    let (tenant, endpoint, key, token) = id.columns();
-    let remembered = query(COMPLETE, tx.transaction_pooling())
-        .bind(tenant)
-        .bind(endpoint)
-        .bind(key)
-        .bind(token)
-        .bind(response.status.as_u16() as i16)
-        .bind(response.encode_headers())
-        .bind(response.body.as_ref())
-        .bind(id.retention().as_secs_f64())
-        .bind(id.xid())
-        .bind(response.resource_id.as_ref().map(|id| id.as_str()))
+    let headers = response.encode_headers();
+    let params = complete_params(tx.identity(), response, &headers);
+    let remembered = query(COMPLETE, &params, tx.transaction_pooling())
         .execute(transaction.raw())
         .await;
     commit_unless_failed(transaction, remembered, "completion").await
@@ -73,13 +66,8 @@ pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
     let Some(mut transaction) = tx.take_to_commit().await? else {
         return Err(finished());
     };
-    let (tenant, endpoint, key, token) = tx.identity().columns();
-    let checked = query(FENCED_CHECK, tx.transaction_pooling())
-        .bind(tenant)
-        .bind(endpoint)
-        .bind(key)
-        .bind(token)
-        .bind(tx.identity().xid())
+    let params = fenced_check_params(tx.identity());
+    let checked = query(FENCED_CHECK, &params, tx.transaction_pooling())
         .execute(transaction.raw())
         .await;
     commit_unless_failed(transaction, checked, "fenced commit").await
@@ -97,13 +85,13 @@ async fn commit_unless_failed(
         let error = map_error(e);
         // Should the rollback fail, the connection is closed, and the
         // server rolls back.
-        if let Err(rollback) = transaction.end("ROLLBACK", true).await {
+        if let Err(rollback) = transaction.end(ROLLBACK, true).await {
             tracing::debug!(error = %rollback, "rolling back a failed {what} failed");
         }
         return Err(error);
     }
     transaction
-        .end("COMMIT", true)
+        .end(COMMIT, true)
         .await
         .map_err(map_commit_error)
 }
@@ -143,7 +131,7 @@ pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
     };
     // The connection itself failed: dropped, the transaction ends with it.
     drained.map_err(map_error)?;
-    transaction.end("ROLLBACK", true).await.map_err(map_error)
+    transaction.end(ROLLBACK, true).await.map_err(map_error)
 }
 
 /// Waits until nothing runs on the connection any more. The answer of a

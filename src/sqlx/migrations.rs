@@ -1,11 +1,14 @@
 //! The migration runner's [`Transport`] on one of the pool's connections;
 //! the runner and the migrations are in `crate::protocol::migrations`.
 
-use ::sqlx::{pool::PoolConnection, Executor as _, PgPool, Postgres};
+use ::sqlx::{pool::PoolConnection, postgres::PgRow, Executor as _, PgPool, Postgres};
 
-use super::{error::map_error, query};
+use super::{error::map_error, transport::query};
 use crate::{
-    protocol::migrations::{self, Transport, APPLIED, INDEX_VALID, RECORD},
+    protocol::{
+        migrations::{self, Transport},
+        sql::{Param, Sql},
+    },
     store::StoreError,
 };
 
@@ -66,6 +69,8 @@ impl Drop for ConnTransport {
 }
 
 impl Transport for ConnTransport {
+    type Row = PgRow;
+
     async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {
         // A string without arguments goes out as a simple query: several
         // statements in one.
@@ -76,29 +81,13 @@ impl Transport for ConnTransport {
             .map_err(map_error)
     }
 
-    async fn applied(&mut self) -> Result<Vec<(i32, String)>, StoreError> {
-        ::sqlx::query_as(APPLIED)
-            .persistent(!self.transaction_pooling)
+    async fn query(
+        &mut self,
+        sql: Sql<'static>,
+        params: &[Param<'_>],
+    ) -> Result<Vec<PgRow>, StoreError> {
+        query(sql, params, self.transaction_pooling)
             .fetch_all(&mut *self.conn)
-            .await
-            .map_err(map_error)
-    }
-
-    async fn record(&mut self, version: i32, name: &'static str) -> Result<(), StoreError> {
-        query(RECORD, self.transaction_pooling)
-            .bind(version)
-            .bind(name)
-            .execute(&mut *self.conn)
-            .await
-            .map(drop)
-            .map_err(map_error)
-    }
-
-    async fn index_valid(&mut self, name: &'static str) -> Result<Option<bool>, StoreError> {
-        ::sqlx::query_scalar(INDEX_VALID)
-            .bind(name)
-            .persistent(!self.transaction_pooling)
-            .fetch_optional(&mut *self.conn)
             .await
             .map_err(map_error)
     }

@@ -128,6 +128,7 @@ mod error;
 mod finish;
 mod lease;
 pub(crate) mod migrations;
+mod transport;
 mod tx;
 mod types;
 
@@ -135,16 +136,6 @@ pub use conn::GuardedConnection;
 pub use lease::SqlxLease;
 pub use tx::{SqlxConn, SqlxTx};
 pub use types::load_types;
-
-/// One of the store's statements: prepared once per connection and cached
-/// by sqlx, or, behind a transaction pooler, unnamed (see
-/// [`SqlxStore::transaction_pooling`]).
-fn query(
-    sql: &str,
-    transaction_pooling: bool,
-) -> ::sqlx::query::Query<'_, ::sqlx::Postgres, ::sqlx::postgres::PgArguments> {
-    ::sqlx::query(sql).persistent(!transaction_pooling)
-}
 
 /// The [`Store`](crate::store::Store) on a `sqlx` PostgreSQL pool.
 ///
@@ -225,3 +216,6 @@ impl SqlxStore {
 }
 
 crate::protocol::forward_store!(SqlxStore, SqlxTx);
+
+// Long-running operations; see [`lease`](crate::lease) and [`SqlxLease`].
+crate::protocol::forward_lease_store!(SqlxStore, SqlxLease, SqlxTx);

@@ -15,6 +15,7 @@ use super::{conn::GuardedConnection, finish::finished};
 use crate::{
     key::IdempotencyKey,
     protocol::identity::{tx_accessors, Identity, Tx, TxIdentity},
+    protocol::statements::cancel_backend,
     protocol::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     scope::Scope,
     store::{StoreError, StoreErrorKind},
@@ -228,7 +229,7 @@ impl SqlxTx {
     /// connection. The statement is a simple query (the id is a number of
     /// ours, not client data): one round trip, nothing prepared.
     pub(super) async fn cancel_running(&self) {
-        let cancel = format!("SELECT pg_cancel_backend({})", self.inner.pid);
+        let cancel = cancel_backend(self.inner.pid);
         let cancelled = (&self.inner.pool).execute(cancel.as_str()).await;
         if let Err(e) = cancelled {
             tracing::debug!(error = %e, "cancelling a statement left running failed");

@@ -4,7 +4,7 @@ use std::{future::Future, pin::Pin};
 
 use ::sqlx::{postgres::PgConnection, Connection as _, Executor as _};
 
-use crate::protocol::statements::USER_TYPES;
+use crate::protocol::statements::{describe_types, DEALLOCATE_ALL, USER_TYPES};
 
 /// Types per loading statement.
 const CHUNK: usize = 200;
@@ -45,14 +45,13 @@ pub fn load_types(
             .fetch_all(&mut *connection)
             .await?;
         for chunk in names.chunks(CHUNK) {
-            let columns: Vec<String> = chunk.iter().map(|name| format!("NULL::{name}")).collect();
-            let select = format!("SELECT {}", columns.join(", "));
+            let select = describe_types(chunk);
             // Describing it makes sqlx look each column's type up.
             connection.describe(select.as_str()).await?;
         }
         // sqlx's lookup statements, on this server connection only, and
         // then out of its cache, before the transaction ends.
-        ::sqlx::query("DEALLOCATE ALL")
+        ::sqlx::query(DEALLOCATE_ALL)
             .persistent(false)
             .execute(&mut *connection)
             .await?;

@@ -8,7 +8,6 @@ use super::{PgStore, PgTx, TxError};
 use crate::protocol::identity::{lease_accessors, LeaseIdentity};
 
 pub(crate) mod protocol;
-pub(crate) mod statements;
 
 /// The lease of a long-running operation's owner, in the handler's request
 /// extensions (with the `axum` feature also an extractor).

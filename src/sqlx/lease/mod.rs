@@ -1,9 +1,9 @@
 //! Long-running operations on a `sqlx` pool: [`SqlxLease`], the owner's
-//! proof of ownership. [`LeaseStore`](crate::store::LeaseStore) for
-//! [`SqlxStore`] is in `protocol.rs`, with the statements of
-//! [`PgStore`](crate::postgres::PgStore)'s lease protocol (the same table,
-//! the same decisions, one statement on the key's row each, guarded by the
-//! attempt token).
+//! proof of ownership, and its fenced transaction (`protocol.rs`).
+//! [`LeaseStore`](crate::store::LeaseStore) for [`SqlxStore`] is the
+//! protocol's (`protocol::lease`), as [`PgStore`](crate::postgres::PgStore)'s
+//! is: the same table, the same decisions, one statement on the key's row
+//! each, guarded by the attempt token.
 
 use std::{fmt, sync::Arc};
 
@@ -14,7 +14,7 @@ use crate::{
     store::StoreError,
 };
 
-mod protocol;
+pub(super) mod protocol;
 
 /// The lease of a long-running operation's owner on a [`SqlxStore`], in the
 /// handler's request extensions.
@@ -53,7 +53,7 @@ struct Shared {
 }
 
 impl SqlxLease {
-    fn new(store: SqlxStore, id: LeaseIdentity) -> Self {
+    pub(super) fn new(store: SqlxStore, id: LeaseIdentity) -> Self {
         SqlxLease {
             inner: Arc::new(Shared { store, id }),
         }
@@ -82,16 +82,16 @@ impl SqlxLease {
         finish::commit_fenced(tx).await
     }
 
-    fn store(&self) -> &SqlxStore {
+    pub(super) fn store(&self) -> &SqlxStore {
         &self.inner.store
     }
 
-    fn identity(&self) -> &LeaseIdentity {
+    pub(super) fn identity(&self) -> &LeaseIdentity {
         &self.inner.id
     }
 
     /// Remembers that the store refused this owner, and says so.
-    fn fenced_error(&self) -> StoreError {
+    pub(super) fn fenced_error(&self) -> StoreError {
         self.inner.id.mark_fenced();
         fenced()
     }

@@ -1,0 +1,327 @@
+//! The claim (steps 1 and 2 of the default mode): the statements that
+//! insert the key's row or find the record that holds it, the rule that
+//! decides whether a found record may be taken over, and the decision a
+//! claim reaches from their rows. Both drivers send these; each only begins
+//! the transaction its own way ([`begin_with_waits`] in one round trip
+//! with the claim, or [`SET_WAITS`] as a statement of its own).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::{
+    lease::answered,
+    sql::{corrupt, params, Columns, Param, Sql, Ty},
+    statements::BEGIN,
+    transport::Link,
+};
+use crate::{
+    fingerprint::Fingerprint,
+    record::{Record, ResourceId, StoredResponse},
+    store::{ClaimRequest, Committed, StoreError},
+};
+
+/// The rule "may this record be taken over", in SQL, for the record's
+/// columns prefixed by `$row` and the instant `$now`: its retention ended,
+/// or it is an `in_progress` row no transaction holds (an owner in the
+/// default mode only ever commits `completed`, so such a row is an orphan:
+/// a crash of an older version, a manual edit) whose lease, if it has one
+/// (a long-running operation's), expired. Every statement that takes a key
+/// over says it through this one text.
+macro_rules! may_take_over {
+    ($row:literal, $now:literal) => {
+        concat!(
+            $row,
+            "expires_at <= ",
+            $now,
+            " OR (",
+            $row,
+            "state = 'in_progress' AND (",
+            $row,
+            "lease_expires_at IS NULL OR ",
+            $row,
+            "lease_expires_at <= ",
+            $now,
+            "))"
+        )
+    };
+}
+pub(crate) use may_take_over;
+
+/// The record columns the claim's statements return, in this order, as
+/// [`record_at`] reads them.
+macro_rules! record_columns {
+    () => {
+        "request_fingerprint, state, response_status, response_headers, response_body, resource_id"
+    };
+}
+
+/// Reads the record of a key, if its retention has not ended (READ
+/// COMMITTED: a fresh snapshot). Parameters: tenant, endpoint, key.
+pub(crate) const LOOKUP: Sql<'static> = Sql::new(
+    concat!(
+        "SELECT ",
+        record_columns!(),
+        " FROM idempotency_requests \
+         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+             AND expires_at > now()"
+    ),
+    &[Ty::Text, Ty::Text, Ty::Text],
+);
+
+/// The claim's parameters: tenant, endpoint, key, fingerprint, retention.
+const CLAIM_TYPES: &[Ty] = &[Ty::Text, Ty::Text, Ty::Text, Ty::Bytea, Ty::Float8];
+
+// The claim, claim first: no read before the insert decides the owner. One
+// statement either inserts the key's row (we own it; RETURNING puts
+// lock_timeout back to the session's default for the handler) or, without
+// taking a row lock, returns the key's committed record as this
+// statement's snapshot sees it, with whether it may be taken over. ON
+// CONFLICT DO NOTHING waits for a transaction that holds the key's row,
+// within lock_timeout; a record committed during that wait is not in the
+// snapshot: no row comes back, and the caller reads it with a fresh one.
+// Columns: owned, token, xid, then the record as LOOKUP reads it (from 3),
+// then "may take over".
+/// Inserts the key's row, or returns the record that holds the key.
+pub(crate) const CLAIM: Sql<'static> = Sql::new(
+    concat!(
+        "WITH claimed AS ( \
+             INSERT INTO idempotency_requests AS r \
+                 (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+             VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
+                 now() + make_interval(secs => $5::float8)) \
+             ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING \
+             RETURNING attempt_token, pg_current_xact_id()::text AS xid, \
+                 set_config('lock_timeout', NULL, true)) \
+         SELECT true, attempt_token, xid, NULL::bytea, NULL::text, NULL::int2, NULL::bytea, \
+             NULL::bytea, NULL::text, false \
+         FROM claimed \
+         UNION ALL \
+         SELECT false, NULL::int8, NULL::text, ",
+        record_columns!(),
+        ", ",
+        may_take_over!("", "now()"),
+        " FROM idempotency_requests \
+         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+             AND NOT EXISTS (SELECT FROM claimed)"
+    ),
+    CLAIM_TYPES,
+);
+
+// The takeover of a record that may be taken over, in the claim's
+// transaction. RETURNING runs once we own the key and puts lock_timeout
+// back to the session's default for the handler (`set_config` with NULL is
+// `SET LOCAL … TO DEFAULT`: the value from the server, database, role or
+// connection options).
+//
+// ON CONFLICT waits for the transaction holding the key's row, so the WHERE
+// is evaluated on the newest version of the row once its lock is ours: of
+// many claims racing for one expired record, one takes it over; the others
+// find it taken. It is taken over as a new attempt, with the token the
+// proposed row drew from the sequence (EXCLUDED): larger than every token
+// handed out before, also for a key whose row was removed meanwhile.
+/// Takes a record over that may be taken over.
+pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(
+    concat!(
+        "INSERT INTO idempotency_requests AS r \
+             (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+         VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
+             now() + make_interval(secs => $5::float8)) \
+         ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
+             request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
+             attempt_token = EXCLUDED.attempt_token, response_status = NULL, \
+             response_headers = NULL, response_body = NULL, resource_id = NULL, \
+             created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at, \
+             lease_expires_at = NULL \
+         WHERE ",
+        may_take_over!("r.", "now()"),
+        " RETURNING attempt_token, pg_current_xact_id()::text, \
+             set_config('lock_timeout', NULL, true)"
+    ),
+    CLAIM_TYPES,
+);
+
+/// Sets, for the rest of the transaction, how long a lock wait may last
+/// (`$1`, e.g. `'250ms'`) and, if `$2` is not NULL, how long the session
+/// may sit idle in it before the server ends it; returns the session's
+/// process id, which a cancel request names. For a driver that cannot send
+/// [`begin_with_waits`] with the claim; the values are parameters here.
+#[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
+pub(crate) const SET_WAITS: Sql<'static> = Sql::new(
+    "SELECT pg_backend_pid(), \
+         CASE WHEN $1::text IS NOT NULL THEN set_config('lock_timeout', $1, true) END, \
+         CASE WHEN $2::text IS NOT NULL \
+             THEN set_config('idle_in_transaction_session_timeout', $2, true) END",
+    &[Ty::Text, Ty::Text],
+);
+
+/// A wait as PostgreSQL's settings take it: whole milliseconds, at least
+/// 1 (`0` would mean "no limit") and at most `i32::MAX`.
+pub(crate) fn millis(d: Duration) -> u128 {
+    d.as_millis().clamp(1, i32::MAX as u128)
+}
+
+/// [`SET_WAITS`]'s parameters, as text (`'250ms'`).
+#[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
+pub(crate) fn wait_settings(
+    lock_wait: Option<Duration>,
+    idle: Option<Duration>,
+) -> [Option<String>; 2] {
+    [lock_wait, idle].map(|d| d.map(|d| format!("{}ms", millis(d))))
+}
+
+/// `BEGIN ISOLATION LEVEL READ COMMITTED`, then `SET LOCAL` of the lock wait
+/// and the idle limit that are given: utility statements only, nothing to
+/// plan, for a driver that sends them pipelined, one message each, ahead of
+/// the claim. The values are numbers formatted here, never client data.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
+    let mut batch = BEGIN.to_owned();
+    if let Some(wait) = lock_wait {
+        batch.push_str(&format!("; SET LOCAL lock_timeout = '{}ms'", millis(wait)));
+    }
+    if let Some(limit) = idle {
+        batch.push_str(&format!(
+            "; SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+            millis(limit)
+        ));
+    }
+    batch
+}
+
+/// The key's columns: tenant, endpoint, key.
+pub(crate) fn key_params(request: &ClaimRequest) -> [Param<'_>; 3] {
+    params![
+        request.scope.tenant().as_str(),
+        request.scope.endpoint(),
+        request.key.as_str()
+    ]
+}
+
+/// [`CLAIM`]'s and [`TAKE_OVER`]'s parameters.
+pub(crate) fn claim_params(request: &ClaimRequest) -> [Param<'_>; 5] {
+    let [tenant, endpoint, key] = key_params(request);
+    [
+        tenant,
+        endpoint,
+        key,
+        Param::Bytea(request.fingerprint.as_bytes().as_slice()),
+        Param::from(request.retention),
+    ]
+}
+
+/// What a claim found.
+#[derive(Debug)]
+pub(crate) enum Claimed {
+    /// This request owns the key: its attempt token and its transaction's id.
+    Owned(i64, String),
+    /// A completed record, to replay.
+    Completed(Record),
+    /// Held by an operation still in progress.
+    InProgress,
+}
+
+/// Settles a claim from the rows [`CLAIM`] returned on `link`, in the
+/// claim's transaction: owned; someone else's record; a record that may be
+/// taken over, taken over with [`TAKE_OVER`]; or a record committed while
+/// the claim waited (no row), read with a fresh snapshot ([`LOOKUP`]).
+pub(crate) async fn settle<L: Link>(
+    link: &mut L,
+    request: &ClaimRequest,
+    rows: Vec<L::Row>,
+) -> Result<Claimed, StoreError> {
+    let Some(row) = rows.first() else {
+        return unseen(link, request).await;
+    };
+    if row.bool(0)? {
+        return Ok(Claimed::Owned(row.int8(1)?, row.text(2)?.to_owned()));
+    }
+    if !row.bool(9)? {
+        return Ok(found(record_at(row, 3)?));
+    }
+    // Expired, or an orphan: take it over, as a second step of the same
+    // transaction (rare: once per key per retention period).
+    let taken = link.query(TAKE_OVER, &claim_params(request)).await?;
+    match taken.first() {
+        Some(row) => Ok(Claimed::Owned(row.int8(0)?, row.text(1)?.to_owned())),
+        None => unseen(link, request).await,
+    }
+}
+
+/// The key is taken by a row the claim's snapshot does not show (committed
+/// while it waited, or taken over by someone else first): read it anew.
+async fn unseen<L: Link>(link: &mut L, request: &ClaimRequest) -> Result<Claimed, StoreError> {
+    let rows = link.query(LOOKUP, &key_params(request)).await?;
+    match rows.first() {
+        Some(row) => Ok(found(record_at(row, 0)?)),
+        None => Ok(Claimed::InProgress),
+    }
+}
+
+/// What a commit of the one-commit mode that lost lost to: the record of
+/// the key, read with a fresh snapshot on `link`.
+pub(crate) async fn winner<L: Link>(
+    link: &mut L,
+    request: &ClaimRequest,
+) -> Result<Committed, StoreError> {
+    let rows = link.query(LOOKUP, &key_params(request)).await?;
+    let record = rows.first().map(|row| record_at(row, 0)).transpose()?;
+    Ok(match record.flatten() {
+        Some(record) => Committed::Lost(record),
+        // An operation of the long-running mode under its lease, or a
+        // record already gone (removed by an operator, or its retention
+        // ended since): the key may be free, but this transaction is over.
+        // The client's retry runs again.
+        None => Committed::Held,
+    })
+}
+
+fn found(record: Option<Record>) -> Claimed {
+    record.map_or(Claimed::InProgress, Claimed::Completed)
+}
+
+/// The record in the six columns from `at` (see [`LOOKUP`]); `None` for a
+/// row without an answer to replay (in progress). A long-running
+/// operation's remembered failure replays as a completion does.
+pub(crate) fn record_at<R: Columns + ?Sized>(
+    row: &R,
+    at: usize,
+) -> Result<Option<Record>, StoreError> {
+    if !answered(row.text(at + 1)?) {
+        return Ok(None);
+    }
+    Ok(Some(Record {
+        fingerprint: fingerprint(row.bytea(at)?)?,
+        response: response_at(row, at + 2)?,
+    }))
+}
+
+/// The response stored in the columns from `at`: status, headers, body,
+/// resource id.
+pub(crate) fn response_at<R: Columns + ?Sized>(
+    row: &R,
+    at: usize,
+) -> Result<StoredResponse, StoreError> {
+    Ok(StoredResponse {
+        status: status(row.int2(at)?)?,
+        headers: StoredResponse::decode_headers(row.bytea(at + 1)?)
+            .ok_or_else(|| corrupt("header block"))?,
+        body: Bytes::copy_from_slice(row.bytea(at + 2)?),
+        resource_id: row
+            .opt_text(at + 3)?
+            .map(|id| ResourceId::new(id.to_owned())),
+    })
+}
+
+/// A stored fingerprint.
+pub(crate) fn fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
+    Fingerprint::from_slice(bytes).ok_or_else(|| corrupt("fingerprint"))
+}
+
+/// A stored status code.
+pub(crate) fn status(status: i16) -> Result<http::StatusCode, StoreError> {
+    u16::try_from(status)
+        .ok()
+        .and_then(|s| http::StatusCode::from_u16(s).ok())
+        .ok_or_else(|| corrupt("status"))
+}
