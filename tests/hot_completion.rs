@@ -28,10 +28,11 @@ const STATS_DEADLINE: Duration = Duration::from_secs(30);
 fn completion_sets() -> BTreeSet<String> {
     let source = include_str!("../src/protocol/statements.rs");
     let start = source
-        .find("pub(crate) const COMPLETE: &str = \"")
+        .find("pub(crate) const COMPLETE: Sql<'static> = Sql::new(")
         .expect("COMPLETE is in statements.rs");
     let text = &source[start..];
-    let text = &text[..text.find("\";").expect("COMPLETE ends")];
+    let text = &text[text.find('"').expect("COMPLETE's text") + 1..];
+    let text = &text[..text.find("\",").expect("COMPLETE's text ends")];
     // The Rust string's line continuations, then SQL's whitespace.
     let text = text.replace("\\\n", " ");
     let text = text.split_whitespace().collect::<Vec<_>>().join(" ");

@@ -8,13 +8,19 @@
 //! [the transaction handle](crate::guide::transaction). No `SELECT` decides
 //! ownership: the unique index does.
 
-// The code, one concern per file: the protocol's claim (`claim.rs`) and its
-// end (`finish.rs`); the connection guard and the application's connection
-// (`conn.rs`); the pool (`pool.rs`); row decoding (`decode.rs`); error
-// mapping (`error.rs`); the handler's transaction (`tx.rs`) and the SQL lexer
-// guarding it (`lexer/`); the operator API (`admin.rs`); migrations
-// (`migrations.rs`); and `Session` (`session.rs`), the one way the rest of
-// the crate (the outbox relay, retention) runs statements on the pool.
+// The driver's part only: every statement, row decoding and decision is the
+// protocol's (`crate::protocol`). Here, one concern per file: the claim's
+// flow on a pooled connection (`claim.rs`), the end of the owner's
+// transaction (`finish.rs`) and the one-commit mode's (`commit.rs`); how a
+// statement is sent, cached or unnamed (`statements.rs`), and the
+// protocol's `Transport` and `Link` on this driver (`transport.rs`); the
+// connection guard and the application's connection (`conn.rs`); the pool
+// (`pool.rs`), its connection string (`conninfo.rs`) and TLS (`tls.rs`);
+// error mapping (`error.rs`); the handler's transaction (`tx/`); the
+// operator API (`admin.rs`); migrations (`migrations.rs`); user-defined
+// types behind a pooler (`types.rs`); and `Session` (`session.rs`), the one
+// way the rest of the crate (the outbox relay, retention) runs statements
+// on the pool.
 
 use std::{fmt, str::FromStr};
 
@@ -142,41 +148,3 @@ crate::protocol::forward_store!(PgStore, PgTx);
 
 // Long-running operations; see [`lease`](crate::lease) and [`PgLease`].
 crate::protocol::forward_lease_store!(PgStore, PgLease, PgTx);
-
-/// Every statement the store sends with parameters, by name (for the check
-/// that each declares the types its text casts to).
-#[cfg(test)]
-pub(crate) fn all_statements() -> Vec<(&'static str, statements::Sql<'static>)> {
-    use crate::protocol::{admin, claim, lease as lp, migrations, statements as st};
-    vec![
-        ("claim LOOKUP", claim::LOOKUP),
-        ("CLAIM", claim::CLAIM),
-        ("TAKE_OVER", claim::TAKE_OVER),
-        ("SET_WAITS", claim::SET_WAITS),
-        ("COMPLETE", st::COMPLETE),
-        ("CLAIM_AT_COMMIT", st::CLAIM_AT_COMMIT),
-        ("FENCED_CHECK", st::FENCED_CHECK),
-        ("INSPECT_KEY", admin::INSPECT_KEY),
-        ("REMOVE_KEY", admin::REMOVE_KEY),
-        ("migration RECORD", migrations::RECORD),
-        ("lease LOOKUP", lp::LOOKUP),
-        ("ACQUIRE", lp::ACQUIRE),
-        ("HEARTBEAT", lp::HEARTBEAT),
-        ("HOLD", lp::HOLD),
-        ("FINISH", lp::FINISH),
-        ("RELEASE", lp::RELEASE),
-        ("FAIL", lp::FAIL),
-        ("OPERATION", lp::OPERATION),
-        ("RECOVER", lp::RECOVER),
-        ("DELETE_BATCH", crate::retention::DELETE_BATCH_SQL),
-        ("CLAIM_EVENTS", crate::outbox::statements::CLAIM_EVENTS_SQL),
-        (
-            "MARK_DELIVERED",
-            crate::outbox::statements::MARK_DELIVERED_SQL,
-        ),
-        ("MARK_FAILED", crate::outbox::statements::MARK_FAILED_SQL),
-        ("MARK_PARKED", crate::outbox::statements::MARK_PARKED_SQL),
-        ("ENQUEUE", crate::outbox::event::ENQUEUE),
-        ("inbox INSERT", crate::outbox::inbox::INSERT_SQL),
-    ]
-}

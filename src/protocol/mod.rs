@@ -16,6 +16,8 @@ pub(crate) mod lexer;
 pub(crate) mod migrations;
 pub(crate) mod sql;
 pub(crate) mod statements;
+#[cfg(all(test, feature = "postgres"))]
+mod tests;
 pub(crate) mod transport;
 pub(crate) mod waits;
 

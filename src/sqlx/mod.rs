@@ -41,13 +41,14 @@
 //!
 //! It uses the table and migrations of [`PgStore`](crate::postgres::PgStore)
 //! (either store's `migrate` brings a database to the same schema, and
-//! records written by one replay through the other), with plain `sqlx`
-//! statements:
+//! records written by one replay through the other), and sends the same
+//! statements, written once for both stores, one at a time:
 //!
 //! 1. **One owner.** A claim begins a transaction and inserts the key's row
-//!    (`INSERT … ON CONFLICT DO NOTHING`): the primary key decides, never a
-//!    read before the insert. The row stays uncommitted, and so locked, for
-//!    as long as the owner works.
+//!    (`INSERT … ON CONFLICT DO NOTHING`, which otherwise returns the record
+//!    that holds the key): the primary key decides, never a read before the
+//!    insert. The row stays uncommitted, and so locked, for as long as the
+//!    owner works.
 //! 2. **Atomic completion.** The handler's statements run in that same
 //!    transaction; `complete` updates the row with the response (only if
 //!    the claim's token, state and transaction id still match: otherwise
@@ -63,6 +64,9 @@
 //!    in-progress row no transaction holds) is taken over by a second
 //!    `INSERT … ON CONFLICT DO UPDATE … WHERE expired` in the claim's
 //!    transaction, under a new attempt token.
+//!
+//! What it has and lacks beside `PgStore` is one table in the [custom
+//! stores guide](crate::guide::custom_stores).
 //!
 //! `tests/sqlx_store.rs` runs the [conformance
 //! suite](crate::testing::conformance) against it on a real PostgreSQL.

@@ -1,0 +1,100 @@
+//! Checks over every statement the crate sends with parameters.
+
+use super::sql::Sql;
+
+/// Every statement the store sends with parameters, by name (for the check
+/// that each declares the types its text casts to).
+fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
+    use super::{admin, claim, lease as lp, migrations, statements as st};
+    vec![
+        ("claim LOOKUP", claim::LOOKUP),
+        ("CLAIM", claim::CLAIM),
+        ("TAKE_OVER", claim::TAKE_OVER),
+        ("SET_WAITS", claim::SET_WAITS),
+        ("COMPLETE", st::COMPLETE),
+        ("CLAIM_AT_COMMIT", st::CLAIM_AT_COMMIT),
+        ("FENCED_CHECK", st::FENCED_CHECK),
+        ("INSPECT_KEY", admin::INSPECT_KEY),
+        ("REMOVE_KEY", admin::REMOVE_KEY),
+        ("migration RECORD", migrations::RECORD),
+        ("lease LOOKUP", lp::LOOKUP),
+        ("ACQUIRE", lp::ACQUIRE),
+        ("HEARTBEAT", lp::HEARTBEAT),
+        ("HOLD", lp::HOLD),
+        ("FINISH", lp::FINISH),
+        ("RELEASE", lp::RELEASE),
+        ("FAIL", lp::FAIL),
+        ("OPERATION", lp::OPERATION),
+        ("RECOVER", lp::RECOVER),
+        ("DELETE_BATCH", crate::retention::DELETE_BATCH_SQL),
+        ("CLAIM_EVENTS", crate::outbox::statements::CLAIM_EVENTS_SQL),
+        (
+            "MARK_DELIVERED",
+            crate::outbox::statements::MARK_DELIVERED_SQL,
+        ),
+        ("MARK_FAILED", crate::outbox::statements::MARK_FAILED_SQL),
+        ("MARK_PARKED", crate::outbox::statements::MARK_PARKED_SQL),
+        ("ENQUEUE", crate::outbox::event::ENQUEUE),
+        ("inbox INSERT", crate::outbox::inbox::INSERT_SQL),
+    ]
+}
+
+/// Background work that scans across tenants by design: the recovery
+/// worker, cleanup, the outbox relay (each row it changes it names by
+/// its tenant), and the migration record (a reference table).
+const ACROSS_TENANTS: &[&str] = &[
+    "migration RECORD",
+    "RECOVER",
+    "DELETE_BATCH",
+    "CLAIM_EVENTS",
+    "MARK_DELIVERED",
+    "MARK_FAILED",
+    "MARK_PARKED",
+];
+
+/// Every statement a request sends names one tenant: it compares
+/// `tenant_id` with a parameter, or inserts a row whose `tenant_id` is
+/// one. On a table distributed by tenant each is routed to one shard.
+#[test]
+fn every_statement_of_a_request_names_one_tenant() {
+    for (name, sql) in all_statements() {
+        // Settings of the transaction: no table.
+        if ACROSS_TENANTS.contains(&name) || name == "SET_WAITS" {
+            continue;
+        }
+        let text = sql.text();
+        let compares = text.contains("tenant_id = $");
+        let inserts = text.contains("INSERT INTO") && text.contains("(tenant_id,");
+        assert!(
+            compares || inserts,
+            "{name} does not name its tenant: {text}"
+        );
+    }
+}
+
+/// Every parameter of every statement is declared with the type its
+/// text casts it to: the unnamed path binds with the declared types.
+#[test]
+fn declared_types_match_the_casts_in_the_text() {
+    for (name, sql) in all_statements() {
+        for (i, ty) in sql.types().iter().enumerate() {
+            let cast = format!("${}::{}", i + 1, ty.name());
+            let alias = match ty.name() {
+                "_text" => format!("${}::text[]", i + 1),
+                "_float8" => format!("${}::float8[]", i + 1),
+                _ => cast.clone(),
+            };
+            assert!(
+                sql.text().contains(&cast) || sql.text().contains(&alias),
+                "{name}: parameter ${} is declared {} but the text does not cast it so",
+                i + 1,
+                ty.name()
+            );
+        }
+        let highest = (1..=20)
+            .rev()
+            .find(|n| sql.text().contains(&format!("${n}")))
+            .unwrap_or(0);
+        assert_eq!(highest, sql.types().len(), "{name}: parameters declared");
+    }
+}
