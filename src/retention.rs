@@ -9,8 +9,6 @@ use std::{fmt, future::Future, time::Duration};
 
 use tokio_postgres::types::ToSql;
 
-use crate::protocol::sql::Ty;
-
 use crate::{
     metrics,
     postgres::{statements::Sql, PgStore},
@@ -27,7 +25,7 @@ const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
             ORDER BY expires_at LIMIT $1::int8 FOR UPDATE SKIP LOCKED) AS d \
      WHERE r.tenant_id = d.tenant_id AND r.endpoint = d.endpoint AND r.idempotency_key = d.idempotency_key";
 
-pub(crate) const DELETE_BATCH_SQL: Sql<'static> = Sql::new(DELETE_BATCH, &[Ty::Int8]);
+pub(crate) const DELETE_BATCH_SQL: Sql<'static> = Sql::new(DELETE_BATCH);
 
 // Expired rows not yet removed (the cleanup backlog gauge).
 const CLEANUP_BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";
@@ -173,9 +171,9 @@ impl Cleanup {
     pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
         let mut session = self.store.session().await?;
         let (backlog, oldest, leases) = tokio::try_join!(
-            session.prepare(Sql::new(CLEANUP_BACKLOG, &[])),
-            session.prepare(Sql::new(OLDEST_IN_PROGRESS, &[])),
-            session.prepare(Sql::new(LEASES, &[])),
+            session.prepare(Sql::new(CLEANUP_BACKLOG)),
+            session.prepare(Sql::new(OLDEST_IN_PROGRESS)),
+            session.prepare(Sql::new(LEASES)),
         )?;
         // One transaction, one round trip: the three read one instant
         // (`now()` is the transaction's), so the gauges agree with each

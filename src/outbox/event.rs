@@ -2,8 +2,6 @@
 
 use serde_json::Value;
 
-use crate::protocol::sql::Ty;
-
 use crate::postgres::{statements::Sql, PgTx, TxError};
 
 /// Adds an event to `outbox_events` inside the request's transaction: it
@@ -37,7 +35,6 @@ pub async fn enqueue(
 pub(crate) const ENQUEUE: Sql<'static> = Sql::new(
     "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
      VALUES ($1::text, $2::text, $3::text, $4::jsonb) RETURNING id::text",
-    &[Ty::Text, Ty::Text, Ty::Text, Ty::Jsonb],
 );
 
 /// An event as the relay hands it to a [`Sink`](super::Sink).

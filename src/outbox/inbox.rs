@@ -2,8 +2,6 @@
 
 use tokio_postgres::GenericClient;
 
-use crate::protocol::sql::Ty;
-
 use crate::postgres::{statements::Sql, PgTx, TxError};
 
 /// Records that `consumer` processes `event_id` of `tenant` (the event's
@@ -52,7 +50,7 @@ pub async fn first_delivery_in(
         == 1)
 }
 
-pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT, &[Ty::Text, Ty::Text, Ty::Text]);
+pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT);
 
 const INSERT: &str = "INSERT INTO inbox_events (tenant_id, consumer, event_id) \
      VALUES ($1::text, $2::text, $3::text) \

@@ -265,9 +265,7 @@ impl<K: Sink> Relay<K> {
     /// them as the backlog and lag gauges.
     pub async fn refresh_backlog(&self) -> Result<OutboxStatus, StoreError> {
         let session = self.store.session().await?;
-        let row = session
-            .query_one(Sql::new(OUTBOX_BACKLOG, &[]), &[])
-            .await?;
+        let row = session.query_one(Sql::new(OUTBOX_BACKLOG), &[]).await?;
         let (count, lag): (i64, f64) = (row.get(0), row.get(1));
         metrics::outbox_backlog(count as f64, lag);
         Ok(OutboxStatus {

@@ -1,8 +1,6 @@
 //! The relay's statements: claiming a batch of due events, marking each
 //! delivered, failed (its retry scheduled) or parked, and the backlog.
 
-use crate::protocol::sql::Ty;
-
 use crate::postgres::statements::Sql;
 
 // Due events, locked for this batch; rows another relay holds are skipped.
@@ -37,12 +35,7 @@ pub(super) const OUTBOX_BACKLOG: &str =
     "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) \
      FROM outbox_events WHERE published_at IS NULL AND parked_at IS NULL";
 
-pub(crate) const CLAIM_EVENTS_SQL: Sql<'static> = Sql::new(CLAIM_EVENTS, &[Ty::Int8]);
-pub(crate) const MARK_DELIVERED_SQL: Sql<'static> =
-    Sql::new(MARK_DELIVERED, &[Ty::TextArray, Ty::TextArray]);
-pub(crate) const MARK_FAILED_SQL: Sql<'static> = Sql::new(
-    MARK_FAILED,
-    &[Ty::TextArray, Ty::TextArray, Ty::TextArray, Ty::Float8Array],
-);
-pub(crate) const MARK_PARKED_SQL: Sql<'static> =
-    Sql::new(MARK_PARKED, &[Ty::TextArray, Ty::TextArray, Ty::TextArray]);
+pub(crate) const CLAIM_EVENTS_SQL: Sql<'static> = Sql::new(CLAIM_EVENTS);
+pub(crate) const MARK_DELIVERED_SQL: Sql<'static> = Sql::new(MARK_DELIVERED);
+pub(crate) const MARK_FAILED_SQL: Sql<'static> = Sql::new(MARK_FAILED);
+pub(crate) const MARK_PARKED_SQL: Sql<'static> = Sql::new(MARK_PARKED);

@@ -45,38 +45,25 @@ impl ToSql for Param<'_> {
         ty: &Type,
         out: &mut bytes::BytesMut,
     ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        match *self {
-            Param::Text(v) => v.to_sql(ty, out),
-            Param::OptText(v) => v.to_sql(ty, out),
-            Param::Bytea(v) => v.to_sql(ty, out),
-            Param::Int2(v) => v.to_sql(ty, out),
-            Param::Int4(v) => v.to_sql(ty, out),
-            Param::Int8(v) => v.to_sql(ty, out),
-            Param::Float8(v) => v.to_sql(ty, out),
-        }
+        let value: &(dyn ToSql + Sync) = match self {
+            Param::Text(v) => v,
+            Param::OptText(v) => v,
+            Param::Bytea(v) => v,
+            Param::Int2(v) => v,
+            Param::Int4(v) => v,
+            Param::Int8(v) => v,
+            Param::Float8(v) => v,
+        };
+        // The value checks itself against the declared type.
+        value.to_sql_checked(ty, out)
     }
 
-    // The statement's text fixes each parameter's type; the value checks
-    // itself against it in `to_sql_checked`.
+    // The statement's text fixes each parameter's type; `to_sql` checks it.
     fn accepts(_: &Type) -> bool {
         true
     }
 
-    fn to_sql_checked(
-        &self,
-        ty: &Type,
-        out: &mut bytes::BytesMut,
-    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        match *self {
-            Param::Text(v) => v.to_sql_checked(ty, out),
-            Param::OptText(v) => v.to_sql_checked(ty, out),
-            Param::Bytea(v) => v.to_sql_checked(ty, out),
-            Param::Int2(v) => v.to_sql_checked(ty, out),
-            Param::Int4(v) => v.to_sql_checked(ty, out),
-            Param::Int8(v) => v.to_sql_checked(ty, out),
-            Param::Float8(v) => v.to_sql_checked(ty, out),
-        }
-    }
+    tokio_postgres::types::to_sql_checked!();
 }
 
 /// Protocol values as the driver's parameter list.

@@ -3,7 +3,7 @@
 
 use super::{
     claim::{fingerprint, status},
-    sql::{Columns, Param, Sql, Ty},
+    sql::{Columns, Param, Sql},
 };
 use crate::{
     key::IdempotencyKey,
@@ -22,14 +22,12 @@ pub(crate) const INSPECT_KEY: Sql<'static> = Sql::new(
          (EXTRACT(EPOCH FROM expires_at) * 1000000)::int8, resource_id \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text",
-    &[Ty::Text, Ty::Text, Ty::Text],
 );
 
 /// Removes one key's record.
 pub(crate) const REMOVE_KEY: Sql<'static> = Sql::new(
     "DELETE FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text",
-    &[Ty::Text, Ty::Text, Ty::Text],
 );
 
 /// The parameters of both: tenant, endpoint, key.

@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use super::{
     lease::answered,
-    sql::{corrupt, params, Columns, Param, Sql, Ty},
+    sql::{corrupt, Columns, Param, Sql},
     statements::BEGIN,
     transport::Link,
 };
@@ -58,19 +58,13 @@ macro_rules! record_columns {
 
 /// Reads the record of a key, if its retention has not ended (READ
 /// COMMITTED: a fresh snapshot). Parameters: tenant, endpoint, key.
-pub(crate) const LOOKUP: Sql<'static> = Sql::new(
-    concat!(
-        "SELECT ",
-        record_columns!(),
-        " FROM idempotency_requests \
+pub(crate) const LOOKUP: Sql<'static> = Sql::new(concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_requests \
          WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
              AND expires_at > now()"
-    ),
-    &[Ty::Text, Ty::Text, Ty::Text],
-);
-
-/// The claim's parameters: tenant, endpoint, key, fingerprint, retention.
-const CLAIM_TYPES: &[Ty] = &[Ty::Text, Ty::Text, Ty::Text, Ty::Bytea, Ty::Float8];
+));
 
 // The claim, claim first: no read before the insert decides the owner. One
 // statement either inserts the key's row (we own it; RETURNING puts
@@ -83,9 +77,8 @@ const CLAIM_TYPES: &[Ty] = &[Ty::Text, Ty::Text, Ty::Text, Ty::Bytea, Ty::Float8
 // Columns: owned, token, xid, then the record as LOOKUP reads it (from 3),
 // then "may take over".
 /// Inserts the key's row, or returns the record that holds the key.
-pub(crate) const CLAIM: Sql<'static> = Sql::new(
-    concat!(
-        "WITH claimed AS ( \
+pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
+    "WITH claimed AS ( \
              INSERT INTO idempotency_requests AS r \
                  (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
              VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
@@ -98,15 +91,13 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(
          FROM claimed \
          UNION ALL \
          SELECT false, NULL::int8, NULL::text, ",
-        record_columns!(),
-        ", ",
-        may_take_over!("", "now()"),
-        " FROM idempotency_requests \
+    record_columns!(),
+    ", ",
+    may_take_over!("", "now()"),
+    " FROM idempotency_requests \
          WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
              AND NOT EXISTS (SELECT FROM claimed)"
-    ),
-    CLAIM_TYPES,
-);
+));
 
 // The takeover of a record that may be taken over, in the claim's
 // transaction. RETURNING runs once we own the key and puts lock_timeout
@@ -121,9 +112,8 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(
 // proposed row drew from the sequence (EXCLUDED): larger than every token
 // handed out before, also for a key whose row was removed meanwhile.
 /// Takes a record over that may be taken over.
-pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(
-    concat!(
-        "INSERT INTO idempotency_requests AS r \
+pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(concat!(
+    "INSERT INTO idempotency_requests AS r \
              (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
          VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
              now() + make_interval(secs => $5::float8)) \
@@ -134,12 +124,10 @@ pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(
              created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at, \
              lease_expires_at = NULL \
          WHERE ",
-        may_take_over!("r.", "now()"),
-        " RETURNING attempt_token, pg_current_xact_id()::text, \
+    may_take_over!("r.", "now()"),
+    " RETURNING attempt_token, pg_current_xact_id()::text, \
              set_config('lock_timeout', NULL, true)"
-    ),
-    CLAIM_TYPES,
-);
+));
 
 /// Sets, for the rest of the transaction, how long a lock wait may last
 /// (`$1`, e.g. `'250ms'`) and, if `$2` is not NULL, how long the session
@@ -152,7 +140,6 @@ pub(crate) const SET_WAITS: Sql<'static> = Sql::new(
          CASE WHEN $1::text IS NOT NULL THEN set_config('lock_timeout', $1, true) END, \
          CASE WHEN $2::text IS NOT NULL \
              THEN set_config('idle_in_transaction_session_timeout', $2, true) END",
-    &[Ty::Text, Ty::Text],
 );
 
 /// A wait as PostgreSQL's settings take it: whole milliseconds, at least
@@ -191,10 +178,10 @@ pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duratio
 
 /// The key's columns: tenant, endpoint, key.
 pub(crate) fn key_params(request: &ClaimRequest) -> [Param<'_>; 3] {
-    params![
-        request.scope.tenant().as_str(),
-        request.scope.endpoint(),
-        request.key.as_str()
+    [
+        Param::Text(request.scope.tenant().as_str()),
+        Param::Text(request.scope.endpoint()),
+        Param::Text(request.key.as_str()),
     ]
 }
 

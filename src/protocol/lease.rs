@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::{
     claim::{fingerprint, key_params, record_at, response_at},
-    sql::{Columns, Param, Sql, Ty},
+    sql::{Columns, Param, Sql},
     transport::Transport,
     waits::{GRACE, MIN_WAIT, ROW_WAIT},
 };
@@ -46,36 +46,11 @@ pub(crate) fn operation_state(
     })
 }
 
-/// The parameters of the statements guarded by a token: the key's columns
-/// (tenant, endpoint, key) and the token.
-const TOKEN_TYPES: &[Ty] = &[Ty::Text, Ty::Text, Ty::Text, Ty::Int8];
-
-/// The parameters of the two statements that end an operation with its
-/// answer (FINISH, FAIL): the key and the token, the response (status,
-/// headers, body) and its retention, then `last` (the resource id, the
-/// attempts).
-const fn answer_then(last: Ty) -> [Ty; 9] {
-    [
-        Ty::Text,
-        Ty::Text,
-        Ty::Text,
-        Ty::Int8,
-        Ty::Int2,
-        Ty::Bytea,
-        Ty::Bytea,
-        Ty::Float8,
-        last,
-    ]
-}
-
 /// Where a key stands, without a lock or a write.
-pub(crate) const LOOKUP: Sql<'static> = Sql::new(
-    "SELECT request_fingerprint, state, response_status, response_headers, response_body, \
+pub(crate) const LOOKUP: Sql<'static> = Sql::new("SELECT request_fingerprint, state, response_status, response_headers, response_body, \
          resource_id, operation_id::text, lease_expires_at > now() \
      FROM idempotency_requests \
-     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()",
-    &[Ty::Text, Ty::Text, Ty::Text],
-);
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()");
 
 // A new operation, or a takeover. ON CONFLICT waits for whoever holds the
 // row (a fenced transaction, another acquire) and then sees the committed
@@ -87,8 +62,7 @@ pub(crate) const LOOKUP: Sql<'static> = Sql::new(
 // token and renews the lease; the others find a live lease and take
 // nothing. The token comes from the sequence (EXCLUDED), so it is larger
 // than every token before it.
-pub(crate) const ACQUIRE: Sql<'static> = Sql::new(
-    "INSERT INTO idempotency_requests AS r \
+pub(crate) const ACQUIRE: Sql<'static> = Sql::new("INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at, \
           operation_id, lease_expires_at, request_method, request_target, request_headers, request_body, \
           attempts) \
@@ -112,21 +86,7 @@ pub(crate) const ACQUIRE: Sql<'static> = Sql::new(
      WHERE r.expires_at <= now() \
          OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL \
              OR (r.lease_expires_at <= now() AND r.request_fingerprint = EXCLUDED.request_fingerprint))) \
-     RETURNING attempt_token, operation_id::text, attempts",
-    &[
-        Ty::Text,
-        Ty::Text,
-        Ty::Text,
-        Ty::Bytea,
-        Ty::Float8,
-        Ty::Float8,
-        Ty::Text,
-        Ty::Text,
-        Ty::Text,
-        Ty::Bytea,
-        Ty::Bytea,
-    ],
-);
+     RETURNING attempt_token, operation_id::text, attempts");
 
 // An operation's retention counts from its end: while it runs, its record
 // lasts a retention ($6) past its lease, so one that outlives its retention
@@ -139,14 +99,6 @@ pub(crate) const HEARTBEAT: Sql<'static> = Sql::new(
          expires_at = GREATEST(expires_at, now() + make_interval(secs => $5::float8 + $6::float8)) \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
-    &[
-        Ty::Text,
-        Ty::Text,
-        Ty::Text,
-        Ty::Int8,
-        Ty::Float8,
-        Ty::Float8,
-    ],
 );
 
 // FOR SHARE: concurrent fenced transactions of the owner do not wait for
@@ -159,7 +111,6 @@ pub(crate) const HOLD: Sql<'static> = Sql::new(
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' \
      FOR SHARE",
-    TOKEN_TYPES,
 );
 
 // The completion: a compare-and-swap on the token. The request is no
@@ -172,7 +123,6 @@ pub(crate) const FINISH: Sql<'static> = Sql::new(
          lease_expires_at = NULL, request_headers = NULL, request_body = NULL \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
-    &answer_then(Ty::Text),
 );
 
 // The record stays (the operation keeps its identity); its lease ends now,
@@ -185,7 +135,6 @@ pub(crate) const RELEASE: Sql<'static> = Sql::new(
          lease_expires_at = statement_timestamp() \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
-    TOKEN_TYPES,
 );
 
 // The failure is remembered as a completion is: replayed to every retry
@@ -199,22 +148,19 @@ pub(crate) const FAIL: Sql<'static> = Sql::new(
          lease_expires_at = NULL, request_headers = NULL, request_body = NULL \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",
-    &answer_then(Ty::Int4),
 );
 
 pub(crate) const OPERATION: Sql<'static> = Sql::new(
     "SELECT state, response_status, response_headers, response_body, resource_id, attempts \
      FROM idempotency_requests \
      WHERE operation_id = $1::text::uuid AND tenant_id = $2::text AND expires_at > now()",
-    &[Ty::Text, Ty::Text],
 );
 
 // SKIP LOCKED: workers of several instances never wait on, nor take, the
 // same operation; the row is locked from the scan to the commit. An
 // operation is due once its lease ended and its backoff passed: $3 seconds
 // after the first attempt, doubling with each further one, at most $4.
-pub(crate) const RECOVER: Sql<'static> = Sql::new(
-    "WITH due AS ( \
+pub(crate) const RECOVER: Sql<'static> = Sql::new("WITH due AS ( \
          SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
          WHERE endpoint = $1::text AND state = 'in_progress' AND lease_expires_at <= now() \
              AND expires_at > now() \
@@ -231,9 +177,7 @@ pub(crate) const RECOVER: Sql<'static> = Sql::new(
      WHERE r.tenant_id = due.tenant_id AND r.endpoint = due.endpoint \
          AND r.idempotency_key = due.idempotency_key \
      RETURNING r.tenant_id, r.idempotency_key, r.attempt_token, r.operation_id::text, \
-         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts",
-    &[Ty::Text, Ty::Float8, Ty::Float8, Ty::Float8, Ty::Float8],
-);
+         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts");
 
 /// The owner an acquire made, from the row [`ACQUIRE`] returns (attempt
 /// token, operation id, attempts); `handle` makes the driver's lease of
@@ -381,9 +325,9 @@ pub(crate) async fn acquire<T: Transport, L>(
         Param::Bytea(claim.fingerprint.as_bytes().as_slice()),
         Param::from(claim.retention),
         Param::from(request.lease),
-        Param::from(proposed.as_str()),
-        Param::from(request.request.method.as_str()),
-        Param::from(request.request.target.as_str()),
+        Param::Text(&proposed),
+        Param::Text(request.request.method.as_str()),
+        Param::Text(request.request.target.as_str()),
         Param::Bytea(&headers),
         Param::Bytea(&request.request.body),
     ];

@@ -24,7 +24,7 @@ use std::{
 
 use super::{
     errors::LOCK_NOT_AVAILABLE,
-    sql::{Columns, Param, Sql, Ty},
+    sql::{Columns, Param, Sql},
     statements::BEGIN,
 };
 use crate::store::{StoreError, StoreErrorKind};
@@ -111,23 +111,18 @@ const MIGRATION_TABLE: &str = "CREATE TABLE IF NOT EXISTS tower_idempotency_migr
 )";
 
 /// What [`Transport::applied`] runs: every recorded `(version, name)`.
-pub(crate) const APPLIED: Sql<'static> = Sql::new(
-    "SELECT version, name FROM tower_idempotency_migrations",
-    &[],
-);
+pub(crate) const APPLIED: Sql<'static> =
+    Sql::new("SELECT version, name FROM tower_idempotency_migrations");
 
 /// What [`Transport::record`] runs, with the version and the name.
 pub(crate) const RECORD: Sql<'static> = Sql::new(
     "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)",
-    &[Ty::Int4, Ty::Text],
 );
 
 /// What [`Transport::index_valid`] runs, with the index's name: one row,
 /// whether the index is valid, or none if there is no such index.
-pub(crate) const INDEX_VALID: Sql<'static> = Sql::new(
-    "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)",
-    &[Ty::Text],
-);
+pub(crate) const INDEX_VALID: Sql<'static> =
+    Sql::new("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)");
 
 /// How a driver sends the runner's statements, all on one connection.
 ///

@@ -28,43 +28,125 @@ pub(crate) enum Ty {
 }
 
 impl Ty {
-    /// The type's name in PostgreSQL's catalog (`pg_type.typname`).
-    #[cfg(test)]
-    pub(crate) const fn name(self) -> &'static str {
-        match self {
-            Ty::Text => "text",
-            Ty::Bytea => "bytea",
-            Ty::Int2 => "int2",
-            Ty::Int4 => "int4",
-            Ty::Int8 => "int8",
-            Ty::Float8 => "float8",
-            Ty::Jsonb => "jsonb",
-            Ty::TextArray => "_text",
-            Ty::Float8Array => "_float8",
-        }
+    /// Every type, with its spelling in a cast; an array before its element
+    /// type, which its spelling begins with.
+    const CASTS: [(&'static str, Ty); 9] = [
+        ("text[]", Ty::TextArray),
+        ("float8[]", Ty::Float8Array),
+        ("text", Ty::Text),
+        ("bytea", Ty::Bytea),
+        ("int2", Ty::Int2),
+        ("int4", Ty::Int4),
+        ("int8", Ty::Int8),
+        ("float8", Ty::Float8),
+        ("jsonb", Ty::Jsonb),
+    ];
+}
+
+#[cfg(test)]
+impl Ty {
+    /// How a cast spells the type.
+    pub(crate) fn spelling(self) -> &'static str {
+        Self::CASTS
+            .iter()
+            .find(|(_, ty)| *ty == self)
+            .map(|(name, _)| *name)
+            .unwrap_or_default()
     }
 }
 
-/// A statement of the crate: its text and the types of its parameters, in
-/// order (the text casts each parameter to the same type).
+/// The most parameters a statement of the crate takes.
+const MAX_PARAMS: usize = 12;
+
+/// A statement of the crate: its text, and the types of its parameters,
+/// read from the text itself, where each parameter is cast where it first
+/// appears (`$1::text`). A statement whose parameter is not cast so does
+/// not compile (the reading is a `const fn`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sql<'a> {
     text: &'a str,
-    types: &'a [Ty],
+    types: [Ty; MAX_PARAMS],
+    count: usize,
 }
 
 impl<'a> Sql<'a> {
-    pub(crate) const fn new(text: &'a str, types: &'a [Ty]) -> Self {
-        Sql { text, types }
+    pub(crate) const fn new(text: &'a str) -> Self {
+        let bytes = text.as_bytes();
+        let mut types = [Ty::Text; MAX_PARAMS];
+        let mut count = 0;
+        while count < MAX_PARAMS {
+            match first_use(bytes, count + 1) {
+                None => break,
+                Some(at) => types[count] = cast_at(bytes, at),
+            }
+            count += 1;
+        }
+        assert!(
+            first_use(bytes, MAX_PARAMS + 1).is_none(),
+            "a statement takes at most MAX_PARAMS parameters"
+        );
+        Sql { text, types, count }
     }
 
     pub(crate) fn text(&self) -> &'a str {
         self.text
     }
 
-    pub(crate) fn types(&self) -> &'a [Ty] {
-        self.types
+    /// The types of its parameters, in order.
+    pub(crate) fn types(&self) -> &[Ty] {
+        &self.types[..self.count]
     }
+}
+
+/// Where `$n` first appears in `sql`, just past its digits.
+const fn first_use(sql: &[u8], n: usize) -> Option<usize> {
+    let mut i = 0;
+    while i < sql.len() {
+        if sql[i] == b'$' {
+            // The number after the `$`.
+            let (mut j, mut value) = (i + 1, 0);
+            while j < sql.len() && sql[j].is_ascii_digit() {
+                value = value * 10 + (sql[j] - b'0') as usize;
+                j += 1;
+            }
+            if j > i + 1 && value == n {
+                return Some(j);
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The type of the cast that starts at `at` (`::text`).
+const fn cast_at(sql: &[u8], at: usize) -> Ty {
+    assert!(
+        starts_with(sql, at, b"::"),
+        "each parameter is cast where it first appears ($1::text)"
+    );
+    let mut k = 0;
+    while k < Ty::CASTS.len() {
+        let (name, ty) = Ty::CASTS[k];
+        if starts_with(sql, at + 2, name.as_bytes()) {
+            return ty;
+        }
+        k += 1;
+    }
+    panic!("a parameter is cast to a type the protocol does not bind")
+}
+
+const fn starts_with(sql: &[u8], at: usize, pattern: &[u8]) -> bool {
+    if at + pattern.len() > sql.len() {
+        return false;
+    }
+    let mut k = 0;
+    while k < pattern.len() {
+        if sql[at + k] != pattern[k] {
+            return false;
+        }
+        k += 1;
+    }
+    true
 }
 
 /// A value bound to a parameter of a [`Sql`], as the protocol hands it to a
@@ -80,62 +162,12 @@ pub(crate) enum Param<'a> {
     Float8(f64),
 }
 
-impl<'a> From<&'a str> for Param<'a> {
-    fn from(text: &'a str) -> Self {
-        Param::Text(text)
-    }
-}
-
-impl<'a> From<Option<&'a str>> for Param<'a> {
-    fn from(text: Option<&'a str>) -> Self {
-        Param::OptText(text)
-    }
-}
-
-impl<'a> From<&'a [u8]> for Param<'a> {
-    fn from(bytes: &'a [u8]) -> Self {
-        Param::Bytea(bytes)
-    }
-}
-
-impl From<i16> for Param<'_> {
-    fn from(n: i16) -> Self {
-        Param::Int2(n)
-    }
-}
-
-impl From<i32> for Param<'_> {
-    fn from(n: i32) -> Self {
-        Param::Int4(n)
-    }
-}
-
-impl From<i64> for Param<'_> {
-    fn from(n: i64) -> Self {
-        Param::Int8(n)
-    }
-}
-
-impl From<f64> for Param<'_> {
-    fn from(n: f64) -> Self {
-        Param::Float8(n)
-    }
-}
-
 /// A duration as the statements take it: seconds, as `float8`.
 impl From<Duration> for Param<'_> {
     fn from(d: Duration) -> Self {
         Param::Float8(d.as_secs_f64())
     }
 }
-
-/// The parameters of a statement, each converted to a [`Param`].
-macro_rules! params {
-    ($($value:expr),* $(,)?) => {
-        [$($crate::protocol::sql::Param::from($value)),*]
-    };
-}
-pub(crate) use params;
 
 /// A row a statement returned, read column by column as the protocol's
 /// decoders need. A driver implements each with its own typed read

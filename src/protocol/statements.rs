@@ -5,7 +5,7 @@
 use super::{
     claim::{key_params, may_take_over},
     identity::TxIdentity,
-    sql::{Param, Sql, Ty},
+    sql::{Param, Sql},
 };
 use crate::{record::StoredResponse, store::ClaimRequest};
 
@@ -49,18 +49,6 @@ pub(crate) const COMPLETE: Sql<'static> = Sql::new(
              AND pg_current_xact_id() = $9::text::xid8 AND $8::float8 IS NOT NULL \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM done)",
-    &[
-        Ty::Text,
-        Ty::Text,
-        Ty::Text,
-        Ty::Int8,
-        Ty::Int2,
-        Ty::Bytea,
-        Ty::Bytea,
-        Ty::Float8,
-        Ty::Text,
-        Ty::Text,
-    ],
 );
 
 // A fenced transaction's commit, guarded like the completion: the check
@@ -73,7 +61,6 @@ pub(crate) const FENCED_CHECK: Sql<'static> = Sql::new(
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' \
          AND pg_current_xact_id() = $5::text::xid8)",
-    &[Ty::Text, Ty::Text, Ty::Text, Ty::Int8, Ty::Text],
 );
 
 // What a request may have left on its session that would outlive it on a
@@ -123,9 +110,8 @@ pub(crate) const SESSION_RESET: &str =
 // a record that expired while the handler worked is free at commit, on
 // every store alike; the conformance check
 // `a_record_that_expires_during_the_work_is_won_at_commit`).
-pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(
-    concat!(
-        "WITH won AS ( \
+pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(concat!(
+    "WITH won AS ( \
          INSERT INTO idempotency_requests AS r \
              (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
               response_headers, response_body, resource_id, created_at, completed_at, expires_at) \
@@ -141,23 +127,11 @@ pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(
              operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
              request_target = NULL, request_headers = NULL, request_body = NULL \
          WHERE ",
-        may_take_over!("r.", "statement_timestamp()"),
-        " \
+    may_take_over!("r.", "statement_timestamp()"),
+    " \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM won)"
-    ),
-    &[
-        Ty::Text,
-        Ty::Text,
-        Ty::Text,
-        Ty::Bytea,
-        Ty::Int2,
-        Ty::Bytea,
-        Ty::Bytea,
-        Ty::Text,
-        Ty::Float8,
-    ],
-);
+));
 
 /// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: division by zero.
 pub(crate) const LOST_AT_COMMIT: &str = "22012";

@@ -3,11 +3,12 @@
 
 use ::sqlx::{pool::PoolConnection, postgres::PgRow, Executor as _, PgPool, Postgres};
 
-use super::{error::map_error, transport::query};
+use super::{error::map_error, transport::SqlxLink};
 use crate::{
     protocol::{
         migrations::{self, Transport},
         sql::{Param, Sql},
+        transport::Link,
     },
     store::StoreError,
 };
@@ -86,9 +87,10 @@ impl Transport for ConnTransport {
         sql: Sql<'static>,
         params: &[Param<'_>],
     ) -> Result<Vec<PgRow>, StoreError> {
-        query(sql, params, self.transaction_pooling)
-            .fetch_all(&mut *self.conn)
-            .await
-            .map_err(map_error)
+        let mut link = SqlxLink {
+            conn: &mut self.conn,
+            transaction_pooling: self.transaction_pooling,
+        };
+        link.query(sql, params).await
     }
 }
