@@ -13,6 +13,7 @@ use super::{
 };
 use crate::{
     protocol::errors::ends_only_the_statement,
+    protocol::errors::{claim_given_to_commit_fenced, fenced_given_to_complete},
     protocol::statements::{
         complete_params, fenced_check_params, COMMIT, COMPLETE, FENCED_CHECK, ROLLBACK,
     },
@@ -25,13 +26,7 @@ use crate::{
 /// [`PgStore`](super::PgStore).
 pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), StoreError> {
     if tx.is_fenced_transaction() {
-        if let Err(e) = abort(tx).await {
-            tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
-        }
-        return Err(StoreError::new(
-            StoreErrorKind::TransactionAborted,
-            "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
-        ));
+        return Err(fenced_given_to_complete(abort(tx).await));
     }
     let headers = response.encode_headers();
     let params = complete_params(tx.identity(), response, &headers);
@@ -42,10 +37,7 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
 /// for [`PgStore`](super::PgStore).
 pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
     if !tx.is_fenced_transaction() {
-        return Err(StoreError::new(
-            StoreErrorKind::TransactionAborted,
-            "a claim's transaction commits with Store::complete",
-        ));
+        return Err(claim_given_to_commit_fenced());
     }
     let params = fenced_check_params(tx.identity());
     commit_behind(&tx, FENCED_CHECK, &dyn_params(&params)).await

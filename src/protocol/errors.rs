@@ -2,7 +2,7 @@
 //! that the same failure is the same [`StoreErrorKind`] (and the same HTTP
 //! answer) whichever driver met it.
 
-use crate::store::StoreErrorKind;
+use crate::store::{StoreError, StoreErrorKind};
 
 /// The SQLSTATE of a lock wait that ran out (`lock_timeout`).
 pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
@@ -33,6 +33,29 @@ pub(crate) fn kind_of(code: &str) -> StoreErrorKind {
         "53300" | "57014" | LOCK_NOT_AVAILABLE => StoreErrorKind::Unavailable,
         _ => StoreErrorKind::Backend,
     }
+}
+
+/// A fenced transaction given to `Store::complete`, after its rollback
+/// (whose failure is only logged: the connection is closed then, and the
+/// server rolls back).
+pub(crate) fn fenced_given_to_complete(
+    rolled_back: Result<(), impl std::fmt::Display>,
+) -> StoreError {
+    if let Err(e) = rolled_back {
+        tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
+    }
+    StoreError::new(
+        StoreErrorKind::TransactionAborted,
+        "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
+    )
+}
+
+/// A claim's transaction given to `LeaseStore::commit_fenced`.
+pub(crate) fn claim_given_to_commit_fenced() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::TransactionAborted,
+        "a claim's transaction commits with Store::complete",
+    )
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use super::{
     SqlxTx,
 };
 use crate::{
+    protocol::errors::{claim_given_to_commit_fenced, fenced_given_to_complete},
     protocol::statements::{
         complete_params, fenced_check_params, COMMIT, COMPLETE, FENCED_CHECK, ROLLBACK,
     },
@@ -35,12 +36,8 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
         return Err(finished());
     };
     if tx.is_fenced() {
-        if let Err(e) = transaction.end(ROLLBACK, true).await {
-            tracing::debug!(error = %e, "rolling back a misused fenced transaction failed");
-        }
-        return Err(StoreError::new(
-            StoreErrorKind::TransactionAborted,
-            "a fenced transaction commits with LeaseStore::commit_fenced; rolled back",
+        return Err(fenced_given_to_complete(
+            transaction.end(ROLLBACK, true).await,
         ));
     }
     let headers = response.encode_headers();
@@ -58,10 +55,7 @@ pub(super) async fn complete(tx: SqlxTx, response: &StoredResponse) -> Result<()
 /// reset.
 pub(super) async fn commit_fenced(tx: SqlxTx) -> Result<(), StoreError> {
     if !tx.is_fenced() {
-        return Err(StoreError::new(
-            StoreErrorKind::TransactionAborted,
-            "a claim's transaction commits with Store::complete",
-        ));
+        return Err(claim_given_to_commit_fenced());
     }
     let Some(mut transaction) = tx.take_to_commit().await? else {
         return Err(finished());
