@@ -9,59 +9,7 @@ use std::{fmt, future::Future, time::Duration};
 
 use tokio_postgres::types::ToSql;
 
-use crate::{
-    metrics,
-    postgres::{statements::Sql, PgStore},
-    store::StoreError,
-};
-
-// Expired rows; rows locked by a claim (an expired key being taken over, a
-// live owner) or by another cleaner are skipped, not waited for. An expired
-// `in_progress` row that nobody holds is an orphan (its transaction ended
-// without completing it) and goes too.
-const DELETE_BATCH: &str = "DELETE FROM idempotency_requests AS r \
-     USING (SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
-            WHERE expires_at <= now() \
-            ORDER BY expires_at LIMIT $1::int8 FOR UPDATE SKIP LOCKED) AS d \
-     WHERE r.tenant_id = d.tenant_id AND r.endpoint = d.endpoint AND r.idempotency_key = d.idempotency_key";
-
-pub(crate) const DELETE_BATCH_SQL: Sql<'static> = Sql::new(DELETE_BATCH);
-
-// Expired rows not yet removed (the cleanup backlog gauge).
-const CLEANUP_BACKLOG: &str = "SELECT count(*) FROM idempotency_requests WHERE expires_at <= now()";
-
-// The oldest operation that holds a key: open transactions that wrote to the
-// key table (every claim inserts its row there; what else writes to it, a
-// cleanup batch or a lease's short statement, ends in milliseconds), and
-// committed in-progress rows not yet expired (an expired one holds nothing:
-// the next claim takes it over). Found through the table's lock, so claims
-// need no tag of their own.
-//
-// The committed rows that hold a key are long-running operations (a lease
-// set), found through the lease index. A short-mode row is committed only
-// `completed`: its owner is an open transaction, counted by the first term.
-// One committed `in_progress` without a lease is an orphan nobody creates
-// (the completion checks the claim's transaction id, the handle refuses
-// transaction control); it holds nothing either (the next claim takes it
-// over), and finding it would need an index on `state`, which would cost
-// every completion its HOT update.
-const OLDEST_IN_PROGRESS: &str = "SELECT GREATEST( \
-     (SELECT COALESCE(max(EXTRACT(EPOCH FROM now() - a.xact_start)), 0)::float8 \
-      FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-      WHERE l.locktype = 'relation' AND l.relation = 'idempotency_requests'::regclass \
-        AND l.mode = 'RowExclusiveLock' AND l.granted \
-        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-        AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()), \
-     (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 FROM idempotency_requests \
-      WHERE state = 'in_progress' AND lease_expires_at IS NOT NULL AND expires_at > now()))";
-
-// Long-running operations: the oldest one still in progress, and how many
-// wait for a takeover (lease expired, record not).
-const LEASES: &str = "SELECT \
-     COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8, \
-     count(*) FILTER (WHERE lease_expires_at <= now()) \
-     FROM idempotency_requests \
-     WHERE state = 'in_progress' AND lease_expires_at IS NOT NULL AND expires_at > now()";
+use crate::{metrics, postgres::PgStore, protocol::retention as statements, store::StoreError};
 
 /// Removes expired idempotency records in batches and refreshes the
 /// retention and in-progress gauges.
@@ -137,7 +85,7 @@ impl Cleanup {
     pub async fn delete_batch(&self) -> Result<u64, StoreError> {
         let session = self.store.session().await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
-        let removed = session.execute(DELETE_BATCH_SQL, &limit).await?;
+        let removed = session.execute(statements::DELETE_BATCH, &limit).await?;
         metrics::expired_removed(removed);
         Ok(removed)
     }
@@ -171,9 +119,9 @@ impl Cleanup {
     pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
         let mut session = self.store.session().await?;
         let (backlog, oldest, leases) = tokio::try_join!(
-            session.prepare(Sql::new(CLEANUP_BACKLOG)),
-            session.prepare(Sql::new(OLDEST_IN_PROGRESS)),
-            session.prepare(Sql::new(LEASES)),
+            session.prepare(statements::CLEANUP_BACKLOG),
+            session.prepare(statements::OLDEST_IN_PROGRESS),
+            session.prepare(statements::LEASES),
         )?;
         // One transaction, one round trip: the three read one instant
         // (`now()` is the transaction's), so the gauges agree with each

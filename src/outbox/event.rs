@@ -2,7 +2,10 @@
 
 use serde_json::Value;
 
-use crate::postgres::{statements::Sql, PgTx, TxError};
+use crate::{
+    postgres::{PgTx, TxError},
+    protocol::outbox::ENQUEUE,
+};
 
 /// Adds an event to `outbox_events` inside the request's transaction: it
 /// commits with the business rows and the remembered response, or not at all.
@@ -31,11 +34,6 @@ pub async fn enqueue(
         .await?;
     Ok(row.get(0))
 }
-
-pub(crate) const ENQUEUE: Sql<'static> = Sql::new(
-    "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
-     VALUES ($1::text, $2::text, $3::text, $4::jsonb) RETURNING id::text",
-);
 
 /// An event as the relay hands it to a [`Sink`](super::Sink).
 #[derive(Debug, Clone, PartialEq)]

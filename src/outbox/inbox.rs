@@ -2,7 +2,10 @@
 
 use tokio_postgres::GenericClient;
 
-use crate::postgres::{statements::Sql, PgTx, TxError};
+use crate::{
+    postgres::{PgTx, TxError},
+    protocol::outbox::INBOX_INSERT,
+};
 
 /// Records that `consumer` processes `event_id` of `tenant` (the event's
 /// [`tenant_id`](super::OutboxEvent::tenant_id)), inside the caller's own
@@ -32,7 +35,7 @@ pub async fn first_delivery<C: GenericClient + Sync>(
     event_id: &str,
 ) -> Result<bool, tokio_postgres::Error> {
     let inserted = client
-        .execute(INSERT, &[&tenant, &consumer, &event_id])
+        .execute(INBOX_INSERT.text(), &[&tenant, &consumer, &event_id])
         .await?;
     Ok(inserted == 1)
 }
@@ -45,13 +48,7 @@ pub async fn first_delivery_in(
     event_id: &str,
 ) -> Result<bool, TxError> {
     Ok(tx
-        .execute_sql(INSERT_SQL, &[&tenant, &consumer, &event_id])
+        .execute_sql(INBOX_INSERT, &[&tenant, &consumer, &event_id])
         .await?
         == 1)
 }
-
-pub(crate) const INSERT_SQL: Sql<'static> = Sql::new(INSERT);
-
-const INSERT: &str = "INSERT INTO inbox_events (tenant_id, consumer, event_id) \
-     VALUES ($1::text, $2::text, $3::text) \
-     ON CONFLICT (tenant_id, consumer, event_id) DO NOTHING";

@@ -19,8 +19,6 @@ pub(crate) mod relay;
 #[cfg(feature = "postgres")]
 mod sink;
 #[cfg(feature = "postgres")]
-pub(crate) mod statements;
-
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use event::{enqueue, OutboxEvent};

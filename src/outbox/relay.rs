@@ -9,14 +9,9 @@ use tokio_postgres::{types::ToSql, AsyncMessage};
 use super::{
     event::OutboxEvent,
     sink::{BatchReport, DeliveryError, OutboxStatus, Sink},
-    statements::{
-        CLAIM_EVENTS_SQL, MARK_DELIVERED_SQL, MARK_FAILED_SQL, MARK_PARKED_SQL, OUTBOX_BACKLOG,
-    },
 };
 use crate::{
-    metrics,
-    postgres::{statements::Sql, PgStore},
-    protocol::statements::BEGIN,
+    metrics, postgres::PgStore, protocol::outbox as statements, protocol::statements::BEGIN,
     store::StoreError,
 };
 
@@ -156,7 +151,7 @@ impl<K: Sink> Relay<K> {
     /// [`run`](Self::run).
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
         let mut session = self.store.session().await?;
-        let claim = session.prepare(CLAIM_EVENTS_SQL).await?;
+        let claim = session.prepare(statements::CLAIM_EVENTS).await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
         session.mark_dirty();
         let (_, rows) = tokio::try_join!(
@@ -242,9 +237,9 @@ impl<K: Sink> Relay<K> {
         report.retried = retry_ids.len();
         report.parked = park_ids.len();
         let (mark_delivered, mark_failed, mark_parked) = tokio::try_join!(
-            session.prepare(MARK_DELIVERED_SQL),
-            session.prepare(MARK_FAILED_SQL),
-            session.prepare(MARK_PARKED_SQL),
+            session.prepare(statements::MARK_DELIVERED),
+            session.prepare(statements::MARK_FAILED),
+            session.prepare(statements::MARK_PARKED),
         )?;
         let delivered_params: [&(dyn ToSql + Sync); 2] = [&delivered_tenants, &delivered];
         let failed_params: [&(dyn ToSql + Sync); 4] =
@@ -265,7 +260,7 @@ impl<K: Sink> Relay<K> {
     /// them as the backlog and lag gauges.
     pub async fn refresh_backlog(&self) -> Result<OutboxStatus, StoreError> {
         let session = self.store.session().await?;
-        let row = session.query_one(Sql::new(OUTBOX_BACKLOG), &[]).await?;
+        let row = session.query_one(statements::OUTBOX_BACKLOG, &[]).await?;
         let (count, lag): (i64, f64) = (row.get(0), row.get(1));
         metrics::outbox_backlog(count as f64, lag);
         Ok(OutboxStatus {

@@ -1,6 +1,6 @@
 //! The operator API: look at one key, or forget it deliberately.
 
-use super::{key_record::KeyRecord, statements::dyn_params, PgStore};
+use super::{key_record::KeyRecord, prepared::dyn_params, PgStore};
 use crate::{
     key::IdempotencyKey,
     protocol::admin::{key_record, params, INSPECT_KEY, REMOVE_KEY},

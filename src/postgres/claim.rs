@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::{
     conn::Conn,
     error::map_error,
-    statements::dyn_params,
+    prepared::dyn_params,
     transport::{rollback, timed_out},
     PgStore, PgTx,
 };

@@ -9,7 +9,7 @@ use super::{
     conn::{behind, Conn},
     error::map_error,
     finish::{completion_error, Finished},
-    statements::dyn_params,
+    prepared::dyn_params,
     PgStore, PgTx,
 };
 use crate::{

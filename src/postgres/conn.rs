@@ -26,7 +26,7 @@ pub(super) struct Conn {
     /// then does it go back to the pool.
     clean: bool,
     /// Reached through a transaction pooler: the crate's statements go out
-    /// unnamed, and nothing is left on the session (see `statements.rs`).
+    /// unnamed, and nothing is left on the session (see `prepared.rs`).
     unnamed: bool,
     /// A `BEGIN` not sent yet: it goes out with the next statement, in the
     /// same round trip (the one-commit mode's transaction).
@@ -140,7 +140,7 @@ impl Conn {
     }
 
     /// Behind a transaction pooler: statements go out unnamed, and the
-    /// session is the pooler's, not this connection's (see `statements.rs`).
+    /// session is the pooler's, not this connection's (see `prepared.rs`).
     pub(crate) fn unnamed(&self) -> bool {
         self.unnamed
     }

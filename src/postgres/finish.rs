@@ -7,7 +7,7 @@ use tokio_postgres::types::ToSql;
 use super::{
     conn::Conn,
     error::map_error,
-    statements::{dyn_params, Prepared, Sql},
+    prepared::{dyn_params, Prepared, Sql},
     tx::Take,
     PgTx,
 };

@@ -4,8 +4,8 @@
 use tokio_postgres::Row;
 
 use super::{
+    prepared::dyn_params,
     session::{Committed, Session},
-    statements::dyn_params,
 };
 use crate::protocol::{
     migrations::{self, Transport},

@@ -12,7 +12,7 @@
 // protocol's (`crate::protocol`). Here, one concern per file: the claim's
 // flow on a pooled connection (`claim.rs`), the end of the owner's
 // transaction (`finish.rs`) and the one-commit mode's (`commit.rs`); how a
-// statement is sent, cached or unnamed (`statements.rs`), and the
+// statement is sent, cached or unnamed (`prepared.rs`), and the
 // protocol's `Transport` and `Link` on this driver (`transport.rs`); the
 // connection guard and the application's connection (`conn.rs`); the pool
 // (`pool.rs`), its connection string (`conninfo.rs`) and TLS (`tls.rs`);
@@ -39,8 +39,8 @@ mod key_record;
 pub(crate) mod lease;
 pub(crate) mod migrations;
 mod pool;
+pub(crate) mod prepared;
 mod session;
-pub(crate) mod statements;
 pub(crate) mod tls;
 mod transport;
 mod tx;

@@ -12,7 +12,7 @@
 //!
 //! The methods are thin: each sends the crate's [`Sql`] as the store sends
 //! its statements (prepared and cached per connection, or unnamed behind a
-//! transaction pooler; see `statements.rs`), so futures joined with
+//! transaction pooler; see `prepared.rs`), so futures joined with
 //! `tokio::try_join!` are pipelined in one round trip as with the driver's
 //! own. Prepare ([`Session::prepare`]) what goes into a pipeline first.
 
@@ -21,7 +21,7 @@ use tokio_postgres::{types::ToSql, Row};
 use super::{
     conn::Conn,
     error::map_error,
-    statements::{Prepared, Sql},
+    prepared::{Prepared, Sql},
     PgStore,
 };
 use crate::{protocol::statements::COMMIT, store::StoreError};
@@ -47,7 +47,7 @@ impl PgStore {
 }
 
 /// The session's ways to run a statement: each the connection's own
-/// ([`Conn`]'s, in `statements.rs`) with its error sorted by [`map_error`].
+/// ([`Conn`]'s, in `prepared.rs`) with its error sorted by [`map_error`].
 macro_rules! forward_to_conn {
     ($($(#[$doc:meta])* fn $name:ident($arg:ident: $ty:ty) -> $out:ty = $conn:ident;)*) => {
         $(
@@ -65,7 +65,7 @@ macro_rules! forward_to_conn {
 
 impl Session {
     /// Prepares `sql` for this connection: cached, or nothing to do when the
-    /// store sends unnamed statements (see `statements.rs`). Prepare what
+    /// store sends unnamed statements (see `prepared.rs`). Prepare what
     /// you pipeline before pipelining it.
     pub(crate) async fn prepare<'a>(&self, sql: Sql<'a>) -> Result<Prepared<'a>, StoreError> {
         self.conn.prepare_sql(sql).await.map_err(map_error)

@@ -2,14 +2,14 @@
 //! protocol's statements travel on a pooled connection. A statement alone
 //! in a transaction goes out with its `BEGIN` and `COMMIT` in one round
 //! trip; every statement is prepared and cached per connection, or unnamed
-//! behind a transaction pooler (`statements.rs`).
+//! behind a transaction pooler (`prepared.rs`).
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_postgres::Row;
 
-use super::{conn::Conn, error::map_error, statements::dyn_params, PgStore};
+use super::{conn::Conn, error::map_error, prepared::dyn_params, PgStore};
 use crate::{
     protocol::{
         claim::begin_with_waits,

@@ -14,6 +14,10 @@ pub(crate) mod identity;
 pub(crate) mod lease;
 pub(crate) mod lexer;
 pub(crate) mod migrations;
+#[cfg(feature = "postgres")]
+pub(crate) mod outbox;
+#[cfg(feature = "postgres")]
+pub(crate) mod retention;
 pub(crate) mod sql;
 pub(crate) mod statements;
 #[cfg(all(test, feature = "postgres"))]

@@ -26,16 +26,13 @@ fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
         ("FAIL", lp::FAIL),
         ("OPERATION", lp::OPERATION),
         ("RECOVER", lp::RECOVER),
-        ("DELETE_BATCH", crate::retention::DELETE_BATCH_SQL),
-        ("CLAIM_EVENTS", crate::outbox::statements::CLAIM_EVENTS_SQL),
-        (
-            "MARK_DELIVERED",
-            crate::outbox::statements::MARK_DELIVERED_SQL,
-        ),
-        ("MARK_FAILED", crate::outbox::statements::MARK_FAILED_SQL),
-        ("MARK_PARKED", crate::outbox::statements::MARK_PARKED_SQL),
-        ("ENQUEUE", crate::outbox::event::ENQUEUE),
-        ("inbox INSERT", crate::outbox::inbox::INSERT_SQL),
+        ("DELETE_BATCH", super::retention::DELETE_BATCH),
+        ("CLAIM_EVENTS", super::outbox::CLAIM_EVENTS),
+        ("MARK_DELIVERED", super::outbox::MARK_DELIVERED),
+        ("MARK_FAILED", super::outbox::MARK_FAILED),
+        ("MARK_PARKED", super::outbox::MARK_PARKED),
+        ("ENQUEUE", super::outbox::ENQUEUE),
+        ("INBOX_INSERT", super::outbox::INBOX_INSERT),
     ]
 }
 

@@ -9,7 +9,7 @@ use crate::{
     metrics::FencedAt,
     postgres::{
         error::map_error,
-        statements::dyn_params,
+        prepared::dyn_params,
         transport::{bounded, rollback, timed_out},
         PgTx,
     },

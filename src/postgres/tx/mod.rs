@@ -10,7 +10,7 @@ use tokio_postgres::{
 
 use super::{
     conn::{behind, Conn},
-    statements::{Prepared, Sql},
+    prepared::{Prepared, Sql},
 };
 use crate::{
     key::IdempotencyKey,
