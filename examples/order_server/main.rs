@@ -208,7 +208,7 @@ async fn run() -> Result<(), String> {
     });
     // Behind a transaction pooler the relay cannot LISTEN for new events;
     // it polls, then, four times a second.
-    let poll = if store.transaction_pooling() {
+    let poll = if store.uses_transaction_pooling() {
         Duration::from_millis(250)
     } else {
         Duration::from_secs(1)

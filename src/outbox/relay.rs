@@ -279,7 +279,7 @@ impl<K: Sink> Relay<K> {
     pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StoreError> {
         let wake = Arc::new(Notify::new());
         // Aborted however `run` ends: returned, dropped, or unwound by a panic.
-        let _listener = (!self.store.transaction_pooling())
+        let _listener = (!self.store.uses_transaction_pooling())
             .then(|| AbortOnDrop(tokio::spawn(listen(self.store.clone(), wake.clone()))));
         let mut shutdown = std::pin::pin!(shutdown);
         let mut gauges_due = tokio::time::Instant::now();

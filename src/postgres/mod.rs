@@ -127,8 +127,9 @@ impl PgStore {
     }
 
     /// Whether the store was built for a transaction pooler
-    /// ([`PgStoreBuilder::transaction_pooling`]).
-    pub fn transaction_pooling(&self) -> bool {
+    /// ([`PgStoreBuilder::transaction_pooling`]); the same as
+    /// [`SqlxStore::uses_transaction_pooling`](crate::sqlx::SqlxStore::uses_transaction_pooling).
+    pub fn uses_transaction_pooling(&self) -> bool {
         self.transaction_pooling
     }
 

@@ -197,6 +197,13 @@ impl SqlxStore {
         crate::with(self, |s| s.transaction_pooling = on)
     }
 
+    /// Whether the store sends its statements for a transaction pooler
+    /// ([`transaction_pooling`](Self::transaction_pooling)); the same as
+    /// [`PgStore::uses_transaction_pooling`](crate::postgres::PgStore::uses_transaction_pooling).
+    pub fn uses_transaction_pooling(&self) -> bool {
+        self.transaction_pooling
+    }
+
     /// The pool, e.g. for the service's own queries outside the layer.
     pub fn pool(&self) -> &PgPool {
         &self.pool
