@@ -33,8 +33,9 @@ pub mod guide;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
-pub mod fingerprint;
 #[cfg(any(feature = "client", feature = "postgres", feature = "sqlx"))]
+mod error;
+pub mod fingerprint;
 mod jitter;
 pub mod key;
 pub mod lease;
@@ -54,6 +55,7 @@ pub mod record;
 pub mod retention;
 pub mod scope;
 mod server;
+mod setter;
 #[cfg(feature = "sqlx")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
 pub mod sqlx;
@@ -62,17 +64,6 @@ pub mod store;
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
-
-/// The boxed error the crate's bodies, services and client carry: one
-/// definition for the whole crate.
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// `value` with `set` applied: the body of a by-value setter
-/// (`fn x(self, …) -> Self`).
-pub(crate) fn with<T>(mut value: T, set: impl FnOnce(&mut T)) -> T {
-    set(&mut value);
-    value
-}
 
 // The middleware's own types live at the root; everything else under the
 // module named for its concern, each type at one path.

@@ -51,7 +51,7 @@ impl Problem {
 
     /// Adds a human-readable explanation specific to this occurrence.
     pub fn with_detail(self, detail: impl Into<String>) -> Self {
-        crate::with(self, |s| s.detail = Some(detail.into()))
+        crate::setter::with(self, |s| s.detail = Some(detail.into()))
     }
 
     /// Adds an extension member to the JSON body (e.g. `errors`, `order_id`).
@@ -71,7 +71,7 @@ impl Problem {
 
     /// Adds a `Retry-After` header (seconds).
     pub fn with_retry_after(self, seconds: u64) -> Self {
-        crate::with(self, |s| s.retry_after = Some(seconds))
+        crate::setter::with(self, |s| s.retry_after = Some(seconds))
     }
 
     /// The HTTP status.

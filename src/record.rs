@@ -140,7 +140,7 @@ impl StoredResponse {
 
     /// The same response, naming the resource its operation created or changed.
     pub fn with_resource_id(self, resource_id: Option<ResourceId>) -> Self {
-        crate::with(self, |s| s.resource_id = resource_id)
+        crate::setter::with(self, |s| s.resource_id = resource_id)
     }
 
     /// The replay: the stored status, headers and body, plus `Idempotent-Replayed: true`.

@@ -73,12 +73,12 @@ impl Cleanup {
 
     /// Rows removed per `DELETE` (each its own transaction).
     pub fn batch_size(self, rows: usize) -> Self {
-        crate::with(self, |s| s.batch_size = rows.clamp(1, 100_000) as i64)
+        crate::setter::with(self, |s| s.batch_size = rows.clamp(1, 100_000) as i64)
     }
 
     /// The pause between passes of [`run`](Self::run).
     pub fn interval(self, interval: Duration) -> Self {
-        crate::with(self, |s| s.interval = interval)
+        crate::setter::with(self, |s| s.interval = interval)
     }
 
     /// Removes one batch; returns how many rows went.

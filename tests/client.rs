@@ -1,6 +1,6 @@
 //! The client layer against a scripted in-process service, on tokio's paused
 //! clock: which outcomes are retried, with which key, after how long, and
-//! where it stops. (Against the real order server: `tests/client_order_server.rs`.)
+//! where it stops. (Against the real order server: `tests/order_server/client_order_server.rs`.)
 
 use std::{
     collections::VecDeque,

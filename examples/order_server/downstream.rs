@@ -125,7 +125,7 @@ pub(crate) fn providers(store: PgStore) -> Router {
                 // relay delivers the event again; a replay cache would answer
                 // that delivery from memory with the lost charge's 201, and
                 // the event would be marked delivered with no charge in the
-                // database (seen in tests/failover.rs). A real provider's
+                // database (seen in tests/order_server/failover.rs). A real provider's
                 // cache matches its own database; this one's must not outlive
                 // ours.
                 .without_replay_cache(),

@@ -4,7 +4,7 @@ use std::fmt;
 
 use crate::key::IdempotencyKey;
 
-pub(crate) use crate::BoxError;
+pub(crate) use crate::error::BoxError;
 
 /// Why a call through [`IdempotentClient`](super::IdempotentClient) ended
 /// without an answer.

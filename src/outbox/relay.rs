@@ -101,12 +101,12 @@ impl<K: Sink> Relay<K> {
 
     /// Events claimed per batch (and held locked while they are delivered).
     pub fn batch_size(self, n: usize) -> Self {
-        crate::with(self, |r| r.batch_size = n.clamp(1, 10_000) as i64)
+        crate::setter::with(self, |r| r.batch_size = n.clamp(1, 10_000) as i64)
     }
 
     /// Attempts before an event is parked (kept, visible, never deleted).
     pub fn max_attempts(self, n: u32) -> Self {
-        crate::with(self, |r| {
+        crate::setter::with(self, |r| {
             r.max_attempts = n.clamp(1, i32::MAX as u32) as i32
         })
     }
@@ -114,7 +114,7 @@ impl<K: Sink> Relay<K> {
     /// The first retry delay and the cap of the doubling (each at most a
     /// year).
     pub fn backoff(self, base: Duration, cap: Duration) -> Self {
-        crate::with(self, |r| {
+        crate::setter::with(self, |r| {
             r.backoff_base = base.min(LONGEST);
             r.backoff_cap = cap.min(LONGEST).max(r.backoff_base);
         })
@@ -123,7 +123,7 @@ impl<K: Sink> Relay<K> {
     /// How often the relay looks without being woken (at least a
     /// millisecond, at most a year).
     pub fn poll_interval(self, interval: Duration) -> Self {
-        crate::with(self, |r| {
+        crate::setter::with(self, |r| {
             r.poll_interval = interval.clamp(SHORTEST, LONGEST)
         })
     }
@@ -132,7 +132,7 @@ impl<K: Sink> Relay<K> {
     /// a millisecond, at most a year). A batch stops starting deliveries
     /// once this much time has passed, after its first.
     pub fn delivery_timeout(self, timeout: Duration) -> Self {
-        crate::with(self, |r| {
+        crate::setter::with(self, |r| {
             r.delivery_timeout = timeout.clamp(SHORTEST, LONGEST)
         })
     }

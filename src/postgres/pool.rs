@@ -117,7 +117,7 @@ impl PgStoreBuilder {
         T::TlsConnect: Send + Sync,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
-        crate::with(self, |b| {
+        crate::setter::with(self, |b| {
             b.tls = Some(Connector::new(tls, "a caller's connector"))
         })
     }
@@ -135,24 +135,24 @@ impl PgStoreBuilder {
     /// uses a connector of its own. Every connection a store hands back
     /// goes back to your pool rolled back and reset, as with its own.
     pub fn pool(self, pool: Pool) -> Self {
-        crate::with(self, |b| b.pool = Some(pool))
+        crate::setter::with(self, |b| b.pool = Some(pool))
     }
 
     /// The most connections the store's pool opens (default 16). Requests
     /// beyond it wait up to the acquire timeout.
     pub fn max_connections(self, n: usize) -> Self {
-        crate::with(self, |b| b.max_connections = n.max(1))
+        crate::setter::with(self, |b| b.max_connections = n.max(1))
     }
 
     /// How long a request waits for a pooled connection before the layer
     /// answers `503 store_unavailable` (default 5 s).
     pub fn acquire_timeout(self, timeout: Duration) -> Self {
-        crate::with(self, |b| b.acquire_timeout = timeout)
+        crate::setter::with(self, |b| b.acquire_timeout = timeout)
     }
 
     /// How long opening a new connection may take (default 5 s).
     pub fn connect_timeout(self, timeout: Duration) -> Self {
-        crate::with(self, |b| b.connect_timeout = timeout)
+        crate::setter::with(self, |b| b.connect_timeout = timeout)
     }
 
     /// How long a pooled connection may be silent before TCP keepalive
@@ -163,7 +163,7 @@ impl PgStoreBuilder {
     /// connection configuration's keepalive settings; no effect on Unix
     /// sockets.
     pub fn keepalive_idle(self, idle: Duration) -> Self {
-        crate::with(self, |b| b.keepalive_idle = idle)
+        crate::setter::with(self, |b| b.keepalive_idle = idle)
     }
 
     /// The connection string names a pooler in transaction pooling mode
@@ -197,7 +197,7 @@ impl PgStoreBuilder {
     /// transaction-scoped advisory lock). See the
     /// [deploying guide](crate::guide::deploying) for the pooler's settings.
     pub fn transaction_pooling(self, on: bool) -> Self {
-        crate::with(self, |b| b.transaction_pooling = on)
+        crate::setter::with(self, |b| b.transaction_pooling = on)
     }
 
     /// Creates the store; connections are opened lazily. Fails on a TLS

@@ -2,7 +2,7 @@
 //! and the reading of what the look returns.
 
 use super::{
-    claim::{fingerprint, status},
+    record::{fingerprint, status},
     sql::{Columns, Param, Sql},
 };
 use crate::{

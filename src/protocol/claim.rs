@@ -7,46 +7,16 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
-
 use super::{
-    lease::answered,
-    sql::{corrupt, Columns, Param, Sql},
+    record::{key_params, may_take_over, record_at},
+    sql::{Columns, Param, Sql},
     statements::BEGIN,
     transport::Link,
 };
 use crate::{
-    fingerprint::Fingerprint,
-    record::{Record, ResourceId, StoredResponse},
+    record::Record,
     store::{ClaimRequest, Committed, StoreError},
 };
-
-/// The rule "may this record be taken over", in SQL, for the record's
-/// columns prefixed by `$row` and the instant `$now`: its retention ended,
-/// or it is an `in_progress` row no transaction holds (an owner in the
-/// default mode only ever commits `completed`, so such a row is an orphan:
-/// a crash of an older version, a manual edit) whose lease, if it has one
-/// (a long-running operation's), expired. Every statement that takes a key
-/// over says it through this one text.
-macro_rules! may_take_over {
-    ($row:literal, $now:literal) => {
-        concat!(
-            $row,
-            "expires_at <= ",
-            $now,
-            " OR (",
-            $row,
-            "state = 'in_progress' AND (",
-            $row,
-            "lease_expires_at IS NULL OR ",
-            $row,
-            "lease_expires_at <= ",
-            $now,
-            "))"
-        )
-    };
-}
-pub(crate) use may_take_over;
 
 /// The record columns the claim's statements return, in this order, as
 /// [`record_at`] reads them.
@@ -176,15 +146,6 @@ pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duratio
     batch
 }
 
-/// The key's columns: tenant, endpoint, key.
-pub(crate) fn key_params(request: &ClaimRequest) -> [Param<'_>; 3] {
-    [
-        Param::Text(request.scope.tenant().as_str()),
-        Param::Text(request.scope.endpoint()),
-        Param::Text(request.key.as_str()),
-    ]
-}
-
 /// [`CLAIM`]'s and [`TAKE_OVER`]'s parameters.
 pub(crate) fn claim_params(request: &ClaimRequest) -> [Param<'_>; 5] {
     let [tenant, endpoint, key] = key_params(request);
@@ -265,50 +226,4 @@ pub(crate) async fn winner<L: Link>(
 
 fn found(record: Option<Record>) -> Claimed {
     record.map_or(Claimed::InProgress, Claimed::Completed)
-}
-
-/// The record in the six columns from `at` (see [`LOOKUP`]); `None` for a
-/// row without an answer to replay (in progress). A long-running
-/// operation's remembered failure replays as a completion does.
-pub(crate) fn record_at<R: Columns + ?Sized>(
-    row: &R,
-    at: usize,
-) -> Result<Option<Record>, StoreError> {
-    if !answered(row.text(at + 1)?) {
-        return Ok(None);
-    }
-    Ok(Some(Record {
-        fingerprint: fingerprint(row.bytea(at)?)?,
-        response: response_at(row, at + 2)?,
-    }))
-}
-
-/// The response stored in the columns from `at`: status, headers, body,
-/// resource id.
-pub(crate) fn response_at<R: Columns + ?Sized>(
-    row: &R,
-    at: usize,
-) -> Result<StoredResponse, StoreError> {
-    Ok(StoredResponse {
-        status: status(row.int2(at)?)?,
-        headers: StoredResponse::decode_headers(row.bytea(at + 1)?)
-            .ok_or_else(|| corrupt("header block"))?,
-        body: Bytes::copy_from_slice(row.bytea(at + 2)?),
-        resource_id: row
-            .opt_text(at + 3)?
-            .map(|id| ResourceId::new(id.to_owned())),
-    })
-}
-
-/// A stored fingerprint.
-pub(crate) fn fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
-    Fingerprint::from_slice(bytes).ok_or_else(|| corrupt("fingerprint"))
-}
-
-/// A stored status code.
-pub(crate) fn status(status: i16) -> Result<http::StatusCode, StoreError> {
-    u16::try_from(status)
-        .ok()
-        .and_then(|s| http::StatusCode::from_u16(s).ok())
-        .ok_or_else(|| corrupt("status"))
 }

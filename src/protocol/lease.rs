@@ -9,7 +9,7 @@ use http::Method;
 use std::time::Duration;
 
 use super::{
-    claim::{fingerprint, key_params, record_at, response_at},
+    record::{fingerprint, key_params, record_at, response_at},
     sql::{Columns, Param, Sql},
     transport::Transport,
     waits::{GRACE, MIN_WAIT, ROW_WAIT},
@@ -25,13 +25,6 @@ use crate::{
         StoreError, StoreErrorKind, StoredRequest,
     },
 };
-
-/// Whether a record in `state` holds an answer to replay: a completion, or
-/// a long-running operation's remembered failure. Both drivers' claims and
-/// lookups read the `state` column through this one rule.
-pub(crate) fn answered(state: &str) -> bool {
-    matches!(state, "completed" | "failed")
-}
 
 /// An operation's state from its `state` column; `response` reads its
 /// stored answer, once there is one.

@@ -16,6 +16,7 @@ pub(crate) mod lexer;
 pub(crate) mod migrations;
 #[cfg(feature = "postgres")]
 pub(crate) mod outbox;
+pub(crate) mod record;
 #[cfg(feature = "postgres")]
 pub(crate) mod retention;
 pub(crate) mod sql;

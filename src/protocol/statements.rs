@@ -3,8 +3,8 @@
 //! reset. One text each; a driver adds only how it sends it.
 
 use super::{
-    claim::{key_params, may_take_over},
     identity::TxIdentity,
+    record::{key_params, may_take_over},
     sql::{Param, Sql},
 };
 use crate::{record::StoredResponse, store::ClaimRequest};
@@ -32,7 +32,7 @@ pub(crate) const ROLLBACK: &str = "ROLLBACK";
 //
 // A heap-only-tuple (HOT) update: it changes no indexed column and no column
 // of an index's predicate (`state` is in none, see `schema/0001_baseline.sql`;
-// `tests/hot_completion.rs` checks both the catalog and the statistics), so
+// `tests/layer/hot_completion.rs` checks both the catalog and the statistics), so
 // with the table's fillfactor the new row version stays on its page and no
 // index is touched. That is why it leaves `expires_at` (indexed, for
 // cleanup) as the claim set it: retention counts from the claim, and the

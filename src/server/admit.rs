@@ -43,7 +43,7 @@ pub(crate) async fn admit<St, F, R, M, B>(
 where
     F: Fingerprinter,
     R: ResolveTenant,
-    M: super::mode::Mode<St>,
+    M: super::mode::Covers,
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {

@@ -11,7 +11,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 
-pub(crate) use crate::BoxError;
+pub(crate) use crate::error::BoxError;
 
 /// The request body the inner service receives.
 ///

@@ -7,170 +7,24 @@
 //! has finished (where they find its record). The database stays the
 //! arbiter: this only decides who waits where.
 
-use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
-};
-
-use tokio::sync::watch;
-
-use std::ops::ControlFlow;
+use std::{ops::ControlFlow, sync::Arc};
 
 use super::{
-    endpoint::Setup,
+    in_flight::{InFlight, LeadGuard, Turn, Woken},
     settled::{Settled, Timings},
 };
-use crate::{fingerprint::Fingerprint, key::IdempotencyKey, record::Record, scope::Scope};
-
-type Key = (Scope, IdempotencyKey);
-
-/// What a leader has made known about its key so far.
-#[derive(Debug, Clone, Default)]
-enum LeadState {
-    /// Nothing yet (or it finished without a record: rolled back).
-    #[default]
-    Pending,
-    /// The key has a record in the store.
-    Recorded,
-    /// The key's completed record, as the leader committed or read it.
-    Answer(Arc<Record>),
-}
-
-/// A key's leader as its followers find it: what it made known, and the
-/// token each follower holds a clone of.
-type Leader = (watch::Receiver<LeadState>, Arc<()>);
-
-#[derive(Debug, Default)]
-pub(crate) struct InFlight {
-    /// Per key: what its leader made known, and a token each follower
-    /// holds a clone of (so that tests can see who waits).
-    leaders: Mutex<HashMap<Key, Leader>>,
-}
-
-pub(crate) enum Turn {
-    /// Go to the store; the others wait until this guard is dropped.
-    Lead(LeadGuard),
-    /// Another request of this process has the key: wait for it to finish.
-    Follow(Follower),
-}
-
-pub(crate) struct LeadGuard {
-    in_flight: Arc<InFlight>,
-    key: Key,
-    // Dropping the sender wakes every follower; the value says what the
-    // key now has.
-    done: watch::Sender<LeadState>,
-}
-
-/// Waits for a leader.
-pub(crate) struct Follower {
-    done: watch::Receiver<LeadState>,
-    /// Counts this follower while it waits.
-    _waiting: Arc<()>,
-}
-
-/// How a wait for the leader ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Woken {
-    /// The key's completed record, from the leader: no store needed.
-    Answer(Arc<Record>),
-    /// The key has a record now: every follower may read it at once.
-    Recorded,
-    /// The leader finished without a record (rolled back): one follower
-    /// leads next, so the others do not all claim together.
-    Released,
-    /// The deadline passed first.
-    TimedOut,
-}
-
-impl Follower {
-    pub(crate) async fn wait(mut self, deadline: tokio::time::Instant) -> Woken {
-        // `changed` fails once the leader's sender is dropped: it finished.
-        match tokio::time::timeout_at(deadline, self.done.changed()).await {
-            Err(_) => Woken::TimedOut,
-            Ok(_) => match &*self.done.borrow() {
-                LeadState::Answer(record) => Woken::Answer(record.clone()),
-                LeadState::Recorded => Woken::Recorded,
-                LeadState::Pending => Woken::Released,
-            },
-        }
-    }
-}
-
-impl LeadGuard {
-    /// The key has a record (this leader committed, or found one): followers
-    /// go straight to it.
-    pub(crate) fn settled(&self) {
-        self.done.send_if_modified(|s| {
-            let pending = matches!(s, LeadState::Pending);
-            if pending {
-                *s = LeadState::Recorded;
-            }
-            pending
-        });
-    }
-
-    /// The key's completed record: followers answer from it, without the
-    /// store.
-    pub(crate) fn answered(&self, record: Arc<Record>) {
-        self.done.send_replace(LeadState::Answer(record));
-    }
-}
-
-impl InFlight {
-    pub(crate) fn enter(self: &Arc<Self>, scope: &Scope, key: &IdempotencyKey) -> Turn {
-        let key = (scope.clone(), key.clone());
-        let mut leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((done, followers)) = leaders.get(&key) {
-            return Turn::Follow(Follower {
-                done: done.clone(),
-                _waiting: followers.clone(),
-            });
-        }
-        let (done, done_rx) = watch::channel(LeadState::Pending);
-        leaders.insert(key.clone(), (done_rx, Arc::new(())));
-        Turn::Lead(LeadGuard {
-            in_flight: self.clone(),
-            key,
-            done,
-        })
-    }
-}
-
-#[cfg(test)]
-impl InFlight {
-    /// How many requests wait behind the leader of `key` right now.
-    pub(crate) fn waiting(&self, scope: &Scope, key: &IdempotencyKey) -> usize {
-        let leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
-        let key = (scope.clone(), key.clone());
-        // The map holds one receiver itself; the leader holds the sender.
-        leaders
-            .get(&key)
-            .map_or(0, |(_, followers)| Arc::strong_count(followers) - 1)
-    }
-}
-
-impl Drop for LeadGuard {
-    fn drop(&mut self) {
-        let mut leaders = self
-            .in_flight
-            .leaders
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        leaders.remove(&self.key);
-    }
-}
+use crate::{fingerprint::Fingerprint, record::Record, store::ClaimRequest};
 
 /// Waits while another request of this process works on the same key, and
 /// says how this request goes on.
-pub(crate) async fn coalesce<St, F, R, M>(
-    setup: &Setup<St, F, R, M>,
-    claim: &crate::store::ClaimRequest,
+pub(crate) async fn coalesce(
+    in_flight: &Arc<InFlight>,
+    claim: &ClaimRequest,
     deadline: tokio::time::Instant,
 ) -> Coalesced {
     let mut followed = false;
     loop {
-        match setup.shared.in_flight.enter(&claim.scope, &claim.key) {
+        match in_flight.enter(&claim.scope, &claim.key) {
             Turn::Lead(guard) => return Coalesced::Lead { guard, followed },
             Turn::Follow(follower) => {
                 followed = true;
@@ -250,53 +104,5 @@ impl Coalesced {
         } else {
             Settled::KeyReused
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::scope::TenantId;
-
-    #[tokio::test]
-    async fn followers_learn_whether_the_leader_settled_the_key() {
-        let in_flight = Arc::new(InFlight::default());
-        let scope = Scope::new(TenantId::new("t"), "e");
-        let key = IdempotencyKey::parse(b"k").unwrap();
-        let far = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
-        let Turn::Lead(guard) = in_flight.enter(&scope, &key) else {
-            panic!("first leads")
-        };
-        let Turn::Follow(follower) = in_flight.enter(&scope, &key) else {
-            panic!("second follows")
-        };
-        let other = IdempotencyKey::parse(b"other").unwrap();
-        assert!(
-            matches!(in_flight.enter(&scope, &other), Turn::Lead(_)),
-            "other keys are independent"
-        );
-        drop(guard);
-        assert_eq!(
-            follower.wait(far).await,
-            Woken::Released,
-            "a leader that rolled back leaves it unsettled"
-        );
-        let Turn::Lead(guard) = in_flight.enter(&scope, &key) else {
-            panic!("the key is free again")
-        };
-        let Turn::Follow(follower) = in_flight.enter(&scope, &key) else {
-            panic!("follows the new leader")
-        };
-        guard.settled();
-        drop(guard);
-        assert_eq!(follower.wait(far).await, Woken::Recorded);
-        let Turn::Lead(_guard) = in_flight.enter(&scope, &key) else {
-            panic!("free")
-        };
-        let Turn::Follow(follower) = in_flight.enter(&scope, &key) else {
-            panic!("follows")
-        };
-        let soon = tokio::time::Instant::now() + std::time::Duration::from_millis(10);
-        assert_eq!(follower.wait(soon).await, Woken::TimedOut);
     }
 }

@@ -7,7 +7,10 @@ use std::{sync::Arc, time::Duration};
 use http::{header, HeaderName, StatusCode};
 
 use super::{
-    cache::RecordCache, coalesce::InFlight, mode::ShortTransaction, operations::Operations,
+    cache::RecordCache,
+    drain::Drain,
+    in_flight::InFlight,
+    mode::{Covers, ShortTransaction},
 };
 
 /// The status answered when a key is reused with a different request.
@@ -85,7 +88,7 @@ impl Config {
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
     pub(crate) in_flight: Arc<InFlight>,
-    pub(crate) operations: Arc<Operations>,
+    pub(crate) drain: Arc<Drain>,
     pub(crate) cache: Option<RecordCache>,
 }
 
@@ -97,7 +100,7 @@ impl Default for Shared {
     fn default() -> Self {
         Shared {
             in_flight: Arc::default(),
-            operations: Arc::default(),
+            drain: Arc::default(),
             cache: Some(RecordCache::new(CACHE_CAPACITY, CACHE_TTL)),
         }
     }
@@ -145,5 +148,15 @@ impl<St: Clone, F, R, M: Clone> Clone for Setup<St, F, R, M> {
             mode: self.mode.clone(),
             shared: self.shared.clone(),
         }
+    }
+}
+
+impl<St, F, R, M: Covers> Setup<St, F, R, M> {
+    /// The retention records are kept for: the configured one, raised to
+    /// what the mode's work needs (see [`IdempotencyLayer::retention`](crate::IdempotencyLayer::retention)).
+    pub(crate) fn retention(&self) -> Duration {
+        self.config
+            .retention
+            .max(self.mode.covers(self.config.handler_timeout))
     }
 }

@@ -37,7 +37,7 @@ impl LeaseConfig {
     /// answering `202` after 1 s, with the status resource at
     /// `/operations/{id}`.
     pub fn new(lease: Duration) -> Self {
-        let lease = lease.clamp(MIN_LEASE, super::layer::MAX_WAIT);
+        let lease = lease.clamp(MIN_LEASE, crate::store::MAX_WAIT);
         LeaseConfig {
             lease,
             heartbeat: lease / 3,
@@ -52,7 +52,7 @@ impl LeaseConfig {
     /// How often the owner renews its lease (default a third of the lease;
     /// at most half of it, so that one late heartbeat does not lose it).
     pub fn heartbeat(self, every: Duration) -> Self {
-        crate::with(self, |s| {
+        crate::setter::with(self, |s| {
             s.heartbeat = every.clamp(Duration::from_millis(10), s.lease / 2)
         })
     }
@@ -60,7 +60,7 @@ impl LeaseConfig {
     /// How long the first request waits for its work before answering
     /// `202 Accepted` (default 1 s). Zero answers `202` at once.
     pub fn respond_within(self, within: Duration) -> Self {
-        crate::with(self, |s| s.respond_within = within)
+        crate::setter::with(self, |s| s.respond_within = within)
     }
 
     /// The path the status resource is mounted at (default `/operations`):
@@ -74,7 +74,7 @@ impl LeaseConfig {
     /// How often an idle [`Recovery`](crate::lease::Recovery) worker looks for
     /// operations whose lease expired (default 1 s).
     pub fn recovery_interval(self, every: Duration) -> Self {
-        crate::with(self, |s| {
+        crate::setter::with(self, |s| {
             s.recovery_interval = every.max(Duration::from_millis(10))
         })
     }
@@ -87,7 +87,7 @@ impl LeaseConfig {
     /// remembered `500 operation_failed`, so a request that crashes its
     /// process cannot crash-loop a fleet for the whole retention.
     pub fn max_attempts(self, attempts: u32) -> Self {
-        crate::with(self, |s| s.max_attempts = attempts.max(1))
+        crate::setter::with(self, |s| s.max_attempts = attempts.max(1))
     }
 
     /// How long the [`Recovery`](crate::lease::Recovery) worker waits before the
@@ -97,7 +97,7 @@ impl LeaseConfig {
     /// 60 s). A retry by the client is not held back: the same request
     /// resumes the operation at once.
     pub fn recovery_backoff(self, first: Duration, max: Duration) -> Self {
-        crate::with(self, |s| s.backoff = Backoff::new(first, max))
+        crate::setter::with(self, |s| s.backoff = Backoff::new(first, max))
     }
 
     /// The lease.

@@ -15,12 +15,12 @@ use super::{
     admit::Admitted,
     body::RequestBody,
     coalesce::{coalesce, Proceed},
+    drain::Counted,
     endpoint::{Config, Setup},
+    inner::{Inner, InnerBody},
     lease_config::LeaseConfig,
     mode::LongRunning,
-    operations::Running,
     owner::run_owner,
-    service::{Inner, InnerBody},
     settled::{Rollback, Settled, StatusHint, Timings},
 };
 use crate::{
@@ -72,7 +72,7 @@ pub(crate) async fn run<S: Inner<B>, St: LeaseStore, F, R, B: InnerBody>(
     let deadline = tokio::time::Instant::now() + config.wait;
 
     // 2. Coalesce, as in the short mode.
-    let in_process = coalesce(&setup, claim, deadline).await;
+    let in_process = coalesce(&setup.shared.in_flight, claim, deadline).await;
     let retry_after = lease_config.retry_after();
     let Proceed { lead, followed } =
         match in_process.go_on(&claim.fingerprint, &mut timings, retry_after) {
@@ -128,7 +128,7 @@ pub(crate) async fn run<S: Inner<B>, St: LeaseStore, F, R, B: InnerBody>(
     let (mut parts, body) = (admitted.parts, admitted.body);
     parts.extensions.insert(owned.lease.clone());
     let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let running = setup.shared.operations.start();
+    let running = setup.shared.drain.start();
     let work = drive(
         setup.store.clone(),
         config.clone(),
@@ -162,7 +162,7 @@ pub(crate) async fn run<S: Inner<B>, St: LeaseStore, F, R, B: InnerBody>(
 /// lease then lapses, and the operation is taken over.
 pub(crate) fn spawn_work<B, E>(
     work: impl std::future::Future<Output = Driven<B, E>> + Send + 'static,
-    running: Running,
+    running: Counted,
 ) -> oneshot::Receiver<Driven<B, E>>
 where
     B: Send + 'static,

@@ -1,34 +1,44 @@
 //! The server middleware: [`IdempotencyLayer`] and the [`Idempotency`]
-//! service it makes, in tower-http's shape (a folder, a file per role).
+//! service it makes, in tower-http's shape (a folder, a file per role). The
+//! files import one way, each only from the groups listed before its own:
 //!
-//! - `layer`: the builder; `endpoint`: what one layer sets up and shares.
-//! - `mode`: the mode as a value (short transaction, claim at commit, or
-//!   long-running with its `lease_config`).
-//! - `service`: the one `Service` impl: admission, then the mode's flow on a
-//!   task of its own, then the answer.
-//! - `admit`, `coalesce`, `cache`, `owner`: the phases both modes share.
-//! - `short`, `long`: the one-transaction flow (the short-transaction and
-//!   the one-commit modes) and the long-running flow;
-//!   `recovery`, `status`: the long-running mode's two services.
-//! - `settled`: how a request ended, and **all** answer building.
-//! - `future`, `body`: the response future and bodies; `operations`: the
-//!   drain counter; `replay`: rebuilt replays; `extract`: axum extractors.
+//! 1. **Settings and shared types.** `body` (the bodies), `inner` (what the
+//!    wrapped service must be), `lease_config` and `mode` (the modes as
+//!    values and the retention each needs), `cache` (the replay cache),
+//!    `in_flight` (the keys this process works on), `drain` (the shutdown
+//!    drain counter), `replay` (rebuilt replays), `failpoints`; then
+//!    `endpoint`, what one layer sets up and shares.
+//! 2. **Answers.** `settled`: how a request ended, and **all** answer
+//!    building.
+//! 3. **Phases both flows share.** `admit` (key, tenant, body, fingerprint),
+//!    `coalesce` (waiting behind a duplicate of this process), `owner`
+//!    (running the handler).
+//! 4. **Flows.** `short` (the default and the one-commit modes), `long` (the
+//!    long-running mode); `flow`: which mode runs which ([`Mode`]).
+//! 5. **Services.** `service`, the one `Service` impl (admission, then the
+//!    mode's flow on a task of its own, then the answer) with its `future`;
+//!    `recovery` and `status`, the long-running mode's two services;
+//!    `extract`, the axum extractors.
+//! 6. **The builder.** `layer`.
 
 mod admit;
 mod body;
 mod cache;
 mod coalesce;
+mod drain;
 mod endpoint;
 #[cfg(feature = "axum")]
 mod extract;
 #[cfg(feature = "failpoints")]
 pub mod failpoints;
+mod flow;
 mod future;
+mod in_flight;
+mod inner;
 mod layer;
 mod lease_config;
 mod long;
 mod mode;
-mod operations;
 mod owner;
 mod recovery;
 pub mod replay;
@@ -41,10 +51,11 @@ pub use body::{RequestBody, ResponseBody};
 pub use endpoint::KeyReuseStatus;
 #[cfg(feature = "axum")]
 pub use extract::MissingFromLayer;
+pub use flow::Mode;
 pub use future::ResponseFuture;
 pub use layer::IdempotencyLayer;
 pub use lease_config::LeaseConfig;
-pub use mode::{ClaimAtCommit, LongRunning, Mode, ShortTransaction};
+pub use mode::{ClaimAtCommit, LongRunning, ShortTransaction};
 pub use recovery::Recovery;
 pub use service::Idempotency;
 pub use status::{StatusFuture, StatusService};

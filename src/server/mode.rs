@@ -1,59 +1,15 @@
 //! The layer's mode, as a value: [`ShortTransaction`] (the default),
 //! [`ClaimAtCommit`] (opt-in: the commit claims the key) or [`LongRunning`],
-//! which carries its [`LeaseConfig`]. One `Service` impl serves all three;
-//! the mode decides phases 2 to 5 of a request.
+//! which carries its [`LeaseConfig`], and the retention each one's work
+//! needs. Which flow each runs is `flow`.
 
-use std::{future::Future, time::Duration};
+use std::time::Duration;
 
-use super::{
-    admit::Admitted,
-    endpoint::Setup,
-    lease_config::LeaseConfig,
-    long,
-    service::{Inner, InnerBody},
-    settled::{Settled, Timings},
-    short,
-};
-use crate::{
-    fingerprint::Fingerprinter,
-    scope::ResolveTenant,
-    store::{CommitStore, LeaseStore, Store},
-};
+use super::lease_config::LeaseConfig;
 
-/// The mode of an [`IdempotencyLayer`](crate::IdempotencyLayer) over a
-/// store `St`: [`ShortTransaction`] for any [`Store`], [`ClaimAtCommit`]
-/// for a [`CommitStore`], [`LongRunning`] for a [`LeaseStore`]. Sealed: the
-/// crate's three modes are the only ones.
-pub trait Mode<St>: sealed::Sealed<St> + Clone + Send + Sync + 'static {}
-
-mod sealed {
-    use super::*;
-
-    /// What a mode does with an admitted request: phases 2 to 5.
-    pub trait Sealed<St>: Sized {
-        fn run<S: Inner<B>, F: Fingerprinter, R: ResolveTenant, B: InnerBody>(
-            setup: Setup<St, F, R, Self>,
-            inner: S,
-            admitted: Admitted,
-        ) -> impl Future<Output = (Settled<B, S::Error>, Timings)> + Send + 'static;
-
-        /// The shortest retention that covers the mode's work: a record
-        /// must not expire while the work that will remember its answer
-        /// may still commit, or a retry would run the work again.
-        fn covers(&self, handler_timeout: Duration) -> Duration;
-    }
-}
-
-impl<St, F, R, M: Mode<St>> Setup<St, F, R, M> {
-    /// The retention records are kept for: the configured one, raised to
-    /// what the mode's work needs (see [`IdempotencyLayer::retention`](crate::IdempotencyLayer::retention)).
-    pub(crate) fn retention(&self) -> Duration {
-        self.config.retention.max(sealed::Sealed::covers(
-            &self.mode,
-            self.config.handler_timeout,
-        ))
-    }
-}
+/// How long past the handler's deadline the database itself ends an owner's
+/// transaction that went silent (its process frozen, its network gone).
+pub(crate) const HOLD_MARGIN: Duration = Duration::from_secs(5);
 
 /// The default mode: one short transaction per request, from the claim to
 /// the commit of the handler's writes with the remembered answer.
@@ -92,26 +48,18 @@ impl LongRunning {
     }
 }
 
-/// Each mode runs its own flow, for the stores it works with.
-macro_rules! mode {
-    ($mode:ty, $store:ident, $flow:path, |$this:pat_param, $config:ident| $covers:expr) => {
-        impl<St: $store> Mode<St> for $mode {}
+pub(crate) use covers::Covers;
 
-        impl<St: $store> sealed::Sealed<St> for $mode {
-            fn run<S: Inner<B>, F: Fingerprinter, R: ResolveTenant, B: InnerBody>(
-                setup: Setup<St, F, R, Self>,
-                inner: S,
-                admitted: Admitted,
-            ) -> impl Future<Output = (Settled<B, S::Error>, Timings)> + Send + 'static {
-                $flow(setup, inner, admitted)
-            }
+mod covers {
+    use std::time::Duration;
 
-            fn covers(&self, $config: Duration) -> Duration {
-                let $this = self;
-                $covers
-            }
-        }
-    };
+    /// The shortest retention that covers a mode's work: a record must not
+    /// expire while the work that will remember its answer may still
+    /// commit, or a retry would run the work again. (Public in a private
+    /// module: a bound of the sealed `Mode`, named by no one outside.)
+    pub trait Covers {
+        fn covers(&self, handler_timeout: Duration) -> Duration;
+    }
 }
 
 // The default mode's record counts its retention from the claim, and the
@@ -119,14 +67,23 @@ macro_rules! mode {
 // margin. The one-commit mode's counts from the commit itself. A released
 // long-running operation waits up to the longest recovery backoff after its
 // lease before recovery may take it, and must still be there then.
-mode!(ShortTransaction, Store, short::run, |_, handler_timeout| {
-    handler_timeout.saturating_add(short::HOLD_MARGIN)
-});
-mode!(ClaimAtCommit, CommitStore, short::run, |_, _config| {
-    Duration::ZERO
-});
-mode!(LongRunning, LeaseStore, long::run, |mode, _config| mode
-    .config
-    .lease
-    .saturating_add(mode.config.backoff.max)
-    .saturating_add(short::HOLD_MARGIN));
+impl Covers for ShortTransaction {
+    fn covers(&self, handler_timeout: Duration) -> Duration {
+        handler_timeout.saturating_add(HOLD_MARGIN)
+    }
+}
+
+impl Covers for ClaimAtCommit {
+    fn covers(&self, _: Duration) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl Covers for LongRunning {
+    fn covers(&self, _: Duration) -> Duration {
+        self.config
+            .lease
+            .saturating_add(self.config.backoff.max)
+            .saturating_add(HOLD_MARGIN)
+    }
+}

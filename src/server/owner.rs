@@ -8,7 +8,7 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
 
-use super::{body::RequestBody, service::InnerBody, settled::Rollback};
+use super::{body::RequestBody, inner::InnerBody, settled::Rollback};
 use crate::record::{FinalResponse, ResourceId};
 
 /// Calls the inner service and buffers a response to remember: the part of

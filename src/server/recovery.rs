@@ -192,7 +192,7 @@ where
                 let lease = owned.lease;
                 let attempts = owned.attempt.saturating_sub(1);
                 // Running until it has failed the operation, for `drained`.
-                let running = self.setup.shared.operations.start();
+                let running = self.setup.shared.drain.start();
                 return Box::pin(
                     async move {
                         let _: Driven<ResB, S::Error> =
@@ -205,7 +205,7 @@ where
         };
         rebuilt.extensions_mut().insert(owned.lease.clone());
         tracing::info!("re-driving an operation whose lease expired");
-        let running = self.setup.shared.operations.start();
+        let running = self.setup.shared.drain.start();
         let endpoint = config.endpoint.clone();
         let work = drive(
             store,

@@ -43,7 +43,7 @@ use bytes::Bytes;
 use http::{Response, StatusCode};
 use tower_service::Service;
 
-use crate::{record::ResourceId, scope::TenantId, server::body::BoxError};
+use crate::{error::BoxError, record::ResourceId, scope::TenantId};
 
 /// What the rebuild function is given: which resource to represent, for whom.
 #[derive(Clone, Debug)]

@@ -22,8 +22,10 @@ use super::{
     admit::{admit, Admission},
     body::{BoxError, RequestBody, ResponseBody},
     endpoint::{Config, Setup},
+    flow::Mode,
     future::ResponseFuture,
-    mode::{Mode, ShortTransaction},
+    inner::{Inner, InnerBody},
+    mode::ShortTransaction,
     owner::call_inner,
     replay::{RebuildRequest, Rebuilder, Rebuilt},
     settled::{MiddlewareResult, Settled, Timings},
@@ -111,36 +113,6 @@ impl<S: Clone, St: Clone, F, R, M: Clone> Idempotency<S, St, F, R, M> {
     }
 }
 
-/// The inner services the middleware wraps (an alias for their bounds;
-/// public only to the sealed [`Mode`]).
-pub trait Inner<ResB>:
-    Service<
-        Request<RequestBody>,
-        Response = Response<ResB>,
-        Future: Send + 'static,
-        Error: Send + 'static,
-    > + Send
-    + 'static
-{
-}
-
-impl<T, ResB> Inner<ResB> for T where
-    T: Service<
-            Request<RequestBody>,
-            Response = Response<ResB>,
-            Future: Send + 'static,
-            Error: Send + 'static,
-        > + Send
-        + 'static
-{
-}
-
-/// Response bodies of the inner service (an alias for their bounds;
-/// public only to the sealed [`Mode`]).
-pub trait InnerBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
-
-impl<T> InnerBody for T where T: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
-
 /// Phase 1 (admission), then the mode's flow (phases 2 to 5) on a task of
 /// its own, then the answer.
 async fn handle<S, St, F, R, M, ReqB, ResB>(
@@ -186,7 +158,7 @@ where
     // The task also counts how the request settled, so that a request whose
     // client went away is counted too; a replay to rebuild is counted once
     // rebuilt, for the client that waits for it.
-    let running = setup.shared.operations.start();
+    let running = setup.shared.drain.start();
     let work = M::run(setup, inner, admitted).instrument(span.clone());
     let counted = (config.clone(), span.clone(), tenant.clone());
     let rebuilds = rebuild_for.is_some();

@@ -14,9 +14,9 @@ use super::{
     body::RequestBody,
     coalesce::{coalesce, Coalesced, Proceed},
     endpoint::Setup,
-    mode::{ClaimAtCommit, ShortTransaction},
+    inner::{Inner, InnerBody},
+    mode::{ClaimAtCommit, ShortTransaction, HOLD_MARGIN},
     owner::run_owner,
-    service::{Inner, InnerBody},
     settled::{Rollback, Settled, Timings},
 };
 use crate::{
@@ -152,7 +152,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     }
 
     // 2. Coalesce.
-    let in_process = coalesce(&setup, &claim, deadline).await;
+    let in_process = coalesce(&setup.shared.in_flight, &claim, deadline).await;
     let Proceed { lead, followed } = match in_process.go_on(&claim.fingerprint, &mut timings, 1) {
         std::ops::ControlFlow::Continue(proceed) => proceed,
         std::ops::ControlFlow::Break(settled) => return (settled, timings),
@@ -279,7 +279,3 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
 type Faults = Option<super::failpoints::InjectFault>;
 #[cfg(not(feature = "failpoints"))]
 type Faults = ();
-
-/// How long past the handler's deadline the database itself ends an owner's
-/// transaction that went silent (its process frozen, its network gone).
-pub(crate) const HOLD_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);

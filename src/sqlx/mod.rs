@@ -68,7 +68,7 @@
 //! What it has and lacks beside `PgStore` is one table in the [custom
 //! stores guide](crate::guide::custom_stores).
 //!
-//! `tests/sqlx_store.rs` runs the [conformance
+//! `tests/stores/sqlx_store.rs` runs the [conformance
 //! suite](crate::testing::conformance) against it on a real PostgreSQL.
 //!
 //! # Long-running operations
@@ -80,7 +80,7 @@
 //! transactions ([`SqlxLease::transaction`], holding the record `FOR SHARE`
 //! at its token until [`SqlxLease::commit`]), and the layer stores the
 //! answer by a compare-and-swap on the token. Both stores can serve the same
-//! table. `tests/sqlx_store.rs` runs the lease conformance suite against it.
+//! table. `tests/stores/sqlx_store.rs` runs the lease conformance suite against it.
 //!
 //! # Compared with `PgStore`
 //!
@@ -194,7 +194,7 @@ impl SqlxStore {
     /// statement and then never closes it. See the
     /// [deploying guide](crate::guide::deploying).
     pub fn transaction_pooling(self, on: bool) -> Self {
-        crate::with(self, |s| s.transaction_pooling = on)
+        crate::setter::with(self, |s| s.transaction_pooling = on)
     }
 
     /// Whether the store sends its statements for a transaction pooler

@@ -121,18 +121,18 @@ impl ClaimRequest {
 
     /// Sets [`retention`](Self::retention) (at most 100 years).
     pub fn with_retention(self, retention: Duration) -> Self {
-        crate::with(self, |c| c.retention = retention.min(MAX_RETENTION))
+        crate::setter::with(self, |c| c.retention = retention.min(MAX_RETENTION))
     }
 
     /// Sets [`wait`](Self::wait) (at most PostgreSQL's longest lock
     /// timeout, about 24.8 days).
     pub fn with_wait(self, wait: Duration) -> Self {
-        crate::with(self, |c| c.wait = wait.min(MAX_WAIT))
+        crate::setter::with(self, |c| c.wait = wait.min(MAX_WAIT))
     }
 
     /// Sets [`hold_limit`](Self::hold_limit).
     pub fn with_hold_limit(self, limit: Duration) -> Self {
-        crate::with(self, |c| c.hold_limit = Some(limit))
+        crate::setter::with(self, |c| c.hold_limit = Some(limit))
     }
 }
 
@@ -357,12 +357,12 @@ impl StoreError {
 
     /// Attaches the underlying error.
     pub fn with_source(self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        crate::with(self, |s| s.source = Some(Box::new(source)))
+        crate::setter::with(self, |s| s.source = Some(Box::new(source)))
     }
 
     /// Records the SQLSTATE a SQL backend answered with.
     pub fn with_sql_state(self, code: Option<String>) -> Self {
-        crate::with(self, |s| s.sql_state = code)
+        crate::setter::with(self, |s| s.sql_state = code)
     }
 
     /// The category.

@@ -48,7 +48,7 @@ impl TempPostgresBuilder {
     /// Keep `fsync`, `synchronous_commit` and `full_page_writes` at their safe defaults, for
     /// benchmarks that must pay real commit costs. Off by default.
     pub fn durable(self, durable: bool) -> Self {
-        crate::with(self, |s| s.durable = durable)
+        crate::setter::with(self, |s| s.durable = durable)
     }
 
     /// Pass `-c name=value` to the server; later settings override earlier ones.
@@ -60,14 +60,14 @@ impl TempPostgresBuilder {
     /// Also listen on TCP, on `127.0.0.1:port` (the socket file then carries
     /// that port's number too). Pick a free port, e.g. by binding port 0.
     pub fn tcp(self, port: u16) -> Self {
-        crate::with(self, |s| s.tcp_port = Some(port))
+        crate::setter::with(self, |s| s.tcp_port = Some(port))
     }
 
     /// Replace `pg_hba.conf` with `contents` before the server starts. Keep
     /// a `local` line that lets `postgres` in: the cluster checks that it is
     /// ready, and makes test databases, over its Unix socket.
     pub fn hba(self, contents: impl Into<String>) -> Self {
-        crate::with(self, |s| s.hba = Some(contents.into()))
+        crate::setter::with(self, |s| s.hba = Some(contents.into()))
     }
 
     /// Write a file into the data directory before the server starts (mode

@@ -1,6 +1,6 @@
 //! The examples' binaries, for the process-level tests (shared by
-//! `tests/order_server.rs`, `tests/fulfilment.rs`, `tests/two_instances.rs`,
-//! `tests/chaos.rs`, `tests/failover.rs`, the pooler's and others), and the
+//! `tests/order_server/contract.rs`, `tests/order_server/fulfilment.rs`, `tests/order_server/two_instances.rs`,
+//! `tests/order_server/chaos.rs`, `tests/order_server/failover.rs`, the pooler's and others), and the
 //! two modes the order server's `POST /orders` runs in ([`Mode`],
 //! [`both_modes!`]).
 // Each test binary uses part of this module.
@@ -76,12 +76,12 @@ macro_rules! both_modes {
         mod $test {
             #[test]
             fn claim_first() {
-                super::$test(crate::example_binary::Mode::ClaimFirst)
+                super::$test(crate::common::example_binary::Mode::ClaimFirst)
             }
 
             #[test]
             fn one_commit() {
-                super::$test(crate::example_binary::Mode::OneCommit)
+                super::$test(crate::common::example_binary::Mode::OneCommit)
             }
         }
     )+};
@@ -89,12 +89,12 @@ macro_rules! both_modes {
         mod $test {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn claim_first() {
-                super::$test(crate::example_binary::Mode::ClaimFirst).await
+                super::$test(crate::common::example_binary::Mode::ClaimFirst).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn one_commit() {
-                super::$test(crate::example_binary::Mode::OneCommit).await
+                super::$test(crate::common::example_binary::Mode::OneCommit).await
             }
         }
     )+};

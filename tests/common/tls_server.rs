@@ -1,6 +1,6 @@
 //! A PostgreSQL that accepts TLS connections only, as managed services are
 //! set up, with a CA and certificates made for the run (rcgen): for
-//! `tests/tls.rs` and `benches/tls.rs`.
+//! `tests/deployment/tls.rs` and `benches/tls.rs`.
 // Each user takes part of it.
 #![allow(dead_code)]
 

@@ -12,7 +12,7 @@ use crate::store::{Claim, ClaimRequest, Store};
 use super::report::{ensure, fail, OrFail};
 
 /// The error a [`Writes`] method may return.
-pub type BoxError = crate::BoxError;
+pub type BoxError = crate::error::BoxError;
 
 /// How the suite writes through a store's transaction handle `Tx`, as a
 /// handler would, and sees what was committed.

@@ -1,0 +1,555 @@
+//! TLS as managed PostgreSQL requires it: a server with `ssl = on` that
+//! accepts TLS connections only (`hostssl` lines, `hostnossl … reject`), its
+//! certificate signed by a CA made for this run (subject alternative names
+//! `localhost` and `127.0.0.1`). Both stores and the example server reach it
+//! with libpq's `sslmode`, `sslrootcert`, `sslcert` and `sslkey`; what must
+//! not connect is refused, with the reason.
+
+use crate::common;
+use crate::common::example_binary;
+use crate::common::tls_server;
+
+use std::{process::Stdio, time::Duration};
+
+use bytes::Bytes;
+use common::{created, handler, layer, send, tenant_a_post};
+use http::StatusCode;
+use http_body_util::{BodyExt, Full};
+use tls_server::{server, PASSWORD};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tower::Layer;
+use tower_idempotency::{
+    postgres::{PgStore, PgStoreBuilder, PgTx},
+    sqlx::SqlxStore,
+};
+
+/// Whether the session of `client` is encrypted, as the server sees it.
+async fn encrypted(client: &tokio_postgres::Client) -> bool {
+    client
+        .query_one(
+            "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A create through the layer on `store`, its replay, and the rows: one
+/// order, one completed record.
+async fn create_and_replay(store: PgStore) {
+    let client = store.client().await.unwrap();
+    client
+        .batch_execute("CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL)")
+        .await
+        .unwrap();
+    let service = layer(store.clone()).layer(handler(|tx: PgTx| async move {
+        tx.execute(
+            "INSERT INTO orders (id, tenant_id) VALUES ('o-1', 'tenant-a')",
+            &[],
+        )
+        .await?;
+        Ok(created(r#"{"id":"o-1"}"#))
+    }));
+    let first = send(service.clone(), tenant_a_post("tls-key")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    let replay = send(service, tenant_a_post("tls-key")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    let orders: i64 = client
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let remembered: i64 = client
+        .query_one(
+            "SELECT count(*) FROM idempotency_requests WHERE state = 'completed' AND response_status = 201",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!((orders, remembered), (1, 1));
+    assert!(encrypted(&client).await);
+}
+
+/// The whole error chain of a failed start, as one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(" / ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+async fn pg_store_error(url: &str) -> String {
+    let store = PgStore::connect(url).expect("the store builds");
+    let e = store
+        .migrate()
+        .await
+        .expect_err("the connection is refused");
+    chain(&e)
+}
+
+#[tokio::test]
+async fn pg_store_with_require_creates_and_replays_encrypted() {
+    let server = server();
+    let db = server.database().await;
+    let store = PgStore::connect(&server.url("127.0.0.1", &db, "sslmode=require")).unwrap();
+    store.migrate().await.unwrap();
+    create_and_replay(store).await;
+}
+
+#[tokio::test]
+async fn pg_store_with_verify_full_and_the_ca_works_for_each_name_in_the_certificate() {
+    let server = server();
+    let db = server.database().await;
+    for host in ["127.0.0.1", "localhost"] {
+        let url = server.url(
+            host,
+            &db,
+            &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
+        );
+        let store = PgStore::connect(&url).unwrap();
+        store.migrate().await.unwrap();
+        assert!(encrypted(&store.client().await.unwrap()).await, "{host}");
+    }
+    let url = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
+    );
+    create_and_replay(PgStore::connect(&url).unwrap()).await;
+}
+
+#[tokio::test]
+async fn pg_store_refuses_a_certificate_another_ca_signed() {
+    let server = server();
+    let db = server.database().await;
+    for mode in ["verify-full", "verify-ca", "require"] {
+        let url = server.url(
+            "127.0.0.1",
+            &db,
+            &format!("sslmode={mode}&sslrootcert={}", server.other_ca()),
+        );
+        let error = pg_store_error(&url).await;
+        assert!(error.contains("store_unavailable"), "{mode}: {error}");
+        assert!(
+            error.contains("invalid peer certificate") && error.contains("UnknownIssuer"),
+            "{mode}: {error}"
+        );
+    }
+}
+
+/// A name the certificate does not carry: verify-full refuses it,
+/// verify-ca (the chain only) accepts it.
+#[tokio::test]
+async fn verify_full_checks_the_host_name_and_verify_ca_does_not() {
+    let server = server();
+    let db = server.database().await;
+    let conninfo = |mode: &str| {
+        format!(
+            "host=db.invalid hostaddr=127.0.0.1 port={} user=app password={PASSWORD} dbname={db} sslmode={mode} sslrootcert='{}'",
+            server.port,
+            server.ca()
+        )
+    };
+    let error = pg_store_error(&conninfo("verify-full")).await;
+    assert!(
+        error.contains("not valid for name \"db.invalid\""),
+        "{error}"
+    );
+    let store = PgStore::connect(&conninfo("verify-ca")).unwrap();
+    store.migrate().await.unwrap();
+    assert!(encrypted(&store.client().await.unwrap()).await);
+}
+
+#[tokio::test]
+async fn sslmode_disable_is_refused_by_a_tls_only_server_with_its_reason() {
+    let server = server();
+    let db = server.database().await;
+    let error = pg_store_error(&server.url("127.0.0.1", &db, "sslmode=disable")).await;
+    assert!(error.contains("store_unavailable"), "{error}");
+    assert!(
+        error.contains("pg_hba.conf rejects connection") && error.contains("no encryption"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn pg_store_authenticates_with_a_client_certificate() {
+    let server = server();
+    let db = server.database().await;
+    let base = format!(
+        "postgres://certuser@127.0.0.1:{}/{db}?sslmode=verify-full&sslrootcert={}",
+        server.port,
+        server.ca()
+    );
+    let with_cert = format!(
+        "{base}&sslcert={}&sslkey={}",
+        server.file("client.pem").display(),
+        server.file("client.key").display()
+    );
+    let store = PgStore::connect(&with_cert).unwrap();
+    let client = store.client().await.unwrap();
+    let user: String = client
+        .query_one("SELECT current_user", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(user, "certuser");
+    let client_dn: Option<String> = client
+        .query_one(
+            "SELECT client_dn FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(client_dn.as_deref(), Some("/CN=certuser"));
+    // Without the certificate the server refuses certuser.
+    let store = PgStore::connect(&base).unwrap();
+    let error = chain(&store.client().await.expect_err("refused"));
+    assert!(error.contains("certificate"), "{error}");
+}
+
+/// A service that configures its own TLS and pool keeps them: the store
+/// serves from the caller's deadpool pool, whose connector (a rustls
+/// configuration of the caller's, trusting the test CA) encrypts and
+/// verifies.
+#[tokio::test]
+async fn pg_store_serves_from_a_callers_pool_and_connector() {
+    use rustls::pki_types::{pem::PemObject, CertificateDer};
+
+    let server = server();
+    let db = server.database().await;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(server.file("ca.pem")).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let rustls_config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls_config);
+    let config: tokio_postgres::Config = format!(
+        "host=localhost port={} user=app password={PASSWORD} dbname={db} sslmode=require",
+        server.port
+    )
+    .parse()
+    .unwrap();
+    let manager = deadpool_postgres::Manager::new(config.clone(), tls.clone());
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(2)
+        .build()
+        .unwrap();
+    let store = PgStore::builder(config)
+        .tls(tls)
+        .pool(pool.clone())
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    create_and_replay(store).await;
+    let status = pool.status();
+    assert!(status.size >= 1 && status.size <= 2, "{status:?}");
+
+    // The caller's connector verifies: against another CA it refuses.
+    let mut other = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(server.file("other-ca.pem")).unwrap() {
+        other.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let untrusting = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(other)
+        .with_no_client_auth();
+    let config: tokio_postgres::Config = format!(
+        "host=localhost port={} user=app password={PASSWORD} dbname={db} sslmode=require",
+        server.port
+    )
+    .parse()
+    .unwrap();
+    let store = PgStore::builder(config)
+        .tls(tokio_postgres_rustls::MakeRustlsConnect::new(untrusting))
+        .build()
+        .unwrap();
+    let error = chain(&store.migrate().await.expect_err("refused"));
+    assert!(error.contains("UnknownIssuer"), "{error}");
+}
+
+/// Settings that cannot work fail when the store is built, saying which.
+#[test]
+fn tls_settings_that_cannot_work_are_refused_at_build() {
+    let server_less = "postgres://app@127.0.0.1:1/db";
+    for (query, expected) in [
+        ("sslmode=verify-full", "needs sslrootcert"),
+        (
+            "sslmode=require&sslrootcert=system",
+            "needs sslmode=verify-full",
+        ),
+        (
+            "sslmode=verify-ca&sslrootcert=/nonexistent/ca.pem",
+            "/nonexistent/ca.pem",
+        ),
+        ("sslmode=allow", "not supported"),
+        ("sslcert=/tmp/c.pem", "without sslkey"),
+    ] {
+        let error = PgStoreBuilder::from_conninfo(&format!("{server_less}?{query}"))
+            .and_then(PgStoreBuilder::build)
+            .expect_err(query);
+        assert!(error.to_string().contains(expected), "{query}: {error}");
+    }
+}
+
+/// A handler cut off at its deadline while its statement runs: the cancel
+/// request goes out through the store's TLS connector and ends the statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_statement_is_cancelled_over_tls() {
+    let server = server();
+    let db = server.database().await;
+    let url = server.url(
+        "127.0.0.1",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
+    );
+    let store = PgStoreBuilder::from_conninfo(&url)
+        .unwrap()
+        .max_connections(1)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let service = layer(store.clone())
+        .handler_timeout(Duration::from_millis(300))
+        .layer(handler(|tx: PgTx| async move {
+            tx.execute("SELECT pg_sleep(60)", &[]).await?;
+            Ok(created("{}"))
+        }));
+    let answer = send(service, tenant_a_post("slow")).await;
+    assert_eq!(answer.json()["code"], "handler_timeout");
+    // The pool has one connection: the next request gets it only once the
+    // cancelled statement has ended and its transaction rolled back.
+    let client = tokio::time::timeout(Duration::from_secs(20), store.client())
+        .await
+        .expect("the connection came back without waiting out pg_sleep(60)")
+        .unwrap();
+    let sleeping: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(60)%' AND state = 'active'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(sleeping, 0);
+    let records: i64 = client
+        .query_one("SELECT count(*) FROM idempotency_requests", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(records, 0, "the key is free again");
+}
+
+#[tokio::test]
+async fn sqlx_store_reaches_the_tls_only_server_with_verify_full() {
+    let server = server();
+    let db = server.database().await;
+    let url = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
+    );
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = SqlxStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ssl);
+    let version: i32 = sqlx::query_scalar("SELECT max(version) FROM tower_idempotency_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(version >= 1);
+
+    let refused = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.other_ca()),
+    );
+    let error = sqlx::PgPool::connect(&refused).await.expect_err("refused");
+    assert!(chain(&error).contains("UnknownIssuer"), "{}", chain(&error));
+    let plain = server.url("localhost", &db, "sslmode=disable");
+    let error = sqlx::PgPool::connect(&plain).await.expect_err("refused");
+    assert!(chain(&error).contains("no encryption"), "{}", chain(&error));
+}
+
+/// The example server as a process, `DATABASE_URL` with `verify-full`, in
+/// both modes of `POST /orders`: a create and its replay, every connection
+/// of the server encrypted (the relay's `LISTEN` connection too).
+async fn the_example_server_serves_over_tls(mode: example_binary::Mode) {
+    let server = server();
+    let db = server.database().await;
+    let url = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
+    );
+    // Direct: cached statements, and the relay LISTENs on a connection of
+    // its own, which must be encrypted too.
+    let mut child = tokio::process::Command::new(example_binary::example_binary())
+        .env("DATABASE_URL", &url)
+        .env("DATABASE_POOL_MODE", "direct")
+        .env("IDEMPOTENCY_MODE", mode.name())
+        .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the example server starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .await
+        .unwrap();
+    let base = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .to_owned();
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let body = r#"{"checkout_id":"chk-tls","currency":"JPY","items":[{"sku":"S","quantity":1,"unit_price":100}],"shipping_address_id":"a"}"#;
+    let post = || {
+        http::Request::post(format!("{base}/orders"))
+            .header("authorization", "Bearer demo-token-a")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "tls-order")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap()
+    };
+    let first = http.request(post()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first = first.into_body().collect().await.unwrap().to_bytes();
+    let replay = http.request(post()).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        replay.into_body().collect().await.unwrap().to_bytes(),
+        first
+    );
+
+    let store = PgStore::connect(&url).unwrap();
+    let sql = store.client().await.unwrap();
+    let orders: i64 = sql
+        .query_one(
+            "SELECT count(*) FROM orders WHERE checkout_id = 'chk-tls'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(orders, 1);
+    // Every client connection to this database came over TCP (the server
+    // listens on no other way for app), and each is encrypted.
+    let (connections, encrypted): (i64, i64) = {
+        let row = sql
+            .query_one(
+                "SELECT count(*), count(*) FILTER (WHERE s.ssl)
+                   FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+                  WHERE a.datname = current_database() AND a.usename = 'app'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert!(connections >= 2, "{connections}");
+    assert_eq!(encrypted, connections);
+    let listening = async {
+        loop {
+            let row = sql
+                .query_opt(
+                    "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+                      WHERE a.datname = current_database()
+                        AND a.query = 'LISTEN tower_idempotency_outbox'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            match row {
+                Some(row) => break row.get::<_, bool>(0),
+                // Polled until the relay has connected, within the timeout below.
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    };
+    let listener_encrypted = tokio::time::timeout(Duration::from_secs(30), listening)
+        .await
+        .expect("the relay LISTENs in direct mode");
+    assert!(listener_encrypted);
+    child.kill().await.ok();
+}
+
+example_binary::both_modes!(the_example_server_serves_over_tls);
+
+/// With another CA the example server does not start, and says why in one
+/// line; an unknown `DATABASE_POOL_MODE` is refused the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_server_refuses_an_unverified_certificate() {
+    let server = server();
+    let db = server.database().await;
+    let url = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.ca()),
+    );
+
+    let refused = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert={}", server.other_ca()),
+    );
+    let out = tokio::process::Command::new(example_binary::example_binary())
+        .env("DATABASE_URL", &refused)
+        .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(60), out)
+        .await
+        .expect("it stops by itself")
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "it never listened");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains("invalid peer certificate") && lines[0].contains("UnknownIssuer"),
+        "{stderr}"
+    );
+
+    let out = tokio::process::Command::new(example_binary::example_binary())
+        .env("DATABASE_URL", &url)
+        .env("DATABASE_POOL_MODE", "session")
+        .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.trim().contains("DATABASE_POOL_MODE=\"session\""),
+        "{stderr}"
+    );
+}

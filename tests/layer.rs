@@ -1,0 +1,17 @@
+//! The layer's request flow against a real PostgreSQL: the one-commit mode,
+//! hardening against what a handler or an application does, hostile input,
+//! replays rebuilt from a resource id, and the completion's HOT update.
+
+#[path = "layer/claim_at_commit.rs"]
+mod claim_at_commit;
+mod common;
+#[path = "layer/fuzz_checks.rs"]
+mod fuzz_checks;
+#[path = "layer/hardening.rs"]
+mod hardening;
+#[path = "layer/hostile_input.rs"]
+mod hostile_input;
+#[path = "layer/hot_completion.rs"]
+mod hot_completion;
+#[path = "layer/resource_replay.rs"]
+mod resource_replay;

@@ -1,0 +1,712 @@
+//! Nothing the handler or the application does leaves a pooled connection, a
+//! key or a transaction in a wrong state, and every wait is bounded. Each test
+//! names the hole it closes.
+
+use crate::common;
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use common::{proxy::SlowProxy, *};
+use http::StatusCode;
+use tokio::sync::oneshot;
+use tower::Layer;
+use tower_idempotency::{
+    postgres::{PgStore, PgTx, TxErrorKind},
+    record::StoredResponse,
+    sqlx::SqlxTx,
+    store::{Claim, Store, StoreErrorKind},
+};
+
+/// Writes one order for tenant-a through the handle.
+async fn insert_order(tx: &PgTx) -> Result<(), BoxError> {
+    tx.execute(
+        "INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')",
+        &[&new_order_id()],
+    )
+    .await?;
+    Ok(())
+}
+
+/// A handler that writes one order, runs `sql` through the handle (ignoring
+/// its result, as a careless handler would), and answers 201.
+fn writes_then_runs(sql: &'static str) -> Handler {
+    handler(move |tx: PgTx| async move {
+        insert_order(&tx).await?;
+        let _ = tx.batch_execute(sql).await;
+        Ok(created("{}"))
+    })
+}
+
+/// Reports what `sql` run through the handle answered, then answers 201.
+fn reports(sql: &'static str) -> (Handler, oneshot::Receiver<Result<(), TxErrorKind>>) {
+    let (report, seen) = Report::channel();
+    let service = handler(move |tx: PgTx| {
+        let report = report.clone();
+        async move {
+            insert_order(&tx).await?;
+            report.send(tx.batch_execute(sql).await.map_err(|e| e.kind()));
+            Ok(created("{}"))
+        }
+    });
+    (service, seen)
+}
+
+fn orders_service(store: PgStore) -> TestService<PgStore> {
+    layer(store).layer(order_handler::<Postgres>(Default::default()))
+}
+
+// 1. Connections the application borrows go back clean.
+
+/// The application's own transaction fails and is never ended: with a pool
+/// of one, every later claim would run into `25P02` on that connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_connection_left_in_a_failed_transaction_is_cleaned() {
+    let pg = Postgres::with_pool(1).await;
+    {
+        let client = pg.store.client().await.unwrap();
+        let failed = client.batch_execute("BEGIN; SELECT 1/0; COMMIT").await;
+        assert!(failed.is_err(), "the batch stops at the division by zero");
+    }
+    let answer = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    assert_eq!(pg.orders().await.len(), 1);
+    assert_eq!(pg.records().await[0].2, "completed");
+}
+
+/// The application's future is dropped between its `BEGIN` and `COMMIT`
+/// (axum drops it when the client disconnects): its writes must not ride
+/// along with the next request's commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_transaction_abandoned_mid_way_is_rolled_back() {
+    let pg = Postgres::with_pool(1).await;
+    let (began, began_rx) = oneshot::channel();
+    let store = pg.store.clone();
+    let abandoned = tokio::spawn(async move {
+        let client = store.client().await.unwrap();
+        client
+            .batch_execute("BEGIN; INSERT INTO orders (id, tenant_id) VALUES ('stray', 'tenant-a')")
+            .await
+            .unwrap();
+        let _ = began.send(());
+        std::future::pending::<()>().await;
+        drop(client);
+    });
+    began_rx.await.unwrap();
+    abandoned.abort();
+    let _ = abandoned.await;
+    let answer = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    let orders = pg.orders().await;
+    assert_eq!(orders.len(), 1, "{orders:?}");
+    assert_ne!(orders[0].0, "stray", "the abandoned write was rolled back");
+}
+
+// 2. Transaction control cannot slip past the guard; orphans never block a key.
+
+/// PostgreSQL ends a `--` comment at `\r` too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_behind_a_carriage_return_comment_is_refused() {
+    let pg = Postgres::new().await;
+    let (service, seen) = reports("--\rCOMMIT");
+    let answer = send(layer(pg.store.clone()).layer(service), tenant_a_post("k1")).await;
+    assert_eq!(seen.await.unwrap(), Err(TxErrorKind::TransactionControl));
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    let records = pg.records().await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        records[0].2, "completed",
+        "the claim was never committed early"
+    );
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+/// A committed `in_progress` row (a crash of an older version, a manual
+/// edit, a bypass) has no transaction behind it: the next request with its
+/// key takes it over instead of being told "in progress" for the retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_in_progress_row_is_taken_over_not_waited_for() {
+    let pg = Postgres::new().await;
+    pg.exec(
+        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+         VALUES ('tenant-a', 'POST /orders v1', 'k1', '\\x00', 'in_progress', now() + interval '1 day')",
+    )
+    .await;
+    let answer = send(
+        layer(pg.store.clone())
+            .wait(WAIT_SHORT)
+            .layer(order_handler::<Postgres>(Default::default())),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    let row = pg
+        .row("SELECT state, attempt_token FROM idempotency_requests")
+        .await;
+    assert_eq!(row.get::<_, &str>(0), "completed");
+    // Tokens come from one sequence that every claim draws from (a
+    // conflicting insert too): larger, not necessarily next.
+    assert!(row.get::<_, i64>(1) > 1, "taken over as a new attempt");
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+// 3. The completion's COMMIT never goes out when its UPDATE could not.
+
+/// A response bigger than PostgreSQL's protocol can carry fails to encode on
+/// the client: the pipelined COMMIT must not be sent without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_that_cannot_be_encoded_commits_nothing() {
+    let pg = Postgres::new().await;
+    let tx = pg
+        .own(&claim_request("huge", Duration::from_secs(5)), "owner")
+        .await;
+    tx.execute("INSERT INTO orders (id, tenant_id) VALUES ('o1', 't')", &[])
+        .await
+        .unwrap();
+    let huge = StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from(vec![0u8; i32::MAX as usize + 1]),
+        resource_id: None,
+    };
+    let error = pg.store.complete(tx, &huge).await.unwrap_err();
+    assert_ne!(error.kind(), StoreErrorKind::Unavailable, "{error}");
+    assert!(pg.orders().await.is_empty(), "the order was not committed");
+    assert!(pg.records().await.is_empty(), "no claim row was committed");
+}
+
+// 4. Session state does not outlive the request on a pooled connection.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_level_statements_are_refused() {
+    for sql in [
+        "DEALLOCATE ALL",
+        "PREPARE q AS SELECT 1",
+        "LISTEN channel",
+        "DISCARD ALL",
+        "SELECT set_config('search_path', 'nowhere', false)",
+        "SELECT pg_advisory_lock(42)",
+        "CREATE TEMP TABLE scratch (x int)",
+        "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
+    ] {
+        let pg = Postgres::with_pool(1).await;
+        let (service, seen) = reports(sql);
+        let first = send(layer(pg.store.clone()).layer(service), tenant_a_post("k1")).await;
+        assert_eq!(seen.await.unwrap(), Err(TxErrorKind::SessionState), "{sql}");
+        assert_eq!(first.status, StatusCode::CREATED, "{sql}");
+        let second = send(orders_service(pg.store.clone()), tenant_a_post("k2")).await;
+        assert_eq!(
+            second.status,
+            StatusCode::CREATED,
+            "{sql}: {:?}",
+            second.body
+        );
+    }
+}
+
+/// What no lexer can see (a function that changes the session) is reset
+/// before the connection serves anyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
+    let pg = Postgres::with_pool(1).await;
+    pg.exec(
+        "CREATE FUNCTION wander() RETURNS text LANGUAGE sql AS \
+             $$ SELECT set_config('search_path', 'nowhere', false) $$; \
+         CREATE FUNCTION hold_lock() RETURNS void LANGUAGE sql AS \
+             $$ SELECT pg_advisory_lock(42) $$;",
+    )
+    .await;
+    let locking = layer(pg.store.clone()).layer(writes_then_runs("SELECT hold_lock()"));
+    let first = send(locking, tenant_a_post("k1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let free: bool = pg.value("SELECT pg_try_advisory_lock(42)").await;
+    assert!(free, "the session advisory lock was released");
+    // A search_path changed inside the transaction hides the key table from
+    // the completion itself: the request fails whole, nothing is committed.
+    let wandering = layer(pg.store.clone()).layer(writes_then_runs("SELECT wander()"));
+    let second = send(wandering, tenant_a_post("k2")).await;
+    assert_eq!(second.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(second.json()["code"], "commit_rejected");
+    assert_eq!(pg.orders().await.len(), 1);
+    // The next request on the same (only) connection sees the default again.
+    let third = send(orders_service(pg.store.clone()), tenant_a_post("k2")).await;
+    assert_eq!(third.status, StatusCode::CREATED, "{:?}", third.body);
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// Statements that change the session in ways the guard used to miss, each
+/// with what the handler runs after it (its result ignored): an UPDATE of
+/// the pg_settings view (its rule calls `set_config(…, false)`), the same
+/// call in a `DO` block, in a function created and called in one text, in
+/// SQL text that `query_to_xml` runs; and a search_path naming pg_temp, which
+/// makes the next unqualified CREATE TABLE a temporary table that lives as
+/// long as the session (and hides a permanent table of the same name).
+const SESSION_CHANGES: [(&str, Option<&str>); 5] = [
+    (
+        "UPDATE pg_settings SET setting = '1234kB' WHERE name = 'work_mem'",
+        None,
+    ),
+    (
+        "DO $$ BEGIN PERFORM set_config('work_mem', '2345kB', false); END $$",
+        None,
+    ),
+    (
+        "CREATE FUNCTION wander() RETURNS text LANGUAGE sql AS \
+             $$ SELECT set_config('work_mem', '3456kB', false) $$; \
+         SELECT wander()",
+        None,
+    ),
+    (
+        "SELECT query_to_xml('SELECT set_config(''work_mem'', ''4567kB'', false)', true, false, '')",
+        None,
+    ),
+    (
+        // pg_temp alone would hide the key table from the completion, which
+        // then fails and rolls the table back; with public after it, the
+        // request commits and the table stays.
+        "SET LOCAL search_path = pg_temp, public",
+        Some("CREATE TABLE scratch (x int)"),
+    ),
+];
+
+/// What a transaction sees of its session: the backend's process id,
+/// work_mem, search_path, and how many temporary relations it has.
+type Session = (i32, String, String, i64);
+
+const SESSION: &str = "SELECT pg_backend_pid(), current_setting('work_mem'), \
+     current_setting('search_path'), \
+     (SELECT count(*) FROM pg_class WHERE relnamespace = pg_my_temp_schema())";
+
+/// What a leaking handler reports: whether the guard refused the statement,
+/// and the session before it and at the end of the handler.
+type Leaked = (bool, Session, Session);
+
+/// Checks one case: refused, nothing changed in the request's transaction,
+/// and the next transaction on the same connection finds the session as the
+/// first one did. The problems found, for one report over all cases.
+fn check_session_case(sql: &str, leaked: Leaked, next: Session, problems: &mut Vec<String>) {
+    let (refused, before, after) = leaked;
+    if !refused {
+        problems.push(format!("not refused: {sql}"));
+    }
+    if after != before {
+        problems.push(format!(
+            "{sql}: in its transaction {before:?} became {after:?}"
+        ));
+    }
+    if next.0 != before.0 {
+        problems.push(format!("{sql}: the next request got another connection"));
+    } else if next != before {
+        problems.push(format!(
+            "{sql}: the next request on the connection found {next:?}, not {before:?}"
+        ));
+    }
+}
+
+/// With `transaction_pooling(true)` the store sends no session reset (it
+/// would reach another server connection behind a pooler), so the guard is
+/// all that stands between a handler's session change and the next request
+/// on the connection. A pool of one, reached directly: the next request
+/// surely gets the same server session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_changes_through_pg_settings_bodies_and_pg_temp_are_refused_in_pooling_mode() {
+    let pg =
+        Postgres::with_store(|builder| builder.max_connections(1).transaction_pooling(true)).await;
+    let mut problems = Vec::new();
+    for (i, (sql, then)) in SESSION_CHANGES.into_iter().enumerate() {
+        let (report, seen) = Report::channel();
+        let leaking = handler(move |tx: PgTx| {
+            let report = report.clone();
+            async move {
+                insert_order(&tx).await?;
+                let session = |row: tokio_postgres::Row| -> Session {
+                    (row.get(0), row.get(1), row.get(2), row.get(3))
+                };
+                let before = session(tx.query_one(SESSION, &[]).await?);
+                let refused = tx.batch_execute(sql).await.map_err(|e| e.kind())
+                    == Err(TxErrorKind::SessionState);
+                if let Some(then) = then {
+                    let _ = tx.batch_execute(then).await;
+                }
+                let after = session(tx.query_one(SESSION, &[]).await?);
+                report.send((refused, before, after));
+                Ok(created("{}"))
+            }
+        });
+        let first = send(
+            layer(pg.store.clone()).layer(leaking),
+            tenant_a_post(&format!("a{i}")),
+        )
+        .await;
+        if first.status != StatusCode::CREATED {
+            problems.push(format!("{sql}: answered {:?}", first.body));
+            continue;
+        }
+        let leaked = seen.await.unwrap();
+
+        let (report, seen) = Report::channel();
+        let looking = handler(move |tx: PgTx| {
+            let report = report.clone();
+            async move {
+                let row = tx.query_one(SESSION, &[]).await?;
+                report.send((row.get(0), row.get(1), row.get(2), row.get(3)));
+                Ok(created("{}"))
+            }
+        });
+        let second = send(
+            layer(pg.store.clone()).layer(looking),
+            tenant_a_post(&format!("b{i}")),
+        )
+        .await;
+        assert_eq!(
+            second.status,
+            StatusCode::CREATED,
+            "{sql}: {:?}",
+            second.body
+        );
+        check_session_case(sql, leaked, seen.await.unwrap(), &mut problems);
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert_eq!(pg.orders().await.len(), SESSION_CHANGES.len());
+}
+
+/// The same with `SqlxStore`, whose guarded connection uses the same guard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_changes_through_pg_settings_bodies_and_pg_temp_are_refused_in_pooling_mode_sqlx() {
+    use sqlx::Executor as _;
+    let backend = Sqlx::with_pool(1).await;
+    let store = backend.store.clone().transaction_pooling(true);
+    let mut problems = Vec::new();
+    for (i, (sql, then)) in SESSION_CHANGES.into_iter().enumerate() {
+        let (report, seen) = Report::channel();
+        let leaking = sqlx_service(move |tx: SqlxTx| {
+            let report = report.clone();
+            async move {
+                let mut conn = tx.conn().await?;
+                sqlx::query("INSERT INTO orders (id, tenant_id) VALUES ($1, 'tenant-a')")
+                    .bind(new_order_id())
+                    .persistent(false)
+                    .execute(&mut *conn)
+                    .await?;
+                let before: Session = sqlx::query_as(SESSION)
+                    .persistent(false)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                let refused = matches!(
+                    (&mut *conn).execute(sql).await,
+                    Err(sqlx::Error::InvalidArgument(ref m)) if m.contains("idempotency")
+                );
+                if let Some(then) = then {
+                    let _ = (&mut *conn).execute(then).await;
+                }
+                let after: Session = sqlx::query_as(SESSION)
+                    .persistent(false)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                report.send((refused, before, after));
+                Ok(created("{}"))
+            }
+        });
+        let first = send(
+            layer(store.clone()).layer(leaking),
+            tenant_a_post(&format!("a{i}")),
+        )
+        .await;
+        if first.status != StatusCode::CREATED {
+            problems.push(format!("{sql}: answered {:?}", first.body));
+            continue;
+        }
+        let leaked = seen.await.unwrap();
+
+        let (report, seen) = Report::channel();
+        let looking = sqlx_service(move |tx: SqlxTx| {
+            let report = report.clone();
+            async move {
+                let mut conn = tx.conn().await?;
+                let session: Session = sqlx::query_as(SESSION)
+                    .persistent(false)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                report.send(session);
+                Ok(created("{}"))
+            }
+        });
+        let second = send(
+            layer(store.clone()).layer(looking),
+            tenant_a_post(&format!("b{i}")),
+        )
+        .await;
+        assert_eq!(
+            second.status,
+            StatusCode::CREATED,
+            "{sql}: {:?}",
+            second.body
+        );
+        check_session_case(sql, leaked, seen.await.unwrap(), &mut problems);
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert_eq!(backend.orders().await.len(), SESSION_CHANGES.len());
+}
+
+/// The layer's service around a handler that runs `f` on the `SqlxTx` the
+/// layer passes.
+fn sqlx_service<F, Fut>(f: F) -> Handler
+where
+    F: Fn(SqlxTx) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<http::Response<http_body_util::Full<Bytes>>, BoxError>>
+        + Send
+        + 'static,
+{
+    tower::util::BoxCloneService::new(tower::service_fn(
+        move |request: http::Request<tower_idempotency::RequestBody>| {
+            let tx = request.extensions().get::<SqlxTx>().cloned();
+            let f = f.clone();
+            async move { f(tx.ok_or("the layer passes a SqlxTx")?).await }
+        },
+    ))
+}
+
+/// A connection whose cached statements were destroyed behind the layer's
+/// back (here by the application's own connection) is replaced, not reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_that_lost_its_prepared_statements_is_replaced() {
+    let pg = Postgres::with_pool(1).await;
+    let service = orders_service(pg.store.clone());
+    assert_eq!(
+        send(service.clone(), tenant_a_post("k1")).await.status,
+        StatusCode::CREATED
+    );
+    {
+        let client = pg.store.client().await.unwrap();
+        client.batch_execute("DEALLOCATE ALL").await.unwrap();
+    }
+    let answer = send(service, tenant_a_post("k2")).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+// 5. A commit that fails for good is not "the database is down".
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deferred_constraint_failing_at_commit_is_a_final_error_not_unavailable() {
+    let pg = Postgres::new().await;
+    pg.exec(
+        "CREATE TABLE shipments (order_id text, UNIQUE (order_id) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .await;
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let service = layer(pg.store.clone()).layer(handler({
+        let calls = calls.clone();
+        move |tx: PgTx| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                insert_order(&tx).await?;
+                tx.execute("INSERT INTO shipments VALUES ('o1'), ('o1')", &[])
+                    .await?;
+                Ok(created("{}"))
+            }
+        }
+    }));
+    let answer = send(service, tenant_a_post("k1")).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(answer.json()["code"], "commit_rejected");
+    assert!(
+        answer.headers.get("retry-after").is_none(),
+        "a retry would fail the same way"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(pg.orders().await.is_empty());
+    assert!(pg.records().await.is_empty(), "the key is free");
+}
+
+/// The connection dies while `COMMIT` runs: nobody knows whether it
+/// committed, and the answer says so (503: the retry finds out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_lost_during_commit_is_reported_as_unknown() {
+    let pg = Postgres::with_pool(1).await;
+    // A deferred constraint trigger runs inside COMMIT; this one ends its
+    // own session there.
+    pg.exec(
+        "CREATE TABLE doomed (x int); \
+         CREATE FUNCTION die() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER die_at_commit AFTER INSERT ON doomed \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION die();",
+    )
+    .await;
+    let service = layer(pg.store.clone()).layer(writes_then_runs("INSERT INTO doomed VALUES (1)"));
+    let answer = send(service, tenant_a_post("k1")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert_eq!(answer.headers["retry-after"], "1");
+    let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("unknown"), "{detail}");
+    assert!(
+        pg.orders().await.is_empty(),
+        "the server died before committing"
+    );
+    let retry = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the retry finds the key free"
+    );
+}
+
+// 6. A slow store is bounded by the wait and reported as unavailable.
+
+/// No lock anywhere, just a slow database: the request is answered within
+/// about its wait, as `store_unavailable`, not `idempotency_in_progress`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_database_is_unavailable_within_the_wait() {
+    let pg = Postgres::new().await;
+    let proxy = SlowProxy::start(pg.db.config()).await;
+    let store = PgStore::builder(proxy.config()).build().unwrap();
+    let service = layer(store)
+        .wait(Duration::from_secs(1))
+        .layer(order_handler::<Postgres>(Default::default()));
+    assert_eq!(
+        send(service.clone(), tenant_a_post("warm")).await.status,
+        StatusCode::CREATED
+    );
+    proxy.set_delay(Duration::from_secs(6));
+    let started = std::time::Instant::now();
+    let answer = send(service.clone(), tenant_a_post("never-seen")).await;
+    let took = started.elapsed();
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        answer.body
+    );
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert!(took < Duration::from_secs(4), "answered after {took:?}");
+    proxy.set_delay(Duration::ZERO);
+    let retry = send(service, tenant_a_post("never-seen")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
+/// A claim statement that is slow for no lock (a trigger sleeping) is not
+/// bounded by `lock_timeout`: the wait still bounds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_claim_statement_is_bounded_by_the_wait() {
+    let pg = Postgres::new().await;
+    pg.exec(
+        "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
+         CREATE TRIGGER slow BEFORE INSERT ON idempotency_requests FOR EACH ROW EXECUTE FUNCTION slow();",
+    )
+    .await;
+    let service = layer(pg.store.clone())
+        .wait(Duration::from_millis(300))
+        .layer(order_handler::<Postgres>(Default::default()));
+    let started = std::time::Instant::now();
+    let answer = send(service.clone(), tenant_a_post("k1")).await;
+    let took = started.elapsed();
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        answer.body
+    );
+    assert_eq!(answer.json()["code"], "store_unavailable");
+    assert!(took < Duration::from_secs(2), "answered after {took:?}");
+    // DROP TRIGGER waits for the slow statement's transaction to end.
+    pg.exec("DROP TRIGGER slow ON idempotency_requests").await;
+    let retry = send(service, tenant_a_post("k1")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+// 7. Nothing after the claim runs unbounded.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_that_never_returns_is_rolled_back_at_its_deadline() {
+    let pg = Postgres::with_pool(1).await;
+    let hanging = layer(pg.store.clone())
+        .handler_timeout(Duration::from_millis(300))
+        .layer(handler(|tx: PgTx| async move {
+            tx.execute(
+                "INSERT INTO orders (id, tenant_id) VALUES ('hung', 'tenant-a')",
+                &[],
+            )
+            .await?;
+            std::future::pending::<()>().await;
+            Ok(created("{}"))
+        }));
+    let drained = layer(pg.store.clone());
+    let answer = send(hanging.clone(), tenant_a_post("k1")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json()["code"], "handler_timeout");
+    assert_eq!(answer.headers["retry-after"], "1");
+    assert!(pg.orders().await.is_empty());
+    assert!(pg.records().await.is_empty(), "the key is free");
+    assert_eq!(pg.idle_in_transaction().await, 0);
+    tokio::time::timeout(Duration::from_secs(10), drained.drained())
+        .await
+        .expect("no owned work is left running");
+    let retry = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+}
+
+/// A handler stuck inside a statement: the statement is cancelled, so the
+/// row lock and the connection come back at the deadline, not when the
+/// statement would have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_stuck_in_a_statement_is_cancelled_at_its_deadline() {
+    let pg = Postgres::with_pool(1).await;
+    let started = std::time::Instant::now();
+    let answer = send(
+        layer(pg.store.clone())
+            .handler_timeout(Duration::from_millis(300))
+            .layer(writes_then_runs("SELECT pg_sleep(30)")),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert_eq!(answer.json()["code"], "handler_timeout");
+    let retry = send(orders_service(pg.store.clone()), tenant_a_post("k1")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let sleeping = pg
+        .count("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'")
+        .await;
+    assert_eq!(sleeping, 0);
+    assert_eq!(pg.orders().await.len(), 1);
+}
+
+/// A process that froze while owning a key (no deadline of its own can
+/// fire) is ended by the server: the key is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_owner_is_ended_by_the_server() {
+    let pg = Postgres::new().await;
+    let frozen =
+        claim_request("k", Duration::from_secs(5)).with_hold_limit(Duration::from_millis(300));
+    let owner = pg.own(&frozen, "owner").await;
+    let setting: String = owner
+        .query_one(
+            "SELECT current_setting('idle_in_transaction_session_timeout')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(setting, "300ms");
+    // The owner does nothing more. A second claim waits on the key's row
+    // lock until the server ends the idle owner's session.
+    let next = pg
+        .store
+        .claim(&claim_request("k", Duration::from_secs(20)))
+        .await
+        .unwrap();
+    let Claim::Owned(next) = next else {
+        panic!("the key was freed by the server: {next:?}")
+    };
+    pg.store.complete(next, &stored(b"second")).await.unwrap();
+    assert!(pg.store.complete(owner, &stored(b"first")).await.is_err());
+    assert_eq!(pg.records().await[0].2, "completed");
+}
