@@ -33,9 +33,9 @@ pub mod guide;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
-#[cfg(any(feature = "client", feature = "postgres", feature = "sqlx"))]
 mod error;
 pub mod fingerprint;
+#[cfg(any(feature = "client", feature = "postgres", feature = "sqlx"))]
 mod jitter;
 pub mod key;
 pub mod lease;
@@ -71,8 +71,8 @@ pub mod testing;
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use server::MissingFromLayer;
 pub use server::{
-    replay, ClaimAtCommit, Idempotency, IdempotencyLayer, KeyReuseStatus, RequestBody,
-    ResponseBody, ResponseFuture,
+    replay, ClaimAtCommit, ClaimFirst, Idempotency, IdempotencyLayer, KeyReuseStatus, Mode,
+    RequestBody, ResponseBody, ResponseFuture,
 };
 // Test-only fault points: behind a feature, and out of the documented API.
 #[cfg(feature = "failpoints")]

@@ -156,7 +156,7 @@ impl Boundary {
 /// statement (its `BEGIN` pipelined with it). A pooled connection that dies
 /// there, before or after the statement reached the server, has committed
 /// nothing: it is replaced once with a fresh one and the statement sent
-/// again, as the default mode's claim is, so the request is served instead
+/// again, as the claim-first mode's claim is, so the request is served instead
 /// of answered 503. One order, one event, one remembered answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_commit_mode_replaces_a_connection_lost_at_the_first_statement() {

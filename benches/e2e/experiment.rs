@@ -1,16 +1,20 @@
 //! Claim at commit, written by hand (not a mode of the layer): the upper
-//! bound the one-commit mode is measured against until that mode is merged.
+//! bound the one-commit mode is measured against.
 
 use axum::{body::Bytes, extract::State, response::IntoResponse, response::Response};
 use http::StatusCode;
 use tower_idempotency::postgres::PgStore;
 
-use crate::servers::{created, NewOrder};
+use std::net::SocketAddr;
+
+use axum::{routing::post, Router};
+
+use crate::servers::{created, serve, NewOrder};
 
 const INSERT_ORDER: &str =
     "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3) RETURNING id::text";
 
-/// Issue 12's item 5 as an end-to-end experiment, written by hand (it is not
+/// Claim at commit as an end-to-end experiment, written by hand (it is not
 /// a strategy of the layer): "claim at commit". The handler's writes come
 /// first; the key row goes in last, already completed with its response,
 /// pipelined with `COMMIT`, and the unique index arbitrates. The key row is a
@@ -101,4 +105,10 @@ pub(crate) async fn at_commit(
             StatusCode::SERVICE_UNAVAILABLE.into_response()
         }
     }
+}
+
+/// A server whose `POST /orders` is [`at_commit`].
+pub(crate) async fn at_commit_server(store: PgStore) -> SocketAddr {
+    let app = Router::new().route("/orders", post(at_commit));
+    serve(app.with_state(store)).await
 }

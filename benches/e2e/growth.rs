@@ -21,10 +21,7 @@ use std::{
 
 use tower_idempotency::{postgres::PgStore, retention::Cleanup};
 
-use crate::{
-    load::{Keys, Kind, Load, Run, Scenario, GROWTH_KEYS},
-    report::Stats,
-};
+use crate::load::{Keys, Kind, Load, Run, Scenario, Stats, GROWTH_KEYS};
 
 /// Key space the keys' first 12 hex digits spread over.
 const SPACE: u64 = 1 << 48;

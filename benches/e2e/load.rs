@@ -114,6 +114,27 @@ impl Run {
     }
 }
 
+/// Medians over rounds.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stats {
+    pub(crate) tput: f64,
+    pub(crate) p50: f64,
+    pub(crate) p99: f64,
+    pub(crate) unexpected: usize,
+}
+
+impl Stats {
+    pub(crate) fn of(runs: &[Run]) -> Stats {
+        let of = |f: &dyn Fn(&Run) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
+        Stats {
+            tput: of(&Run::throughput),
+            p50: of(&|r| r.percentile(0.5)),
+            p99: of(&|r| r.percentile(0.99)),
+            unexpected: runs.iter().map(|r| r.unexpected).sum(),
+        }
+    }
+}
+
 pub(crate) fn percentile<T: Copy + Ord + Default>(values: &[T], p: f64) -> T {
     if values.is_empty() {
         return T::default();

@@ -34,8 +34,8 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use tower_idempotency::{postgres::PgStore, testing::TempPostgres};
 
 use crate::{
-    load::{Body, Kind, Load, Scenario, MAIN_KEYS},
-    report::{Proxied, Report, Stats},
+    load::{Body, Kind, Load, Scenario, Stats, MAIN_KEYS},
+    report::{Proxied, Report},
 };
 
 /// A server in the one-commit mode on `store` (`None` would run the
@@ -171,7 +171,7 @@ async fn run(s: Settings) {
     let layered_store = servers::store(&config);
     let layered = servers::layered_server(layered_store.clone()).await;
     let uncached = servers::uncached_server(layered_store).await;
-    let at_commit = servers::at_commit_server(servers::store(&config)).await;
+    let at_commit = experiment::at_commit_server(servers::store(&config)).await;
     let one_commit = one_commit_server(servers::store(&config)).await;
     let typed = servers::typed_server(&config).await;
     let bare_five = servers::bare_five_server(servers::store(&config)).await;
@@ -298,7 +298,7 @@ async fn proxied(
         Some(addr) => Scenario::new("create, one-commit mode, via proxy", addr, Kind::Create),
         None => Scenario::new(
             "create, claim at commit (experiment), via proxy",
-            servers::at_commit_server(servers::store(&via)).await,
+            experiment::at_commit_server(servers::store(&via)).await,
             Kind::Create,
         ),
     };

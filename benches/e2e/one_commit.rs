@@ -12,7 +12,7 @@ use tower_idempotency::{
 use crate::servers::{layered, serve, NewOrder};
 
 /// The layered server in the one-commit mode: the same handler and `PgTx`
-/// as the default mode, the same endpoint, fingerprint and tenant.
+/// as the claim-first mode, the same endpoint, fingerprint and tenant.
 pub(crate) async fn server(store: PgStore) -> SocketAddr {
     let layer = IdempotencyLayer::new(
         store,

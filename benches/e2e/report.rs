@@ -2,7 +2,7 @@
 
 use crate::{
     growth::{self, CleanupRun, Step},
-    load::{median, percentile, Run},
+    load::{percentile, Run, Stats},
     pgbench,
 };
 
@@ -16,27 +16,6 @@ pub(crate) const ONE_COMMIT: &str = "7 create, one-commit mode";
 pub(crate) const TYPED: &str = "8 layered create, typed unnamed statements";
 pub(crate) const BARE_FIVE: &str = "9 bare, five statements";
 pub(crate) const LAYERED_FIVE: &str = "10 layered create, five statements";
-
-/// Medians over rounds.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Stats {
-    pub(crate) tput: f64,
-    pub(crate) p50: f64,
-    pub(crate) p99: f64,
-    pub(crate) unexpected: usize,
-}
-
-impl Stats {
-    pub(crate) fn of(runs: &[Run]) -> Stats {
-        let of = |f: &dyn Fn(&Run) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
-        Stats {
-            tput: of(&Run::throughput),
-            p50: of(&|r| r.percentile(0.5)),
-            p99: of(&|r| r.percentile(0.99)),
-            unexpected: runs.iter().map(|r| r.unexpected).sum(),
-        }
-    }
-}
 
 pub(crate) fn print_round(round: usize, name: &str, run: &Run) {
     println!(

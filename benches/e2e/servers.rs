@@ -266,18 +266,18 @@ pub(crate) async fn bare_server(store: PgStore) -> SocketAddr {
     serve(Router::new().route("/orders", post(bare)).with_state(store)).await
 }
 
-/// The default mode: claim first, statements prepared and cached.
+/// The claim-first mode, statements prepared and cached.
 pub(crate) async fn layered_server(store: PgStore) -> SocketAddr {
     serve(Router::new().route("/orders", post(layered).layer(layer(store)))).await
 }
 
-/// The default mode without the replay cache: every replay reads the table.
+/// The claim-first mode without the replay cache: every replay reads the table.
 pub(crate) async fn uncached_server(store: PgStore) -> SocketAddr {
     let layer = layer(store).without_replay_cache();
     serve(Router::new().route("/orders", post(layered).layer(layer))).await
 }
 
-/// The default mode on a store built with `transaction_pooling(true)`.
+/// The claim-first mode on a store built with `transaction_pooling(true)`.
 pub(crate) async fn typed_server(config: &tokio_postgres::Config) -> SocketAddr {
     let store = PgStore::builder(config.clone())
         .max_connections(POOL)
@@ -304,9 +304,4 @@ pub(crate) async fn layered_five_server(store: PgStore) -> SocketAddr {
     )
     .tenant_resolver(SingleTenant::new("bench"));
     serve(Router::new().route("/orders", post(layered_five).layer(layer))).await
-}
-
-pub(crate) async fn at_commit_server(store: PgStore) -> SocketAddr {
-    let app = Router::new().route("/orders", post(crate::experiment::at_commit));
-    serve(app.with_state(store)).await
 }

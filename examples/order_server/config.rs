@@ -33,7 +33,7 @@ pub(crate) struct Settings {
 /// a create costs (the guide `docs/modes.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {
-    /// `claim-first`, the default mode: the key is claimed before the
+    /// `claim-first` (the default): the key is claimed before the
     /// handler runs, and one owner runs it.
     ClaimFirst,
     /// `one-commit`: the key's record is inserted with the commit; of

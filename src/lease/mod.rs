@@ -15,7 +15,5 @@
 // The long-running mode's public face: everything is defined where it
 // works (the mode and its services in the server, the id with the stores)
 // and named here.
-pub use crate::server::{
-    LeaseConfig, LongRunning, Mode, Recovery, ShortTransaction, StatusFuture, StatusService,
-};
+pub use crate::server::{LeaseConfig, LongRunning, Recovery, StatusFuture, StatusService};
 pub use crate::store::id::{OperationId, OperationIdError};

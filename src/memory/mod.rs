@@ -49,7 +49,7 @@ type EntryKey = (Scope, IdempotencyKey);
 
 /// An in-memory [`Store`], [`CommitStore`] and [`LeaseStore`].
 ///
-/// In the short mode its transaction handle, [`MemoryTx`], stages JSON rows
+/// In the claim-first mode its transaction handle, [`MemoryTx`], stages JSON rows
 /// that become visible only when the operation completes. In the
 /// long-running mode the owner's handler finds a [`MemoryLease`] in its
 /// request extensions; rows it stages in a fenced transaction
@@ -262,7 +262,7 @@ impl Store for MemoryStore {
                     // Absent or expired, or a long-running operation whose
                     // lease expired: a new operation. The abandoned one is
                     // taken over as PgStore does, so that an endpoint moved
-                    // back to the short mode finds its keys usable before
+                    // back to the claim-first mode finds its keys usable before
                     // their retention ends; its stale owner is fenced.
                     _ => {
                         let token = issue_token(&mut state.next_token);

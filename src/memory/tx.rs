@@ -7,7 +7,7 @@ use super::*;
 /// Rows staged with [`insert`](Self::insert) become visible in
 /// [`MemoryStore::rows`] only when the transaction commits, all together.
 ///
-/// - A claim's transaction (the short mode) commits with
+/// - A claim's transaction (the claim-first mode) commits with
 ///   [`Store::complete`]; an abort, or dropping every clone of the handle
 ///   unfinished, discards its rows and frees the key.
 /// - A one-commit transaction ([`CommitStore::begin`]) holds nothing until

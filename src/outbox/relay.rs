@@ -81,11 +81,8 @@ const LONGEST: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 const SHORTEST: Duration = Duration::from_millis(1);
 
 impl<K: Sink> Relay<K> {
-    /// A relay over `store`'s database delivering to `sink`.
-    ///
-    /// Defaults: batches of 32, 10 attempts before parking, backoff from
-    /// 500 ms doubling to at most 5 min (with jitter), fallback poll 1 s,
-    /// 10 s per delivery.
+    /// A relay over `store`'s database delivering to `sink`, with the
+    /// defaults each setter states.
     pub fn new(store: PgStore, sink: K) -> Self {
         Relay {
             store,
@@ -99,12 +96,14 @@ impl<K: Sink> Relay<K> {
         }
     }
 
-    /// Events claimed per batch (and held locked while they are delivered).
+    /// Events claimed per batch (and held locked while they are delivered):
+    /// 32 by default, from 1 to 10,000.
     pub fn batch_size(self, n: usize) -> Self {
         crate::setter::with(self, |r| r.batch_size = n.clamp(1, 10_000) as i64)
     }
 
-    /// Attempts before an event is parked (kept, visible, never deleted).
+    /// Attempts before an event is parked (kept, visible, never deleted):
+    /// 10 by default.
     pub fn max_attempts(self, n: u32) -> Self {
         crate::setter::with(self, |r| {
             r.max_attempts = n.clamp(1, i32::MAX as u32) as i32
@@ -112,7 +111,7 @@ impl<K: Sink> Relay<K> {
     }
 
     /// The first retry delay and the cap of the doubling (each at most a
-    /// year).
+    /// year), with jitter: by default from 500 ms doubling to at most 5 min.
     pub fn backoff(self, base: Duration, cap: Duration) -> Self {
         crate::setter::with(self, |r| {
             r.backoff_base = base.min(LONGEST);
@@ -121,7 +120,7 @@ impl<K: Sink> Relay<K> {
     }
 
     /// How often the relay looks without being woken (at least a
-    /// millisecond, at most a year).
+    /// millisecond, at most a year): every second by default.
     pub fn poll_interval(self, interval: Duration) -> Self {
         crate::setter::with(self, |r| {
             r.poll_interval = interval.clamp(SHORTEST, LONGEST)
@@ -129,7 +128,7 @@ impl<K: Sink> Relay<K> {
     }
 
     /// How long one delivery may take before it counts as failed (at least
-    /// a millisecond, at most a year). A batch stops starting deliveries
+    /// a millisecond, at most a year): 10 s by default. A batch stops starting deliveries
     /// once this much time has passed, after its first.
     pub fn delivery_timeout(self, timeout: Duration) -> Self {
         crate::setter::with(self, |r| {

@@ -7,8 +7,8 @@ use std::{future::Future, pin::pin, task::Poll};
 use super::{
     claim::connection_fault,
     conn::{behind, Conn},
+    end::{completion_error, Finished},
     error::map_error,
-    finish::{completion_error, Finished},
     prepared::dyn_params,
     PgStore, PgTx,
 };
@@ -23,7 +23,7 @@ use crate::{
 
 /// The one-commit mode: see [`CommitStore`] and
 /// [`IdempotencyLayer::claim_at_commit`](crate::IdempotencyLayer::claim_at_commit).
-/// The handler writes through [`PgTx`] as in the default mode; its
+/// The handler writes through [`PgTx`] as in the claim-first mode; its
 /// [`attempt_token`](PgTx::attempt_token) is `0`, as no claim drew one.
 /// The `BEGIN` goes out with the handler's first statement, and the key's
 /// record with the `COMMIT`: a create costs the handler's own round trips
@@ -65,14 +65,14 @@ impl CommitStore for PgStore {
         response: &StoredResponse,
     ) -> Result<Committed, StoreError> {
         // A statement of the handler still running through a clone: the
-        // commit queues behind it, as in the default mode, for a while.
-        let mut conn = super::finish::take_to_commit(&tx)
+        // commit queues behind it, as in the claim-first mode, for a while.
+        let mut conn = super::end::take_to_commit(&tx)
             .await?
             .ok_or_else(finished)?;
         let statement = match conn.prepare_sql(CLAIM_AT_COMMIT).await {
             Ok(statement) => statement,
             Err(e) => {
-                let _ = super::finish::finish(conn, None, ROLLBACK).await;
+                let _ = super::end::end(conn, None, ROLLBACK).await;
                 return Err(map_error(e));
             }
         };

@@ -11,7 +11,7 @@
 // The driver's part only: every statement, row decoding and decision is the
 // protocol's (`crate::protocol`). Here, one concern per file: the claim's
 // flow on a pooled connection (`claim.rs`), the end of the owner's
-// transaction (`finish.rs`) and the one-commit mode's (`commit.rs`); how a
+// transaction (`end.rs`) and the one-commit mode's (`commit.rs`); how a
 // statement is sent, cached or unnamed (`prepared.rs`), and the
 // protocol's `Transport` and `Link` on this driver (`transport.rs`); the
 // connection guard and the application's connection (`conn.rs`); the pool
@@ -33,8 +33,8 @@ mod claim;
 mod commit;
 pub(crate) mod conn;
 mod conninfo;
+pub(crate) mod end;
 mod error;
-pub(crate) mod finish;
 mod key_record;
 pub(crate) mod lease;
 pub(crate) mod migrations;

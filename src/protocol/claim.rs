@@ -1,4 +1,4 @@
-//! The claim (steps 1 and 2 of the default mode): the statements that
+//! The claim (steps 1 and 2 of the claim-first mode): the statements that
 //! insert the key's row or find the record that holds it, the rule that
 //! decides whether a found record may be taken over, and the decision a
 //! claim reaches from their rows. Both drivers send these; each only begins

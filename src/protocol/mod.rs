@@ -28,7 +28,7 @@ pub(crate) mod waits;
 
 /// [`Store`](crate::store::Store) for a store `$store` whose handle is
 /// `$tx`: the same forwarding for both drivers, to the `claim::claim`,
-/// `finish::complete` and `finish::abort` of the module that invokes it.
+/// `end::complete` and `end::abort` of the module that invokes it.
 macro_rules! forward_store {
     ($store:ty, $tx:ty) => {
         impl crate::store::Store for $store {
@@ -46,11 +46,11 @@ macro_rules! forward_store {
                 tx: $tx,
                 response: &crate::record::StoredResponse,
             ) -> Result<(), crate::store::StoreError> {
-                finish::complete(tx, response).await
+                end::complete(tx, response).await
             }
 
             async fn abort(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
-                finish::abort(tx).await
+                end::abort(tx).await
             }
         }
     };
@@ -63,7 +63,7 @@ pub(crate) use forward_store;
 /// `$lease::new(store, identity)`, answering `identity()`) and whose
 /// handle is `$tx`: the protocol's calls, and the fenced transaction of the
 /// invoking module's `lease::protocol::open_fenced` and
-/// `finish::commit_fenced`.
+/// `end::commit_fenced`.
 macro_rules! forward_lease_store {
     ($store:ty, $lease:ident, $tx:ty) => {
         impl crate::store::LeaseStore for $store {
@@ -93,7 +93,7 @@ macro_rules! forward_lease_store {
             }
 
             async fn commit_fenced(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
-                finish::commit_fenced(tx).await
+                end::commit_fenced(tx).await
             }
 
             async fn finish(

@@ -16,7 +16,7 @@ use crate::{
 /// The rule "may this record be taken over", in SQL, for the record's
 /// columns prefixed by `$row` and the instant `$now`: its retention ended,
 /// or it is an `in_progress` row no transaction holds (an owner in the
-/// default mode only ever commits `completed`, so such a row is an orphan:
+/// claim-first mode only ever commits `completed`, so such a row is an orphan:
 /// a crash of an older version, a manual edit) whose lease, if it has one
 /// (a long-running operation's), expired. Every statement that takes a key
 /// over says it through this one text.

@@ -1,5 +1,5 @@
 //! The statements both drivers send outside the long-running mode: the
-//! short mode's completion, the fenced transaction's check, and the session
+//! claim-first mode's completion, the fenced transaction's check, and the session
 //! reset. One text each; a driver adds only how it sends it.
 
 use super::{
@@ -97,7 +97,7 @@ pub(crate) const SESSION_RESET: &str =
 // The one-commit mode's claim, sent last in the handler's transaction and
 // pipelined with its COMMIT: the key's record goes in completed, with the
 // response. The unique key decides: a free key (none, expired, or an
-// orphan, as the default mode's takeover) is won; a key another commit is
+// orphan, as the claim-first mode's takeover) is won; a key another commit is
 // inserting makes this statement wait for that commit and then see its
 // record. Losing must abort the transaction, so that the pipelined COMMIT
 // rolls the handler's writes back: division by zero does that (SQLSTATE

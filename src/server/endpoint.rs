@@ -10,7 +10,7 @@ use super::{
     cache::RecordCache,
     drain::Drain,
     in_flight::InFlight,
-    mode::{Covers, ShortTransaction},
+    mode::{ClaimFirst, Covers},
 };
 
 /// The status answered when a key is reused with a different request.
@@ -92,7 +92,7 @@ pub(crate) struct Shared {
     pub(crate) cache: Option<RecordCache>,
 }
 
-/// The replay cache's defaults: 10,000 records, each kept at most 60 s.
+/// The replay cache's defaults, as [`IdempotencyLayer::replay_cache`](super::IdempotencyLayer::replay_cache) states them.
 pub(crate) const CACHE_CAPACITY: u64 = 10_000;
 pub(crate) const CACHE_TTL: Duration = Duration::from_secs(60);
 
@@ -110,7 +110,7 @@ impl Default for Shared {
 /// settings, the mode and the state its requests share. Cheap to clone
 /// (handles and `Arc`s).
 #[derive(Debug)]
-pub struct Setup<St, F, R, M = ShortTransaction> {
+pub struct Setup<St, F, R, M = ClaimFirst> {
     pub(crate) store: St,
     pub(crate) fingerprinter: Arc<F>,
     pub(crate) resolver: Arc<R>,

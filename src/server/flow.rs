@@ -1,6 +1,6 @@
-//! Which flow each mode runs: the [`Mode`] trait. The default and the
-//! one-commit modes run `short`, the long-running mode `long`; phases 2 to
-//! 5 of a request.
+//! Which flow each mode runs: the [`Mode`] trait. The claim-first and the
+//! one-commit modes run `one_transaction`, the long-running mode
+//! `long_running`: phases 2 to 5 of a request.
 
 use std::future::Future;
 
@@ -8,10 +8,10 @@ use super::{
     admit::Admitted,
     endpoint::Setup,
     inner::{Inner, InnerBody},
-    long,
-    mode::{ClaimAtCommit, Covers, LongRunning, ShortTransaction},
+    long_running,
+    mode::{ClaimAtCommit, ClaimFirst, Covers, LongRunning},
+    one_transaction,
     settled::{Settled, Timings},
-    short,
 };
 use crate::{
     fingerprint::Fingerprinter,
@@ -20,7 +20,7 @@ use crate::{
 };
 
 /// The mode of an [`IdempotencyLayer`](crate::IdempotencyLayer) over a
-/// store `St`: [`ShortTransaction`] for any [`Store`], [`ClaimAtCommit`]
+/// store `St`: [`ClaimFirst`] for any [`Store`], [`ClaimAtCommit`]
 /// for a [`CommitStore`], [`LongRunning`] for a [`LeaseStore`]. Sealed: the
 /// crate's three modes are the only ones.
 pub trait Mode<St>: sealed::Sealed<St> + Covers + Clone + Send + Sync + 'static {}
@@ -55,6 +55,6 @@ macro_rules! mode {
     };
 }
 
-mode!(ShortTransaction, Store, short::run);
-mode!(ClaimAtCommit, CommitStore, short::run);
-mode!(LongRunning, LeaseStore, long::run);
+mode!(ClaimFirst, Store, one_transaction::run);
+mode!(ClaimAtCommit, CommitStore, one_transaction::run);
+mode!(LongRunning, LeaseStore, long_running::run);

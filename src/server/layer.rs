@@ -1,5 +1,5 @@
 //! [`IdempotencyLayer`]: configuration and builder methods, and the
-//! switches from the default mode to another.
+//! switches from the claim-first mode to another.
 
 use std::{sync::Arc, time::Duration};
 
@@ -10,7 +10,7 @@ use super::{
     cache::RecordCache,
     endpoint::{Config, KeyReuseStatus, Setup, Shared},
     lease_config::LeaseConfig,
-    mode::{ClaimAtCommit, LongRunning, ShortTransaction},
+    mode::{ClaimAtCommit, ClaimFirst, LongRunning},
     recovery::Recovery,
     service::Idempotency,
     status::StatusService,
@@ -31,12 +31,7 @@ const MAX_RETENTION: Duration = crate::store::MAX_RETENTION;
 /// and the endpoint name it is built with. The request flow, the guarantees
 /// and a complete example are in the [crate docs](crate).
 ///
-/// Defaults: header `Idempotency-Key`, key required, request body limit 1 MiB,
-/// stored response limit 1 MiB, concurrent-duplicate wait 5 s, handler
-/// timeout 30 s, retention 24 h, a replay cache of 10,000 records for at
-/// most 60 s, replayed headers `Content-Type`, `Content-Encoding`, `Vary`,
-/// `Content-Language`, `Location`, `ETag`, `Last-Modified`, `Link`, key
-/// reuse answered with `409`.
+/// Each setting's default is stated on its setter, and only there.
 ///
 /// ```
 /// use std::time::Duration;
@@ -48,12 +43,12 @@ const MAX_RETENTION: Duration = crate::store::MAX_RETENTION;
 ///     .replay_header(http::header::CACHE_CONTROL);
 /// ```
 ///
-/// `M` is the mode: [`ShortTransaction`] (the default: the handler writes
+/// `M` is the mode: [`ClaimFirst`] (the default: the handler writes
 /// through the claim's transaction) or [`LongRunning`](super::mode::LongRunning) (set by
 /// [`long_running`](Self::long_running): a committed record with a lease and a
 /// fencing token).
 #[derive(Debug)]
-pub struct IdempotencyLayer<St, F, R = TenantFromExtension, M = ShortTransaction> {
+pub struct IdempotencyLayer<St, F, R = TenantFromExtension, M = ClaimFirst> {
     setup: Setup<St, F, R, M>,
 }
 
@@ -101,7 +96,7 @@ where
                 fingerprinter: Arc::new(fingerprinter),
                 resolver: Arc::new(TenantFromExtension),
                 config: Arc::new(Config::new(endpoint)),
-                mode: ShortTransaction,
+                mode: ClaimFirst,
                 shared: Shared::default(),
             },
         }
@@ -135,8 +130,10 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         async move { drain.idle().await }
     }
 
-    /// Resolves tenants with `resolver` instead (a [`ResolveTenant`] or a
-    /// closure over the request parts).
+    /// Resolves tenants with `resolver` (a [`ResolveTenant`] or a closure
+    /// over the request parts) instead of the default,
+    /// [`TenantFromExtension`]: the tenant an authentication layer put in the
+    /// request's extensions.
     pub fn tenant_resolver<R2: ResolveTenant>(
         self,
         resolver: R2,
@@ -193,7 +190,7 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// How long a completed key is remembered (default 24 h). After that the
     /// same key is a new operation.
     ///
-    /// In the default mode retention counts from the claim, so it is raised
+    /// In the claim-first mode retention counts from the claim, so it is raised
     /// to cover the work: at least [`handler_timeout`](Self::handler_timeout)
     /// plus 5 s (the margin within which the database ends a silent owner),
     /// or a record could expire before its work commits, and a retry right
@@ -207,8 +204,10 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self.configure(|c| c.retention = retention.min(MAX_RETENTION))
     }
 
-    /// Also remember and replay this response header. `Set-Cookie` is never
-    /// replayed, whatever the list says.
+    /// Also remember and replay this response header. By default the
+    /// replayed headers are `Content-Type`, `Content-Encoding`, `Vary`,
+    /// `Content-Language`, `Location`, `ETag`, `Last-Modified` and `Link`.
+    /// `Set-Cookie` is never replayed, whatever the list says.
     pub fn replay_header(self, name: HeaderName) -> Self {
         self.configure(|c| {
             if !c.replay_headers.contains(&name) {
@@ -217,7 +216,8 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         })
     }
 
-    /// Replaces the list of replayed response headers.
+    /// Replaces the list of replayed response headers (the default list is
+    /// on [`replay_header`](Self::replay_header)).
     pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.configure(|c| c.replay_headers = names.into_iter().collect())
     }
@@ -245,8 +245,8 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self.configure(|c| c.handler_timeout = timeout.min(MAX_WAIT))
     }
 
-    /// The replay cache (on by default: 10,000 records, each kept at most
-    /// 60 s): the completed records this layer committed, kept in memory so
+    /// The replay cache, on by default with a `capacity` of 10,000 records
+    /// and a `ttl` of 60 s: the completed records this layer committed, kept in memory so
     /// that a retry coming back to this process is answered without the
     /// database. It is never the source of truth: an entry is a copy of a
     /// committed record, never outlives the record's retention nor `ttl`, a
@@ -275,7 +275,8 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self
     }
 
-    /// Replays by rebuilding instead of replaying the stored bytes: for an
+    /// Replays by rebuilding instead of replaying the stored bytes (off by
+    /// default: replays are the stored bytes): for an
     /// endpoint whose responses must not be served stale (a signed URL, a
     /// short-lived payment link).
     ///
@@ -329,10 +330,10 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     }
 }
 
-// The switches from the default mode to another, and what only a
+// The switches from the claim-first mode to another, and what only a
 // long-running layer offers.
 
-impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction>
+impl<St, F, R> IdempotencyLayer<St, F, R, ClaimFirst>
 where
     St: LeaseStore,
 {
@@ -354,7 +355,7 @@ where
     }
 }
 
-impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction>
+impl<St, F, R> IdempotencyLayer<St, F, R, ClaimFirst>
 where
     St: CommitStore,
 {
@@ -388,7 +389,7 @@ where
     }
 }
 
-impl<St, F, R> IdempotencyLayer<St, F, R, ShortTransaction> {
+impl<St, F, R> IdempotencyLayer<St, F, R, ClaimFirst> {
     /// The same layer in another mode.
     fn with_mode<M>(self, mode: M) -> IdempotencyLayer<St, F, R, M> {
         IdempotencyLayer {

@@ -13,8 +13,9 @@
 //! 3. **Phases both flows share.** `admit` (key, tenant, body, fingerprint),
 //!    `coalesce` (waiting behind a duplicate of this process), `owner`
 //!    (running the handler).
-//! 4. **Flows.** `short` (the default and the one-commit modes), `long` (the
-//!    long-running mode); `flow`: which mode runs which ([`Mode`]).
+//! 4. **Flows.** `one_transaction` (the claim-first and the one-commit
+//!    modes), `long_running` (the long-running mode); `flow`: which mode
+//!    runs which ([`Mode`]).
 //! 5. **Services.** `service`, the one `Service` impl (admission, then the
 //!    mode's flow on a task of its own, then the answer) with its `future`;
 //!    `recovery` and `status`, the long-running mode's two services;
@@ -37,14 +38,14 @@ mod in_flight;
 mod inner;
 mod layer;
 mod lease_config;
-mod long;
+mod long_running;
 mod mode;
+mod one_transaction;
 mod owner;
 mod recovery;
 pub mod replay;
 mod service;
 mod settled;
-mod short;
 mod status;
 
 pub use body::{RequestBody, ResponseBody};
@@ -55,7 +56,7 @@ pub use flow::Mode;
 pub use future::ResponseFuture;
 pub use layer::IdempotencyLayer;
 pub use lease_config::LeaseConfig;
-pub use mode::{ClaimAtCommit, LongRunning, ShortTransaction};
+pub use mode::{ClaimAtCommit, ClaimFirst, LongRunning};
 pub use recovery::Recovery;
 pub use service::Idempotency;
 pub use status::{StatusFuture, StatusService};

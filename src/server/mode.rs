@@ -1,4 +1,4 @@
-//! The layer's mode, as a value: [`ShortTransaction`] (the default),
+//! The layer's mode, as a value: [`ClaimFirst`] (the default),
 //! [`ClaimAtCommit`] (opt-in: the commit claims the key) or [`LongRunning`],
 //! which carries its [`LeaseConfig`], and the retention each one's work
 //! needs. Which flow each runs is `flow`.
@@ -11,11 +11,11 @@ use super::lease_config::LeaseConfig;
 /// transaction that went silent (its process frozen, its network gone).
 pub(crate) const HOLD_MARGIN: Duration = Duration::from_secs(5);
 
-/// The default mode: one short transaction per request, from the claim to
+/// The claim-first mode, the default: one short transaction per request, from the claim to
 /// the commit of the handler's writes with the remembered answer.
 #[derive(Debug, Clone, Copy, Default)]
 #[non_exhaustive]
-pub struct ShortTransaction;
+pub struct ClaimFirst;
 
 /// The one-commit mode, set by
 /// [`IdempotencyLayer::claim_at_commit`](crate::IdempotencyLayer::claim_at_commit):
@@ -62,12 +62,12 @@ mod covers {
     }
 }
 
-// The default mode's record counts its retention from the claim, and the
+// The claim-first mode's record counts its retention from the claim, and the
 // work may run until the handler's deadline, then commit within the hold
 // margin. The one-commit mode's counts from the commit itself. A released
 // long-running operation waits up to the longest recovery backoff after its
 // lease before recovery may take it, and must still be there then.
-impl Covers for ShortTransaction {
+impl Covers for ClaimFirst {
     fn covers(&self, handler_timeout: Duration) -> Duration {
         handler_timeout.saturating_add(HOLD_MARGIN)
     }

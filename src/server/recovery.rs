@@ -9,7 +9,7 @@ use tracing::Instrument;
 use super::{
     body::{BoxError, RequestBody},
     endpoint::Setup,
-    long::{drive, fail_for_good, spawn_work, Attempt, Driven},
+    long_running::{drive, fail_for_good, spawn_work, Attempt, Driven},
     mode::LongRunning,
 };
 use crate::{

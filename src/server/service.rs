@@ -1,9 +1,9 @@
-//! [`Idempotency`]: the middleware, with one `Service` impl for both modes.
+//! [`Idempotency`]: the middleware, with one `Service` impl for every mode.
 //!
 //! 1. **Admit** (`admit`): key, tenant, body, fingerprint.
 //! 2. to 5. **The mode's flow** ([`Mode`]): coalesce, claim, run the owner,
-//!    remember (`short`), or acquire, run under a lease, finish (`long`),
-//!    on a task of its own.
+//!    remember (`one_transaction`), or acquire, run under a lease, finish
+//!    (`long_running`), on a task of its own.
 //! 6. Every path ends in one [`Settled`], which is observed once and
 //!    answered once (`settled`).
 
@@ -25,7 +25,7 @@ use super::{
     flow::Mode,
     future::ResponseFuture,
     inner::{Inner, InnerBody},
-    mode::ShortTransaction,
+    mode::ClaimFirst,
     owner::call_inner,
     replay::{RebuildRequest, Rebuilder, Rebuilt},
     settled::{MiddlewareResult, Settled, Timings},
@@ -43,9 +43,9 @@ use crate::{
 /// tokio runtime: once a request owns its key, its work is spawned so that it
 /// finishes even if the client goes away.
 ///
-/// `M` is the mode: [`ShortTransaction`] (the default) or
+/// `M` is the mode: [`ClaimFirst`] (the default) or
 /// [`LongRunning`](crate::lease::LongRunning).
-pub struct Idempotency<S, St, F, R = TenantFromExtension, M = ShortTransaction> {
+pub struct Idempotency<S, St, F, R = TenantFromExtension, M = ClaimFirst> {
     inner: S,
     setup: Setup<St, F, R, M>,
 }

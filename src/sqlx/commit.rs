@@ -19,7 +19,7 @@ use crate::{
 
 /// The one-commit mode: see [`CommitStore`] and
 /// [`IdempotencyLayer::claim_at_commit`](crate::IdempotencyLayer::claim_at_commit).
-/// The handler writes through [`SqlxTx`] as in the default mode; its
+/// The handler writes through [`SqlxTx`] as in the claim-first mode; its
 /// [`attempt_token`](SqlxTx::attempt_token) is `0`, as no claim drew one.
 /// sqlx sends one statement at a time: the claim and the `COMMIT` are two
 /// round trips here (one in [`PgStore`](crate::postgres::PgStore)).

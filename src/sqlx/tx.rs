@@ -11,7 +11,7 @@ use std::{
 use ::sqlx::{Executor as _, PgPool};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
-use super::{conn::GuardedConnection, finish::finished};
+use super::{conn::GuardedConnection, end::finished};
 use crate::{
     key::IdempotencyKey,
     protocol::identity::{tx_accessors, Identity, Tx, TxIdentity},

@@ -10,7 +10,7 @@ use crate::record::{Record, StoredResponse};
 /// A [`Store`] that can also decide a key at commit time: the one-commit
 /// mode's two steps.
 ///
-/// In the default mode the claim decides the owner before the handler
+/// In the claim-first mode the claim decides the owner before the handler
 /// runs. Here nothing is claimed first: [`begin`](Self::begin) opens the
 /// transaction the handler writes through, and [`commit`](Self::commit)
 /// inserts the key's completed record with the response and commits it
@@ -21,7 +21,7 @@ use crate::record::{Record, StoredResponse};
 /// the transaction (see [the guide](crate::guide::modes)).
 ///
 /// A transaction that ends another way (an error, a `5xx`, a timeout) ends
-/// with [`Store::abort`], as in the default mode, and dropping every clone
+/// with [`Store::abort`], as in the claim-first mode, and dropping every clone
 /// of its handle unfinished must act as that abort.
 ///
 /// The conformance suite's [`run_at_commit`](crate::testing::conformance::run_at_commit)

@@ -11,7 +11,7 @@
 /// tests of `POST /orders` run in each (see [`both_modes!`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {
-    /// `claim-first`, the default mode: the key is claimed before the
+    /// `claim-first` (the default): the key is claimed before the
     /// handler runs; one owner runs it.
     ClaimFirst,
     /// `one-commit`: the key's record is inserted with the `COMMIT`. One

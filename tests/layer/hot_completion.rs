@@ -1,4 +1,4 @@
-//! The short mode's completion is a heap-only-tuple (HOT) update, against a
+//! The claim-first mode's completion is a heap-only-tuple (HOT) update, against a
 //! real PostgreSQL: no index names a column it changes (the catalog), and
 //! PostgreSQL counts every completion of creates through the layer as HOT
 //! (its statistics), with both stores. Retention counts from the claim,

@@ -120,7 +120,7 @@ where
     assert_eq!(backend.remembered().await, 2);
 }
 
-/// Runs every conformance suite on `store` (the short mode's with the
+/// Runs every conformance suite on `store` (the claim-first mode's with the
 /// handler's writes, the one-commit mode's, the lease protocol's) and
 /// asserts that each check ran and passed.
 pub(crate) async fn assert_every_suite_passes<St, W, Fut>(store: St, writes: impl Fn() -> Fut)

@@ -730,7 +730,7 @@ async fn a_failed_attempt_on_sqlx_store_keeps_the_operation_for_the_retry() {
 
 /// A long-running operation that ran out of attempts is remembered like a
 /// completion: a short-mode claim of the same key (an endpoint moved back
-/// to the short mode) replays the failure, on both stores, instead of
+/// to the claim-first mode) replays the failure, on both stores, instead of
 /// answering "in progress" until the retention ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_claim_replays_a_failed_operation_on_both_stores() {

@@ -116,12 +116,12 @@ impl FencedTx {
     /// with [`StoreErrorKind::OutcomeUnknown`](crate::store::StoreErrorKind::OutcomeUnknown)
     /// if the connection was lost during the commit.
     pub async fn commit(self) -> Result<(), TxError> {
-        Ok(super::finish::commit_fenced(self.tx).await?)
+        Ok(super::end::commit_fenced(self.tx).await?)
     }
 
     /// Rolls the writes back.
     pub async fn rollback(self) -> Result<(), TxError> {
-        Ok(super::finish::abort(self.tx).await?)
+        Ok(super::end::abort(self.tx).await?)
     }
 }
 

@@ -41,7 +41,7 @@ where
 /// Runs `$attempt` (a block using the locked connection `$conn`) and, when
 /// nothing but the transaction's `BEGIN` had gone out before it (the
 /// one-commit mode's first statement) and the connection turned out dead,
-/// once more on a fresh connection from the pool, as the default mode's
+/// once more on a fresh connection from the pool, as the claim-first mode's
 /// claim does. The lost connection's transaction never committed: the
 /// server rolled it back with the session.
 macro_rules! again_on_a_fresh_connection {

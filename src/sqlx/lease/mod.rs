@@ -7,7 +7,7 @@
 
 use std::{fmt, sync::Arc};
 
-use super::{finish, SqlxStore, SqlxTx};
+use super::{end, SqlxStore, SqlxTx};
 use crate::{
     protocol::identity::{lease_accessors, LeaseIdentity},
     protocol::lease::fenced,
@@ -79,7 +79,7 @@ impl SqlxLease {
     /// Commits a fenced transaction of this lease (as
     /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)).
     pub async fn commit(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        finish::commit_fenced(tx).await
+        end::commit_fenced(tx).await
     }
 
     pub(super) fn store(&self) -> &SqlxStore {

@@ -1,4 +1,4 @@
-//! The checks of the short-transaction mode that need nothing but the store.
+//! The checks of the claim-first mode that need nothing but the store.
 
 use std::time::Duration;
 

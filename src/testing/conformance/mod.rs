@@ -19,7 +19,7 @@
 //! check and the run goes on. A claim that must answer within its wait is
 //! given that wait and two seconds more.
 //!
-//! # The checks of the short-transaction mode
+//! # The checks of the claim-first mode
 //!
 //! Each check is named by its function here and checks one guarantee of the
 //! [`Store`] docs (a [`Guarantee`]):

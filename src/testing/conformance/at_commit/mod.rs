@@ -282,7 +282,7 @@ pub async fn concurrent_commits_have_one_winner<St: CommitStore>(
 
 /// **One commit wins**: once a key is remembered, no commit wins it again
 /// while the record lives, also one by the same request, and a claim of the
-/// default mode finds the record.
+/// claim-first mode finds the record.
 pub async fn a_remembered_key_is_never_won_again<St: CommitStore>(
     store: &St,
 ) -> Result<(), CheckFailure> {

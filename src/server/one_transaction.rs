@@ -1,7 +1,7 @@
 //! The flow of the two modes whose owner writes in one transaction
 //! (phases 2 to 5): coalesce, open the owner's transaction, run the owner
 //! inside it, remember (commit the response with the handler's writes) or
-//! roll back. [`ShortTransaction`] claims the key first and the owner
+//! roll back. [`ClaimFirst`] claims the key first and the owner
 //! completes it; [`ClaimAtCommit`] claims it with the commit itself.
 
 use std::{future::Future, sync::Arc, time::Instant};
@@ -15,7 +15,7 @@ use super::{
     coalesce::{coalesce, Coalesced, Proceed},
     endpoint::Setup,
     inner::{Inner, InnerBody},
-    mode::{ClaimAtCommit, ShortTransaction, HOLD_MARGIN},
+    mode::{ClaimAtCommit, ClaimFirst, HOLD_MARGIN},
     owner::run_owner,
     settled::{Rollback, Settled, Timings},
 };
@@ -50,7 +50,7 @@ pub(crate) trait OneTransaction<St: Store>: Send + Sync + 'static {
     ) -> impl Future<Output = Option<Record>> + Send;
 }
 
-impl<St: Store> OneTransaction<St> for ShortTransaction {
+impl<St: Store> OneTransaction<St> for ClaimFirst {
     fn open(
         store: &St,
         claim: &ClaimRequest,

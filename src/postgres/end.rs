@@ -61,11 +61,11 @@ async fn commit_behind(
         Ok(statement) => statement,
         Err(e) => {
             // The transaction is still open (or aborted): roll it back.
-            let _ = finish(conn, None, ROLLBACK).await;
+            let _ = end(conn, None, ROLLBACK).await;
             return Err(map_error(e));
         }
     };
-    finish(conn, Some((&statement, params)), COMMIT)
+    end(conn, Some((&statement, params)), COMMIT)
         .await
         .map_err(completion_error)
 }
@@ -86,7 +86,7 @@ pub(super) async fn take_to_commit(tx: &PgTx) -> Result<Option<Conn>, StoreError
     }
     cancel_running(tx).await;
     if let Ok(Some(conn)) = tokio::time::timeout(CANCEL_GRACE, tx.take()).await {
-        let _ = finish(conn, None, ROLLBACK).await;
+        let _ = end(conn, None, ROLLBACK).await;
     }
     // Not taken within the grace: the last handle to go closes the
     // connection, and the server rolls back.
@@ -109,7 +109,7 @@ pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
     // A statement the handler started may still be running on the
     // connection (its future was dropped at the deadline): the ROLLBACK
     // waits behind it. Cancel it if it does not end soon.
-    let mut rollback = std::pin::pin!(finish(conn, None, ROLLBACK));
+    let mut rollback = std::pin::pin!(end(conn, None, ROLLBACK));
     let ended = match tokio::time::timeout(ROLLBACK_PATIENCE, &mut rollback).await {
         Ok(ended) => Some(ended),
         Err(_) => {
@@ -132,7 +132,7 @@ pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
 /// pipelined behind `update` when there is one, with the session reset
 /// behind it (none behind a transaction pooler): one round trip. The connection goes back to the pool only
 /// if all of it is known to have worked.
-pub(super) async fn finish(
+pub(super) async fn end(
     mut conn: Conn,
     update: Option<(&Prepared<'_>, &[&(dyn ToSql + Sync)])>,
     end: &'static str,

@@ -71,7 +71,7 @@ pub(crate) async fn run<S: Inner<B>, St: LeaseStore, F, R, B: InnerBody>(
     let mut timings = Timings::start();
     let deadline = tokio::time::Instant::now() + config.wait;
 
-    // 2. Coalesce, as in the short mode.
+    // 2. Coalesce, as in the claim-first mode.
     let in_process = coalesce(&setup.shared.in_flight, claim, deadline).await;
     let retry_after = lease_config.retry_after();
     let Proceed { lead, followed } =
