@@ -176,8 +176,11 @@ mod rustls_config {
             danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
             WebPkiServerVerifier,
         },
-        crypto::{ring, CryptoProvider},
-        pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, ServerName, UnixTime},
+        crypto::{ring, CryptoProvider, WebPkiSupportedAlgorithms},
+        pki_types::{
+            pem::PemObject, CertificateDer, PrivateKeyDer, ServerName, SubjectPublicKeyInfoDer,
+            UnixTime,
+        },
         CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
     };
 
@@ -310,10 +313,44 @@ mod rustls_config {
 
     /// require (and prefer) without a root certificate: encrypted, the
     /// certificate not checked, as libpq does. The handshake's signatures
-    /// are still verified, so the peer holds the key of the certificate it
-    /// sent.
+    /// are still verified against the key the certificate carries, so the
+    /// peer holds that key. The key is read with a plain X.509 parser, not
+    /// webpki's, which refuses version 1 certificates: the self-signed ones
+    /// some servers make for themselves (Citus does, on every node).
     #[derive(Debug)]
     struct Unverified(Arc<CryptoProvider>);
+
+    impl Unverified {
+        fn algorithms(&self) -> &WebPkiSupportedAlgorithms {
+            &self.0.signature_verification_algorithms
+        }
+    }
+
+    /// The certificate's public key: its `SubjectPublicKeyInfo` (DER), and
+    /// the algorithm identifier and key bits inside it.
+    struct PublicKey {
+        spki: Vec<u8>,
+        algorithm: Vec<u8>,
+        key: Vec<u8>,
+    }
+
+    fn public_key(cert: &CertificateDer<'_>) -> Result<PublicKey, rustls::Error> {
+        use x509_cert::der::{Decode, Encode};
+        let bad = |_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding);
+        let cert = x509_cert::Certificate::from_der(cert.as_ref()).map_err(bad)?;
+        let info = &cert.tbs_certificate.subject_public_key_info;
+        // webpki's algorithm ids are the identifier's contents (the OID,
+        // then the parameters if any), without the SEQUENCE header.
+        let mut algorithm = info.algorithm.oid.to_der().map_err(bad)?;
+        if let Some(parameters) = &info.algorithm.parameters {
+            algorithm.extend(parameters.to_der().map_err(bad)?);
+        }
+        Ok(PublicKey {
+            spki: info.to_der().map_err(bad)?,
+            algorithm,
+            key: info.subject_public_key.raw_bytes().to_vec(),
+        })
+    }
 
     impl ServerCertVerifier for Unverified {
         fn verify_server_cert(
@@ -333,12 +370,22 @@ mod rustls_config {
             cert: &CertificateDer<'_>,
             dss: &DigitallySignedStruct,
         ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            rustls::crypto::verify_tls12_signature(
-                message,
-                cert,
-                dss,
-                &self.0.signature_verification_algorithms,
-            )
+            // TLS 1.2's scheme names several algorithms: the one for this
+            // key's algorithm decides.
+            let key = public_key(cert)?;
+            let alg = self
+                .algorithms()
+                .mapping
+                .iter()
+                .filter(|(scheme, _)| *scheme == dss.scheme)
+                .flat_map(|(_, algs)| algs.iter())
+                .find(|alg| alg.public_key_alg_id().as_ref() == key.algorithm.as_slice())
+                .ok_or(rustls::Error::InvalidCertificate(
+                    CertificateError::BadSignature,
+                ))?;
+            alg.verify_signature(&key.key, message, dss.signature())
+                .map(|()| HandshakeSignatureValid::assertion())
+                .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadSignature))
         }
 
         fn verify_tls13_signature(
@@ -347,11 +394,12 @@ mod rustls_config {
             cert: &CertificateDer<'_>,
             dss: &DigitallySignedStruct,
         ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            rustls::crypto::verify_tls13_signature(
+            let key = public_key(cert)?;
+            rustls::crypto::verify_tls13_signature_with_raw_key(
                 message,
-                cert,
+                &SubjectPublicKeyInfoDer::from(key.spki.as_slice()),
                 dss,
-                &self.0.signature_verification_algorithms,
+                self.algorithms(),
             )
         }
 
