@@ -88,12 +88,27 @@ pub(crate) async fn migrate(store: &PgStore) -> Result<(), String> {
         .client()
         .await
         .map_err(|e| format!("cannot reach the database: {e}"))?;
-    if let Err(e) = client
-        .batch_execute(&format!("BEGIN; {SCHEMA} COMMIT;"))
-        .await
-    {
+    // One statement at a time: Citus forwards a DDL statement's text to its
+    // workers and refuses text that holds several.
+    let applied = async {
+        client.batch_execute("BEGIN").await?;
+        for statement in SCHEMA.split(";\n").filter(|s| !s.trim().is_empty()) {
+            client.batch_execute(statement).await?;
+        }
+        client.batch_execute("COMMIT").await
+    };
+    if let Err(e) = applied.await {
         let _ = client.batch_execute("ROLLBACK").await;
-        return Err(format!("schema migration failed: {e}"));
+        return Err(format!("schema migration failed: {}", database_error(&e)));
     }
     Ok(())
+}
+
+/// A database error as the database said it, with its SQLSTATE (the
+/// driver's own text for it is only "db error").
+fn database_error(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => e.to_string(),
+    }
 }

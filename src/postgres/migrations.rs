@@ -8,6 +8,7 @@ use super::{
     session::{Committed, Session},
 };
 use crate::protocol::{
+    citus,
     migrations::{self, Transport},
     sql::{Param, Sql},
 };
@@ -21,6 +22,16 @@ pub(super) async fn run(session: &Session) -> Result<Committed, StoreError> {
     let mut transport = SessionTransport::new(session);
     migrations::run(&mut transport).await?;
     transport.committed()
+}
+
+/// [`citus::distribute`] of `tables`, as [`run`] is run.
+pub(super) async fn distribute(
+    session: &Session,
+    tables: &[&str],
+) -> Result<(Committed, bool), StoreError> {
+    let mut transport = SessionTransport::new(session);
+    let done = citus::distribute(&mut transport, tables).await?;
+    Ok((transport.committed()?, done.citus))
 }
 
 /// [`run`] on a session of `store`, with a list and settings of the

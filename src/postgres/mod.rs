@@ -113,6 +113,24 @@ impl PgStore {
         Ok(())
     }
 
+    /// On a Citus coordinator, distributes the application's `tables` by
+    /// `tenant_id`, co-located with the crate's own (which
+    /// [`migrate`](Self::migrate) distributes there), so that a request's
+    /// claim, its writes and its remembered response go to one worker and
+    /// commit there without a two-phase commit. Returns `false`, having done
+    /// nothing, when the database has no Citus; tables already distributed
+    /// are left as they are. Call it after `migrate` and after creating the
+    /// tables; every primary key and unique constraint of each must include
+    /// `tenant_id`, and Citus refuses triggers on them. See the deploying
+    /// guide (`docs/deploying.md`, Citus).
+    pub async fn distribute_by_tenant(&self, tables: &[&str]) -> Result<bool, StoreError> {
+        let mut session = self.session().await?;
+        session.mark_dirty();
+        let (committed, citus) = migrations::distribute(&session, tables).await?;
+        session.mark_clean(committed);
+        Ok(citus)
+    }
+
     /// A pooled connection for the application's own queries outside the
     /// layer (reads, health checks, its own migrations).
     ///

@@ -37,15 +37,18 @@ pub(crate) const LOOKUP: Sql<'static> = Sql::new(concat!(
 ));
 
 // The claim, claim first: no read before the insert decides the owner. One
-// statement either inserts the key's row (we own it; RETURNING puts
-// lock_timeout back to the session's default for the handler) or, without
-// taking a row lock, returns the key's committed record as this
+// statement either inserts the key's row (we own it; the statement also
+// puts lock_timeout back to the session's default for the handler) or,
+// without taking a row lock, returns the key's committed record as this
 // statement's snapshot sees it, with whether it may be taken over. ON
 // CONFLICT DO NOTHING waits for a transaction that holds the key's row,
 // within lock_timeout; a record committed during that wait is not in the
 // snapshot: no row comes back, and the caller reads it with a fresh one.
 // Columns: owned, token, xid, then the record as LOOKUP reads it (from 3),
-// then "may take over".
+// then "may take over", then the reset setting (unread). The transaction id
+// and the reset are in the outer SELECT, not in RETURNING: Citus evaluates
+// them on the coordinator, where the transaction is, and refuses anything
+// but immutable functions in a RETURNING.
 /// Inserts the key's row, or returns the record that holds the key.
 pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
     "WITH claimed AS ( \
@@ -54,26 +57,28 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
              VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
                  now() + make_interval(secs => $5::float8)) \
              ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING \
-             RETURNING attempt_token, pg_current_xact_id()::text AS xid, \
-                 set_config('lock_timeout', NULL, true)) \
-         SELECT true, attempt_token, xid, NULL::bytea, NULL::text, NULL::int2, NULL::bytea, \
-             NULL::bytea, NULL::text, false \
+             RETURNING attempt_token) \
+         SELECT true, attempt_token, pg_current_xact_id()::text, NULL::bytea, NULL::text, \
+             NULL::int2, NULL::bytea, NULL::bytea, NULL::text, false, \
+             set_config('lock_timeout', NULL, true) \
          FROM claimed \
          UNION ALL \
          SELECT false, NULL::int8, NULL::text, ",
     record_columns!(),
     ", ",
     may_take_over!("", "now()"),
-    " FROM idempotency_requests \
+    ", NULL::text FROM idempotency_requests \
          WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
              AND NOT EXISTS (SELECT FROM claimed)"
 ));
 
 // The takeover of a record that may be taken over, in the claim's
-// transaction. RETURNING runs once we own the key and puts lock_timeout
-// back to the session's default for the handler (`set_config` with NULL is
-// `SET LOCAL … TO DEFAULT`: the value from the server, database, role or
-// connection options).
+// transaction. The outer SELECT runs once we own the key and puts
+// lock_timeout back to the session's default for the handler (`set_config`
+// with NULL is `SET LOCAL … TO DEFAULT`: the value from the server,
+// database, role or connection options). "Now" is the proposed row's
+// `created_at` (its default, the transaction's start): Citus refuses
+// functions that are not immutable in `ON CONFLICT … DO UPDATE`.
 //
 // ON CONFLICT waits for the transaction holding the key's row, so the WHERE
 // is evaluated on the newest version of the row once its lock is ours: of
@@ -83,7 +88,8 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
 // handed out before, also for a key whose row was removed meanwhile.
 /// Takes a record over that may be taken over.
 pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(concat!(
-    "INSERT INTO idempotency_requests AS r \
+    "WITH taken AS ( \
+         INSERT INTO idempotency_requests AS r \
              (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
          VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
              now() + make_interval(secs => $5::float8)) \
@@ -91,12 +97,13 @@ pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(concat!(
              request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
              attempt_token = EXCLUDED.attempt_token, response_status = NULL, \
              response_headers = NULL, response_body = NULL, resource_id = NULL, \
-             created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at, \
-             lease_expires_at = NULL \
+             created_at = EXCLUDED.created_at, completed_at = NULL, \
+             expires_at = EXCLUDED.expires_at, lease_expires_at = NULL \
          WHERE ",
-    may_take_over!("r.", "now()"),
-    " RETURNING attempt_token, pg_current_xact_id()::text, \
-             set_config('lock_timeout', NULL, true)"
+    may_take_over!("r.", "EXCLUDED.created_at"),
+    " RETURNING attempt_token) \
+     SELECT attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true) \
+     FROM taken"
 ));
 
 /// Sets, for the rest of the transaction, how long a lock wait may last

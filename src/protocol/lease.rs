@@ -54,7 +54,9 @@ pub(crate) const LOOKUP: Sql<'static> = Sql::new("SELECT request_fingerprint, st
 // attempt). Of any number of concurrent takeovers, the first raises the
 // token and renews the lease; the others find a live lease and take
 // nothing. The token comes from the sequence (EXCLUDED), so it is larger
-// than every token before it.
+// than every token before it. "Now" is the proposed row's `created_at` (its
+// default, the transaction's start): Citus refuses functions that are not
+// immutable in `ON CONFLICT … DO UPDATE`.
 pub(crate) const ACQUIRE: Sql<'static> = Sql::new("INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at, \
           operation_id, lease_expires_at, request_method, request_target, request_headers, request_body, \
@@ -65,20 +67,20 @@ pub(crate) const ACQUIRE: Sql<'static> = Sql::new("INSERT INTO idempotency_reque
           1) \
      ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
          attempt_token = EXCLUDED.attempt_token, lease_expires_at = EXCLUDED.lease_expires_at, \
-         attempts = CASE WHEN r.expires_at > now() AND r.lease_expires_at IS NOT NULL \
+         attempts = CASE WHEN r.expires_at > EXCLUDED.created_at AND r.lease_expires_at IS NOT NULL \
              THEN r.attempts + 1 ELSE 1 END, \
-         operation_id = CASE WHEN r.expires_at > now() AND r.lease_expires_at IS NOT NULL \
+         operation_id = CASE WHEN r.expires_at > EXCLUDED.created_at AND r.lease_expires_at IS NOT NULL \
              THEN r.operation_id ELSE EXCLUDED.operation_id END, \
-         created_at = CASE WHEN r.expires_at > now() AND r.lease_expires_at IS NOT NULL \
-             THEN r.created_at ELSE now() END, \
+         created_at = CASE WHEN r.expires_at > EXCLUDED.created_at AND r.lease_expires_at IS NOT NULL \
+             THEN r.created_at ELSE EXCLUDED.created_at END, \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          response_status = NULL, response_headers = NULL, response_body = NULL, resource_id = NULL, \
          completed_at = NULL, expires_at = GREATEST(r.expires_at, EXCLUDED.expires_at), \
          request_method = EXCLUDED.request_method, request_target = EXCLUDED.request_target, \
          request_headers = EXCLUDED.request_headers, request_body = EXCLUDED.request_body \
-     WHERE r.expires_at <= now() \
+     WHERE r.expires_at <= EXCLUDED.created_at \
          OR (r.state = 'in_progress' AND (r.lease_expires_at IS NULL \
-             OR (r.lease_expires_at <= now() AND r.request_fingerprint = EXCLUDED.request_fingerprint))) \
+             OR (r.lease_expires_at <= EXCLUDED.created_at AND r.request_fingerprint = EXCLUDED.request_fingerprint))) \
      RETURNING attempt_token, operation_id::text, attempts");
 
 // An operation's retention counts from its end: while it runs, its record
@@ -121,10 +123,12 @@ pub(crate) const FINISH: Sql<'static> = Sql::new(
 // The record stays (the operation keeps its identity); its lease ends now,
 // so the next acquire of the same request resumes it at once, and the token
 // moves on, so nothing more of this attempt gets through. A recovery worker
-// waits out its backoff first.
+// waits out its backoff first. The new token is drawn in a subquery: Citus
+// refuses a volatile function in an UPDATE, and evaluates the subquery
+// first, on the coordinator.
 pub(crate) const RELEASE: Sql<'static> = Sql::new(
     "UPDATE idempotency_requests SET \
-         attempt_token = nextval('idempotency_attempt_token_seq'), \
+         attempt_token = (SELECT nextval('idempotency_attempt_token_seq')), \
          lease_expires_at = statement_timestamp() \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
          AND attempt_token = $4::int8 AND state = 'in_progress' RETURNING 1",

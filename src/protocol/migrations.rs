@@ -241,8 +241,13 @@ pub(crate) struct Summary {
 }
 
 /// Applies the migrations the database lacks.
+///
+/// On a Citus coordinator the crate's tables are then distributed by
+/// tenant (see [`super::citus`]).
 pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, StoreError> {
-    run_list(transport, MIGRATIONS, &Settings::DEFAULT).await
+    let summary = run_list(transport, MIGRATIONS, &Settings::DEFAULT).await?;
+    super::citus::distribute(transport, &super::citus::OWN_TABLES).await?;
+    Ok(summary)
 }
 
 /// Applies those of `list` the database lacks: [`run`] with a list and

@@ -25,7 +25,7 @@ pub(crate) const CLAIM_EVENTS: Sql<'static> = Sql::new(
 // tenants, the second the ids, in the same order.
 pub(crate) const MARK_DELIVERED: Sql<'static> = Sql::new(
     "UPDATE outbox_events AS o \
-     SET published_at = clock_timestamp(), attempts = o.attempts + 1, last_error = NULL \
+     SET published_at = statement_timestamp(), attempts = o.attempts + 1, last_error = NULL \
      FROM unnest($1::text[], $2::text[]) AS f(tenant_id, id) \
      WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid",
 );
@@ -33,14 +33,14 @@ pub(crate) const MARK_DELIVERED: Sql<'static> = Sql::new(
 pub(crate) const MARK_FAILED: Sql<'static> = Sql::new(
     "UPDATE outbox_events AS o \
      SET attempts = o.attempts + 1, last_error = f.error, \
-         next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond' \
+         next_attempt_at = statement_timestamp() + f.delay_ms * interval '1 millisecond' \
      FROM unnest($1::text[], $2::text[], $3::text[], $4::float8[]) AS f(tenant_id, id, error, delay_ms) \
      WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid",
 );
 
 pub(crate) const MARK_PARKED: Sql<'static> = Sql::new(
     "UPDATE outbox_events AS o \
-     SET attempts = o.attempts + 1, last_error = f.error, parked_at = clock_timestamp() \
+     SET attempts = o.attempts + 1, last_error = f.error, parked_at = statement_timestamp() \
      FROM unnest($1::text[], $2::text[], $3::text[]) AS f(tenant_id, id, error) \
      WHERE o.tenant_id = f.tenant_id AND o.id = f.id::uuid",
 );

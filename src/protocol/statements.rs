@@ -109,7 +109,9 @@ pub(crate) const SESSION_RESET: &str =
 // (`statement_timestamp()`, not `now()`, which is the transaction's start:
 // a record that expired while the handler worked is free at commit, on
 // every store alike; the conformance check
-// `a_record_that_expires_during_the_work_is_won_at_commit`).
+// `a_record_that_expires_during_the_work_is_won_at_commit`). The WHERE reads
+// that instant as the proposed row's `created_at`: Citus refuses functions
+// that are not immutable in `ON CONFLICT … DO UPDATE`.
 pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(concat!(
     "WITH won AS ( \
          INSERT INTO idempotency_requests AS r \
@@ -127,7 +129,7 @@ pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(concat!(
              operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
              request_target = NULL, request_headers = NULL, request_body = NULL \
          WHERE ",
-    may_take_over!("r.", "statement_timestamp()"),
+    may_take_over!("r.", "EXCLUDED.created_at"),
     " \
          RETURNING 1) \
      SELECT 1 / (SELECT count(*)::int FROM won)"

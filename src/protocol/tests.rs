@@ -4,7 +4,7 @@ use super::sql::Sql;
 
 /// Every statement the store sends with parameters, by name (for the check
 /// that each declares the types its text casts to).
-fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
+pub(super) fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
     use super::{admin, claim, lease as lp, migrations, statements as st};
     vec![
         ("claim LOOKUP", claim::LOOKUP),
@@ -39,7 +39,7 @@ fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
 /// Background work that scans across tenants by design: the recovery
 /// worker, cleanup, the outbox relay (each row it changes it names by
 /// its tenant), and the migration record (a reference table).
-const ACROSS_TENANTS: &[&str] = &[
+pub(super) const ACROSS_TENANTS: &[&str] = &[
     "migration RECORD",
     "RECOVER",
     "DELETE_BATCH",
@@ -47,6 +47,19 @@ const ACROSS_TENANTS: &[&str] = &[
     "MARK_DELIVERED",
     "MARK_FAILED",
     "MARK_PARKED",
+    "CLEANUP_BACKLOG",
+    "OLDEST_IN_PROGRESS",
+    "LEASES",
+    "OUTBOX_BACKLOG",
+];
+
+/// The statements sent without parameters: the gauges, each across
+/// tenants.
+pub(super) const UNPARAMETERISED: &[(&str, Sql<'static>)] = &[
+    ("CLEANUP_BACKLOG", super::retention::CLEANUP_BACKLOG),
+    ("OLDEST_IN_PROGRESS", super::retention::OLDEST_IN_PROGRESS),
+    ("LEASES", super::retention::LEASES),
+    ("OUTBOX_BACKLOG", super::outbox::OUTBOX_BACKLOG),
 ];
 
 /// Every statement a request sends names one tenant: it compares

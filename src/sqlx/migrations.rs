@@ -6,6 +6,7 @@ use ::sqlx::{pool::PoolConnection, postgres::PgRow, Executor as _, PgPool, Postg
 use super::{error::map_error, transport::SqlxLink};
 use crate::{
     protocol::{
+        citus,
         migrations::{self, Transport},
         sql::{Param, Sql},
         transport::Link,
@@ -19,6 +20,18 @@ pub(super) async fn run(pool: &PgPool, transaction_pooling: bool) -> Result<(), 
     migrations::run(&mut transport).await?;
     transport.succeeded();
     Ok(())
+}
+
+/// [`citus::distribute`] of `tables`, on one connection of `pool`.
+pub(super) async fn distribute(
+    pool: &PgPool,
+    transaction_pooling: bool,
+    tables: &[&str],
+) -> Result<bool, StoreError> {
+    let mut transport = ConnTransport::acquire(pool, transaction_pooling).await?;
+    let done = citus::distribute(&mut transport, tables).await?;
+    transport.succeeded();
+    Ok(done.citus)
 }
 
 /// [`run`] with a list and settings of the caller's.

@@ -224,6 +224,14 @@ impl SqlxStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         migrations::run(&self.pool, self.transaction_pooling).await
     }
+
+    /// On a Citus coordinator, distributes the application's `tables` by
+    /// `tenant_id`, co-located with the crate's own; `false`, having done
+    /// nothing, without Citus. As
+    /// [`PgStore::distribute_by_tenant`](crate::postgres::PgStore::distribute_by_tenant).
+    pub async fn distribute_by_tenant(&self, tables: &[&str]) -> Result<bool, StoreError> {
+        migrations::distribute(&self.pool, self.transaction_pooling, tables).await
+    }
 }
 
 crate::protocol::forward_store!(SqlxStore, SqlxTx);

@@ -35,6 +35,11 @@ impl TestDatabase {
         Self::try_create().await.unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// A database made elsewhere (a [`TempCitus`](super::TempCitus)'s).
+    pub(super) fn from_parts(name: String, config: tokio_postgres::Config) -> TestDatabase {
+        TestDatabase { name, config }
+    }
+
     /// Connection settings pointing at the new database.
     pub fn config(&self) -> tokio_postgres::Config {
         self.config.clone()

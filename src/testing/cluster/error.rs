@@ -47,6 +47,12 @@ pub enum HarnessError {
     SharedCluster(String),
     /// Talking to the server failed.
     Database(tokio_postgres::Error),
+    /// A Citus cluster was asked for, and the server binaries found have
+    /// no Citus beside them.
+    CitusNotInstalled {
+        /// The library directory looked in for `citus.so`.
+        libdir: String,
+    },
 }
 
 impl fmt::Display for HarnessError {
@@ -87,6 +93,12 @@ impl fmt::Display for HarnessError {
             }
             Self::SharedCluster(msg) => write!(f, "the shared test cluster failed to start: {msg}"),
             Self::Database(e) => pg(f, e),
+            Self::CitusNotInstalled { libdir } => write!(
+                f,
+                "Citus is not installed ({libdir}/citus.so not found): build and install \
+                 Citus 13 from source against this PostgreSQL (Citus has no Debian package; \
+                 .ci/run shows how)"
+            ),
         }
     }
 }
