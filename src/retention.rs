@@ -81,26 +81,41 @@ impl Cleanup {
         crate::setter::with(self, |s| s.interval = interval)
     }
 
-    /// Removes one batch; returns how many rows went.
+    /// Removes one batch (up to the batch size, from the tenants of the
+    /// oldest expired rows, one `DELETE` per tenant); returns how many rows
+    /// went.
     pub async fn delete_batch(&self) -> Result<u64, StoreError> {
         let session = self.store.session().await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
-        let removed = session.execute(statements::DELETE_BATCH, &limit).await?;
+        let tenants = session.query(statements::EXPIRED_TENANTS, &limit).await?;
+        let mut removed = 0;
+        for tenant in &tenants {
+            let tenant: &str = tenant.get(0);
+            let left = self.batch_size - removed as i64;
+            if left <= 0 {
+                break;
+            }
+            let params: [&(dyn ToSql + Sync); 2] = [&tenant, &left];
+            removed += session.execute(statements::DELETE_BATCH, &params).await?;
+        }
         metrics::expired_removed(removed);
         Ok(removed)
     }
 
     /// Removes batches until a batch comes back short: one pass over what
     /// was expired when it started (plus what expired meanwhile). The
-    /// equivalent SQL, for a scheduler of your own, is to repeat until it
-    /// deletes fewer than 1000 rows:
+    /// equivalent SQL, for a scheduler of your own, is to find the tenants
+    /// with expired rows and, for each, repeat until it deletes fewer than
+    /// 1000 rows (one tenant per statement, which also routes to one shard
+    /// on Citus):
     ///
     /// ```sql
-    /// DELETE FROM idempotency_requests AS r
-    /// USING (SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests
-    ///        WHERE expires_at <= now()
-    ///        ORDER BY expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED) AS d
-    /// WHERE (r.tenant_id, r.endpoint, r.idempotency_key) = (d.tenant_id, d.endpoint, d.idempotency_key);
+    /// SELECT DISTINCT tenant_id FROM idempotency_requests WHERE expires_at <= now();
+    /// DELETE FROM idempotency_requests
+    /// WHERE tenant_id = $1 AND (endpoint, idempotency_key) IN (
+    ///     SELECT endpoint, idempotency_key FROM idempotency_requests
+    ///     WHERE tenant_id = $1 AND expires_at <= now()
+    ///     ORDER BY expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED);
     /// ```
     pub async fn run_once(&self) -> Result<u64, StoreError> {
         let mut total = 0;

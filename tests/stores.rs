@@ -5,6 +5,8 @@
 
 #[path = "stores/behaviour.rs"]
 mod behaviour;
+#[path = "stores/citus.rs"]
+mod citus;
 mod common;
 #[path = "stores/conformance_catches_broken_commit_stores.rs"]
 mod conformance_catches_broken_commit_stores;

@@ -150,14 +150,28 @@ impl<K: Sink> Relay<K> {
     /// [`run`](Self::run).
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
         let mut session = self.store.session().await?;
-        let claim = session.prepare(statements::CLAIM_EVENTS).await?;
+        let (due, claim) = tokio::try_join!(
+            session.prepare(statements::DUE_TENANTS),
+            session.prepare(statements::CLAIM_EVENTS),
+        )?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
         session.mark_dirty();
-        let (_, rows) = tokio::try_join!(
+        let (_, tenants) = tokio::try_join!(
             biased;
             session.batch_execute(BEGIN),
-            session.query_prepared(&claim, &limit),
+            session.query_prepared(&due, &limit),
         )?;
+        // The events are locked one tenant at a time (one shard on Citus).
+        let mut rows = Vec::new();
+        for tenant in &tenants {
+            let tenant: &str = tenant.get(0);
+            let left = self.batch_size - rows.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            let params: [&(dyn ToSql + Sync); 2] = [&tenant, &left];
+            rows.extend(session.query_prepared(&claim, &params).await?);
+        }
         let mut report = BatchReport {
             claimed: rows.len(),
             ..BatchReport::default()

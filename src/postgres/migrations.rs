@@ -18,20 +18,25 @@ use crate::store::{StoreError, StoreErrorKind};
 /// clean with the returned [`Committed`], the proof of the run's last
 /// `COMMIT`. On error the session stays dirty and is closed, which rolls
 /// back whatever transaction it was in.
-pub(super) async fn run(session: &Session) -> Result<Committed, StoreError> {
+/// `None` when the session must be closed rather than pooled again (the run
+/// changed a default that sessions read when they start).
+pub(super) async fn run(session: &Session) -> Result<Option<Committed>, StoreError> {
     let mut transport = SessionTransport::new(session);
-    migrations::run(&mut transport).await?;
-    transport.committed()
+    let summary = migrations::run(&mut transport).await?;
+    let committed = transport.committed()?;
+    Ok((!summary.reconnect).then_some(committed))
 }
 
 /// [`citus::distribute`] of `tables`, as [`run`] is run.
+/// The session's `COMMIT` comes back `None` as [`run`]'s does.
 pub(super) async fn distribute(
     session: &Session,
     tables: &[&str],
-) -> Result<(Committed, bool), StoreError> {
+) -> Result<(Option<Committed>, bool), StoreError> {
     let mut transport = SessionTransport::new(session);
     let done = citus::distribute(&mut transport, tables).await?;
-    Ok((transport.committed()?, done.citus))
+    let committed = transport.committed()?;
+    Ok(((!done.reconnect).then_some(committed), done.citus))
 }
 
 /// [`run`] on a session of `store`, with a list and settings of the

@@ -108,8 +108,10 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut session = self.session().await?;
         session.mark_dirty();
-        let committed = migrations::run(&session).await?;
-        session.mark_clean(committed);
+        // Left dirty, a session is closed rather than pooled again.
+        if let Some(committed) = migrations::run(&session).await? {
+            session.mark_clean(committed);
+        }
         Ok(())
     }
 
@@ -127,7 +129,9 @@ impl PgStore {
         let mut session = self.session().await?;
         session.mark_dirty();
         let (committed, citus) = migrations::distribute(&session, tables).await?;
-        session.mark_clean(committed);
+        if let Some(committed) = committed {
+            session.mark_clean(committed);
+        }
         Ok(citus)
     }
 

@@ -28,7 +28,8 @@ pub(crate) const OWN_TABLES: [&str; 3] = [ANCHOR, "outbox_events", "inbox_events
 /// Triggers Citus refuses on a distributed table: the outbox's wake-up
 /// notifications (they would fire on a worker, where no relay listens). A
 /// relay on Citus finds its work by polling.
-const NOTIFY_TRIGGERS: &str = "DROP TRIGGER IF EXISTS outbox_events_notify_insert ON outbox_events; \
+const NOTIFY_TRIGGERS: &str =
+    "DROP TRIGGER IF EXISTS outbox_events_notify_insert ON outbox_events; \
      DROP TRIGGER IF EXISTS outbox_events_notify_redrive ON outbox_events";
 
 /// Whether the database is a Citus coordinator (has the extension).
@@ -41,6 +42,19 @@ pub(crate) const TABLE_STATE: Sql<'static> = Sql::new(
     "SELECT to_regclass($1::text) IS NOT NULL, \
          EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = to_regclass($1::text))",
 );
+
+/// The setting that makes Citus send a transaction's `SET LOCAL` on to
+/// the workers it opens (`'local'`; the default, `'none'`, keeps them on
+/// the coordinator). The claim's lock wait is a `SET LOCAL`, and the row
+/// lock it bounds is waited for on a worker.
+pub(crate) const PROPAGATION: Sql<'static> =
+    Sql::new("SELECT current_setting('citus.propagate_set_commands')");
+
+/// Makes [`PROPAGATION`] `'local'` the database's default, for every
+/// session that starts from now on.
+const PROPAGATE_LOCAL: &str = "DO $$ BEGIN \
+     EXECUTE format('ALTER DATABASE %I SET citus.propagate_set_commands = local', current_database()); \
+     END $$";
 
 /// Distributes the table `$1` by `tenant_id`, co-located with `$2`
 /// (`'default'` for the first).
@@ -56,13 +70,20 @@ pub(crate) struct Distribution {
     /// Tables distributed by this call (those already distributed are left
     /// as they are).
     pub(crate) distributed: Vec<String>,
+    /// The database's default of [`PROPAGATION`] was set to `'local'`:
+    /// sessions started before do not have it, so the one this ran on is
+    /// closed rather than pooled again.
+    pub(crate) reconnect: bool,
 }
 
 /// On a Citus coordinator, distributes each of `tables` by `tenant_id`
 /// (co-located with [`ANCHOR`], or the anchor itself first), under the
 /// migration lock so that several processes may call it at once; tables
-/// already distributed, by this or by an operator, are left alone. Without
-/// Citus it does nothing. Each table must exist and have a `tenant_id`
+/// already distributed, by this or by an operator, are left alone. It also
+/// makes `citus.propagate_set_commands = 'local'` the database's default
+/// unless sessions already have it (an operator may set it for a role
+/// instead), so that a claim's `SET LOCAL lock_timeout` bounds its wait on
+/// the worker. Without Citus it does nothing. Each table must exist and have a `tenant_id`
 /// column in every primary key and unique constraint.
 pub(crate) async fn distribute<T: Transport>(
     transport: &mut T,
@@ -78,8 +99,15 @@ pub(crate) async fn distribute<T: Transport>(
     let mut done = Distribution {
         citus: citus.unwrap_or(false),
         distributed: Vec::new(),
+        reconnect: false,
     };
     if done.citus {
+        let rows = transport.query(PROPAGATION, &[]).await?;
+        let propagation = rows.first().map(|row| row.text(0).map(str::to_owned));
+        if propagation.transpose()?.as_deref() != Some("local") {
+            transport.batch(PROPAGATE_LOCAL).await?;
+            done.reconnect = true;
+        }
         for table in tables {
             let rows = transport.query(TABLE_STATE, &[Param::Text(table)]).await?;
             let row = rows.first().ok_or_else(|| no_row(table))?;

@@ -106,41 +106,19 @@ pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(concat!(
      FROM taken"
 ));
 
-/// Sets, for the rest of the transaction, how long a lock wait may last
-/// (`$1`, e.g. `'250ms'`) and, if `$2` is not NULL, how long the session
-/// may sit idle in it before the server ends it; returns the session's
-/// process id, which a cancel request names. For a driver that cannot send
-/// [`begin_with_waits`] with the claim; the values are parameters here.
-#[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
-pub(crate) const SET_WAITS: Sql<'static> = Sql::new(
-    "SELECT pg_backend_pid(), \
-         CASE WHEN $1::text IS NOT NULL THEN set_config('lock_timeout', $1, true) END, \
-         CASE WHEN $2::text IS NOT NULL \
-             THEN set_config('idle_in_transaction_session_timeout', $2, true) END",
-);
-
 /// A wait as PostgreSQL's settings take it: whole milliseconds, at least
 /// 1 (`0` would mean "no limit") and at most `i32::MAX`.
 pub(crate) fn millis(d: Duration) -> u128 {
     d.as_millis().clamp(1, i32::MAX as u128)
 }
 
-/// [`SET_WAITS`]'s parameters, as text (`'250ms'`).
-#[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
-pub(crate) fn wait_settings(
-    lock_wait: Option<Duration>,
-    idle: Option<Duration>,
-) -> [Option<String>; 2] {
-    [lock_wait, idle].map(|d| d.map(|d| format!("{}ms", millis(d))))
-}
-
-/// `BEGIN ISOLATION LEVEL READ COMMITTED`, then `SET LOCAL` of the lock wait
-/// and the idle limit that are given: utility statements only, nothing to
-/// plan, for a driver that sends them pipelined, one message each, ahead of
-/// the claim. The values are numbers formatted here, never client data.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
-    let mut batch = BEGIN.to_owned();
+/// `SET LOCAL` of the lock wait and the idle limit that are given, each
+/// statement after a `; `. `SET LOCAL`, not `set_config`: on Citus (with
+/// `citus.propagate_set_commands = 'local'`, which `migrate` sets there) a
+/// `SET LOCAL` also reaches the workers, where the claim's row lock is
+/// waited for. The values are numbers formatted here, never client data.
+fn set_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
+    let mut batch = String::new();
     if let Some(wait) = lock_wait {
         batch.push_str(&format!("; SET LOCAL lock_timeout = '{}ms'", millis(wait)));
     }
@@ -151,6 +129,28 @@ pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duratio
         ));
     }
     batch
+}
+
+/// The waits ([`set_waits`]), then the session's process id, which a
+/// cancel request names: one simple-query message, for a driver that sends
+/// one statement at a time (sqlx), inside the transaction it began.
+#[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
+pub(crate) fn set_waits_then_pid(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
+    let waits = set_waits(lock_wait, idle);
+    format!(
+        "{}; SELECT pg_backend_pid()",
+        waits.trim_start_matches("; ")
+    )
+    .trim_start_matches("; ")
+    .to_owned()
+}
+
+/// `BEGIN ISOLATION LEVEL READ COMMITTED`, then [`set_waits`]: utility
+/// statements only, nothing to plan, for a driver that sends them
+/// pipelined, one message each, ahead of the claim.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
+    format!("{BEGIN}{}", set_waits(lock_wait, idle))
 }
 
 /// [`CLAIM`]'s and [`TAKE_OVER`]'s parameters.

@@ -153,28 +153,62 @@ pub(crate) const OPERATION: Sql<'static> = Sql::new(
      WHERE operation_id = $1::text::uuid AND tenant_id = $2::text AND expires_at > now()",
 );
 
-// SKIP LOCKED: workers of several instances never wait on, nor take, the
-// same operation; the row is locked from the scan to the commit. An
-// operation is due once its lease ended and its backoff passed: $3 seconds
-// after the first attempt, doubling with each further one, at most $4.
-pub(crate) const RECOVER: Sql<'static> = Sql::new("WITH due AS ( \
+/// Whether a long-running operation of endpoint `$endpoint` is due for
+/// recovery: in progress, its lease ended and its backoff passed
+/// (`$first` seconds after the first attempt, doubling with each further
+/// one, at most `$max`), its record not expired.
+macro_rules! due_operation {
+    ($endpoint:literal, $first:literal, $max:literal) => {
+        concat!(
+            "endpoint = ",
+            $endpoint,
+            "::text AND state = 'in_progress' \
+             AND lease_expires_at <= now() AND expires_at > now() \
+             AND lease_expires_at + make_interval(secs => LEAST(",
+            $first,
+            "::float8 * power(2::float8, LEAST(GREATEST(attempts - 1, 0), 30)), ",
+            $max,
+            "::float8)) <= now()"
+        )
+    };
+}
+
+// The tenants with operations due for recovery, those due longest first,
+// among the `$4` due longest: a read without locks, across tenants (on
+// Citus, across shards). RECOVER then takes one per tenant.
+pub(crate) const RECOVERY_TENANTS: Sql<'static> = Sql::new(concat!(
+    "SELECT tenant_id FROM (SELECT tenant_id, lease_expires_at FROM idempotency_requests WHERE ",
+    due_operation!("$1", "$2", "$3"),
+    " ORDER BY lease_expires_at LIMIT $4::int8) AS due \
+     GROUP BY tenant_id ORDER BY min(lease_expires_at)"
+));
+
+// One due operation of tenant `$6`, taken for recovery. SKIP LOCKED:
+// workers of several instances never wait on, nor take, the same
+// operation; the row is locked from the scan to the commit. Per tenant, so
+// that on Citus the lock is taken on one shard (Citus refuses FOR UPDATE
+// across shards). The new token is drawn in a subquery (see RELEASE).
+pub(crate) const RECOVER: Sql<'static> = Sql::new(concat!(
+    "WITH due AS ( \
          SELECT tenant_id, endpoint, idempotency_key FROM idempotency_requests \
-         WHERE endpoint = $1::text AND state = 'in_progress' AND lease_expires_at <= now() \
-             AND expires_at > now() \
-             AND lease_expires_at + make_interval(secs => LEAST( \
-                 $3::float8 * power(2::float8, LEAST(GREATEST(attempts - 1, 0), 30)), $4::float8)) <= now() \
-         ORDER BY lease_expires_at LIMIT 1 \
+         WHERE tenant_id = $6::text AND ",
+    due_operation!("$1", "$3", "$4"),
+    " ORDER BY lease_expires_at LIMIT 1 \
          FOR UPDATE SKIP LOCKED) \
      UPDATE idempotency_requests AS r SET \
-         attempt_token = nextval('idempotency_attempt_token_seq'), \
+         attempt_token = (SELECT nextval('idempotency_attempt_token_seq')), \
          lease_expires_at = now() + make_interval(secs => $2::float8), \
          expires_at = GREATEST(r.expires_at, now() + make_interval(secs => $2::float8 + $5::float8)), \
          attempts = r.attempts + 1 \
      FROM due \
-     WHERE r.tenant_id = due.tenant_id AND r.endpoint = due.endpoint \
+     WHERE r.tenant_id = $6::text AND r.tenant_id = due.tenant_id AND r.endpoint = due.endpoint \
          AND r.idempotency_key = due.idempotency_key \
      RETURNING r.tenant_id, r.idempotency_key, r.attempt_token, r.operation_id::text, \
-         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts");
+         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts"
+));
+
+/// How many of the operations due longest [`RECOVERY_TENANTS`] looks at.
+const RECOVERY_SCAN: i64 = 64;
 
 /// The owner an acquire made, from the row [`ACQUIRE`] returns (attempt
 /// token, operation id, attempts); `handle` makes the driver's lease of
@@ -511,8 +545,27 @@ pub(crate) async fn recover<T: Transport, L>(
         Param::from(backoff.max),
         Param::from(retention),
     ];
-    let rows = transport.transaction(RECOVER, &params, ROW_WAIT).await?;
-    let Some(row) = rows.first() else {
+    let scan = [
+        Param::Text(endpoint),
+        Param::from(backoff.first),
+        Param::from(backoff.max),
+        Param::Int8(RECOVERY_SCAN),
+    ];
+    let tenants = transport
+        .transaction(RECOVERY_TENANTS, &scan, ROW_WAIT)
+        .await?;
+    let mut found = None;
+    for tenant in &tenants {
+        let tenant = tenant.text(0)?;
+        let mut params = params.to_vec();
+        params.push(Param::Text(tenant));
+        let rows = transport.transaction(RECOVER, &params, ROW_WAIT).await?;
+        if let Some(row) = rows.into_iter().next() {
+            found = Some(row);
+            break;
+        }
+    }
+    let Some(row) = found.as_ref() else {
         return Ok(None);
     };
     let row = RecoverRow {

@@ -238,6 +238,10 @@ pub(crate) struct Summary {
     /// Index builds that met another migrator's build and were ended by
     /// PostgreSQL's deadlock detection, checked again after a backoff.
     pub(crate) build_races: u32,
+    /// The run changed a database default that sessions read when they
+    /// start (see [`super::citus`]): the connection it ran on is closed
+    /// rather than pooled again, so that every session from here on has it.
+    pub(crate) reconnect: bool,
 }
 
 /// Applies the migrations the database lacks.
@@ -245,8 +249,9 @@ pub(crate) struct Summary {
 /// On a Citus coordinator the crate's tables are then distributed by
 /// tenant (see [`super::citus`]).
 pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, StoreError> {
-    let summary = run_list(transport, MIGRATIONS, &Settings::DEFAULT).await?;
-    super::citus::distribute(transport, &super::citus::OWN_TABLES).await?;
+    let mut summary = run_list(transport, MIGRATIONS, &Settings::DEFAULT).await?;
+    let distribution = super::citus::distribute(transport, &super::citus::OWN_TABLES).await?;
+    summary.reconnect = distribution.reconnect;
     Ok(summary)
 }
 

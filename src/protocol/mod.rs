@@ -9,6 +9,8 @@
 #[cfg(feature = "postgres")]
 pub(crate) mod admin;
 pub(crate) mod citus;
+#[cfg(all(test, feature = "test-util"))]
+mod citus_tests;
 pub(crate) mod claim;
 pub(crate) mod errors;
 pub(crate) mod identity;
@@ -22,8 +24,6 @@ pub(crate) mod record;
 pub(crate) mod retention;
 pub(crate) mod sql;
 pub(crate) mod statements;
-#[cfg(all(test, feature = "test-util"))]
-mod citus_tests;
 #[cfg(all(test, feature = "postgres"))]
 mod tests;
 pub(crate) mod transport;

@@ -17,8 +17,11 @@ use crate::{
 /// Applies what is missing, on one connection of `pool`.
 pub(super) async fn run(pool: &PgPool, transaction_pooling: bool) -> Result<(), StoreError> {
     let mut transport = ConnTransport::acquire(pool, transaction_pooling).await?;
-    migrations::run(&mut transport).await?;
-    transport.succeeded();
+    let summary = migrations::run(&mut transport).await?;
+    // Otherwise closed: sessions from here on read the new default.
+    if !summary.reconnect {
+        transport.succeeded();
+    }
     Ok(())
 }
 
@@ -30,7 +33,9 @@ pub(super) async fn distribute(
 ) -> Result<bool, StoreError> {
     let mut transport = ConnTransport::acquire(pool, transaction_pooling).await?;
     let done = citus::distribute(&mut transport, tables).await?;
-    transport.succeeded();
+    if !done.reconnect {
+        transport.succeeded();
+    }
     Ok(done.citus)
 }
 

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::{error::map_error, SqlxStore};
 use crate::{
     protocol::{
-        claim::{wait_settings, SET_WAITS},
+        claim::set_waits_then_pid,
         sql::{Param, Sql},
         statements::BEGIN,
         transport::{Link, Transport},
@@ -72,20 +72,20 @@ impl Link for SqlxLink<'_> {
 }
 
 impl SqlxLink<'_> {
-    /// Sets the transaction's lock wait and idle limit ([`SET_WAITS`]);
-    /// returns the session's process id, which a cancel request names.
+    /// Sets the transaction's lock wait and idle limit
+    /// ([`set_waits_then_pid`], one message); returns the session's process
+    /// id, which a cancel request names.
     pub(super) async fn set_waits(
         &mut self,
         lock_wait: Option<Duration>,
         idle: Option<Duration>,
     ) -> Result<i32, StoreError> {
-        let [lock_wait, idle] = wait_settings(lock_wait, idle);
-        let params = [
-            Param::OptText(lock_wait.as_deref()),
-            Param::OptText(idle.as_deref()),
-        ];
-        let rows = self.query(SET_WAITS, &params).await?;
-        let row = rows.first().ok_or_else(|| {
+        let batch = set_waits_then_pid(lock_wait, idle);
+        // A query without arguments goes out as one simple-query message.
+        let rows = ::sqlx::Executor::fetch_all(&mut *self.conn, batch.as_str())
+            .await
+            .map_err(map_error)?;
+        let row = rows.last().ok_or_else(|| {
             StoreError::new(StoreErrorKind::Backend, "setting the waits returned no row")
         })?;
         row.try_get(0).map_err(map_error)

@@ -24,6 +24,10 @@ pub const TEST_SHARD_COUNT: u32 = 4;
 pub struct TempCitus {
     coordinator: Node,
     workers: Vec<Node>,
+    /// Databases are set up one at a time: Citus's node activation fails
+    /// ("failure on connection marked as essential") when two databases'
+    /// run at once.
+    setup: tokio::sync::Mutex<()>,
 }
 
 #[derive(Debug)]
@@ -59,6 +63,7 @@ impl TempCitus {
         Ok(TempCitus {
             coordinator: first,
             workers,
+            setup: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -73,9 +78,11 @@ impl TempCitus {
     }
 
     /// A fresh database of the same name on every node, with the `citus`
-    /// extension in each and the workers added to the coordinator's;
-    /// connection settings name the coordinator.
+    /// extension in each and the workers added to the coordinator's. Its
+    /// connection settings name the coordinator over loopback TCP, where it
+    /// offers TLS with the self-signed certificate Citus makes.
     pub async fn database(&self) -> Result<TestDatabase, HarnessError> {
+        let _one_at_a_time = self.setup.lock().await;
         let n = DB_COUNTER.fetch_add(1, Relaxed);
         let name = format!("tidem_citus_{}_{n}", std::process::id());
         for node in self.workers.iter().chain([&self.coordinator]) {
@@ -109,7 +116,12 @@ impl TempCitus {
             .batch_execute(&setup)
             .await
             .map_err(HarnessError::Database)?;
-        Ok(TestDatabase::from_parts(name, config))
+        let mut tcp = tokio_postgres::Config::new();
+        tcp.host("127.0.0.1")
+            .port(self.coordinator.port)
+            .user("postgres")
+            .dbname(&name);
+        Ok(TestDatabase::from_parts(name, tcp))
     }
 }
 

@@ -2,6 +2,7 @@
 //! both stores through the `Backend` trait.
 #![allow(dead_code)]
 
+pub(crate) mod citus;
 pub(crate) mod example_binary;
 pub(crate) mod fault_proxy;
 pub(crate) mod pgbouncer;
