@@ -1,11 +1,15 @@
 //! Where the crate is deployed: through a transaction pooler (PgBouncer),
-//! over TLS as managed PostgreSQL requires it, and the operator's files
-//! under `ops/`.
+//! over TLS as managed PostgreSQL requires it, on Citus, and the operator's
+//! files under `ops/`.
 
+#[path = "deployment/citus.rs"]
+mod citus;
 mod common;
 #[path = "deployment/ops.rs"]
 mod ops;
 #[path = "deployment/pooler.rs"]
 mod pooler;
+#[path = "deployment/server_contract.rs"]
+mod server_contract;
 #[path = "deployment/tls.rs"]
 mod tls;

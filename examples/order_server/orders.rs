@@ -122,8 +122,9 @@ pub(crate) fn fingerprinter() -> TypedFingerprinter<NewOrder> {
     TypedFingerprinter::new("orders.v1").with_validator(validate)
 }
 
-const ORDER_COLUMNS: &str = "id::text, checkout_id, status, currency, items, total, \
-     to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')";
+/// Immutable expressions only: Citus refuses anything else in a
+/// `RETURNING` (`created_at` is formatted here, not with `to_char`).
+const ORDER_COLUMNS: &str = "id::text, checkout_id, status, currency, items, total, created_at";
 
 /// The order as the API shows it (field order as documented).
 #[derive(Debug, Serialize)]
@@ -151,9 +152,19 @@ fn order_body(row: &tokio_postgres::Row) -> Result<OrderBody, String> {
         currency: row.try_get(3).map_err(|e| e.to_string())?,
         items: serde_json::from_value(items).map_err(|e| e.to_string())?,
         total: row.try_get(5).map_err(|e| e.to_string())?,
-        created_at: row.try_get(6).map_err(|e| e.to_string())?,
+        created_at: created_at(row.try_get(6).map_err(|e| e.to_string())?)?,
         fulfilment: None,
     })
+}
+
+/// `created_at` as the API shows it: UTC, whole seconds
+/// (`2026-01-02T03:04:05Z`).
+fn created_at(at: time::OffsetDateTime) -> Result<String, String> {
+    let format =
+        time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]Z");
+    at.to_offset(time::UtcOffset::UTC)
+        .format(format)
+        .map_err(|e| e.to_string())
 }
 
 fn final_problem(problem: Problem) -> Response {

@@ -1,12 +1,14 @@
 //! The example's own tables, applied at start-up under an advisory lock so
 //! several processes may start at once. `outbox_events` comes with the
-//! library's migrations (`PgStore::migrate`).
+//! library's migrations (`PgStore::migrate`). On a Citus coordinator they
+//! are distributed by tenant beside the library's (which `migrate`
+//! distributes), unless an operator distributed them already.
 
 use tower_idempotency::{postgres::PgStore, store::StoreError};
 
 const SCHEMA: &str = r#"
 SELECT pg_advisory_xact_lock(7243410001);
--- Every primary key and unique constraint starts with tenant_id, so the
+-- Every primary key and unique constraint includes tenant_id, so the
 -- tables can be distributed by tenant (see the deploying guide).
 CREATE TABLE IF NOT EXISTS orders (
     id                  uuid        NOT NULL DEFAULT gen_random_uuid(),
@@ -101,8 +103,21 @@ pub(crate) async fn migrate(store: &PgStore) -> Result<(), String> {
         let _ = client.batch_execute("ROLLBACK").await;
         return Err(format!("schema migration failed: {}", database_error(&e)));
     }
+    store
+        .distribute_by_tenant(&TABLES)
+        .await
+        .map_err(|e| format!("distributing the tables failed: {e}"))?;
     Ok(())
 }
+
+/// The example's tables, each distributed by `tenant_id` on Citus.
+const TABLES: [&str; 5] = [
+    "orders",
+    "payment_charges",
+    "inventory_reservations",
+    "warehouse_shipments",
+    "warehouse_tokens",
+];
 
 /// A database error as the database said it, with its SQLSTATE (the
 /// driver's own text for it is only "db error").

@@ -44,7 +44,8 @@ pub(crate) const POISON: &str = "poison-";
 const RAISE_TOKEN: &str =
     "INSERT INTO warehouse_tokens AS t (order_id, highest_token, tenant_id) VALUES ($1, $2, $3) \
      ON CONFLICT (tenant_id, order_id) DO UPDATE SET \
-         highest_token = GREATEST(t.highest_token, EXCLUDED.highest_token), updated_at = now() \
+         highest_token = GREATEST(t.highest_token, EXCLUDED.highest_token), \
+         updated_at = EXCLUDED.updated_at \
      RETURNING highest_token";
 
 /// What the order service asks the warehouse to ship.

@@ -6,8 +6,27 @@
 //! asserts on rows read directly, not through the pooler.
 
 use crate::common;
-#[path = "pooler/order_server.rs"]
-mod order_server;
+
+/// The example server's contract through PgBouncer (a server pool of 4
+/// under the server's pool of 32).
+mod order_server {
+    use tower_idempotency::testing::TestDatabase;
+
+    use crate::common::{
+        example_binary::{both_modes, Mode},
+        pgbouncer::PgBouncer,
+    };
+    use crate::server_contract::keeps_its_contract;
+
+    async fn the_order_server_keeps_its_contract_through_pgbouncer(mode: Mode) {
+        let db = TestDatabase::create().await;
+        let bouncer = PgBouncer::start(&db.config());
+        keeps_its_contract(&db, &[bouncer.url(db.name())], mode).await;
+        drop(bouncer);
+    }
+
+    both_modes!(the_order_server_keeps_its_contract_through_pgbouncer);
+}
 
 use std::{
     sync::{

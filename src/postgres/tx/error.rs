@@ -161,7 +161,11 @@ impl fmt::Display for TxError {
                 "fenced: another owner took the operation over with a larger attempt token; nothing was written",
             ),
             (_, Some(Source::Store(e))) => write!(f, "store error: {e}"),
-            (_, Some(Source::Postgres(e))) => write!(f, "database error: {e}"),
+            // The driver's own text for a server error is only "db error".
+            (_, Some(Source::Postgres(e))) => match e.as_db_error() {
+                Some(db) => write!(f, "database error {}: {}", db.code().code(), db.message()),
+                None => write!(f, "database error: {e}"),
+            },
             (_, None) => f.write_str("database error"),
         }
     }

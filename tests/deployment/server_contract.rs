@@ -1,10 +1,11 @@
-//! The example order server as a process whose `DATABASE_URL` names
-//! PgBouncer in transaction pooling mode (a server pool of 4 under the
-//! server's pool of 32), checked with the same row assertions as its direct
-//! tests: an order and its replay, 50 concurrent duplicates, the outbox
-//! delivering the charges, and a fulfilment answered 202 and then shipped;
-//! with `POST /orders` in each of its modes. Its log must not mention a
-//! prepared statement.
+//! The example order server's contract where it is deployed: as processes
+//! whose `DATABASE_URL` names something other than one PostgreSQL
+//! (PgBouncer in transaction pooling mode, a Citus coordinator), checked
+//! with the same row assertions as its direct tests: an order and its
+//! replay, 50 concurrent duplicates, the outbox delivering the charges, and
+//! a fulfilment answered 202 and then shipped; with `POST /orders` in each
+//! of its modes. Requests alternate between the instances. No log may
+//! mention a prepared statement.
 
 use std::{
     process::Stdio,
@@ -23,15 +24,12 @@ use tokio::{
 };
 use tower_idempotency::{outbox::derive_tenant_key, testing::TestDatabase};
 
-use crate::{
-    common::example_binary::{both_modes, example_binary, Answer, Mode},
-    common::pgbouncer::PgBouncer,
-};
+use crate::common::example_binary::{example_binary, Answer, Mode};
 
 const TOKEN_A: &str = "demo-token-a";
 const DEADLINE: Duration = Duration::from_secs(30);
 
-struct Server {
+pub(crate) struct Server {
     child: Child,
     base: String,
     /// Everything the server wrote to stderr so far.
@@ -40,7 +38,7 @@ struct Server {
 }
 
 impl Server {
-    async fn start(database_url: &str, mode: Mode) -> Server {
+    pub(crate) async fn start(database_url: &str, mode: Mode) -> Server {
         let mut child = Command::new(example_binary())
             .env("DATABASE_URL", database_url)
             .envs([mode.env()])
@@ -94,7 +92,13 @@ impl Server {
         server
     }
 
-    async fn call(&self, method: Method, path: &str, key: Option<&str>, body: &str) -> Answer {
+    pub(crate) async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        key: Option<&str>,
+        body: &str,
+    ) -> Answer {
         let mut request = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base))
@@ -115,7 +119,7 @@ impl Server {
         }
     }
 
-    async fn stop(mut self) -> (std::process::ExitStatus, String) {
+    pub(crate) async fn stop(mut self) -> (std::process::ExitStatus, String) {
         let pid = self.child.id().expect("running").to_string();
         let killed = Command::new("kill")
             .args(["-TERM", &pid])
@@ -132,7 +136,7 @@ impl Server {
     }
 }
 
-fn order(checkout: &str) -> String {
+pub(crate) fn order(checkout: &str) -> String {
     json!({
         "checkout_id": checkout,
         "currency": "JPY",
@@ -157,10 +161,31 @@ async fn eventually<Fut: std::future::Future<Output = bool>>(
     }
 }
 
-async fn the_order_server_keeps_its_contract_through_pgbouncer(mode: Mode) {
-    let db = TestDatabase::create().await;
-    let bouncer = PgBouncer::start(&db.config());
-    let server = Arc::new(Server::start(&bouncer.url(db.name()), mode).await);
+/// Instances of the server, each on its URL; requests go round them.
+struct Servers {
+    instances: Vec<Server>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Servers {
+    async fn call(&self, method: Method, path: &str, key: Option<&str>, body: &str) -> Answer {
+        let at = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let server = &self.instances[at % self.instances.len()];
+        server.call(method, path, key, body).await
+    }
+}
+
+/// The contract, with one instance of the server per URL in `urls`, all on
+/// `db` (which the assertions read directly).
+pub(crate) async fn keeps_its_contract(db: &TestDatabase, urls: &[String], mode: Mode) {
+    let mut instances = Vec::new();
+    for url in urls {
+        instances.push(Server::start(url, mode).await);
+    }
+    let server = Arc::new(Servers {
+        instances,
+        next: Default::default(),
+    });
     let sql = db.client().await;
     let count = |query: &'static str, params: Vec<String>| {
         let sql = &sql;
@@ -345,14 +370,13 @@ async fn the_order_server_keeps_its_contract_through_pgbouncer(mode: Mode) {
     assert_eq!(replayed.status, StatusCode::OK);
     assert!(replayed.replayed());
 
-    let server = Arc::into_inner(server).expect("no request in flight");
-    let (exit, log) = server.stop().await;
-    assert!(exit.success(), "graceful shutdown exits 0");
-    assert!(
-        !log.contains("prepared statement") && !log.contains("26000"),
-        "nothing of the server's reached a server connection that lacked its statement:\n{log}"
-    );
-    drop(bouncer);
+    let servers = Arc::into_inner(server).expect("no request in flight");
+    for server in servers.instances {
+        let (exit, log) = server.stop().await;
+        assert!(exit.success(), "graceful shutdown exits 0");
+        assert!(
+            !log.contains("prepared statement") && !log.contains("26000"),
+            "nothing of the server's reached a server connection that lacked its statement:\n{log}"
+        );
+    }
 }
-
-both_modes!(the_order_server_keeps_its_contract_through_pgbouncer);
