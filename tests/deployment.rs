@@ -1,12 +1,14 @@
 //! Where the crate is deployed: through a transaction pooler (PgBouncer),
-//! over TLS as managed PostgreSQL requires it, on Citus, and the operator's
-//! files under `ops/`.
+//! over TLS as managed PostgreSQL requires it, on Citus, on Patroni, and the
+//! operator's files under `ops/`.
 
 #[path = "deployment/citus.rs"]
 mod citus;
 mod common;
 #[path = "deployment/ops.rs"]
 mod ops;
+#[path = "deployment/patroni.rs"]
+mod patroni;
 #[path = "deployment/pooler.rs"]
 mod pooler;
 #[path = "deployment/server_contract.rs"]
