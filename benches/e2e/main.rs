@@ -8,7 +8,7 @@
 //! Environment (BENCHMARKS.md describes each part):
 //!
 //! - `E2E_SECONDS` (per scenario run, default 5), `E2E_ROUNDS` (default 3);
-//! - `E2E_ONLY=main,open,proxy,pgbench,memory,growth,cleanup` (default: all);
+//! - `E2E_ONLY=main,open,proxy,pgbench,memory,growth,cleanup,citus` (default: all);
 //! - `E2E_KEYS` (key-table sizes, default `0,1000000,10000000`),
 //!   `E2E_EXPIRED` (expired keys for cleanup, default 1000000);
 //! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop).
@@ -18,6 +18,7 @@
 //! create_10m_vs_0=<x.xx>` (`n/a` for what did not run).
 #![allow(unsafe_code)] // the counting allocator in memory.rs, and nothing else
 
+mod citus;
 mod experiment;
 mod growth;
 mod load;
@@ -45,8 +46,8 @@ async fn one_commit_server(store: PgStore) -> Option<SocketAddr> {
     Some(one_commit::server(store).await)
 }
 
-const SECTIONS: [&str; 7] = [
-    "main", "open", "proxy", "pgbench", "memory", "growth", "cleanup",
+const SECTIONS: [&str; 8] = [
+    "main", "open", "proxy", "pgbench", "memory", "growth", "cleanup", "citus",
 ];
 
 struct Settings {
@@ -269,6 +270,10 @@ async fn run(s: Settings) {
         report.cleanup = Some(cleanup);
     }
     report.print();
+    if s.runs("citus") {
+        println!("\nCitus (a coordinator and two workers on these cores) against PostgreSQL:");
+        citus::run(&load, &s).await;
+    }
 }
 
 /// Bare, the layered create and the one-commit mode (the experiment until

@@ -12,8 +12,12 @@ use super::{
     PgStore, PgTx,
 };
 use crate::protocol::{
-    claim::{begin_with_waits, claim_params, settle, Claimed, CLAIM},
+    claim::{
+        begin_with_waits, claim_params, settle, split_claim_rows, Claimed, CLAIM, CLAIM_INSERT,
+        CLAIM_READ, CURRENT_XID,
+    },
     errors::{ends_only_the_statement, LOCK_NOT_AVAILABLE},
+    record::key_params,
 };
 use crate::store::{Claim, ClaimRequest, StoreError, StoreErrorKind};
 
@@ -49,8 +53,12 @@ async fn claim_once(
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     // Cut off mid-statement, `conn` stays marked dirty: it is closed, and
     // PostgreSQL rolls back once the statement ends.
-    let claimed =
-        tokio::time::timeout_at(deadline + CLAIM_GRACE, try_claim(&mut conn, request, wait)).await;
+    let split = store.on_citus();
+    let claimed = tokio::time::timeout_at(
+        deadline + CLAIM_GRACE,
+        try_claim(&mut conn, request, wait, split),
+    )
+    .await;
     match claimed {
         Err(_) => Err(timed_out()),
         Ok(Ok(Claimed::Owned(token, xid))) => {
@@ -99,15 +107,36 @@ async fn claim_once(
 /// The claim statement is prepared on first use on this connection; its
 /// `Parse` then goes out behind the `BEGIN` batch, so that a lock on the
 /// whole table met while planning it is bounded by the wait too.
+///
+/// On Citus (`split`) the claim is [`CLAIM_INSERT`] and [`CLAIM_READ`],
+/// both pipelined behind the begin batch: still one round trip, each
+/// statement one router query.
 async fn try_claim(
     conn: &mut Conn,
     request: &ClaimRequest,
     wait: Duration,
+    split: bool,
 ) -> Result<Claimed, StoreError> {
     let params = claim_params(request);
     let params_dyn = dyn_params(&params);
     let begin = begin_with_waits(Some(wait), request.hold_limit);
     conn.mark_dirty();
+    if split {
+        let key = key_params(request);
+        let key_dyn = dyn_params(&key);
+        let (_, inserted, read, xid) = tokio::try_join!(
+            biased;
+            conn.batch_pipelined(&begin),
+            conn.query_sql(CLAIM_INSERT, &params_dyn),
+            conn.query_sql(CLAIM_READ, &key_dyn),
+            conn.query_sql(CURRENT_XID, &[]),
+        )
+        .map_err(map_error)?;
+        return match split_claim_rows(&inserted, read, &xid)? {
+            Ok(owned) => Ok(owned),
+            Err(read) => settle(conn, request, read).await,
+        };
+    }
     let (_, rows) = tokio::try_join!(
         biased;
         conn.batch_pipelined(&begin),

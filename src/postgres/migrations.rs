@@ -18,13 +18,14 @@ use crate::store::{StoreError, StoreErrorKind};
 /// clean with the returned [`Committed`], the proof of the run's last
 /// `COMMIT`. On error the session stays dirty and is closed, which rolls
 /// back whatever transaction it was in.
-/// `None` when the session must be closed rather than pooled again (the run
-/// changed a default that sessions read when they start).
-pub(super) async fn run(session: &Session) -> Result<Option<Committed>, StoreError> {
+/// The `COMMIT` is `None` when the session must be closed rather than
+/// pooled again (the run changed a default that sessions read when they
+/// start); the flag says whether the database is a Citus coordinator.
+pub(super) async fn run(session: &Session) -> Result<(Option<Committed>, bool), StoreError> {
     let mut transport = SessionTransport::new(session);
     let summary = migrations::run(&mut transport).await?;
     let committed = transport.committed()?;
-    Ok((!summary.reconnect).then_some(committed))
+    Ok(((!summary.reconnect).then_some(committed), summary.citus))
 }
 
 /// [`citus::distribute`] of `tables`, as [`run`] is run.

@@ -75,6 +75,11 @@ pub struct PgStore {
     config: std::sync::Arc<tokio_postgres::Config>,
     connector: tls::Connector,
     transaction_pooling: bool,
+    /// Set once [`migrate`](Self::migrate) or
+    /// [`distribute_by_tenant`](Self::distribute_by_tenant) found Citus:
+    /// the claim is then sent as two router statements (see
+    /// `postgres/claim.rs`), shared by every clone.
+    citus: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl fmt::Debug for PgStore {
@@ -108,8 +113,10 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut session = self.session().await?;
         session.mark_dirty();
+        let (committed, citus) = migrations::run(&session).await?;
+        self.found_citus(citus);
         // Left dirty, a session is closed rather than pooled again.
-        if let Some(committed) = migrations::run(&session).await? {
+        if let Some(committed) = committed {
             session.mark_clean(committed);
         }
         Ok(())
@@ -129,10 +136,22 @@ impl PgStore {
         let mut session = self.session().await?;
         session.mark_dirty();
         let (committed, citus) = migrations::distribute(&session, tables).await?;
+        self.found_citus(citus);
         if let Some(committed) = committed {
             session.mark_clean(committed);
         }
         Ok(citus)
+    }
+
+    fn found_citus(&self, citus: bool) {
+        if citus {
+            self.citus.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the database is known to be a Citus coordinator.
+    pub(crate) fn on_citus(&self) -> bool {
+        self.citus.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A pooled connection for the application's own queries outside the

@@ -256,6 +256,7 @@ impl PgStoreBuilder {
             config,
             connector,
             transaction_pooling: self.transaction_pooling,
+            citus: Default::default(),
         })
     }
 }

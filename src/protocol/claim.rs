@@ -72,6 +72,62 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
              AND NOT EXISTS (SELECT FROM claimed)"
 ));
 
+// The claim as separate statements, for Citus, which plans an INSERT inside
+// a WITH in steps (see CLAIM): the insert, and then, pipelined behind it in
+// the same round trip, the key's row as a fresh snapshot shows it (with the
+// lock-wait reset, which runs on the worker with the read) and the
+// transaction id. The insert and the read are each one router query; the
+// transaction id is read on its own because Citus evaluates it on the
+// coordinator there, as it does in the completion's check, while in a
+// router query it would be the worker's. When the insert returned a token,
+// the read shows this transaction's own row and is not used; otherwise it
+// is the record that holds the key (committed before or while the insert
+// waited), read as CLAIM's second part reads it.
+/// [`CLAIM`]'s insert alone: the token, if the key was free.
+pub(crate) const CLAIM_INSERT: Sql<'static> = Sql::new(
+    "INSERT INTO idempotency_requests AS r \
+         (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+     VALUES ($1::text, $2::text, $3::text, $4::bytea, 'in_progress', \
+         now() + make_interval(secs => $5::float8)) \
+     ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING \
+     RETURNING attempt_token",
+);
+
+/// The key's row after [`CLAIM_INSERT`], in [`CLAIM`]'s columns.
+pub(crate) const CLAIM_READ: Sql<'static> = Sql::new(concat!(
+    "SELECT false, NULL::int8, NULL::text, ",
+    record_columns!(),
+    ", ",
+    may_take_over!("", "now()"),
+    ", set_config('lock_timeout', NULL, true) FROM idempotency_requests \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text"
+));
+
+/// The transaction's id (on Citus, the coordinator's).
+pub(crate) const CURRENT_XID: Sql<'static> = Sql::new("SELECT pg_current_xact_id()::text");
+
+/// What [`CLAIM_INSERT`], [`CLAIM_READ`] and [`CURRENT_XID`] returned:
+/// owned (the token and the transaction id), or the read, as [`CLAIM`]'s
+/// rows.
+pub(crate) fn split_claim_rows<R: Columns>(
+    inserted: &[R],
+    read: Vec<R>,
+    xid: &[R],
+) -> Result<Result<Claimed, Vec<R>>, StoreError> {
+    match inserted.first() {
+        Some(row) => {
+            let xid = xid.first().ok_or_else(|| {
+                StoreError::new(
+                    crate::store::StoreErrorKind::Backend,
+                    "the transaction id was not read",
+                )
+            })?;
+            Ok(Ok(Claimed::Owned(row.int8(0)?, xid.text(0)?.to_owned())))
+        }
+        None => Ok(Err(read)),
+    }
+}
+
 // The takeover of a record that may be taken over, in the claim's
 // transaction. The outer SELECT runs once we own the key and puts
 // lock_timeout back to the session's default for the handler (`set_config`

@@ -242,6 +242,8 @@ pub(crate) struct Summary {
     /// start (see [`super::citus`]): the connection it ran on is closed
     /// rather than pooled again, so that every session from here on has it.
     pub(crate) reconnect: bool,
+    /// The database is a Citus coordinator.
+    pub(crate) citus: bool,
 }
 
 /// Applies the migrations the database lacks.
@@ -252,6 +254,7 @@ pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, Stor
     let mut summary = run_list(transport, MIGRATIONS, &Settings::DEFAULT).await?;
     let distribution = super::citus::distribute(transport, &super::citus::OWN_TABLES).await?;
     summary.reconnect = distribution.reconnect;
+    summary.citus = distribution.citus;
     Ok(summary)
 }
 

@@ -9,6 +9,8 @@ pub(super) fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
     vec![
         ("claim LOOKUP", claim::LOOKUP),
         ("CLAIM", claim::CLAIM),
+        ("CLAIM_INSERT", claim::CLAIM_INSERT),
+        ("CLAIM_READ", claim::CLAIM_READ),
         ("TAKE_OVER", claim::TAKE_OVER),
         ("COMPLETE", st::COMPLETE),
         ("CLAIM_AT_COMMIT", st::CLAIM_AT_COMMIT),

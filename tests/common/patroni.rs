@@ -341,6 +341,35 @@ impl Patroni {
     }
 }
 
+/// Clusters of test processes that died before their drop ran (killed, or
+/// aborted): every process started in such a directory is killed, and the
+/// directory removed.
+fn sweep_left_by_dead_processes() {
+    let prefix = "tower-idempotency-patroni-";
+    for entry in fs::read_dir(std::env::temp_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        if Path::new("/proc").join(pid).exists() {
+            continue;
+        }
+        let dir = entry.path();
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-f"])
+            .arg(dir.as_os_str())
+            .status();
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
+
 /// SIGKILL to the postmaster of `data_dir` and to its children.
 fn kill_postgres(data_dir: &Path) {
     let Ok(pid_file) = fs::read_to_string(data_dir.join("postmaster.pid")) else {
