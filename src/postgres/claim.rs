@@ -12,6 +12,7 @@ use super::{
     PgStore, PgTx,
 };
 use crate::protocol::{
+    citus::IS_CITUS,
     claim::{
         begin_with_waits, claim_params, settle, split_claim_rows, Claimed, CLAIM, CLAIM_INSERT,
         CLAIM_READ, CURRENT_XID,
@@ -53,7 +54,20 @@ async fn claim_once(
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     // Cut off mid-statement, `conn` stays marked dirty: it is closed, and
     // PostgreSQL rolls back once the statement ends.
-    let split = store.on_citus();
+    let split = match store.on_citus() {
+        Some(citus) => citus,
+        // Asked once per store, by its first claim. Unanswered, the claim
+        // takes the one statement that is correct on both (and asks again
+        // next time).
+        None => match conn.query_sql(IS_CITUS, &[]).await {
+            Ok(rows) => {
+                let citus = rows.first().is_some_and(|row| row.get::<_, bool>(0));
+                store.found_citus(citus);
+                citus
+            }
+            Err(_) => false,
+        },
+    };
     let claimed = tokio::time::timeout_at(
         deadline + CLAIM_GRACE,
         try_claim(&mut conn, request, wait, split),

@@ -75,11 +75,11 @@ pub struct PgStore {
     config: std::sync::Arc<tokio_postgres::Config>,
     connector: tls::Connector,
     transaction_pooling: bool,
-    /// Set once [`migrate`](Self::migrate) or
-    /// [`distribute_by_tenant`](Self::distribute_by_tenant) found Citus:
-    /// the claim is then sent as two router statements (see
-    /// `postgres/claim.rs`), shared by every clone.
-    citus: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the database is a Citus coordinator: unknown (0) until the
+    /// first claim asks (or `migrate` finds out), then no (1) or yes (2).
+    /// On Citus the claim is sent as separate router statements (see
+    /// `postgres/claim.rs`). Shared by every clone.
+    citus: std::sync::Arc<std::sync::atomic::AtomicU8>,
 }
 
 impl fmt::Debug for PgStore {
@@ -143,15 +143,18 @@ impl PgStore {
         Ok(citus)
     }
 
-    fn found_citus(&self, citus: bool) {
-        if citus {
-            self.citus.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+    pub(crate) fn found_citus(&self, citus: bool) {
+        let state = if citus { 2 } else { 1 };
+        self.citus
+            .store(state, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether the database is known to be a Citus coordinator.
-    pub(crate) fn on_citus(&self) -> bool {
-        self.citus.load(std::sync::atomic::Ordering::Relaxed)
+    /// Whether the database is a Citus coordinator, if known.
+    pub(crate) fn on_citus(&self) -> Option<bool> {
+        match self.citus.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            state => Some(state == 2),
+        }
     }
 
     /// A pooled connection for the application's own queries outside the
