@@ -84,6 +84,7 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
 // is the record that holds the key (committed before or while the insert
 // waited), read as CLAIM's second part reads it.
 /// [`CLAIM`]'s insert alone: the token, if the key was free.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const CLAIM_INSERT: Sql<'static> = Sql::new(
     "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
@@ -94,6 +95,7 @@ pub(crate) const CLAIM_INSERT: Sql<'static> = Sql::new(
 );
 
 /// The key's row after [`CLAIM_INSERT`], in [`CLAIM`]'s columns.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const CLAIM_READ: Sql<'static> = Sql::new(concat!(
     "SELECT false, NULL::int8, NULL::text, ",
     record_columns!(),
@@ -104,11 +106,13 @@ pub(crate) const CLAIM_READ: Sql<'static> = Sql::new(concat!(
 ));
 
 /// The transaction's id (on Citus, the coordinator's).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const CURRENT_XID: Sql<'static> = Sql::new("SELECT pg_current_xact_id()::text");
 
 /// What [`CLAIM_INSERT`], [`CLAIM_READ`] and [`CURRENT_XID`] returned:
 /// owned (the token and the transaction id), or the read, as [`CLAIM`]'s
 /// rows.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) fn split_claim_rows<R: Columns>(
     inserted: &[R],
     read: Vec<R>,
