@@ -101,6 +101,7 @@ fn replay(c: &mut Criterion) {
         ],
         body: order_body(1024),
         resource_id: None,
+        trailers: Vec::new(),
     };
     let block = stored.encode_headers();
     let mut group = c.benchmark_group("replay");
@@ -113,6 +114,7 @@ fn replay(c: &mut Criterion) {
                 headers,
                 body: stored.body.clone(),
                 resource_id: None,
+                trailers: Vec::new(),
             }
             .to_replay()
         })

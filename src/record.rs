@@ -95,7 +95,15 @@ pub struct StoredResponse {
     /// The resource the operation created or changed, if its handler named
     /// one ([`ResourceId`] in the response extensions).
     pub resource_id: Option<ResourceId>,
+    /// The first response's trailers (HTTP/2 and gRPC: `grpc-status`,
+    /// `grpc-message`), in order; empty for a response without any.
+    pub trailers: Vec<(HeaderName, HeaderValue)>,
 }
+
+/// A response's trailers, carried in its extensions between the layer's
+/// steps (the body is buffered, so they are taken off it).
+#[derive(Clone, Debug)]
+pub(crate) struct ResponseTrailers(pub(crate) HeaderMap);
 
 /// A remembered operation as a store returns it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -124,6 +132,7 @@ impl StoredResponse {
             headers,
             body,
             resource_id: None,
+            trailers: Vec::new(),
         }
     }
 
@@ -134,8 +143,21 @@ impl StoredResponse {
         allow: &[HeaderName],
         body: Bytes,
     ) -> Self {
-        StoredResponse::new(parts.status, &parts.headers, allow, body)
-            .with_resource_id(parts.extensions.get::<ResourceId>().cloned())
+        let stored = StoredResponse::new(parts.status, &parts.headers, allow, body)
+            .with_resource_id(parts.extensions.get::<ResourceId>().cloned());
+        match parts.extensions.get::<ResponseTrailers>() {
+            Some(ResponseTrailers(trailers)) => stored.with_trailers(trailers),
+            None => stored,
+        }
+    }
+
+    /// The same response, with `trailers` (all of them, in order).
+    pub fn with_trailers(self, trailers: &HeaderMap) -> Self {
+        let trailers = trailers
+            .iter()
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        crate::setter::with(self, |s| s.trailers = trailers)
     }
 
     /// The same response, naming the resource its operation created or changed.
@@ -152,20 +174,43 @@ impl StoredResponse {
             map.append(name.clone(), value.clone());
         }
         map.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        if !self.trailers.is_empty() {
+            let mut trailers = HeaderMap::new();
+            for (name, value) in &self.trailers {
+                trailers.append(name.clone(), value.clone());
+            }
+            response.extensions_mut().insert(ResponseTrailers(trailers));
+        }
         response
     }
 
-    /// Encodes the headers as an HTTP/1-style block (`name: value\r\n`).
+    /// Encodes the headers as an HTTP/1-style block (`name: value\r\n`),
+    /// then, if there are trailers, an empty line (`\r\n`) and the
+    /// trailers the same way, as HTTP/1.1 ends a chunked body.
     ///
     /// Header values cannot contain CR or LF, so the encoding is unambiguous
     /// and keeps non-UTF-8 values byte for byte.
     pub fn encode_headers(&self) -> Vec<u8> {
-        encode_headers(&self.headers)
+        let mut block = encode_headers(&self.headers);
+        if !self.trailers.is_empty() {
+            block.extend_from_slice(b"\r\n");
+            block.extend_from_slice(&encode_headers(&self.trailers));
+        }
+        block
     }
 
-    /// Decodes a block written by [`encode_headers`](Self::encode_headers).
+    /// The headers of a block written by
+    /// [`encode_headers`](Self::encode_headers) (what comes before the
+    /// trailers); `None` if it is not such a block.
     pub fn decode_headers(block: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
-        decode_headers(block)
+        decode_headers(split_trailers(block).0)
+    }
+
+    /// The trailers of a block written by
+    /// [`encode_headers`](Self::encode_headers) (empty when it has none);
+    /// `None` if it is not such a block.
+    pub fn decode_trailers(block: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
+        decode_headers(split_trailers(block).1)
     }
 }
 
@@ -179,6 +224,18 @@ pub(crate) fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> Vec<u8> {
         out.extend_from_slice(b"\r\n");
     }
     out
+}
+
+/// A stored block's headers and trailers: the trailers follow the first
+/// empty line (`\r\n` at the start of a line).
+fn split_trailers(block: &[u8]) -> (&[u8], &[u8]) {
+    if let Some(rest) = block.strip_prefix(b"\r\n") {
+        return (&[], rest);
+    }
+    match block.windows(4).position(|w| w == b"\r\n\r\n") {
+        Some(at) => (&block[..at + 2], &block[at + 4..]),
+        None => (block, &[]),
+    }
 }
 
 /// Reads a block written by [`encode_headers`].
@@ -236,6 +293,7 @@ mod tests {
             ],
             body: Bytes::new(),
             resource_id: None,
+            trailers: Vec::new(),
         };
         let decoded = StoredResponse::decode_headers(&stored.encode_headers()).unwrap();
         assert_eq!(decoded, stored.headers);
@@ -251,5 +309,67 @@ mod tests {
         assert!(!ResourceId::new("x".repeat(MAX_RESOURCE_ID_LEN + 1)).is_storable());
         assert!(!ResourceId::new("a\0b").is_storable());
         assert!(!ResourceId::new("a\nb").is_storable());
+    }
+
+    fn grpc_trailers() -> HeaderMap {
+        let mut trailers = HeaderMap::new();
+        trailers.append("grpc-status", HeaderValue::from_static("0"));
+        trailers.append("grpc-message", HeaderValue::from_static("ok"));
+        trailers.append("x-trace", HeaderValue::from_bytes(b"\xff1").unwrap());
+        trailers
+    }
+
+    /// Trailers follow the headers after an empty line, in order and byte
+    /// for byte, and come back apart from them; a block written before
+    /// trailers were remembered reads as headers and no trailers.
+    #[test]
+    fn trailers_are_encoded_after_the_headers_and_read_back_apart() {
+        let mut headers = HeaderMap::new();
+        headers.append(header::LOCATION, HeaderValue::from_static("/orders/1"));
+        let stored = StoredResponse::new(
+            StatusCode::OK,
+            &headers,
+            &[header::LOCATION],
+            Bytes::from_static(b"\0\0\0\0\x02{}"),
+        )
+        .with_trailers(&grpc_trailers());
+        let block = stored.encode_headers();
+        assert_eq!(
+            block,
+            b"location: /orders/1\r\n\r\ngrpc-status: 0\r\ngrpc-message: ok\r\nx-trace: \xff1\r\n"
+        );
+        assert_eq!(
+            StoredResponse::decode_headers(&block).unwrap(),
+            stored.headers
+        );
+        assert_eq!(
+            StoredResponse::decode_trailers(&block).unwrap(),
+            stored.trailers
+        );
+
+        let old = b"location: /orders/1\r\n";
+        assert_eq!(StoredResponse::decode_headers(old).unwrap(), stored.headers);
+        assert_eq!(StoredResponse::decode_trailers(old).unwrap(), vec![]);
+
+        let trailers_only = StoredResponse::new(StatusCode::OK, &headers, &[], Bytes::new())
+            .with_trailers(&grpc_trailers());
+        let block = trailers_only.encode_headers();
+        assert!(block.starts_with(b"\r\ngrpc-status: 0\r\n"));
+        assert_eq!(StoredResponse::decode_headers(&block).unwrap(), vec![]);
+        assert_eq!(
+            StoredResponse::decode_trailers(&block).unwrap(),
+            trailers_only.trailers
+        );
+        assert_eq!(StoredResponse::decode_trailers(b"a: b\r\n\r\nbroken"), None);
+    }
+
+    /// The replay carries the trailers to the body the layer sends.
+    #[test]
+    fn the_replay_carries_the_trailers() {
+        let stored = StoredResponse::new(StatusCode::OK, &HeaderMap::new(), &[], Bytes::new())
+            .with_trailers(&grpc_trailers());
+        let replay = stored.to_replay();
+        let carried = replay.extensions().get::<ResponseTrailers>().unwrap();
+        assert_eq!(carried.0, grpc_trailers());
     }
 }

@@ -1,6 +1,7 @@
 //! The layer's request flow against a real PostgreSQL: the one-commit mode,
 //! hardening against what a handler or an application does, hostile input,
-//! replays rebuilt from a resource id, and the completion's HOT update.
+//! replays rebuilt from a resource id, trailers, and the completion's HOT
+//! update.
 
 #[path = "layer/claim_at_commit.rs"]
 mod claim_at_commit;
@@ -15,3 +16,5 @@ mod hostile_input;
 mod hot_completion;
 #[path = "layer/resource_replay.rs"]
 mod resource_replay;
+#[path = "layer/trailers.rs"]
+mod trailers;

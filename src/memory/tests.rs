@@ -30,6 +30,7 @@ fn response(body: &'static str) -> StoredResponse {
         headers: vec![],
         body: Bytes::from_static(body.as_bytes()),
         resource_id: None,
+        trailers: Vec::new(),
     }
 }
 

@@ -65,20 +65,21 @@ pub(crate) fn record_at<R: Columns + ?Sized>(
     }))
 }
 
-/// The response stored in the columns from `at`: status, headers, body,
-/// resource id.
+/// The response stored in the columns from `at`: status, headers (and
+/// trailers), body, resource id.
 pub(crate) fn response_at<R: Columns + ?Sized>(
     row: &R,
     at: usize,
 ) -> Result<StoredResponse, StoreError> {
+    let block = row.bytea(at + 1)?;
     Ok(StoredResponse {
         status: status(row.int2(at)?)?,
-        headers: StoredResponse::decode_headers(row.bytea(at + 1)?)
-            .ok_or_else(|| corrupt("header block"))?,
+        headers: StoredResponse::decode_headers(block).ok_or_else(|| corrupt("header block"))?,
         body: Bytes::copy_from_slice(row.bytea(at + 2)?),
         resource_id: row
             .opt_text(at + 3)?
             .map(|id| ResourceId::new(id.to_owned())),
+        trailers: StoredResponse::decode_trailers(block).ok_or_else(|| corrupt("trailer block"))?,
     })
 }
 

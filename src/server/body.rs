@@ -118,6 +118,24 @@ impl<B> ResponseBody<B> {
         }
     }
 
+    /// A remembered (or replayed) response's body: `response`'s bytes, then
+    /// the trailers its extensions carry, if any.
+    pub(crate) fn remembered(response: http::Response<Bytes>) -> http::Response<Self> {
+        let (mut parts, bytes) = response.into_parts();
+        let trailers = parts
+            .extensions
+            .remove::<crate::record::ResponseTrailers>()
+            .map(|t| t.0);
+        let mut buffered = Buffered::new(bytes);
+        buffered.trailers = trailers.filter(|t| !t.is_empty());
+        http::Response::from_parts(
+            parts,
+            ResponseBody {
+                kind: ResponseKind::Buffered { buffered },
+            },
+        )
+    }
+
     pub(crate) fn inner(body: B) -> Self {
         ResponseBody {
             kind: ResponseKind::Inner { body },
@@ -168,23 +186,34 @@ impl<B> fmt::Debug for ResponseBody<B> {
     }
 }
 
-/// A body that is already in memory: one data frame, then the end.
-struct Buffered(Option<Bytes>);
+/// A body that is already in memory: one data frame, the trailers if any,
+/// then the end.
+struct Buffered {
+    data: Option<Bytes>,
+    trailers: Option<http::HeaderMap>,
+}
 
 impl Buffered {
     fn new(bytes: Bytes) -> Self {
-        Buffered((!bytes.is_empty()).then_some(bytes))
+        Buffered {
+            data: (!bytes.is_empty()).then_some(bytes),
+            trailers: None,
+        }
     }
 
     fn poll_frame(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Poll::Ready(self.0.take().map(|bytes| Ok(Frame::data(bytes))))
+        let frame = match self.data.take() {
+            Some(bytes) => Some(Frame::data(bytes)),
+            None => self.trailers.take().map(Frame::trailers),
+        };
+        Poll::Ready(frame.map(Ok))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.0.is_none()
+        self.data.is_none() && self.trailers.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.0.as_ref().map_or(0, |bytes| bytes.len() as u64))
+        SizeHint::with_exact(self.data.as_ref().map_or(0, |bytes| bytes.len() as u64))
     }
 }

@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
 
 use super::{body::RequestBody, inner::InnerBody, settled::Rollback};
-use crate::record::{FinalResponse, ResourceId};
+use crate::record::{FinalResponse, ResourceId, ResponseTrailers};
 
 /// Calls the inner service and buffers a response to remember: the part of
 /// the owner's work the handler timeout bounds.
@@ -28,7 +28,7 @@ where
     if !is_remembered(&response) {
         return Err(Rollback::NotRemembered(response));
     }
-    let (parts, body) = response.into_parts();
+    let (mut parts, body) = response.into_parts();
     if parts
         .extensions
         .get::<ResourceId>()
@@ -39,7 +39,14 @@ where
         ));
     }
     match Limited::new(body, body_limit).collect().await {
-        Ok(collected) => Ok((parts, collected.to_bytes())),
+        Ok(collected) => {
+            // Kept beside the bytes: remembered with them, and sent after
+            // them in the first answer and every replay.
+            if let Some(trailers) = collected.trailers().filter(|t| !t.is_empty()) {
+                parts.extensions.insert(ResponseTrailers(trailers.clone()));
+            }
+            Ok((parts, collected.to_bytes()))
+        }
         Err(e) if e.is::<LengthLimitError>() => Err(Rollback::Unstorable(
             "the response body is over the stored-response limit",
         )),

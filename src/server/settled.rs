@@ -280,9 +280,9 @@ impl<B, E> Settled<B, E> {
     /// The response the client gets.
     pub(crate) fn answer(self, config: &Config) -> MiddlewareResult<B, E> {
         let problem = match self {
-            Settled::Replayed(stored) => return Ok(stored.to_replay().map(ResponseBody::buffered)),
+            Settled::Replayed(stored) => return Ok(ResponseBody::remembered(stored.to_replay())),
             Settled::Committed(parts, body) => {
-                return Ok(Response::from_parts(parts, ResponseBody::buffered(body)))
+                return Ok(ResponseBody::remembered(Response::from_parts(parts, body)))
             }
             Settled::RolledBack(Rollback::NotRemembered(response)) => {
                 return Ok(response.map(ResponseBody::inner))

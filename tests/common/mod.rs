@@ -152,11 +152,23 @@ impl Postgres {
     }
 
     /// Sessions of this database left inside a transaction.
+    /// Sessions left idle in a transaction, once the transactions that end
+    /// behind an answer (a replay's read-only transaction is rolled back on
+    /// a task of its own) have had 5 s to end: the count when it reaches 0,
+    /// or the last count.
     pub(crate) async fn idle_in_transaction(&self) -> i64 {
-        self.count(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
-        )
-        .await
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let idle = self
+                .count(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+                )
+                .await;
+            if idle == 0 || tokio::time::Instant::now() >= deadline {
+                return idle;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
     }
 
     /// Runs `sql` (one or more statements) on the test's own connection.
@@ -586,6 +598,7 @@ pub(crate) fn stored(body: &'static [u8]) -> StoredResponse {
         headers: vec![],
         body: Bytes::from_static(body),
         resource_id: None,
+        trailers: Vec::new(),
     }
 }
 

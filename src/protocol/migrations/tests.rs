@@ -139,6 +139,7 @@ async fn claim_and_complete(store: &PgStore, key: &str) -> Result<Duration, Stor
         headers: vec![],
         body: Bytes::from_static(b"done"),
         resource_id: None,
+        trailers: Vec::new(),
     };
     store.complete(tx, &response).await?;
     Ok(started.elapsed())

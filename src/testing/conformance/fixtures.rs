@@ -139,6 +139,17 @@ pub(super) fn response_with(body: Bytes) -> StoredResponse {
         body,
         // Remembered with the response and given back with it.
         resource_id: Some(ResourceId::new("thing_1")),
+        // As gRPC ends a unary answer: remembered and given back in order.
+        trailers: vec![
+            (
+                http::HeaderName::from_static("grpc-status"),
+                HeaderValue::from_static("0"),
+            ),
+            (
+                http::HeaderName::from_static("grpc-message"),
+                HeaderValue::from_static("created"),
+            ),
+        ],
     }
 }
 

@@ -1,0 +1,167 @@
+//! Trailers (HTTP/2's, as gRPC ends every unary answer with `grpc-status`)
+//! are passed on with the first answer, remembered with the response in
+//! the same transaction, and replayed: from the process's replay cache and
+//! from the database, in both modes of a short transaction, on PgStore.
+
+use std::sync::{
+    atomic::{AtomicU64, Ordering},
+    Arc,
+};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use tower::{Layer, ServiceExt};
+use tower_idempotency::RequestBody;
+
+use crate::common::*;
+
+/// What a client reads of an answer: status, headers, body and trailers.
+struct Read {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+fn grpc_trailers() -> HeaderMap {
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    trailers.insert("grpc-message", HeaderValue::from_static("created"));
+    trailers
+}
+
+type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// A handler that writes an order through the layer's transaction and
+/// answers 200 with a gRPC-framed message and gRPC's trailers; counts its
+/// runs.
+fn grpc_like(
+    calls: Arc<AtomicU64>,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Body>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let calls = calls.clone();
+        async move {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            let tx = tx_of::<Postgres>(&request).expect("the layer's transaction");
+            Postgres::insert_order(&tx, &format!("order-{n}"), "tenant-a").await?;
+            let message = Bytes::from_static(b"\0\0\0\0\x07created");
+            let trailers = grpc_trailers();
+            let body = Full::new(message)
+                .map_err(|never| match never {})
+                .with_trailers(async move { Some(Ok(trailers)) })
+                .boxed();
+            let mut response = Response::new(body);
+            response
+                .headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/grpc"));
+            Ok::<_, BoxError>(response)
+        }
+    }))
+}
+
+async fn read<S, B>(service: S, request: Request<Full<Bytes>>) -> Read
+where
+    S: tower::Service<Request<Full<Bytes>>, Response = Response<B>>,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    let response = service.oneshot(request).await.expect("answers");
+    let (parts, body) = response.into_parts();
+    let collected = body.collect().await.expect("body");
+    Read {
+        status: parts.status,
+        headers: parts.headers,
+        trailers: collected.trailers().cloned(),
+        body: collected.to_bytes(),
+    }
+}
+
+async fn remembered_block(pg: &Postgres, key: &str) -> Vec<u8> {
+    pg.client
+        .query_one(
+            "SELECT response_headers FROM idempotency_requests WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailers_are_passed_on_remembered_and_replayed_claim_first() {
+    let pg = Postgres::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let first_process = layer(pg.store.clone()).layer(grpc_like(calls.clone()));
+
+    let first = read(first_process.clone(), tenant_a_post("k1")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.body, Bytes::from_static(b"\0\0\0\0\x07created"));
+    assert_eq!(first.trailers, Some(grpc_trailers()), "the first answer");
+
+    // Remembered in the same row as the response, after the headers.
+    let block = remembered_block(&pg, "k1").await;
+    assert!(
+        block.ends_with(b"\r\n\r\ngrpc-status: 0\r\ngrpc-message: created\r\n"),
+        "{:?}",
+        String::from_utf8_lossy(&block)
+    );
+
+    // From this process's replay cache, and from the database.
+    let cached = read(first_process, tenant_a_post("k1")).await;
+    let other_process = layer(pg.store.clone())
+        .without_replay_cache()
+        .layer(grpc_like(calls.clone()));
+    let stored = read(other_process, tenant_a_post("k1")).await;
+    for replay in [&cached, &stored] {
+        assert_eq!(replay.status, StatusCode::OK);
+        assert_eq!(replay.headers["idempotent-replayed"], "true");
+        assert_eq!(replay.headers["content-type"], "application/grpc");
+        assert_eq!(replay.body, first.body);
+        assert_eq!(replay.trailers, Some(grpc_trailers()));
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(pg.orders().await.len(), 1, "one order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailers_are_passed_on_remembered_and_replayed_one_commit() {
+    let pg = Postgres::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(pg.store.clone())
+        .claim_at_commit()
+        .without_replay_cache()
+        .layer(grpc_like(calls.clone()));
+
+    let first = read(service.clone(), tenant_a_post("k1")).await;
+    assert_eq!(first.trailers, Some(grpc_trailers()), "the first answer");
+    let block = remembered_block(&pg, "k1").await;
+    assert!(block.ends_with(b"\r\n\r\ngrpc-status: 0\r\ngrpc-message: created\r\n"));
+
+    let replay = read(service, tenant_a_post("k1")).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.trailers, Some(grpc_trailers()));
+    // The one-commit mode runs the handler again and loses at commit.
+    assert_eq!(pg.orders().await.len(), 1, "one order");
+}
+
+/// A response without trailers is remembered as before: no empty line, no
+/// trailers frame on the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_without_trailers_replays_without_them() {
+    let pg = Postgres::new().await;
+    let handler = order_handler::<Postgres>(Default::default());
+    let service = layer(pg.store.clone())
+        .without_replay_cache()
+        .layer(handler);
+    let first = read(service.clone(), tenant_a_post("k1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.trailers, None);
+    let block = remembered_block(&pg, "k1").await;
+    assert!(!block.windows(4).any(|w| w == b"\r\n\r\n"));
+    let replay = read(service, tenant_a_post("k1")).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(replay.trailers, None);
+}
