@@ -30,6 +30,7 @@
 // Guides: documentation only, included from `docs/`.
 pub mod guide;
 
+pub mod classify;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;

@@ -50,6 +50,8 @@ pub(crate) struct Config {
     pub(crate) tenant_label: bool,
     /// Set when replays are rebuilt from the remembered resource.
     pub(crate) rebuild: Option<crate::server::replay::Rebuilder>,
+    /// What counts as success (`classify`).
+    pub(crate) classifier: Arc<dyn crate::classify::Classifier>,
 }
 
 impl Config {
@@ -75,10 +77,16 @@ impl Config {
                 header::ETAG,
                 header::LAST_MODIFIED,
                 header::LINK,
+                // A gRPC answer with no message (trailers-only, as tonic
+                // sends an error) carries its status in the headers.
+                HeaderName::from_static("grpc-status"),
+                HeaderName::from_static("grpc-message"),
+                HeaderName::from_static("grpc-status-details-bin"),
             ],
             key_reuse: KeyReuseStatus::Conflict,
             tenant_label: false,
             rebuild: None,
+            classifier: Arc::new(crate::classify::ServerErrorsAsFailures),
         }
     }
 }

@@ -206,8 +206,10 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
 
     /// Also remember and replay this response header. By default the
     /// replayed headers are `Content-Type`, `Content-Encoding`, `Vary`,
-    /// `Content-Language`, `Location`, `ETag`, `Last-Modified` and `Link`.
-    /// `Set-Cookie` is never replayed, whatever the list says.
+    /// `Content-Language`, `Location`, `ETag`, `Last-Modified`, `Link`, and
+    /// gRPC's `grpc-status`, `grpc-message` and `grpc-status-details-bin`
+    /// (in the headers of a trailers-only answer). `Set-Cookie` is never
+    /// replayed, whatever the list says. Trailers are always replayed.
     pub fn replay_header(self, name: HeaderName) -> Self {
         self.configure(|c| {
             if !c.replay_headers.contains(&name) {
@@ -220,6 +222,16 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// on [`replay_header`](Self::replay_header)).
     pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.configure(|c| c.replay_headers = names.into_iter().collect())
+    }
+
+    /// What counts as success: which responses are remembered with the
+    /// handler's writes and which roll back and free the key (default
+    /// [`ServerErrorsAsFailures`](crate::classify::ServerErrorsAsFailures),
+    /// HTTP's rule; [`GrpcErrorsAsFailures`](crate::classify::GrpcErrorsAsFailures)
+    /// for a gRPC service). See [`classify`](crate::classify).
+    pub fn classify(self, classifier: impl crate::classify::Classifier) -> Self {
+        let classifier: Arc<dyn crate::classify::Classifier> = Arc::new(classifier);
+        self.configure(|c| c.classifier = classifier)
     }
 
     /// Adds a `tenant` label to `idempotency_requests_total` (default off:

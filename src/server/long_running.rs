@@ -227,7 +227,12 @@ where
     let started = Instant::now();
     let work = AssertUnwindSafe(tokio::time::timeout(
         config.handler_timeout,
-        run_owner(inner, request, config.response_body_limit),
+        run_owner(
+            inner,
+            request,
+            config.response_body_limit,
+            &*config.classifier,
+        ),
     ))
     .catch_unwind();
     let ran = tokio::select! {

@@ -193,7 +193,12 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     // 4. Run the owner, under its deadline.
     parts.extensions.insert(tx.clone());
     let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let owner = run_owner(inner, request, config.response_body_limit);
+    let owner = run_owner(
+        inner,
+        request,
+        config.response_body_limit,
+        &*config.classifier,
+    );
     let ran = tokio::time::timeout(config.handler_timeout, owner)
         .await
         .unwrap_or(Err(Rollback::TimedOut));

@@ -9,7 +9,10 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
 
 use super::{body::RequestBody, inner::InnerBody, settled::Rollback};
-use crate::record::{FinalResponse, ResourceId, ResponseTrailers};
+use crate::{
+    classify::{Classifier, Verdict},
+    record::{ResourceId, ResponseTrailers},
+};
 
 /// Calls the inner service and buffers a response to remember: the part of
 /// the owner's work the handler timeout bounds.
@@ -17,6 +20,7 @@ pub(crate) async fn run_owner<S, ResB>(
     inner: S,
     request: Request<RequestBody>,
     body_limit: usize,
+    classifier: &dyn Classifier,
 ) -> Result<(http::response::Parts, Bytes), Rollback<ResB, S::Error>>
 where
     S: Service<Request<RequestBody>, Response = Response<ResB>>,
@@ -25,10 +29,11 @@ where
     let response = call_inner(inner, request)
         .await
         .map_err(Rollback::ServiceFailed)?;
-    if !is_remembered(&response) {
-        return Err(Rollback::NotRemembered(response));
-    }
     let (mut parts, body) = response.into_parts();
+    let verdict = classifier.classify_head(&parts);
+    if verdict == Verdict::RollBack {
+        return Err(Rollback::NotRemembered(Response::from_parts(parts, body)));
+    }
     if parts
         .extensions
         .get::<ResourceId>()
@@ -42,10 +47,18 @@ where
         Ok(collected) => {
             // Kept beside the bytes: remembered with them, and sent after
             // them in the first answer and every replay.
-            if let Some(trailers) = collected.trailers().filter(|t| !t.is_empty()) {
-                parts.extensions.insert(ResponseTrailers(trailers.clone()));
+            let trailers = collected.trailers().filter(|t| !t.is_empty()).cloned();
+            let remembered =
+                verdict == Verdict::Remember || classifier.classify_end(&parts, trailers.as_ref());
+            if let Some(trailers) = trailers {
+                parts.extensions.insert(ResponseTrailers(trailers));
             }
-            Ok((parts, collected.to_bytes()))
+            let bytes = collected.to_bytes();
+            if remembered {
+                Ok((parts, bytes))
+            } else {
+                Err(Rollback::NotRememberedBuffered(parts, bytes))
+            }
         }
         Err(e) if e.is::<LengthLimitError>() => Err(Rollback::Unstorable(
             "the response body is over the stored-response limit",
@@ -63,11 +76,4 @@ where
 {
     poll_fn(|cx| inner.poll_ready(cx)).await?;
     inner.call(request).await
-}
-
-/// 2xx, and any non-5xx the handler marked as a final answer.
-fn is_remembered<B>(response: &Response<B>) -> bool {
-    let status = response.status();
-    status.is_success()
-        || (!status.is_server_error() && response.extensions().get::<FinalResponse>().is_some())
 }

@@ -101,6 +101,9 @@ pub enum Settled<B, E> {
 pub enum Rollback<B, E> {
     /// A response that is not remembered (5xx, unmarked 4xx): passed on.
     NotRemembered(Response<B>),
+    /// A response found not to be remembered once its body was buffered
+    /// (its trailers decided: a gRPC error): passed on, trailers included.
+    NotRememberedBuffered(response::Parts, Bytes),
     /// The inner service failed: its error is passed on.
     ServiceFailed(E),
     /// A response to remember whose body could not be buffered.
@@ -206,7 +209,9 @@ impl<B, E> Settled<B, E> {
             ),
             Settled::RolledBack(rollback) => {
                 let reason = match rollback {
-                    Rollback::NotRemembered(_) => "the response is not remembered",
+                    Rollback::NotRemembered(_) | Rollback::NotRememberedBuffered(..) => {
+                        "the response is not remembered"
+                    }
                     Rollback::ServiceFailed(_) => "the service failed",
                     Rollback::Unstorable(reason) => reason,
                     Rollback::TimedOut => {
@@ -220,7 +225,9 @@ impl<B, E> Settled<B, E> {
             // for recoveries too), not here.
             Settled::AttemptFailed(id, rollback) => {
                 let reason = match rollback {
-                    Rollback::NotRemembered(_) => "the response is not remembered",
+                    Rollback::NotRemembered(_) | Rollback::NotRememberedBuffered(..) => {
+                        "the response is not remembered"
+                    }
                     Rollback::ServiceFailed(_) => "the service failed",
                     Rollback::Unstorable(reason) => reason,
                     Rollback::TimedOut => "the handler did not finish within its deadline",
@@ -290,6 +297,10 @@ impl<B, E> Settled<B, E> {
             Settled::RolledBack(Rollback::ServiceFailed(e)) => return Err(e),
             Settled::AttemptFailed(_, Rollback::NotRemembered(response)) => {
                 return Ok(response.map(ResponseBody::inner))
+            }
+            Settled::RolledBack(Rollback::NotRememberedBuffered(parts, body))
+            | Settled::AttemptFailed(_, Rollback::NotRememberedBuffered(parts, body)) => {
+                return Ok(ResponseBody::remembered(Response::from_parts(parts, body)))
             }
             Settled::AttemptFailed(_, Rollback::ServiceFailed(e)) => return Err(e),
             Settled::AttemptFailed(id, Rollback::TimedOut) => attempt_timed_out(config, id),

@@ -165,3 +165,122 @@ async fn a_response_without_trailers_replays_without_them() {
     assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(replay.trailers, None);
 }
+
+/// A handler answering as a gRPC service does: an order written, then the
+/// status `codes[n]` for its `n`th call, in the trailers or (`in_head`) in
+/// the headers of a trailers-only answer; `final_codes` marked
+/// `FinalResponse`.
+fn grpc_service(
+    calls: Arc<AtomicU64>,
+    codes: &'static [&'static str],
+    in_head: bool,
+    final_codes: &'static [&'static str],
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Body>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let calls = calls.clone();
+        async move {
+            let n = calls.fetch_add(1, Ordering::SeqCst) as usize;
+            let code = codes[n.min(codes.len() - 1)];
+            let tx = tx_of::<Postgres>(&request).expect("the layer's transaction");
+            Postgres::insert_order(&tx, &format!("order-{n}"), "tenant-a").await?;
+            let mut trailers = HeaderMap::new();
+            trailers.insert("grpc-status", HeaderValue::from_static(code));
+            let mut response = if in_head {
+                let mut response = Response::new(
+                    Full::new(Bytes::new())
+                        .map_err(|never| match never {})
+                        .boxed(),
+                );
+                response.headers_mut().extend(trailers);
+                response
+            } else {
+                Response::new(
+                    Full::new(Bytes::from_static(b"\0\0\0\0\x00"))
+                        .map_err(|never| match never {})
+                        .with_trailers(async move { Some(Ok(trailers)) })
+                        .boxed(),
+                )
+            };
+            if final_codes.contains(&code) {
+                response
+                    .extensions_mut()
+                    .insert(tower_idempotency::record::FinalResponse);
+            }
+            Ok::<_, BoxError>(response)
+        }
+    }))
+}
+
+async fn key_rows(pg: &Postgres, key: &str) -> i64 {
+    pg.client
+        .query_one(
+            "SELECT count(*) FROM idempotency_requests WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// With gRPC's rule, a non-OK `grpc-status` (in the trailers, or in the
+/// headers of a trailers-only answer) rolls the handler's writes back and
+/// frees the key; the client still gets the answer with its status; the
+/// retry runs again and its OK is remembered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_error_rolls_back_and_the_retry_runs_again() {
+    for in_head in [false, true] {
+        let pg = Postgres::new().await;
+        let calls = Arc::new(AtomicU64::new(0));
+        let service = layer(pg.store.clone())
+            .classify(tower_idempotency::classify::GrpcErrorsAsFailures)
+            .layer(grpc_service(calls.clone(), &["14", "0"], in_head, &[]));
+
+        let failed = read(service.clone(), tenant_a_post("k1")).await;
+        assert_eq!(failed.status, StatusCode::OK);
+        let status = match &failed.trailers {
+            Some(trailers) => trailers["grpc-status"].clone(),
+            None => failed.headers["grpc-status"].clone(),
+        };
+        assert_eq!(
+            status, "14",
+            "UNAVAILABLE reaches the client (in_head {in_head})"
+        );
+        assert_eq!(
+            pg.orders().await.len(),
+            0,
+            "rolled back (in_head {in_head})"
+        );
+        assert_eq!(key_rows(&pg, "k1").await, 0, "the key is free");
+
+        let retried = read(service.clone(), tenant_a_post("k1")).await;
+        assert!(!retried.headers.contains_key("idempotent-replayed"));
+        assert_eq!(pg.orders().await.len(), 1, "the retry's order");
+        assert_eq!(key_rows(&pg, "k1").await, 1);
+        let replay = read(service, tenant_a_post("k1")).await;
+        assert_eq!(replay.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+}
+
+/// A deterministic rejection marked `FinalResponse` is remembered: its
+/// writes commit and every retry gets it back; without the mark, the same
+/// code rolls back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_rejection_marked_final_is_remembered() {
+    let pg = Postgres::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(pg.store.clone())
+        .classify(tower_idempotency::classify::GrpcErrorsAsFailures)
+        .without_replay_cache()
+        .layer(grpc_service(calls.clone(), &["3"], true, &["3"]));
+    let first = read(service.clone(), tenant_a_post("k1")).await;
+    assert_eq!(first.headers["grpc-status"], "3");
+    let replay = read(service, tenant_a_post("k1")).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(
+        replay.headers["grpc-status"], "3",
+        "remembered from the head"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(key_rows(&pg, "k1").await, 1);
+}
