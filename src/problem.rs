@@ -122,6 +122,103 @@ impl Problem {
     }
 }
 
+/// gRPC's status codes the layer answers with.
+mod grpc_code {
+    pub(super) const INVALID_ARGUMENT: u32 = 3;
+    pub(super) const NOT_FOUND: u32 = 5;
+    pub(super) const PERMISSION_DENIED: u32 = 7;
+    pub(super) const RESOURCE_EXHAUSTED: u32 = 8;
+    pub(super) const FAILED_PRECONDITION: u32 = 9;
+    pub(super) const ABORTED: u32 = 10;
+    pub(super) const UNIMPLEMENTED: u32 = 12;
+    pub(super) const INTERNAL: u32 = 13;
+    pub(super) const UNAVAILABLE: u32 = 14;
+    pub(super) const UNAUTHENTICATED: u32 = 16;
+    pub(super) const UNKNOWN: u32 = 2;
+}
+
+impl Problem {
+    /// The gRPC status code of this problem: by its code where the layer
+    /// knows it (a missing or malformed key `INVALID_ARGUMENT`, a reused
+    /// key `FAILED_PRECONDITION`, a key still in progress `ABORTED`, an
+    /// unavailable store or a handler timeout `UNAVAILABLE`, an answer that
+    /// could not be stored `INTERNAL`), otherwise by its HTTP status as
+    /// gRPC maps HTTP.
+    pub fn grpc_status(&self) -> u32 {
+        use grpc_code::*;
+        match self.code {
+            codes::KEY_MISSING | codes::KEY_INVALID | codes::VALIDATION_FAILED => INVALID_ARGUMENT,
+            codes::BODY_UNREADABLE => INVALID_ARGUMENT,
+            codes::KEY_REUSED => FAILED_PRECONDITION,
+            codes::IN_PROGRESS => ABORTED,
+            codes::PAYLOAD_TOO_LARGE => RESOURCE_EXHAUSTED,
+            codes::UNAUTHORIZED => UNAUTHENTICATED,
+            codes::STORE_UNAVAILABLE | codes::HANDLER_TIMEOUT | codes::REPLAY_UNAVAILABLE => {
+                UNAVAILABLE
+            }
+            codes::RESPONSE_NOT_STORABLE | codes::OPERATION_FAILED => INTERNAL,
+            codes::NOT_FOUND | codes::RESOURCE_GONE => NOT_FOUND,
+            codes::METHOD_NOT_ALLOWED => UNIMPLEMENTED,
+            _ => match self.status.as_u16() {
+                400 => INVALID_ARGUMENT,
+                401 => UNAUTHENTICATED,
+                403 => PERMISSION_DENIED,
+                404 => NOT_FOUND,
+                409 => ABORTED,
+                429 => RESOURCE_EXHAUSTED,
+                502..=504 => UNAVAILABLE,
+                _ => UNKNOWN,
+            },
+        }
+    }
+
+    /// The problem as a gRPC service answers an error, for a caller that
+    /// speaks gRPC: HTTP 200, `content-type: application/grpc`, no message,
+    /// and the status in the headers (a trailers-only answer):
+    /// `grpc-status` ([`grpc_status`](Self::grpc_status)), `grpc-message`
+    /// (the title, then the detail, percent-encoded as gRPC requires), and
+    /// where HTTP says `Retry-After`, `grpc-retry-pushback-ms` (the delay
+    /// gRPC's retry policy honours) and `retry-after` too.
+    pub fn to_grpc_response(&self) -> Response<Bytes> {
+        let mut response = Response::new(Bytes::new());
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert("grpc-status", HeaderValue::from(self.grpc_status()));
+        let message = match &self.detail {
+            Some(detail) => format!("{}: {detail}", self.title),
+            None => self.title.clone(),
+        };
+        if let Ok(message) = HeaderValue::from_str(&grpc_percent_encode(&message)) {
+            headers.insert("grpc-message", message);
+        }
+        if let Some(seconds) = self.retry_after {
+            headers.insert(
+                "grpc-retry-pushback-ms",
+                HeaderValue::from(seconds.saturating_mul(1000)),
+            );
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+/// gRPC's `grpc-message` encoding: bytes outside printable ASCII, and `%`,
+/// as `%XX`.
+fn grpc_percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for byte in message.bytes() {
+        if (0x20..=0x7e).contains(&byte) && byte != b'%' {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
 impl std::fmt::Display for Problem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -203,5 +300,24 @@ mod tests {
             .to_response();
         assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
         assert_eq!(response.headers()[header::RETRY_AFTER], "2");
+    }
+
+    /// A gRPC answer: the status by the problem's code, the message
+    /// percent-encoded as gRPC requires, the retry delay in both forms.
+    #[test]
+    fn a_grpc_answer_carries_the_status_message_and_pushback() {
+        let response = Problem::new(StatusCode::CONFLICT, codes::IN_PROGRESS, "Busy 100% — wait")
+            .with_retry_after(2)
+            .to_grpc_response();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["grpc-status"], "10");
+        assert_eq!(
+            response.headers()["grpc-message"],
+            "Busy 100%25 %E2%80%94 wait"
+        );
+        assert_eq!(response.headers()["grpc-retry-pushback-ms"], "2000");
+        assert!(response.body().is_empty());
+        let other = Problem::new(StatusCode::BAD_GATEWAY, "upstream_down", "x");
+        assert_eq!(other.grpc_status(), 14, "UNAVAILABLE, by the HTTP status");
     }
 }

@@ -516,6 +516,25 @@ async fn long_running_operations_are_observable() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // ...and its attempt has ended (the panic caught, the lease given up):
+    // it no longer counts as running.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let values = snapshot(&installed.snapshotter);
+        let running = metric(
+            &values,
+            "idempotency_operations_running",
+            &[("endpoint", ENDPOINT)],
+        );
+        if !matches!(running, Some(DebugValue::Gauge(g)) if g.into_inner() > 0.0) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the dead owner's attempt never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     until_expired("k1").await;
     let retry = spawn_send(
         layer.clone().layer(handler.clone()),

@@ -133,6 +133,7 @@ where
         return pass_through(inner, request).await;
     }
     let config = setup.config.clone();
+    let grpc = is_grpc(request.headers());
     let span = tracing::info_span!(
         "idempotency",
         endpoint = &*config.endpoint,
@@ -144,7 +145,7 @@ where
         Admission::Refused(problem) => {
             let refused = Settled::Rejected(problem);
             refused.observe(&config, &span, &Timings::start(), None);
-            return refused.answer(&config);
+            return refused.answer(&config, grpc);
         }
         Admission::Admitted(admitted) => admitted,
     };
@@ -189,7 +190,20 @@ where
     if !observed {
         settled.observe(&config, &span, &timings, tenant.as_deref());
     }
-    settled.answer(&config)
+    settled.answer(&config, grpc)
+}
+
+/// A gRPC request (`application/grpc`, `application/grpc+proto`, …): the
+/// layer's own answers go back as gRPC statuses.
+fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v == "application/grpc"
+                || v.starts_with("application/grpc+")
+                || v.starts_with("application/grpc;")
+        })
 }
 
 /// A replay of a record that names its resource, rebuilt by the

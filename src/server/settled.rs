@@ -284,8 +284,9 @@ impl<B, E> Settled<B, E> {
         }
     }
 
-    /// The response the client gets.
-    pub(crate) fn answer(self, config: &Config) -> MiddlewareResult<B, E> {
+    /// The response the client gets; the layer's own answers as gRPC
+    /// statuses when the request was gRPC's.
+    pub(crate) fn answer(self, config: &Config, grpc: bool) -> MiddlewareResult<B, E> {
         let problem = match self {
             Settled::Replayed(stored) => return Ok(ResponseBody::remembered(stored.to_replay())),
             Settled::Committed(parts, body) => {
@@ -342,7 +343,12 @@ impl<B, E> Settled<B, E> {
             .with_detail("the operation ran once; nothing was changed now")
             .with_retry_after(1),
         };
-        Ok(problem.to_response().map(ResponseBody::buffered))
+        let response = if grpc {
+            problem.to_grpc_response()
+        } else {
+            problem.to_response()
+        };
+        Ok(response.map(ResponseBody::buffered))
     }
 }
 

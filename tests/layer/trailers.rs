@@ -284,3 +284,75 @@ async fn a_grpc_rejection_marked_final_is_remembered() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(key_rows(&pg, "k1").await, 1);
 }
+
+/// A request as a gRPC client sends it (the message here is JSON for the
+/// test's fingerprinter; the layer reads only the content type).
+fn grpc_post(key: Option<&str>, body: &str) -> Request<Full<Bytes>> {
+    let mut request = post(Some("tenant-a"), key, body);
+    request.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("application/grpc+proto"),
+    );
+    request
+}
+
+/// The layer's own answers to a gRPC request are gRPC statuses in a
+/// trailers-only answer, never a problem+json body: a missing key
+/// `INVALID_ARGUMENT`, a reused key `FAILED_PRECONDITION`, a key still in
+/// progress `ABORTED` with the retry pushback where HTTP says
+/// `Retry-After`. Nothing is written for any of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layers_own_answers_to_a_grpc_request_are_grpc_statuses() {
+    let pg = Postgres::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(pg.store.clone())
+        .classify(tower_idempotency::classify::GrpcErrorsAsFailures)
+        .layer(grpc_service(calls.clone(), &["0"], false, &[]));
+
+    let grpc_status = |read: &Read| {
+        assert_eq!(read.status, StatusCode::OK);
+        assert_eq!(read.headers["content-type"], "application/grpc");
+        assert!(read.body.is_empty(), "trailers-only");
+        read.headers["grpc-status"].to_str().unwrap().to_owned()
+    };
+    let missing = read(service.clone(), grpc_post(None, BODY)).await;
+    assert_eq!(grpc_status(&missing), "3", "INVALID_ARGUMENT");
+    assert!(missing.headers["grpc-message"]
+        .to_str()
+        .unwrap()
+        .contains("dempotency"));
+
+    let created = read(service.clone(), grpc_post(Some("k1"), BODY)).await;
+    assert_eq!(created.trailers.unwrap()["grpc-status"], "0");
+    let reused = read(
+        service.clone(),
+        grpc_post(Some("k1"), r#"{"checkout_id":"other","amount":1}"#),
+    )
+    .await;
+    assert_eq!(grpc_status(&reused), "9", "FAILED_PRECONDITION");
+
+    // A key still in progress: a second process with a short wait.
+    let (started, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let holder = layer(pg.store.clone()).layer(gated::<Postgres>(started.clone(), release.clone()));
+    let held = tokio::spawn(read(holder, grpc_post(Some("k2"), BODY)));
+    started.notified().await;
+    let impatient = layer(pg.store.clone())
+        .wait(std::time::Duration::from_millis(200))
+        .layer(grpc_service(calls.clone(), &["0"], false, &[]));
+    let busy = read(impatient, grpc_post(Some("k2"), BODY)).await;
+    assert_eq!(grpc_status(&busy), "10", "ABORTED");
+    assert_eq!(busy.headers["grpc-retry-pushback-ms"], "1000");
+    release.notify_one();
+    held.await.unwrap();
+
+    // An HTTP request to the same layer still gets problem+json.
+    let http_missing = read(service, post(Some("tenant-a"), None, BODY)).await;
+    assert_eq!(
+        http_missing.headers["content-type"],
+        "application/problem+json"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "only the created one ran");
+}
