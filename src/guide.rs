@@ -23,6 +23,10 @@ pub mod transaction {
     #![doc = include_str!("../docs/transaction.md")]
 }
 
+pub mod grpc {
+    #![doc = include_str!("../docs/grpc.md")]
+}
+
 pub mod replays {
     #![doc = include_str!("../docs/replays.md")]
 }

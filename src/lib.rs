@@ -7,6 +7,7 @@
 //! [fingerprints]: guide::fingerprints
 //! [transaction]: guide::transaction
 //! [replays]: guide::replays
+//! [grpc]: guide::grpc
 //! [long-running]: guide::long_running
 //! [custom-stores]: guide::custom_stores
 //! [outbox]: guide::outbox
