@@ -317,3 +317,68 @@ mod tests {
         }
     }
 }
+
+/// Reads an operation's key from the request itself when it is not in the
+/// key header: from a field of the message, as Google's AIP-155 puts a
+/// `request_id` in every mutating gRPC request. Given to
+/// [`IdempotencyLayer::key_from_body`](crate::IdempotencyLayer::key_from_body);
+/// any `Fn(&Parts, &Bytes) -> Result<Option<String>, String>` is one.
+///
+/// It sees the request's head and its buffered body (for gRPC, the framed
+/// message: [`grpc_message`] takes the frame off). `Ok(None)`: no key in
+/// this request; `Err`: the message cannot be read, answered as
+/// `400 idempotency_key_invalid` with the reason.
+pub trait KeyFromBody: Send + Sync + 'static {
+    /// The key this request carries, if any.
+    fn key(
+        &self,
+        head: &http::request::Parts,
+        body: &bytes::Bytes,
+    ) -> Result<Option<String>, String>;
+}
+
+impl<F> KeyFromBody for F
+where
+    F: Fn(&http::request::Parts, &bytes::Bytes) -> Result<Option<String>, String>
+        + Send
+        + Sync
+        + 'static,
+{
+    fn key(
+        &self,
+        head: &http::request::Parts,
+        body: &bytes::Bytes,
+    ) -> Result<Option<String>, String> {
+        self(head, body)
+    }
+}
+
+/// The message of a unary gRPC request body: its one length-prefixed frame
+/// without the 5-byte prefix; `None` if the body is not exactly one
+/// uncompressed frame (a compressed message is for the extractor to
+/// decompress: the flag byte is 1 and this gives `None`).
+pub fn grpc_message(body: &[u8]) -> Option<&[u8]> {
+    let (&flag, rest) = body.split_first()?;
+    if flag != 0 || rest.len() < 4 {
+        return None;
+    }
+    let (len, message) = rest.split_at(4);
+    let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
+    (message.len() == len).then_some(message)
+}
+
+#[cfg(test)]
+mod grpc_tests {
+    use super::grpc_message;
+
+    #[test]
+    fn grpc_message_takes_one_uncompressed_frame_off() {
+        assert_eq!(grpc_message(b"\0\0\0\0\x02hi"), Some(&b"hi"[..]));
+        assert_eq!(grpc_message(b"\0\0\0\0\0"), Some(&b""[..]));
+        assert_eq!(grpc_message(b"\x01\0\0\0\x02hi"), None, "compressed");
+        assert_eq!(grpc_message(b"\0\0\0\0\x03hi"), None, "short");
+        assert_eq!(grpc_message(b"\0\0\0\0\x01hi"), None, "two messages");
+        assert_eq!(grpc_message(b"\0\0"), None);
+        assert_eq!(grpc_message(b""), None);
+    }
+}

@@ -1,13 +1,15 @@
 //! The layer's request flow against a real PostgreSQL: the one-commit mode,
 //! hardening against what a handler or an application does, hostile input,
-//! replays rebuilt from a resource id, trailers, and the completion's HOT
-//! update.
+//! replays rebuilt from a resource id, gRPC (trailers, `grpc-status`, the
+//! key in the message), and the completion's HOT update.
 
 #[path = "layer/claim_at_commit.rs"]
 mod claim_at_commit;
 mod common;
 #[path = "layer/fuzz_checks.rs"]
 mod fuzz_checks;
+#[path = "layer/grpc.rs"]
+mod grpc;
 #[path = "layer/hardening.rs"]
 mod hardening;
 #[path = "layer/hostile_input.rs"]
@@ -16,5 +18,3 @@ mod hostile_input;
 mod hot_completion;
 #[path = "layer/resource_replay.rs"]
 mod resource_replay;
-#[path = "layer/trailers.rs"]
-mod trailers;

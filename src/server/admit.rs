@@ -49,11 +49,15 @@ where
 {
     let config = &setup.config;
     let key = match parse_key(config, &request) {
-        Ok(Some(key)) => key,
+        Ok(Some(key)) => Some(key),
+        // Read from the message once the body is in (`key_from_body`).
+        Ok(None) if config.key_from_body.is_some() => None,
         Ok(None) => return Admission::PassThrough(request),
         Err(problem) => return Admission::Refused(problem),
     };
-    tracing::Span::current().record("key_hash", key.short_hash());
+    if let Some(key) = &key {
+        tracing::Span::current().record("key_hash", key.short_hash());
+    }
     let (mut parts, body) = request.into_parts();
     let Some(tenant) = setup.resolver.resolve(&parts) else {
         tracing::warn!("no authenticated tenant for an idempotent request; refusing (fail closed)");
@@ -67,6 +71,16 @@ where
     let body = match read_body(config, &parts, body).await {
         Ok(body) => body,
         Err(problem) => return Admission::Refused(problem),
+    };
+    let key = match key {
+        Some(key) => key,
+        None => match key_in_body(config, &parts, &body) {
+            Ok(key) => {
+                tracing::Span::current().record("key_hash", key.short_hash());
+                key
+            }
+            Err(problem) => return Admission::Refused(problem),
+        },
     };
     let fingerprint = match setup.fingerprinter.fingerprint(&mut parts, &body) {
         // The same body sent to another path or query is another request.
@@ -86,18 +100,49 @@ where
     Admission::Admitted(Admitted { parts, body, claim })
 }
 
+fn invalid_key(detail: String) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        codes::KEY_INVALID,
+        "The idempotency key is not valid",
+    )
+    .with_detail(detail)
+}
+
+/// The key the request's message carries (`key_from_body`), held to the
+/// header's rules.
+fn key_in_body(config: &Config, parts: &Parts, body: &Bytes) -> Result<IdempotencyKey, Problem> {
+    let Some(extractor) = &config.key_from_body else {
+        return Err(invalid_key("no key".into()));
+    };
+    match extractor.0.key(parts, body) {
+        Ok(Some(raw)) => match IdempotencyKey::parse(raw.as_bytes()) {
+            Ok(key) if key.as_str().len() > config.max_key_len => {
+                Err(invalid_key(KeyError::TooLong.to_string()))
+            }
+            Ok(key) => Ok(key),
+            Err(e) => Err(invalid_key(e.to_string())),
+        },
+        Ok(None) => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            codes::KEY_MISSING,
+            "An idempotency key is required",
+        )
+        .with_detail(format!(
+            "send a unique `{}` header, or the key in the request's message",
+            config.header
+        ))),
+        Err(reason) => Err(invalid_key(format!(
+            "the key could not be read from the message: {reason}"
+        ))),
+    }
+}
+
 fn parse_key<B>(config: &Config, request: &Request<B>) -> Result<Option<IdempotencyKey>, Problem> {
     let mut values = request.headers().get_all(&config.header).iter();
-    let invalid = |e: KeyError| {
-        Problem::new(
-            StatusCode::BAD_REQUEST,
-            codes::KEY_INVALID,
-            "The idempotency key is not valid",
-        )
-        .with_detail(e.to_string())
-    };
+    let invalid = |e: KeyError| invalid_key(e.to_string());
     match (values.next(), values.next()) {
-        (None, _) if config.key_required => Err(Problem::new(
+        (None, _) if config.key_required && config.key_from_body.is_none() => Err(Problem::new(
             StatusCode::BAD_REQUEST,
             codes::KEY_MISSING,
             "An idempotency key is required",

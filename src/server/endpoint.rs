@@ -52,6 +52,18 @@ pub(crate) struct Config {
     pub(crate) rebuild: Option<crate::server::replay::Rebuilder>,
     /// What counts as success (`classify`).
     pub(crate) classifier: Arc<dyn crate::classify::Classifier>,
+    /// Where the key is read when the header has none (`key_from_body`).
+    pub(crate) key_from_body: Option<KeyFromBodyFn>,
+}
+
+/// A [`KeyFromBody`](crate::key::KeyFromBody), shared by the layer's clones.
+#[derive(Clone)]
+pub(crate) struct KeyFromBodyFn(pub(crate) Arc<dyn crate::key::KeyFromBody>);
+
+impl std::fmt::Debug for KeyFromBodyFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyFromBody")
+    }
 }
 
 impl Config {
@@ -87,6 +99,7 @@ impl Config {
             tenant_label: false,
             rebuild: None,
             classifier: Arc::new(crate::classify::ServerErrorsAsFailures),
+            key_from_body: None,
         }
     }
 }

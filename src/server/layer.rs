@@ -148,6 +148,20 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self.configure(|c| c.header = name)
     }
 
+    /// Reads the key from the request's message when the key header has
+    /// none: a field of the body, as AIP-155's `request_id` (see
+    /// [`KeyFromBody`](crate::key::KeyFromBody); for gRPC,
+    /// [`grpc_message`](crate::key::grpc_message) takes the frame off).
+    /// The header wins when both are there. The body is read (under the
+    /// request limit) before the key is known, and a request that has no
+    /// key in either place is refused with `400 idempotency_key_missing`
+    /// whatever [`require_key`](Self::require_key) says: its body is
+    /// consumed, so it cannot pass through.
+    pub fn key_from_body(self, extractor: impl crate::key::KeyFromBody) -> Self {
+        let extractor = crate::server::endpoint::KeyFromBodyFn(Arc::new(extractor));
+        self.configure(|c| c.key_from_body = Some(extractor))
+    }
+
     /// Whether a request without a key is refused with `400
     /// idempotency_key_missing` (default `true`). When `false`, such requests
     /// pass through without any idempotency.

@@ -1,7 +1,9 @@
-//! Trailers (HTTP/2's, as gRPC ends every unary answer with `grpc-status`)
-//! are passed on with the first answer, remembered with the response in
-//! the same transaction, and replayed: from the process's replay cache and
-//! from the database, in both modes of a short transaction, on PgStore.
+//! gRPC through the layer, on PgStore: trailers (gRPC ends every unary
+//! answer with `grpc-status`) passed on with the first answer, remembered
+//! with the response in the same transaction and replayed from the replay
+//! cache and from the database, in both modes of a short transaction;
+//! `grpc-status` deciding what is remembered; the layer's own answers as
+//! gRPC statuses; the key read from the message (AIP-155's `request_id`).
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
@@ -355,4 +357,79 @@ async fn the_layers_own_answers_to_a_grpc_request_are_grpc_statuses() {
         "application/problem+json"
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1, "only the created one ran");
+}
+
+/// A gRPC-framed message: the flag byte, the length, the message (JSON
+/// here, standing in for protobuf).
+fn framed(message: &str) -> String {
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    body.extend_from_slice(message.as_bytes());
+    String::from_utf8(body).unwrap()
+}
+
+/// AIP-155: the key is the message's `request_id`; the fingerprint is the
+/// message without it (a retry carries the same id and the same message).
+fn request_id(_: &http::request::Parts, body: &Bytes) -> Result<Option<String>, String> {
+    let message = tower_idempotency::key::grpc_message(body).ok_or("not one gRPC frame")?;
+    let value: serde_json::Value = serde_json::from_slice(message).map_err(|e| e.to_string())?;
+    Ok(value["request_id"].as_str().map(str::to_owned))
+}
+
+fn message_fingerprint(
+    _: &mut http::request::Parts,
+    body: &Bytes,
+) -> Result<tower_idempotency::fingerprint::Fingerprint, tower_idempotency::problem::Problem> {
+    let message = tower_idempotency::key::grpc_message(body).unwrap_or(body);
+    Ok(tower_idempotency::fingerprint::Fingerprint::digest(
+        "orders.v1",
+        message,
+    ))
+}
+
+/// The key read from the message's `request_id` when no metadata carries
+/// one: the retry with the same id replays; the same id with another
+/// message is a reused key; a message without an id is refused as a
+/// missing key; the header wins over the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_is_read_from_the_message_when_the_metadata_has_none() {
+    let pg = Postgres::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = tower_idempotency::IdempotencyLayer::new(
+        pg.store.clone(),
+        "orders.v1.Orders/CreateOrder",
+        message_fingerprint,
+    )
+    .classify(tower_idempotency::classify::GrpcErrorsAsFailures)
+    .key_from_body(request_id)
+    .layer(grpc_service(calls.clone(), &["0"], false, &[]));
+
+    let message = framed(r#"{"request_id":"rid-1","checkout_id":"chk_1"}"#);
+    let first = read(service.clone(), grpc_post(None, &message)).await;
+    assert_eq!(first.trailers.unwrap()["grpc-status"], "0");
+    let retry = read(service.clone(), grpc_post(None, &message)).await;
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(key_rows(&pg, "rid-1").await, 1, "the request id is the key");
+
+    let other = framed(r#"{"request_id":"rid-1","checkout_id":"chk_2"}"#);
+    let reused = read(service.clone(), grpc_post(None, &other)).await;
+    assert_eq!(reused.headers["grpc-status"], "9", "FAILED_PRECONDITION");
+
+    let without = framed(r#"{"checkout_id":"chk_3"}"#);
+    let missing = read(service.clone(), grpc_post(None, &without)).await;
+    assert_eq!(missing.headers["grpc-status"], "3", "INVALID_ARGUMENT");
+    let unframed = read(service.clone(), grpc_post(None, "{}")).await;
+    assert_eq!(unframed.headers["grpc-status"], "3");
+    assert!(unframed.headers["grpc-message"]
+        .to_str()
+        .unwrap()
+        .contains("not one gRPC frame"));
+
+    // Metadata wins over the message.
+    let by_header = read(service, grpc_post(Some("meta-1"), &message)).await;
+    assert!(!by_header.headers.contains_key("idempotent-replayed"));
+    assert_eq!(key_rows(&pg, "meta-1").await, 1);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(pg.orders().await.len(), 2);
 }
