@@ -23,6 +23,10 @@ pub mod transaction {
     #![doc = include_str!("../docs/transaction.md")]
 }
 
+pub mod functions {
+    #![doc = include_str!("../docs/functions.md")]
+}
+
 pub mod grpc {
     #![doc = include_str!("../docs/grpc.md")]
 }

@@ -8,6 +8,7 @@
 //! [transaction]: guide::transaction
 //! [replays]: guide::replays
 //! [grpc]: guide::grpc
+//! [functions]: guide::functions
 //! [long-running]: guide::long_running
 //! [custom-stores]: guide::custom_stores
 //! [outbox]: guide::outbox
@@ -37,6 +38,7 @@ pub mod classify;
 pub mod client;
 mod error;
 pub mod fingerprint;
+pub mod function;
 #[cfg(any(feature = "client", feature = "postgres", feature = "sqlx"))]
 mod jitter;
 pub mod key;
