@@ -152,3 +152,36 @@ async fn a_function_runs_once_per_key_on_memory_store() {
     runs_once_per_key(&Memory::new().await).await;
     concurrent_calls_run_once(&Memory::new().await).await;
 }
+
+/// The queue-consumer example: 8 deliveries of 5 messages (3 redelivered),
+/// one failing its first attempt, two consumers at once; the work commits
+/// once per message, one payment per order (it exits non-zero otherwise),
+/// on its own temporary PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_consumer_example_pays_each_order_once() {
+    let binary = crate::common::example_binary::example(
+        "queue_consumer",
+        &["examples/queue_consumer.rs", "Cargo.toml"],
+    );
+    let out = tokio::process::Command::new(binary)
+        .env_remove("DATABASE_URL")
+        .output()
+        .await
+        .expect("the example runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("8 deliveries of 5 messages; the work ran 6 times"),
+        "{stdout}"
+    );
+    for order in ["o-1", "o-2", "o-3", "o-4", "o-5"] {
+        assert!(
+            stdout.contains(&format!("{order}: paid 1 time(s), 1 payment row(s)")),
+            "{stdout}"
+        );
+    }
+}
