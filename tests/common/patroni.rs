@@ -120,6 +120,7 @@ impl Patroni {
     /// and a synchronous standby are up. Blocking.
     pub(crate) fn start() -> Patroni {
         let (etcd_bin, patroni_bin, haproxy_bin) = (find("etcd"), find("patroni"), find("haproxy"));
+        sweep_left_by_dead_processes();
         let ids = postgres_ids();
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

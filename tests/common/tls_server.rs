@@ -60,6 +60,25 @@ mod tempfile_dir {
 
 pub(crate) const PASSWORD: &str = "tls-test-secret";
 
+/// The shared server lives in a static, which is never dropped: its files
+/// outlive the test process. Those of processes that are gone are removed
+/// here.
+fn remove_left_by_dead_processes() {
+    let dirs = std::fs::read_dir(std::env::temp_dir())
+        .into_iter()
+        .flatten()
+        .flatten();
+    for entry in dirs {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix("tower-idempotency-tls-")
+            .and_then(|rest| rest.split('-').next());
+        if pid.is_some_and(|pid| !std::path::Path::new("/proc").join(pid).exists()) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -100,6 +119,7 @@ impl TlsServer {
             NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         let _ = std::fs::remove_dir_all(&dir);
+        remove_left_by_dead_processes();
         std::fs::create_dir_all(&dir).unwrap();
         for (name, contents) in [
             ("ca.pem", &ca.cert),
