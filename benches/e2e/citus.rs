@@ -14,7 +14,7 @@ use tower_idempotency::{
 
 use crate::{
     load::{Kind, Load, Scenario, Stats},
-    report, servers, Settings,
+    servers, Settings,
 };
 
 /// The benchmark's `orders`, keyed by tenant so that Citus can distribute
@@ -65,14 +65,7 @@ pub(crate) async fn run(load: &Arc<Load>, s: &Settings) {
     for scenario in &scenarios {
         load.run(*scenario, std::time::Duration::from_secs(1)).await;
     }
-    let mut results: Vec<_> = scenarios.iter().map(|s| (s.name, Vec::new())).collect();
-    for round in 1..=s.rounds {
-        for (i, scenario) in scenarios.iter().enumerate() {
-            let run = load.run(*scenario, s.duration).await;
-            report::print_round(round, scenario.name, &run);
-            results[i].1.push(run);
-        }
-    }
+    let results = crate::rounds(load, &scenarios, s).await;
     let stats: Vec<_> = results.iter().map(|(_, runs)| Stats::of(runs)).collect();
     println!(
         "\n| scenario (median of {} rounds) | req/s | p50 ms | p99 ms |",

@@ -24,7 +24,7 @@ pub(crate) use crate::protocol::sql::Sql;
 use crate::protocol::sql::{Param, Ty};
 
 /// The driver's type for a declared parameter type.
-fn pg_type(ty: Ty) -> Type {
+pub(crate) fn pg_type(ty: Ty) -> Type {
     match ty {
         Ty::Text => Type::TEXT,
         Ty::Bytea => Type::BYTEA,

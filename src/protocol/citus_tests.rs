@@ -7,6 +7,8 @@
 
 use tokio_postgres::types::{ToSql, Type};
 
+use crate::postgres::prepared::pg_type;
+
 use super::{
     sql::{Sql, Ty},
     tests::{all_statements, ACROSS_TENANTS, UNPARAMETERISED},
@@ -31,20 +33,6 @@ fn value(text: &str, n: usize, ty: Ty) -> Box<dyn ToSql + Sync + Send> {
         Ty::Jsonb => Box::new(serde_json::json!({})),
         Ty::TextArray => Box::new(vec![UUID]),
         Ty::Float8Array => Box::new(vec![1.0f64]),
-    }
-}
-
-fn pg_type(ty: Ty) -> Type {
-    match ty {
-        Ty::Text => Type::TEXT,
-        Ty::Bytea => Type::BYTEA,
-        Ty::Int2 => Type::INT2,
-        Ty::Int4 => Type::INT4,
-        Ty::Int8 => Type::INT8,
-        Ty::Float8 => Type::FLOAT8,
-        Ty::Jsonb => Type::JSONB,
-        Ty::TextArray => Type::TEXT_ARRAY,
-        Ty::Float8Array => Type::FLOAT8_ARRAY,
     }
 }
 
