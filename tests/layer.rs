@@ -1,7 +1,8 @@
 //! The layer's request flow against a real PostgreSQL: the one-commit mode,
 //! hardening against what a handler or an application does, hostile input,
 //! replays rebuilt from a resource id, gRPC (trailers, `grpc-status`, the
-//! key in the message), and the completion's HOT update.
+//! key in the message; the tonic example called over HTTP/2), and the
+//! completion's HOT update.
 
 #[path = "layer/claim_at_commit.rs"]
 mod claim_at_commit;
@@ -10,6 +11,8 @@ mod common;
 mod fuzz_checks;
 #[path = "layer/grpc.rs"]
 mod grpc;
+#[path = "layer/grpc_orders.rs"]
+mod grpc_orders;
 #[path = "layer/hardening.rs"]
 mod hardening;
 #[path = "layer/hostile_input.rs"]
