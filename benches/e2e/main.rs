@@ -8,7 +8,7 @@
 //! Environment (BENCHMARKS.md describes each part):
 //!
 //! - `E2E_SECONDS` (per scenario run, default 5), `E2E_ROUNDS` (default 3);
-//! - `E2E_ONLY=main,open,proxy,pgbench,memory,growth,cleanup,citus` (default: all);
+//! - `E2E_ONLY=main,open,proxy,pgbench,memory,growth,cleanup,citus,grpc` (default: all);
 //! - `E2E_KEYS` (key-table sizes, default `0,1000000,10000000`),
 //!   `E2E_EXPIRED` (expired keys for cleanup, default 1000000);
 //! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop).
@@ -21,6 +21,7 @@
 mod citus;
 mod experiment;
 mod growth;
+mod grpc;
 mod load;
 mod memory;
 mod pgbench;
@@ -29,6 +30,14 @@ mod report;
 mod servers;
 
 mod one_commit;
+
+// The gRPC example's messages and server, measured as they are.
+#[allow(dead_code)]
+#[path = "../../examples/grpc_orders/service.rs"]
+mod grpc_service;
+#[allow(dead_code)]
+#[path = "../../examples/grpc_orders/proto.rs"]
+mod proto;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -46,8 +55,8 @@ async fn one_commit_server(store: PgStore) -> Option<SocketAddr> {
     Some(one_commit::server(store).await)
 }
 
-const SECTIONS: [&str; 8] = [
-    "main", "open", "proxy", "pgbench", "memory", "growth", "cleanup", "citus",
+const SECTIONS: [&str; 9] = [
+    "main", "open", "proxy", "pgbench", "memory", "growth", "cleanup", "citus", "grpc",
 ];
 
 struct Settings {
@@ -270,6 +279,14 @@ async fn run(s: Settings) {
         report.cleanup = Some(cleanup);
     }
     report.print();
+    if s.runs("grpc") {
+        println!("\ngRPC (the tonic example's CreateOrder, with and without the layer):");
+        let r = grpc::run(&config, &s).await;
+        println!(
+            "GRPC create_vs_bare={:.2} replay_vs_create={:.2} p99_create_vs_bare={:.2}",
+            r.create_vs_bare, r.replay_vs_create, r.p99_create_vs_bare
+        );
+    }
     if s.runs("citus") {
         println!("\nCitus (a coordinator and two workers on these cores) against PostgreSQL:");
         citus::run(&load, &s).await;

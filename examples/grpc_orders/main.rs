@@ -39,23 +39,6 @@ use tokio::net::TcpListener;
 use tonic::transport::{server::TcpIncoming, Server};
 use tower_idempotency::{postgres::PgStore, scope::TenantId, testing::TempPostgres};
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS grpc_stock (
-    tenant_id   text   NOT NULL,
-    sku         text   NOT NULL,
-    unit_price  bigint NOT NULL,
-    available   int    NOT NULL CHECK (available >= 0),
-    PRIMARY KEY (tenant_id, sku)
-);
-CREATE TABLE IF NOT EXISTS grpc_orders (
-    id          uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
-    tenant_id   text        NOT NULL,
-    sku         text        NOT NULL,
-    quantity    int         NOT NULL,
-    total       bigint      NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT now()
-);";
-
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 #[tokio::main]
@@ -99,7 +82,7 @@ async fn run() -> Result<(), Error> {
     };
     store.migrate().await?;
     let client = store.client().await?;
-    client.batch_execute(SCHEMA).await?;
+    client.batch_execute(service::SCHEMA).await?;
     for tenant in tokens.values() {
         client
             .execute(

@@ -36,6 +36,39 @@ use tower_idempotency::{
 
 use crate::proto::{self, CreateOrderRequest, GetOrderRequest, Order};
 
+/// The example's tables: the stock each tenant sells, and its orders.
+pub(crate) const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS grpc_stock (
+    tenant_id   text   NOT NULL,
+    sku         text   NOT NULL,
+    unit_price  bigint NOT NULL,
+    available   int    NOT NULL CHECK (available >= 0),
+    PRIMARY KEY (tenant_id, sku)
+);
+CREATE TABLE IF NOT EXISTS grpc_orders (
+    id          uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    tenant_id   text        NOT NULL,
+    sku         text        NOT NULL,
+    quantity    int         NOT NULL,
+    total       bigint      NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);";
+
+/// The order at its SKU's price (`$1` tenant, `$2` SKU, `$3` quantity); no
+/// row when the tenant sells no such SKU.
+pub(crate) const INSERT_ORDER: &str = "INSERT INTO grpc_orders (tenant_id, sku, quantity, total) \
+     SELECT tenant_id, sku, $3::int, unit_price * $3::int FROM grpc_stock \
+     WHERE tenant_id = $1 AND sku = $2 \
+     RETURNING id::text, total, created_at";
+
+/// How long the stock's row lock is waited for before `UNAVAILABLE`.
+pub(crate) const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '1s'";
+
+/// Takes `$3` units of SKU `$2` from tenant `$1`'s stock: one row, or none
+/// when too few are left.
+pub(crate) const TAKE_STOCK: &str = "UPDATE grpc_stock SET available = available - $3 \
+     WHERE tenant_id = $1 AND sku = $2 AND available >= $3";
+
 /// Bearer tokens and the tenants they stand for.
 pub(crate) type Tokens = Arc<HashMap<String, TenantId>>;
 
@@ -204,13 +237,7 @@ async fn create_order(
         i32::try_from(order.quantity).map_err(|_| Status::invalid_argument("quantity"))?;
     // The order at the SKU's price; no row: the tenant sells no such SKU.
     let row = tx
-        .query_opt(
-            "INSERT INTO grpc_orders (tenant_id, sku, quantity, total) \
-             SELECT tenant_id, sku, $3::int, unit_price * $3::int FROM grpc_stock \
-             WHERE tenant_id = $1 AND sku = $2 \
-             RETURNING id::text, total, created_at",
-            &[&tx.tenant(), &order.sku, &quantity],
-        )
+        .query_opt(INSERT_ORDER, &[&tx.tenant(), &order.sku, &quantity])
         .await
         .map_err(database)?
         .ok_or_else(|| Status::invalid_argument(format!("unknown sku {:?}", order.sku)))?;
@@ -233,15 +260,9 @@ async fn create_order(
     // The stock last, and without queueing behind a busy SKU for long: a
     // lock not had within a second is UNAVAILABLE, which rolls the order
     // and its event back and frees the key for the client's retry.
-    tx.execute("SET LOCAL lock_timeout = '1s'", &[])
-        .await
-        .map_err(database)?;
+    tx.execute(LOCK_TIMEOUT, &[]).await.map_err(database)?;
     let reserved = tx
-        .execute(
-            "UPDATE grpc_stock SET available = available - $3 \
-             WHERE tenant_id = $1 AND sku = $2 AND available >= $3",
-            &[&tx.tenant(), &created.sku, &quantity],
-        )
+        .execute(TAKE_STOCK, &[&tx.tenant(), &created.sku, &quantity])
         .await
         .map_err(database)?;
     if reserved == 0 {
