@@ -8,14 +8,17 @@
 //! Environment (BENCHMARKS.md describes each part):
 //!
 //! - `E2E_SECONDS` (per scenario run, default 5), `E2E_ROUNDS` (default 3);
-//! - `E2E_ONLY=main,open,proxy,pgbench,memory,growth,cleanup,citus,grpc` (default: all);
+//! - `E2E_ONLY=main,units,open,proxy,pgbench,memory,growth,cleanup,citus,grpc` (default: all);
 //! - `E2E_KEYS` (key-table sizes, default `0,1000000,10000000`),
 //!   `E2E_EXPIRED` (expired keys for cleanup, default 1000000);
 //! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop).
 //!
 //! The last line is `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx>
 //! p99_create_vs_bare=<x.xx> mixed_vs_bare=<x.xx> atcommit_vs_bare=<x.xx>
-//! create_10m_vs_0=<x.xx>` (`n/a` for what did not run).
+//! create_10m_vs_0=<x.xx> roundtrips_default_minus_bare=<x.xx>
+//! roundtrips_onecommit_minus_bare=<x.xx> wal_create_vs_bare=<x.xx>
+//! wal_onecommit_vs_bare=<x.xx> cpu_default_vs_bare=<x.xx>
+//! cpu_onecommit_vs_experiment=<x.xx>` (`n/a` for what did not run).
 #![allow(unsafe_code)] // the counting allocator in memory.rs, and nothing else
 
 mod citus;
@@ -28,6 +31,7 @@ mod pgbench;
 mod proxy;
 mod report;
 mod servers;
+mod units;
 
 mod one_commit;
 
@@ -55,8 +59,8 @@ async fn one_commit_server(store: PgStore) -> Option<SocketAddr> {
     Some(one_commit::server(store).await)
 }
 
-const SECTIONS: [&str; 9] = [
-    "main", "open", "proxy", "pgbench", "memory", "growth", "cleanup", "citus", "grpc",
+const SECTIONS: [&str; 10] = [
+    "main", "units", "open", "proxy", "pgbench", "memory", "growth", "cleanup", "citus", "grpc",
 ];
 
 struct Settings {
@@ -221,6 +225,13 @@ async fn run(s: Settings) {
         report.main = rounds(&load, &main, &s).await;
     }
 
+    if s.runs("units") {
+        let socket = unix_socket(&config);
+        let costs = units::run(&load, socket, pg.data_dir(), &config, &s).await;
+        report.key_row_wal = Some(units::key_row_wal(&setup).await);
+        report.units = Some(costs);
+    }
+
     if s.runs("open") {
         // Latency at equal load: all at half the layered create throughput.
         let rate = match (
@@ -293,6 +304,16 @@ async fn run(s: Settings) {
     }
 }
 
+/// The socket file of the bench's cluster.
+fn unix_socket(config: &tokio_postgres::Config) -> std::path::PathBuf {
+    match (config.get_hosts().first(), config.get_ports().first()) {
+        (Some(tokio_postgres::config::Host::Unix(dir)), Some(port)) => {
+            dir.join(format!(".s.PGSQL.{port}"))
+        }
+        _ => panic!("the bench's cluster listens on a Unix socket"),
+    }
+}
+
 /// Bare, the layered create and the one-commit mode (the experiment until
 /// it is merged) with the database behind the delaying proxy: closed loop,
 /// then open loop at half the proxied layered create's throughput.
@@ -302,13 +323,7 @@ async fn proxied(
     mode: bool,
     s: &Settings,
 ) -> Proxied {
-    let socket = match (config.get_hosts().first(), config.get_ports().first()) {
-        (Some(tokio_postgres::config::Host::Unix(dir)), Some(port)) => {
-            dir.join(format!(".s.PGSQL.{port}"))
-        }
-        _ => panic!("the bench's cluster listens on a Unix socket"),
-    };
-    let proxy = proxy::Proxy::start(socket, s.proxy_delay);
+    let proxy = proxy::Proxy::start(unix_socket(config), s.proxy_delay);
     let mut via = tokio_postgres::Config::new();
     via.host("127.0.0.1")
         .port(proxy.addr.port())

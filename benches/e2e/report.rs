@@ -4,6 +4,7 @@ use crate::{
     growth::{self, CleanupRun, Step},
     load::{percentile, Run, Stats},
     pgbench,
+    units::{self, Costs},
 };
 
 pub(crate) const BARE: &str = "1 bare (no layer)";
@@ -62,6 +63,10 @@ pub(crate) struct Report {
     pub(crate) pgbench: Option<pgbench::Results>,
     /// Whether the one-commit mode ran (false: its rows ran the experiment).
     pub(crate) one_commit: bool,
+    /// Cost per request in units (round trips, statements, WAL, CPU).
+    pub(crate) units: Option<Costs>,
+    /// WAL bytes of one key row with its index entries.
+    pub(crate) key_row_wal: Option<f64>,
 }
 
 impl Report {
@@ -96,6 +101,12 @@ impl Report {
                     "| {name} | {:.0} | {:.2} | {:.2} | {} |",
                     s.tput, s.p50, s.p99, s.unexpected
                 );
+            }
+        }
+        if let Some(costs) = &self.units {
+            units::print(costs);
+            if let Some(key_row) = self.key_row_wal {
+                println!("one key row with its index entries: {key_row:.0} WAL bytes");
             }
         }
         if let Some((rate, rows)) = &self.open {
@@ -195,7 +206,31 @@ impl Report {
         } else {
             "claim at commit, the experiment until the mode is merged"
         };
-        let targets: [Target; 6] = [
+        let cost = |name: &str| self.units.as_ref().and_then(|c| units::of(c, name));
+        let minus = |a: Option<units::Cost>, b: Option<units::Cost>, f: fn(&units::Cost) -> f64| {
+            Some(f(&a?) - f(&b?))
+        };
+        let over = |a: Option<units::Cost>, b: Option<units::Cost>, f: fn(&units::Cost) -> f64| {
+            Some(f(&a?) / f(&b?))
+        };
+        let trips = |c: &units::Cost| c.round_trips;
+        let wal = |c: &units::Cost| c.wal;
+        let cpu = |c: &units::Cost| c.cpu();
+        let (u_bare, u_default, u_one, u_experiment) = (
+            cost(units::BARE),
+            cost(units::DEFAULT),
+            cost(units::ONE_COMMIT),
+            cost(units::EXPERIMENT),
+        );
+        let trips_default = minus(u_default, u_bare, trips);
+        let trips_one = minus(u_one, u_bare, trips);
+        let wal_create = over(u_default, u_bare, wal);
+        let wal_one = over(u_one, u_bare, wal);
+        let cpu_default = over(u_default, u_bare, cpu);
+        let cpu_one = over(u_one, u_experiment, cpu);
+        // WAL of a one-commit create over bare's, less one key row's.
+        let wal_one_extra = (|| Some(u_one?.wal - u_bare?.wal - self.key_row_wal?))();
+        let targets: [Target; 11] = [
             (
                 format!("{which}: create >= 0.90 x bare"),
                 ratio(at_commit, bare, tput),
@@ -225,6 +260,31 @@ impl Report {
                 "create at 10 M keys >= 0.9 x at 0".to_owned(),
                 growth,
                 |v| v >= 0.9,
+            ),
+            (
+                "default create: round trips = bare + 1 (over bare)".to_owned(),
+                trips_default,
+                |v| (v - 1.0).abs() < 0.05,
+            ),
+            (
+                "one-commit create: round trips = bare's (over bare)".to_owned(),
+                trips_one,
+                |v| v.abs() < 0.05,
+            ),
+            (
+                "one-commit create: CPU <= 1.05 x the hand-written experiment's".to_owned(),
+                cpu_one,
+                |v| v <= 1.05,
+            ),
+            (
+                "one-commit create: WAL <= bare + one key row (bytes over)".to_owned(),
+                wal_one_extra,
+                |v| v <= 0.0,
+            ),
+            (
+                "default create: CPU over bare's (no target; read beside the above)".to_owned(),
+                cpu_default,
+                |_| true,
             ),
         ];
         println!();
@@ -259,13 +319,21 @@ impl Report {
             );
         }
         println!(
-            "RATIOS create_vs_bare={} replay_vs_create={} p99_create_vs_bare={} mixed_vs_bare={} atcommit_vs_bare={} create_10m_vs_0={}",
+            "RATIOS create_vs_bare={} replay_vs_create={} p99_create_vs_bare={} mixed_vs_bare={} atcommit_vs_bare={} create_10m_vs_0={} \
+             roundtrips_default_minus_bare={} roundtrips_onecommit_minus_bare={} wal_create_vs_bare={} wal_onecommit_vs_bare={} \
+             cpu_default_vs_bare={} cpu_onecommit_vs_experiment={}",
             fmt(ratio(create, bare, tput)),
             fmt(ratio(replay, create, tput)),
             fmt(ratio(create, bare, p99)),
             fmt(ratio(mixed, bare, tput)),
             fmt(ratio(at_commit, bare, tput)),
             fmt(growth),
+            fmt(trips_default),
+            fmt(trips_one),
+            fmt(wal_create),
+            fmt(wal_one),
+            fmt(cpu_default),
+            fmt(cpu_one),
         );
     }
 }

@@ -366,6 +366,18 @@ async fn serves_the_contract_table(mode: Mode) {
     ] {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
+    // Latencies are histograms with the documented buckets, not summaries
+    // (a fleet's quantile needs every instance's counts).
+    for bucket in ["0.001", "0.0025", "0.1", "1", "30", "+Inf"] {
+        let le = format!("le=\"{bucket}\"");
+        assert!(
+            metrics.lines().any(|line| {
+                line.starts_with("idempotency_claim_duration_seconds_bucket{") && line.contains(&le)
+            }),
+            "the bucket {le} missing from:\n{metrics}"
+        );
+    }
+    assert!(!metrics.contains("quantile="), "no summaries:\n{metrics}");
     for outcome in ["new", "replayed", "key_reused", "rejected"] {
         assert!(
             metrics.contains(&format!(
