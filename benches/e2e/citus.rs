@@ -57,7 +57,7 @@ pub(crate) async fn run(load: &Arc<Load>, s: &Settings) {
         ["postgres bare", "postgres create"],
         ["citus bare", "citus create"],
     ]) {
-        let bare_addr = servers::bare_server(servers::store(config)).await;
+        let bare_addr = servers::bare_server(servers::bare_pool(config)).await;
         let layered = servers::layered_server(servers::store(config)).await;
         scenarios.push(Scenario::new(bare, bare_addr, Kind::Plain));
         scenarios.push(Scenario::new(create, layered, Kind::Create));

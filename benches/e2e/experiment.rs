@@ -3,13 +3,12 @@
 
 use axum::{body::Bytes, extract::State, response::IntoResponse, response::Response};
 use http::StatusCode;
-use tower_idempotency::postgres::PgStore;
 
 use std::net::SocketAddr;
 
 use axum::{routing::post, Router};
 
-use crate::servers::{created, serve, NewOrder};
+use crate::servers::{created, serve, BarePool, NewOrder};
 
 const INSERT_ORDER: &str =
     "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3) RETURNING id::text";
@@ -23,7 +22,7 @@ const INSERT_ORDER: &str =
 /// record. (No expired-record takeover and no in-process waiting: an upper
 /// bound of what the strategy could reach.)
 pub(crate) async fn at_commit(
-    State(store): State<PgStore>,
+    State(pool): State<BarePool>,
     headers: http::HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -39,7 +38,7 @@ pub(crate) async fn at_commit(
         return StatusCode::UNPROCESSABLE_ENTITY.into_response();
     };
     let fingerprint = sha2::Sha256::digest(&body).to_vec();
-    let Ok(client) = store.client().await else {
+    let Ok(client) = pool.get().await else {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     };
     let result = async {
@@ -108,7 +107,7 @@ pub(crate) async fn at_commit(
 }
 
 /// A server whose `POST /orders` is [`at_commit`].
-pub(crate) async fn at_commit_server(store: PgStore) -> SocketAddr {
+pub(crate) async fn at_commit_server(pool: BarePool) -> SocketAddr {
     let app = Router::new().route("/orders", post(at_commit));
-    serve(app.with_state(store)).await
+    serve(app.with_state(pool)).await
 }

@@ -86,7 +86,7 @@ pub(crate) async fn run(config: &tokio_postgres::Config, s: &Settings) -> GrpcRa
     ))
     .await;
     let bare = serve(BareOrders {
-        store: servers::store(config),
+        pool: servers::bare_pool(config),
     })
     .await;
     let scenarios = [
@@ -266,7 +266,7 @@ async fn round(
 /// transaction and runs the example's statements in it.
 #[derive(Clone)]
 struct BareOrders {
-    store: PgStore,
+    pool: servers::BarePool,
 }
 
 impl NamedService for BareOrders {
@@ -283,9 +283,9 @@ impl tower::Service<http::Request<Body>> for BareOrders {
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let store = self.store.clone();
+        let pool = self.pool.clone();
         Box::pin(async move {
-            let create = tower::service_fn(move |request| bare_create(store.clone(), request));
+            let create = tower::service_fn(move |request| bare_create(pool.clone(), request));
             Ok(Grpc::new(ProstCodec::default())
                 .unary(create, request)
                 .await)
@@ -294,13 +294,13 @@ impl tower::Service<http::Request<Body>> for BareOrders {
 }
 
 async fn bare_create(
-    store: PgStore,
+    pool: servers::BarePool,
     request: tonic::Request<CreateOrderRequest>,
 ) -> Result<tonic::Response<Order>, Status> {
     let order = request.into_inner();
     let quantity = order.quantity as i32;
-    let client = store
-        .client()
+    let client = pool
+        .get()
         .await
         .map_err(|_| Status::unavailable("no connection"))?;
     let result = async {

@@ -181,14 +181,14 @@ async fn run(s: Settings) {
         .expect("schema");
     drop(client);
 
-    let bare = servers::bare_server(servers::store(&config)).await;
+    let bare = servers::bare_server(servers::bare_pool(&config)).await;
     let layered_store = servers::store(&config);
     let layered = servers::layered_server(layered_store.clone()).await;
     let uncached = servers::uncached_server(layered_store).await;
-    let at_commit = experiment::at_commit_server(servers::store(&config)).await;
+    let at_commit = experiment::at_commit_server(servers::bare_pool(&config)).await;
     let one_commit = one_commit_server(servers::store(&config)).await;
     let typed = servers::typed_server(&config).await;
-    let bare_five = servers::bare_five_server(servers::store(&config)).await;
+    let bare_five = servers::bare_five_server(servers::bare_pool(&config)).await;
     let layered_five = servers::layered_five_server(servers::store(&config)).await;
 
     let bare_s = Scenario::new(report::BARE, bare, Kind::Plain);
@@ -329,13 +329,13 @@ async fn proxied(
         .port(proxy.addr.port())
         .user("postgres")
         .dbname("postgres");
-    let bare = servers::bare_server(servers::store(&via)).await;
+    let bare = servers::bare_server(servers::bare_pool(&via)).await;
     let layered = servers::layered_server(servers::store(&via)).await;
     let at_commit = match one_commit_server(servers::store(&via)).await {
         Some(addr) => Scenario::new("create, one-commit mode, via proxy", addr, Kind::Create),
         None => Scenario::new(
             "create, claim at commit (experiment), via proxy",
-            experiment::at_commit_server(servers::store(&via)).await,
+            experiment::at_commit_server(servers::bare_pool(&via)).await,
             Kind::Create,
         ),
     };
