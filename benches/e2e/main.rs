@@ -11,7 +11,9 @@
 //! - `E2E_ONLY=main,units,open,proxy,pgbench,memory,growth,cleanup,citus,grpc` (default: all);
 //! - `E2E_KEYS` (key-table sizes, default `0,1000000,10000000`),
 //!   `E2E_EXPIRED` (expired keys for cleanup, default 1000000);
-//! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop).
+//! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop);
+//! - `E2E_UNITS` (the `units` part's scenarios whose names hold one of these
+//!   comma-separated words, to profile one at a time).
 //!
 //! The last line is `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx>
 //! p99_create_vs_bare=<x.xx> mixed_vs_bare=<x.xx> atcommit_vs_bare=<x.xx>

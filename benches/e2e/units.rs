@@ -117,6 +117,12 @@ pub(crate) async fn run(
         Scenario::new(BARE_FIVE, bare_five, Kind::Plain).body(Body::Full),
         Scenario::new(LAYERED_FIVE, layered_five, Kind::Create).body(Body::Full),
     ]);
+    // `E2E_UNITS=one-commit,bare`: only the scenarios whose names hold one
+    // of these (to profile one at a time).
+    if let Ok(only) = std::env::var("E2E_UNITS") {
+        let only: Vec<String> = only.split(',').map(|s| s.trim().to_owned()).collect();
+        scenarios.retain(|s| only.iter().any(|o| s.name.contains(o.as_str())));
+    }
     // Every pool connected and every statement prepared before counting.
     for scenario in &scenarios {
         load.run(*scenario, Duration::from_secs(1)).await;
