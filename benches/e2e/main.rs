@@ -8,7 +8,8 @@
 //! Environment (BENCHMARKS.md describes each part):
 //!
 //! - `E2E_SECONDS` (per scenario run, default 5), `E2E_ROUNDS` (default 3);
-//! - `E2E_ONLY=main,units,open,proxy,pgbench,memory,growth,cleanup,citus,grpc` (default: all);
+//! - `E2E_ONLY=main,units,open,proxy,pgbench,trials,memory,growth,cleanup,citus,grpc`
+//!   (default: all);
 //! - `E2E_KEYS` (key-table sizes, default `0,1000000,10000000`),
 //!   `E2E_EXPIRED` (expired keys for cleanup, default 1000000);
 //! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop);
@@ -33,6 +34,7 @@ mod pgbench;
 mod proxy;
 mod report;
 mod servers;
+mod trials;
 mod units;
 
 mod one_commit;
@@ -61,8 +63,9 @@ async fn one_commit_server(store: PgStore) -> Option<SocketAddr> {
     Some(one_commit::server(store).await)
 }
 
-const SECTIONS: [&str; 10] = [
-    "main", "units", "open", "proxy", "pgbench", "memory", "growth", "cleanup", "citus", "grpc",
+const SECTIONS: [&str; 11] = [
+    "main", "units", "open", "proxy", "pgbench", "trials", "memory", "growth", "cleanup", "citus",
+    "grpc",
 ];
 
 struct Settings {
@@ -257,6 +260,10 @@ async fn run(s: Settings) {
     if s.runs("pgbench") {
         let seconds = s.duration.as_secs().max(5);
         report.pgbench = Some(pgbench::run(&pg, seconds));
+    }
+    if s.runs("trials") {
+        let seconds = s.duration.as_secs().max(5);
+        report.trials = Some(trials::run(&pg, seconds, s.rounds));
     }
     if s.runs("memory") {
         report.memory = Some(memory::memory_per_in_flight_request().await);

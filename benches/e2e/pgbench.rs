@@ -173,17 +173,43 @@ fn pgbench_variants(pg: &TempPostgres, seconds: u64) -> Vec<(&'static str, Optio
 /// `pgbench` with the same SQL, same connection count: what the database
 /// itself reaches on this machine.
 fn pgbench(pg: &TempPostgres, name: &str, script: &str, seconds: u64) -> Option<f64> {
-    pgbench_with(pg, name, script, seconds, "prepared")
+    pgbench_with(pg, name, script, seconds, "prepared", None)
+}
+
+/// Runs `sql` with `psql` on the cluster; its output, unaligned, tuples only.
+pub(crate) fn psql(pg: &TempPostgres, sql: &str) -> String {
+    let config = pg.config();
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Unix(path)) => path.display().to_string(),
+        Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
+        None => panic!("the cluster has a host"),
+    };
+    let port = config.get_ports().first().expect("a port").to_string();
+    let output = std::process::Command::new(pg.bin_dir().join("psql"))
+        .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"])
+        .args([
+            "-h", &host, "-p", &port, "-U", "postgres", "-d", "postgres", "-c", sql,
+        ])
+        .output()
+        .expect("psql runs");
+    assert!(
+        output.status.success(),
+        "psql: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// [`pgbench`] with a query protocol of choice (`simple` runs compound
-/// `\;` commands, which `prepared` cannot).
-fn pgbench_with(
+/// `\;` commands, which `prepared` cannot) and startup `options` for its
+/// connections (`PGOPTIONS`).
+pub(crate) fn pgbench_with(
     pg: &TempPostgres,
     name: &str,
     script: &str,
     seconds: u64,
     protocol: &str,
+    options: Option<&str>,
 ) -> Option<f64> {
     let file = std::env::temp_dir().join(format!(
         "tower-idempotency-{name}-{}.sql",
@@ -196,6 +222,7 @@ fn pgbench_with(
         tokio_postgres::config::Host::Tcp(host) => host.clone(),
     };
     let output = std::process::Command::new(pg.bin_dir().join("pgbench"))
+        .env("PGOPTIONS", options.unwrap_or(""))
         .args([
             "-n",
             "-M",
@@ -247,8 +274,8 @@ pub(crate) fn run(pg: &TempPostgres, seconds: u64) -> Results {
     // rounds of each so that drift does not pass for it.
     let mut reset_rounds = Vec::new();
     for _ in 0..2 {
-        let without = pgbench_with(pg, "layered", PGBENCH_LAYERED, seconds, "simple");
-        let with = pgbench_with(pg, "reset", PGBENCH_LAYERED_RESET, seconds, "simple");
+        let without = pgbench_with(pg, "layered", PGBENCH_LAYERED, seconds, "simple", None);
+        let with = pgbench_with(pg, "reset", PGBENCH_LAYERED_RESET, seconds, "simple", None);
         if let (Some(without), Some(with)) = (without, with) {
             reset_rounds.push((without, with));
         }

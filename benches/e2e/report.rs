@@ -67,6 +67,8 @@ pub(crate) struct Report {
     pub(crate) units: Option<Costs>,
     /// WAL bytes of one key row with its index entries.
     pub(crate) key_row_wal: Option<f64>,
+    /// The SQL-level trials' groups.
+    pub(crate) trials: Option<Vec<Vec<crate::trials::Trial>>>,
 }
 
 impl Report {
@@ -137,6 +139,9 @@ impl Report {
         if let Some(results) = &self.pgbench {
             pgbench::print_summary(results);
             pgbench::print_variants(results);
+        }
+        if let Some(trials) = &self.trials {
+            crate::trials::print(trials);
         }
         if let Some(proxy) = &self.proxy {
             Self::print_proxy(proxy);

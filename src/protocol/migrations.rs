@@ -90,13 +90,22 @@ pub(crate) struct Migration {
 }
 
 /// Every migration, in order: append only; never edit a released one.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "baseline",
-    steps: &[Step::Transactional(include_str!(
-        "schema/0001_baseline.sql"
-    ))],
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "baseline",
+        steps: &[Step::Transactional(include_str!(
+            "schema/0001_baseline.sql"
+        ))],
+    },
+    Migration {
+        version: 2,
+        name: "lz4_stored_bodies",
+        steps: &[Step::Transactional(include_str!(
+            "schema/0002_lz4_stored_bodies.sql"
+        ))],
+    },
+];
 
 /// The newest schema version this build knows (the runner reads it off the
 /// list it is given).

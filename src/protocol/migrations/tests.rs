@@ -34,7 +34,17 @@ const SETTINGS: Settings = Settings {
     build_wait: Duration::from_secs(60),
 };
 
+// The crate's migrations, which the tests' own are appended to.
 const BASELINE: Migration = MIGRATIONS[0];
+const LZ4: Migration = MIGRATIONS[1];
+
+/// What the crate's migrations record.
+fn released() -> Vec<(i32, String)> {
+    MIGRATIONS
+        .iter()
+        .map(|m| (m.version, m.name.to_owned()))
+        .collect()
+}
 
 const NOTE_INDEX: &str = "idempotency_requests_load_note_idx";
 
@@ -42,15 +52,16 @@ const NOTE_INDEX: &str = "idempotency_requests_load_note_idx";
 /// index on it built concurrently.
 const UNDER_LOAD: &[Migration] = &[
     BASELINE,
+    LZ4,
     Migration {
-        version: 2,
+        version: 3,
         name: "load_note",
         steps: &[Step::Transactional(
             "ALTER TABLE idempotency_requests ADD COLUMN load_note text",
         )],
     },
     Migration {
-        version: 3,
+        version: 4,
         name: "load_note_index",
         steps: &[Step::ConcurrentIndex {
             name: NOTE_INDEX,
@@ -74,8 +85,9 @@ const TARGET_INDEX: &str = "idempotency_requests_target_idx";
 /// A unique index, which a build fails on duplicate rows.
 const UNIQUE_TARGET: &[Migration] = &[
     BASELINE,
+    LZ4,
     Migration {
-        version: 2,
+        version: 3,
         name: "unique_target",
         steps: &[Step::ConcurrentIndex {
             name: TARGET_INDEX,
@@ -292,7 +304,7 @@ async fn a_migration_under_load_holds_claims_up_at_most_its_lock_timeout() {
     );
     assert!(slowest <= bound, "a claim took {slowest:?}, past {bound:?}");
 
-    assert_eq!(summary.applied, [2, 3]);
+    assert_eq!(summary.applied, [3, 4]);
     assert!(
         summary.lock_timeouts as usize >= waits.len() - 1,
         "{} waits seen, {summary:?}",
@@ -332,12 +344,12 @@ async fn a_migration_that_never_gets_its_lock_gives_up_unavailable() {
     assert_eq!(e.sql_state(), Some("55P03"));
     let message = e.to_string();
     assert!(
-        message.contains("migration 2 (load_note)") && message.contains("3 attempts"),
+        message.contains("migration 3 (load_note)") && message.contains("3 attempts"),
         "{message}"
     );
     blocker.batch_execute("COMMIT").await.unwrap();
     let client = db.client().await;
-    assert_eq!(recorded(&client).await, [(1, "baseline".to_owned())]);
+    assert_eq!(recorded(&client).await, released());
     assert_eq!(index_valid(&client, NOTE_INDEX).await, None);
 }
 
@@ -378,7 +390,7 @@ where
     // recorded.
     let e = run().await.unwrap_err();
     assert_eq!(e.sql_state(), Some("23505"), "{e}");
-    assert_eq!(recorded(&client).await, [(1, "baseline".to_owned())]);
+    assert_eq!(recorded(&client).await, released());
     assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(false));
 
     client
@@ -386,12 +398,16 @@ where
         .await
         .unwrap();
     let summary = run().await.unwrap();
-    assert_eq!(summary.applied, [2]);
+    assert_eq!(summary.applied, [3]);
     assert_eq!(summary.rebuilds, 1, "{summary:?}");
     assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(true));
     assert_eq!(
         recorded(&client).await,
-        [(1, "baseline".to_owned()), (2, "unique_target".to_owned())]
+        [
+            (1, "baseline".to_owned()),
+            (2, "lz4_stored_bodies".to_owned()),
+            (3, "unique_target".to_owned())
+        ]
     );
     assert_eq!(
         run().await.unwrap(),
@@ -462,7 +478,11 @@ async fn migrators_racing_over_an_index_build_record_each_version_once() {
         applied.extend(summary.applied);
     }
     applied.sort_unstable();
-    assert_eq!(applied, [1, 2, 3], "each version applied by one migrator");
+    assert_eq!(
+        applied,
+        [1, 2, 3, 4],
+        "each version applied by one migrator"
+    );
     let client = db.client().await;
     assert_eq!(recorded(&client).await, under_load_recorded());
     assert_eq!(index_valid(&client, NOTE_INDEX).await, Some(true));

@@ -1,0 +1,270 @@
+//! SQL-level trials (`E2E_ONLY=trials`): changes to the statements or the
+//! schema tried with pgbench before any is built into the store, each
+//! against the form the store has now, in alternating rounds, median tx/s.
+//! One is adopted only if it wins by 5 % or more. `E2E_ROUNDS` rounds (at
+//! least 2) of `E2E_SECONDS` (at least 5) each.
+//!
+//! 1. The settings a transaction needs as startup options of the
+//!    connection (`PGOPTIONS=-c …`, possible on a direct connection, not
+//!    behind a transaction pooler) instead of `SET LOCAL` statements sent
+//!    with `BEGIN`: in the one-commit mode (one setting) and the claim-first
+//!    mode (two).
+//! 2. A narrower primary key: `(tenant_id, key_digest)` with a 16-byte
+//!    digest of endpoint and key, against `(tenant_id, endpoint,
+//!    idempotency_key)`.
+//! 3. A BRIN index on `expires_at` instead of a B-tree.
+//! 4. Compression of large stored bodies (8 KB of JSON): pglz (the
+//!    default), lz4, none; with the bytes each row takes.
+//!
+//! Trials 2 to 4 insert the key row as the one-commit mode does (order,
+//! outbox event, key row with its response, `COMMIT`) into a copy of
+//! `idempotency_requests` that differs only in what is tried.
+
+use tower_idempotency::testing::TempPostgres;
+
+use crate::{
+    load::median,
+    pgbench::{pgbench_with, psql},
+};
+
+const TABLES: &str = "
+DROP TABLE IF EXISTS trial_wide, trial_narrow, trial_brin, trial_pglz, trial_lz4, trial_plain;
+CREATE TABLE trial_wide (LIKE idempotency_requests INCLUDING DEFAULTS) WITH (fillfactor = 80);
+ALTER TABLE trial_wide ADD PRIMARY KEY (tenant_id, endpoint, idempotency_key);
+CREATE INDEX ON trial_wide (expires_at);
+CREATE TABLE trial_narrow (LIKE idempotency_requests INCLUDING DEFAULTS) WITH (fillfactor = 80);
+ALTER TABLE trial_narrow ADD COLUMN key_digest bytea NOT NULL;
+ALTER TABLE trial_narrow ADD PRIMARY KEY (tenant_id, key_digest);
+CREATE INDEX ON trial_narrow (expires_at);
+CREATE TABLE trial_brin (LIKE idempotency_requests INCLUDING DEFAULTS) WITH (fillfactor = 80);
+ALTER TABLE trial_brin ADD PRIMARY KEY (tenant_id, endpoint, idempotency_key);
+CREATE INDEX ON trial_brin USING brin (expires_at);
+CREATE TABLE trial_pglz (LIKE trial_wide INCLUDING ALL);
+CREATE TABLE trial_lz4 (LIKE trial_wide INCLUDING ALL);
+ALTER TABLE trial_lz4 ALTER COLUMN response_body SET COMPRESSION lz4;
+CREATE TABLE trial_plain (LIKE trial_wide INCLUDING ALL);
+ALTER TABLE trial_plain ALTER COLUMN response_body SET STORAGE EXTERNAL;
+";
+
+/// A key as clients send them (a UUID), a response as the layer stores it.
+const KEY: &str = "'5f0c3a2e-9d41-4c7b-' || lpad((:k % 1000000000000)::text, 12, '0')";
+const SMALL_BODY: &str = "'{\"id\":\"9f1c2d0e-8b7a-4c3d-9e2f-1a0b9c8d7e6f\",\"checkout_id\":\"chk-123456\",\"total\":2400,\"currency\":\"JPY\"}'::bytea";
+/// 8 KB of JSON (an order with 160 lines), built by the server alike for
+/// every variant.
+const LARGE_BODY: &str = "convert_to('[' || repeat('{\"sku\":\"SKU-1001\",\"quantity\":2,\"unit_price\":800},', 160) || '{}]', 'UTF8')";
+
+fn order(tag: &str) -> String {
+    format!(
+        "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ('pgb', '{tag}-' || (:k)::text, 2400) RETURNING id;\n"
+    )
+}
+
+const OUTBOX: &str = "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ('pgb', 'x', 'OrderCreated', '{}');\n";
+
+/// The one-commit mode's key row into `table` (`digest`: with the narrow
+/// key's column), pipelined with `COMMIT`.
+fn key_row(table: &str, body: &str, digest: bool) -> String {
+    let (column, value, conflict) = if digest {
+        (
+            ", key_digest",
+            ", int8send((:k)::int8) || int8send((:k)::int8 + 7)",
+            "(tenant_id, key_digest)",
+        )
+    } else {
+        ("", "", "(tenant_id, endpoint, idempotency_key)")
+    };
+    format!(
+        "\\startpipeline
+WITH won AS (INSERT INTO {table} AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, response_headers, response_body, created_at, completed_at, expires_at{column}) VALUES ('pgb', 'POST /orders v1', {KEY}, '\\x00', 'completed', 201, '\\x00', {body}, statement_timestamp(), statement_timestamp(), statement_timestamp() + interval '1 day'{value}) ON CONFLICT {conflict} DO UPDATE SET state = 'completed' WHERE r.expires_at <= EXCLUDED.created_at RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM won);
+COMMIT;
+\\endpipeline
+"
+    )
+}
+
+/// A one-commit create into `table`: `BEGIN` with `settings` pipelined
+/// with the order, the outbox event, the key row pipelined with `COMMIT`.
+fn one_commit(table: &str, settings: &str, body: &str, digest: bool) -> String {
+    format!(
+        "\\set k random(1, 9000000000000000)
+\\startpipeline
+BEGIN ISOLATION LEVEL READ COMMITTED;
+{settings}{order}\\endpipeline
+{OUTBOX}{key_row}",
+        order = order(table),
+        key_row = key_row(table, body, digest),
+    )
+}
+
+const IDLE: &str = "SET LOCAL idle_in_transaction_session_timeout = '35000ms';\n";
+const WAITS: &str =
+    "SET LOCAL lock_timeout = '5000ms';\nSET LOCAL idle_in_transaction_session_timeout = '35000ms';\n";
+const IDLE_OPTION: &str = "-c idle_in_transaction_session_timeout=35000";
+const WAITS_OPTION: &str = "-c lock_timeout=5000 -c idle_in_transaction_session_timeout=35000";
+
+/// A claim-first create (the claim as the store sends it, into the real
+/// table), its `BEGIN` with `settings`.
+fn claim_first(settings: &str) -> String {
+    format!(
+        "\\set k random(1, 9000000000000000)
+\\startpipeline
+BEGIN ISOLATION LEVEL READ COMMITTED;
+{settings}WITH claimed AS (INSERT INTO idempotency_requests AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) VALUES ('pgb', 'POST /orders v1', {KEY}, '\\x00', 'in_progress', now() + interval '1 day') ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING RETURNING attempt_token, pg_current_xact_id()::text AS xid) SELECT true, attempt_token, xid FROM claimed;
+\\endpipeline
+{order}{OUTBOX}\\startpipeline
+UPDATE idempotency_requests SET state = 'completed', response_status = 201, response_headers = '\\x00', response_body = {SMALL_BODY}, completed_at = statement_timestamp() WHERE tenant_id = 'pgb' AND endpoint = 'POST /orders v1' AND idempotency_key = {KEY} AND state = 'in_progress';
+COMMIT;
+\\endpipeline
+",
+        order = order("cf"),
+    )
+}
+
+/// One trial's result: its name, median tx/s, and bytes per row where sized.
+pub(crate) type Trial = (String, Option<f64>, Option<f64>);
+
+/// Runs every trial's variants in alternating rounds.
+pub(crate) fn run(pg: &TempPostgres, seconds: u64, rounds: usize) -> Vec<Vec<Trial>> {
+    psql(pg, TABLES);
+    // (name, script, PGOPTIONS, table to size)
+    type Variant = (
+        &'static str,
+        String,
+        Option<&'static str>,
+        Option<&'static str>,
+    );
+    let trials: Vec<Vec<Variant>> = vec![
+        vec![
+            (
+                "one-commit, SET LOCAL idle limit (now)",
+                one_commit("trial_wide", IDLE, SMALL_BODY, false),
+                None,
+                None,
+            ),
+            (
+                "one-commit, idle limit as a startup option",
+                one_commit("trial_wide", "", SMALL_BODY, false),
+                Some(IDLE_OPTION),
+                None,
+            ),
+            (
+                "claim first, two SET LOCAL (now)",
+                claim_first(WAITS),
+                None,
+                None,
+            ),
+            (
+                "claim first, both as startup options",
+                claim_first(""),
+                Some(WAITS_OPTION),
+                None,
+            ),
+        ],
+        vec![
+            (
+                "primary key (tenant, endpoint, key) (now)",
+                one_commit("trial_wide", "", SMALL_BODY, false),
+                None,
+                Some("trial_wide"),
+            ),
+            (
+                "primary key (tenant, 16-byte digest)",
+                one_commit("trial_narrow", "", SMALL_BODY, true),
+                None,
+                Some("trial_narrow"),
+            ),
+        ],
+        vec![
+            (
+                "B-tree on expires_at (now)",
+                one_commit("trial_wide", "", SMALL_BODY, false),
+                None,
+                None,
+            ),
+            (
+                "BRIN on expires_at",
+                one_commit("trial_brin", "", SMALL_BODY, false),
+                None,
+                Some("trial_brin"),
+            ),
+        ],
+        vec![
+            (
+                "8 KB body, pglz (PostgreSQL's default)",
+                one_commit("trial_pglz", "", LARGE_BODY, false),
+                None,
+                Some("trial_pglz"),
+            ),
+            (
+                "8 KB body, lz4 (migration 2)",
+                one_commit("trial_lz4", "", LARGE_BODY, false),
+                None,
+                Some("trial_lz4"),
+            ),
+            (
+                "8 KB body, not compressed",
+                one_commit("trial_plain", "", LARGE_BODY, false),
+                None,
+                Some("trial_plain"),
+            ),
+        ],
+    ];
+    let mut results = Vec::new();
+    for trial in trials {
+        let mut seen: Vec<Vec<f64>> = vec![Vec::new(); trial.len()];
+        for _ in 0..rounds.max(2) {
+            for (i, (_, script, options, _)) in trial.iter().enumerate() {
+                if let Some(tps) = pgbench_with(pg, "trial", script, seconds, "prepared", *options)
+                {
+                    seen[i].push(tps);
+                }
+            }
+        }
+        results.push(
+            trial
+                .iter()
+                .zip(seen)
+                .map(|((name, _, _, table), mut tps)| {
+                    let size = table.and_then(|t| {
+                        psql(pg, &format!(
+                            "SELECT pg_total_relation_size('{t}')::float8 / greatest(count(*), 1) FROM {t}"
+                        ))
+                        .trim()
+                        .parse()
+                        .ok()
+                    });
+                    (name.to_string(), (!tps.is_empty()).then(|| median(&mut tps)), size)
+                })
+                .collect(),
+        );
+    }
+    results
+}
+
+pub(crate) fn print(trials: &[Vec<Trial>]) {
+    println!();
+    println!("SQL-level trials (pgbench, alternating rounds, median tx/s; each against the first row of its group):");
+    println!();
+    println!("| variant | tx/s | vs now | bytes per row |");
+    println!("| --- | ---: | ---: | ---: |");
+    for trial in trials {
+        let now = trial.first().and_then(|t| t.1);
+        for (i, (name, tps, size)) in trial.iter().enumerate() {
+            // The settings trial holds two pairs: each against its own "now".
+            let base = if i >= 2 && name.starts_with("claim") {
+                trial[2].1
+            } else {
+                now
+            };
+            let vs = match (tps, base) {
+                (Some(t), Some(b)) => format!("{:.3}", t / b),
+                _ => "–".into(),
+            };
+            println!(
+                "| {name} | {} | {vs} | {} |",
+                tps.map_or("–".into(), |t| format!("{t:.0}")),
+                size.map_or(String::new(), |s| format!("{s:.0}"))
+            );
+        }
+    }
+}
