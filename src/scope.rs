@@ -83,6 +83,54 @@ impl Scope {
     pub fn endpoint(&self) -> &str {
         &self.endpoint
     }
+
+    /// The id of what the operation under `key` in this scope creates,
+    /// `name` saying which ("order", "shipment"): a UUID that follows from
+    /// the operation alone, the same whenever the operation runs again.
+    ///
+    /// An operation runs again after its transaction rolled back, and after
+    /// an asynchronous failover lost its commit: the client's retry with the
+    /// same key then creates its rows anew. With a generated id (a sequence,
+    /// `gen_random_uuid()`) the new rows get a new id, and everything keyed
+    /// by that id outside the database (a payment provider's idempotency
+    /// key from [`derive_tenant_key`](crate::outbox::derive_tenant_key), a
+    /// link the client already holds) no longer matches: the provider
+    /// charges again. With this id the recreated row is the same row, its
+    /// outbox event carries the same entity id, and every derived key is
+    /// the same (see the [outbox guide](crate::guide::outbox)).
+    ///
+    /// It is 16 bytes of `SHA-256("tower-idempotency/derived-id/1" ‖ tenant
+    /// ‖ endpoint ‖ key ‖ name)` (each part length-prefixed) as an RFC 9562
+    /// version-8 UUID, hyphenated. Handlers get it from their transaction
+    /// (`PgTx::derived_id`, `SqlxTx::derived_id`, the lease handles).
+    ///
+    /// ```
+    /// use tower_idempotency::scope::{Scope, TenantId};
+    ///
+    /// let scope = Scope::new(TenantId::new("tenant-a"), "POST /orders v1");
+    /// let id = scope.derived_id("9f1c2d0e-order-1", "order");
+    /// assert_eq!(id, scope.derived_id("9f1c2d0e-order-1", "order"));
+    /// assert_ne!(id, scope.derived_id("9f1c2d0e-order-1", "shipment"));
+    /// let other = Scope::new(TenantId::new("tenant-b"), "POST /orders v1");
+    /// assert_ne!(id, other.derived_id("9f1c2d0e-order-1", "order"));
+    /// assert_eq!((id.len(), &id[14..15]), (36, "8"));
+    /// ```
+    pub fn derived_id(&self, key: &str, name: &str) -> String {
+        use sha2::{Digest, Sha256};
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/derived-id/1");
+        for part in [self.tenant.as_str(), self.endpoint(), key, name] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        let digest = hasher.finalize();
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&digest[..16]);
+        // Version 8 (custom), variant RFC 9562.
+        bytes[6] = (bytes[6] & 0x0f) | 0x80;
+        bytes[8] = (bytes[8] & 0x3f) | 0x80;
+        uuid::Uuid::from_bytes(bytes).hyphenated().to_string()
+    }
 }
 
 /// Finds the authenticated tenant of a request.

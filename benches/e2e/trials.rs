@@ -15,6 +15,8 @@
 //! 3. A BRIN index on `expires_at` instead of a B-tree.
 //! 4. Compression of large stored bodies (8 KB of JSON): pglz (the
 //!    default), lz4, none; with the bytes each row takes.
+//! 5. The session reset behind every owner's `COMMIT`: six statements (as
+//!    the store sends it), one call of a function running the six, none.
 //!
 //! Trials 2 to 4 insert the key row as the one-commit mode does (order,
 //! outbox event, key row with its response, `COMMIT`) into a copy of
@@ -44,6 +46,26 @@ CREATE TABLE trial_lz4 (LIKE trial_wide INCLUDING ALL);
 ALTER TABLE trial_lz4 ALTER COLUMN response_body SET COMPRESSION lz4;
 CREATE TABLE trial_plain (LIKE trial_wide INCLUDING ALL);
 ALTER TABLE trial_plain ALTER COLUMN response_body SET STORAGE EXTERNAL;
+CREATE OR REPLACE FUNCTION trial_session_reset() RETURNS void LANGUAGE plpgsql AS $f$
+BEGIN
+    EXECUTE 'SET SESSION AUTHORIZATION DEFAULT';
+    EXECUTE 'RESET ALL';
+    EXECUTE 'CLOSE ALL';
+    EXECUTE 'UNLISTEN *';
+    PERFORM pg_advisory_unlock_all();
+    EXECUTE 'DISCARD TEMP';
+END
+$f$;
+";
+
+/// The session reset the store sends behind every owner's `COMMIT`: six
+/// statements, each its own message, pipelined.
+const RESET_STATEMENTS: &str = "SET SESSION AUTHORIZATION DEFAULT;
+RESET ALL;
+CLOSE ALL;
+UNLISTEN *;
+SELECT pg_advisory_unlock_all();
+DISCARD TEMP;
 ";
 
 /// A key as clients send them (a UUID), a response as the layer stores it.
@@ -93,6 +115,15 @@ BEGIN ISOLATION LEVEL READ COMMITTED;
 {OUTBOX}{key_row}",
         order = order(table),
         key_row = key_row(table, body, digest),
+    )
+}
+
+/// [`one_commit`] into `trial_wide` with `reset` pipelined behind its
+/// `COMMIT`.
+fn one_commit_then(reset: &str) -> String {
+    one_commit("trial_wide", IDLE, SMALL_BODY, false).replace(
+        "COMMIT;\n\\endpipeline\n",
+        &format!("COMMIT;\n{reset}\\endpipeline\n"),
     )
 }
 
@@ -157,6 +188,26 @@ pub(crate) fn run(pg: &TempPostgres, seconds: u64, rounds: usize) -> Vec<Vec<Tri
                 "claim first, both as startup options",
                 claim_first(""),
                 Some(WAITS_OPTION),
+                None,
+            ),
+        ],
+        vec![
+            (
+                "one-commit, the session reset as six statements (now)",
+                one_commit_then(RESET_STATEMENTS),
+                None,
+                None,
+            ),
+            (
+                "one-commit, the session reset as one function call",
+                one_commit_then("SELECT trial_session_reset();\n"),
+                None,
+                None,
+            ),
+            (
+                "one-commit, no session reset",
+                one_commit_then(""),
+                None,
                 None,
             ),
         ],

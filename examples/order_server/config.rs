@@ -26,6 +26,9 @@ pub(crate) struct Settings {
     pub(crate) max_attempts: u32,
     /// `IDEMPOTENCY_MODE`: how `POST /orders` is made idempotent.
     pub(crate) mode: Mode,
+    /// `PAYMENT_PROVIDER_URL`: a payment provider outside this server and
+    /// its database (`POST {url}/charges`); unset, the in-process fake.
+    pub(crate) payment_provider: Option<http::Uri>,
 }
 
 /// How `POST /orders` is made idempotent (`IDEMPOTENCY_MODE`). The answers
@@ -107,6 +110,16 @@ impl Settings {
                 &var("IDEMPOTENCY_MAX_ATTEMPTS").unwrap_or_else(|| "5".into()),
             )?,
             mode: Mode::parse(&var("IDEMPOTENCY_MODE").unwrap_or_else(|| "claim-first".into()))?,
+            payment_provider: var("PAYMENT_PROVIDER_URL")
+                .map(|url| match url.trim().parse::<http::Uri>() {
+                    Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => {
+                        Ok(uri)
+                    }
+                    _ => Err(format!(
+                        "PAYMENT_PROVIDER_URL={url:?} is not an http:// URL of a payment provider"
+                    )),
+                })
+                .transpose()?,
         })
     }
 }

@@ -149,13 +149,71 @@ pub(crate) fn providers(store: PgStore) -> Router {
         ))
 }
 
+/// Where the relay's calls go: the in-process providers, or for
+/// `/charges` a payment provider outside this server and its database
+/// (`PAYMENT_PROVIDER_URL`), over HTTP with the same request.
+type Downstream = tower::util::BoxCloneSyncService<Request<Full<Bytes>>, Response, DownstreamError>;
+
+/// The outside provider could not be reached (or its URL not built).
+#[derive(Debug)]
+struct DownstreamError(String);
+
+impl std::fmt::Display for DownstreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the payment provider could not be reached: {}", self.0)
+    }
+}
+
+impl std::error::Error for DownstreamError {}
+
+fn downstream(store: PgStore, payment_provider: Option<http::Uri>) -> Downstream {
+    let local = providers(store);
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    tower::util::BoxCloneSyncService::new(tower::service_fn(
+        move |request: Request<Full<Bytes>>| {
+            let (local, http) = (local.clone(), http.clone());
+            let external = payment_provider
+                .clone()
+                .filter(|_| request.uri().path() == "/charges");
+            call_downstream(local, http, external, request)
+        },
+    ))
+}
+
+async fn call_downstream(
+    local: Router,
+    http: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    >,
+    external: Option<http::Uri>,
+    mut request: Request<Full<Bytes>>,
+) -> Result<Response, DownstreamError> {
+    let Some(base) = external else {
+        return match local.oneshot(request).await {
+            Ok(response) => Ok(response),
+            Err(never) => match never {},
+        };
+    };
+    let mut parts = base.into_parts();
+    parts.path_and_query = request.uri().path_and_query().cloned();
+    *request.uri_mut() =
+        http::Uri::from_parts(parts).map_err(|e| DownstreamError(e.to_string()))?;
+    let response = http
+        .request(request)
+        .await
+        .map_err(|e| DownstreamError(e.to_string()))?;
+    Ok(response.map(axum::body::Body::new))
+}
+
 /// Delivers `OrderCreated` to both providers, each call with its own derived key.
 pub(crate) struct Providers {
-    client: IdempotentClient<Router>,
+    client: IdempotentClient<Downstream>,
 }
 
 impl Providers {
-    pub(crate) fn new(store: PgStore) -> Self {
+    pub(crate) fn new(store: PgStore, payment_provider: Option<http::Uri>) -> Self {
         // Both calls of a delivery fit in the relay's 10 s per delivery; what
         // still fails is retried by the relay later, with the same derived keys.
         let client = IdempotentClientLayer::new()
@@ -164,7 +222,7 @@ impl Providers {
             .attempt_timeout(Duration::from_secs(3))
             .total_timeout(Duration::from_secs(4))
             .backoff(Duration::from_millis(100), Duration::from_secs(1))
-            .layer(providers(store));
+            .layer(downstream(store, payment_provider));
         Providers { client }
     }
 

@@ -214,7 +214,10 @@ async fn run(
     request: Validated<FulfilmentRequest>,
 ) -> Response {
     // Stable across attempts: the warehouse recognises a repeated call.
-    let key = derive_key(&lease.operation_id().to_string(), WAREHOUSE_SHIP);
+    // From the operation (tenant, endpoint, the client's key), not from
+    // its operation id, which is drawn anew if an asynchronous failover
+    // loses the operation and the client's retry starts it again.
+    let key = derive_key(&lease.derived_id("shipment"), WAREHOUSE_SHIP);
     if !crate::orders::is_uuid(&id) {
         return not_found();
     }

@@ -227,7 +227,11 @@ async fn run() -> Result<(), String> {
         Duration::from_secs(1)
     };
     let relay = Arc::new(
-        Relay::new(store.clone(), downstream::Providers::new(store.clone())).poll_interval(poll),
+        Relay::new(
+            store.clone(),
+            downstream::Providers::new(store.clone(), settings.payment_provider.clone()),
+        )
+        .poll_interval(poll),
     );
     let relay = tokio::spawn(supervise_relay(relay, stopped.clone()));
 

@@ -216,6 +216,18 @@ macro_rules! tx_accessors {
         pub fn idempotency_key(&self) -> &str {
             self.identity().idempotency_key()
         }
+
+        /// The id of what this operation creates, `name` saying which
+        /// ("order"): a UUID from the tenant, the endpoint, the key and
+        /// `name`, the same whenever the operation is redone (after a
+        /// rollback, or after an asynchronous failover lost its commit), so
+        /// that keys derived from it downstream stay the same
+        /// ([`Scope::derived_id`]($crate::scope::Scope::derived_id)).
+        pub fn derived_id(&self, name: &str) -> String {
+            self.identity()
+                .scope()
+                .derived_id(self.identity().idempotency_key(), name)
+        }
     };
 }
 
@@ -248,6 +260,17 @@ macro_rules! lease_accessors {
         /// The client's idempotency key; keep it out of logs.
         pub fn idempotency_key(&self) -> &str {
             self.identity().idempotency_key()
+        }
+
+        /// The id of what this operation creates, `name` saying which
+        /// ("shipment"): the same for every attempt, and for the operation
+        /// redone after an asynchronous failover lost it (its
+        /// [`operation_id`](Self::operation_id) is drawn anew then)
+        /// ([`Scope::derived_id`]($crate::scope::Scope::derived_id)).
+        pub fn derived_id(&self, name: &str) -> String {
+            self.identity()
+                .scope()
+                .derived_id(self.identity().idempotency_key(), name)
         }
 
         /// Whether the store has told this owner it was fenced (a heartbeat,

@@ -16,6 +16,11 @@
 //!   the relay makes them again under the same derived keys (which a replay
 //!   cache in the providers' layers used to answer from memory instead).
 //!
+//! - Asynchronous, with the payment provider outside the database
+//!   (`PAYMENT_PROVIDER_URL`): orders charged and then lost with the old
+//!   primary are made again by the retries under the same ids, so the
+//!   provider sees the same derived keys and charges each checkout once.
+//!
 //! Each runs in both modes of `POST /orders` (`IDEMPOTENCY_MODE`), a
 //! cluster pair of its own per mode. The outage figures are printed (run
 //! with `--nocapture` to see them).
@@ -212,9 +217,15 @@ struct Http {
 
 impl Server {
     async fn start(database_url: &str, mode: Mode) -> Server {
+        Server::start_with(database_url, mode, &[]).await
+    }
+
+    /// [`start`](Self::start) with `env` on top.
+    async fn start_with(database_url: &str, mode: Mode, env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(example_binary())
             .env("DATABASE_URL", database_url)
             .envs([mode.env()])
+            .envs(env.iter().copied())
             .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -308,6 +319,23 @@ impl Http {
             .expect("body")
             .to_bytes();
         String::from_utf8(body.to_vec()).expect("UTF-8")
+    }
+
+    /// `GET path` as tenant A: its status and body.
+    async fn get(&self, path: &str) -> (StatusCode, serde_json::Value) {
+        let request = Request::get(format!("{}{path}", self.base))
+            .header("authorization", format!("Bearer {TOKEN_A}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let response = self.client.request(request).await.expect("server answers");
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        (status, serde_json::from_slice(&body).unwrap_or_default())
     }
 
     /// POST /orders; `Err` when the transport failed.
@@ -719,14 +747,18 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         "the commits the cut-off standby never received are gone"
     );
 
-    // A retry with the same key makes exactly one order (a new one, under
-    // the same checkout), and is then replayed.
+    // A retry with the same key makes exactly one order, the lost one again
+    // under its id (the id follows from tenant, endpoint and key), and is
+    // then replayed.
     let crashed_at = Mutex::new(Some(crash));
     let retry_log = Mutex::new(Log::default());
     for (key, old_id) in &lost {
         let checkout = format!("chk-{key}");
         let id = create_with_retries(&server.http, key, &checkout, &crashed_at, &retry_log).await;
-        assert_ne!(&id, old_id, "{key}: the lost order is made anew");
+        assert_eq!(
+            &id, old_id,
+            "{key}: the lost order is made again, under its id"
+        );
         let again = server
             .http
             .post_order(key, &order(&checkout))
@@ -852,7 +884,231 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
     );
 }
 
+/// A payment provider outside the order server's database, as real ones
+/// are: it does not fail over with it. It charges once per idempotency key
+/// (a repeat is answered with the first charge) and remembers every
+/// request.
+#[derive(Clone, Default)]
+struct OutsideProvider {
+    /// key -> order id charged under it.
+    charges: Arc<Mutex<BTreeMap<String, String>>>,
+    /// key -> requests received with it.
+    requests: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl OutsideProvider {
+    /// Serves `POST /charges` on a loopback port; its base URL.
+    async fn start(&self) -> String {
+        use axum::{extract::State, routing::post, Json, Router};
+        async fn charge(
+            State(provider): State<OutsideProvider>,
+            headers: http::HeaderMap,
+            Json(body): Json<serde_json::Value>,
+        ) -> (StatusCode, Json<serde_json::Value>) {
+            let Some(key) = headers.get("idempotency-key").and_then(|k| k.to_str().ok()) else {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    Json(json!({"code": "key_missing"})),
+                );
+            };
+            *provider
+                .requests
+                .lock()
+                .unwrap()
+                .entry(key.to_owned())
+                .or_default() += 1;
+            let order_id = body["order_id"].as_str().unwrap_or_default().to_owned();
+            let charged = provider
+                .charges
+                .lock()
+                .unwrap()
+                .entry(key.to_owned())
+                .or_insert(order_id)
+                .clone();
+            (
+                StatusCode::CREATED,
+                Json(json!({"order_id": charged, "key": key})),
+            )
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let app = Router::new()
+            .route("/charges", post(charge))
+            .with_state(self.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    /// The order ids charged, one per charge.
+    fn charged_orders(&self) -> Vec<String> {
+        self.charges.lock().unwrap().values().cloned().collect()
+    }
+}
+
+/// Orders lost in an asynchronous failover after their charge reached a
+/// provider outside the database: the client's retries create them again
+/// under the same ids, so the relay's deliveries carry the same derived
+/// keys and the provider charges each checkout once. (With ids drawn at
+/// insert, each lost checkout was charged twice: once for the lost order,
+/// once for its new one.)
+async fn an_order_lost_in_a_failover_is_made_again_under_its_id_and_charged_once_outside(
+    mode: Mode,
+) {
+    let provider = OutsideProvider::default();
+    let provider_url = provider.start().await;
+    let mut pair = Pair::start(false).await;
+    let mut server = Server::start_with(
+        &pair.url,
+        mode,
+        &[("PAYMENT_PROVIDER_URL", provider_url.as_str())],
+    )
+    .await;
+    let primary_sql = connect(&db_config(&pair.primary, DB)).await;
+    let no_crash = Mutex::new(None);
+    let log = Mutex::new(Log::default());
+    let mut checkout_of: HashMap<String, String> = HashMap::new();
+
+    let mut kept = Vec::new();
+    for n in 0..3 {
+        let key = format!("kept-{n}");
+        let checkout = format!("chk-{key}");
+        let id = create_with_retries(&server.http, &key, &checkout, &no_crash, &log).await;
+        checkout_of.insert(id.clone(), checkout);
+        kept.push(id);
+    }
+    eventually("the standby to replay the kept orders", || async {
+        count(
+            &primary_sql,
+            "SELECT count(*) FROM pg_stat_replication WHERE replay_lsn >= pg_current_wal_lsn()",
+        )
+        .await
+            == 1
+    })
+    .await;
+    pair.standby.cut_off();
+    let standby_sql = connect(&pair.standby.config(DB)).await;
+    standby_sql
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+    eventually("the standby to stop streaming", || async {
+        count(&primary_sql, "SELECT count(*) FROM pg_stat_replication").await == 0
+    })
+    .await;
+    drop(standby_sql);
+
+    // Acknowledged on the primary alone, and charged outside.
+    let mut lost = Vec::new();
+    for n in 0..5 {
+        let key = format!("lost-{n}");
+        let checkout = format!("chk-{key}");
+        let id = create_with_retries(&server.http, &key, &checkout, &no_crash, &log).await;
+        checkout_of.insert(id.clone(), checkout);
+        lost.push((key, id));
+    }
+    eventually("the provider to charge every order", || async {
+        let charged = provider.charged_orders();
+        kept.iter()
+            .chain(lost.iter().map(|(_, id)| id))
+            .all(|id| charged.contains(id))
+    })
+    .await;
+    drop(primary_sql);
+
+    pair.crash_primary().await;
+    let sql = pair.promote().await;
+    for (key, id) in &lost {
+        assert_eq!(
+            count(
+                &sql,
+                &format!("SELECT count(*) FROM orders WHERE id::text = '{id}'")
+            )
+            .await,
+            0,
+            "{key}: the order vanished with the old primary"
+        );
+    }
+
+    // The client retries with its keys: the same orders again, under the
+    // ids the client already holds.
+    let crashed = Mutex::new(Some(Instant::now()));
+    let retry_log = Mutex::new(Log::default());
+    for (key, old_id) in &lost {
+        let id = create_with_retries(
+            &server.http,
+            key,
+            &format!("chk-{key}"),
+            &crashed,
+            &retry_log,
+        )
+        .await;
+        assert_eq!(&id, old_id, "{key}: made again under its id");
+        let (status, order) = server.http.get(&format!("/orders/{old_id}")).await;
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "{key}: the link the client holds works"
+        );
+        assert_eq!(order["checkout_id"], format!("chk-{key}"));
+    }
+
+    // The relay on the promoted primary delivers every event there.
+    let total = (kept.len() + lost.len()) as i64;
+    eventually(
+        "the relay to deliver every event on the promoted primary",
+        || async {
+            count(
+                &sql,
+                "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL",
+            )
+            .await
+                == total
+        },
+    )
+    .await;
+    let charges = provider.charges.lock().unwrap().clone();
+    let requests = provider.requests.lock().unwrap().clone();
+    let mut per_checkout: BTreeMap<String, usize> = BTreeMap::new();
+    for order_id in charges.values() {
+        let checkout = checkout_of
+            .get(order_id)
+            .unwrap_or_else(|| panic!("a charge for an order no client was told of: {order_id}"));
+        *per_checkout.entry(checkout.clone()).or_default() += 1;
+    }
+    let doubled: Vec<_> = per_checkout.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "charges per checkout at the outside provider: {per_checkout:?}"
+    );
+    assert_eq!(per_checkout.len() as i64, total, "every checkout charged");
+    // The lost orders' events were delivered twice (before the crash, and
+    // again after the retries made them anew): the provider saw each key
+    // again and charged nothing more.
+    for (key, id) in &lost {
+        let derived =
+            tower_idempotency::outbox::derive_tenant_key("tenant-a", id, "payment.charge");
+        assert!(
+            requests.get(&derived).copied().unwrap_or(0) >= 2,
+            "{key}: delivered before the crash and again after it: {requests:?}"
+        );
+    }
+    eprintln!(
+        "asynchronous failover, outside provider, {}: {} orders lost with the old primary after \
+         their charge, made again by the retries under the same ids; the provider got {} requests \
+         for {} charges: {} checkouts, {} charge each",
+        mode.name(),
+        lost.len(),
+        requests.values().sum::<usize>(),
+        charges.len(),
+        per_checkout.len(),
+        per_checkout.values().max().copied().unwrap_or(0),
+    );
+    server.assert_still_running();
+    assert!(server.stop().await.success(), "graceful shutdown exits 0");
+}
+
 both_modes!(
     synchronous_failover_under_load_loses_and_doubles_nothing,
     asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order,
+    an_order_lost_in_a_failover_is_made_again_under_its_id_and_charged_once_outside,
 );

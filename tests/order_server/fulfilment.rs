@@ -22,7 +22,11 @@ use tokio::{
     process::{Child, Command},
 };
 use tokio_postgres::types::{FromSql, ToSql};
-use tower_idempotency::{outbox::derive_key, testing::TestDatabase};
+use tower_idempotency::{
+    outbox::derive_key,
+    scope::{Scope, TenantId},
+    testing::TestDatabase,
+};
 
 const TOKEN_A: &str = "demo-token-a";
 const TOKEN_B: &str = "demo-token-b";
@@ -123,6 +127,15 @@ impl Db {
                 > 0
         })
         .await;
+    }
+
+    /// The warehouse's idempotency key for the fulfilment under `key`
+    /// (tenant A): derived from the operation (tenant, endpoint, key), so
+    /// that a fulfilment lost in an asynchronous failover and started again
+    /// by the client's retry ships under the same key.
+    fn shipment_key(key: &str) -> String {
+        let scope = Scope::new(TenantId::new("tenant-a"), ENDPOINT);
+        derive_key(&scope.derived_id(key, "shipment"), "warehouse.ship")
     }
 
     /// The shipments of `order_id`: (shipment_id, idempotency_key, fencing_token).
@@ -459,7 +472,7 @@ async fn fulfilment_runs_as_a_long_running_operation() {
         shipments,
         [(
             shipment_id.clone(),
-            derive_key(&operation_id, "warehouse.ship"),
+            Db::shipment_key("ship-1"),
             record.get::<_, i64>(0)
         )],
         "exactly one shipment, with the operation's derived key and the attempt's token"
@@ -765,7 +778,7 @@ async fn owner_killed_mid_fulfilment_is_taken_over_by_the_retry() {
         db.shipments(&order_id).await,
         [(
             shipment_id.to_owned(),
-            derive_key(&operation_id, "warehouse.ship"),
+            Db::shipment_key("ship-k"),
             second_token
         )],
         "exactly one shipment, by the attempt that took over"
@@ -835,11 +848,7 @@ async fn stale_owner_resumes_after_a_takeover_and_changes_nothing() {
     // Nothing A did after the takeover counts.
     assert_eq!(
         db.shipments(&order_id).await,
-        [(
-            shipment_id.clone(),
-            derive_key(&operation_id, "warehouse.ship"),
-            token
-        )],
+        [(shipment_id.clone(), Db::shipment_key("ship-s"), token)],
         "one shipment, with B's token"
     );
     let record = db
@@ -898,7 +907,7 @@ async fn recovery_worker_redrives_an_abandoned_fulfilment() {
     assert!(token > first_token, "{token} > {first_token}");
     let shipments = db.shipments(&order_id).await;
     assert_eq!(shipments.len(), 1, "exactly one shipment");
-    assert_eq!(shipments[0].1, derive_key(&operation_id, "warehouse.ship"));
+    assert_eq!(shipments[0].1, Db::shipment_key("ship-r"));
     assert_eq!(shipments[0].2, token);
     let status = b.completed(&operation_id).await;
     assert_eq!(status["result"]["status"], 200);
@@ -976,10 +985,7 @@ async fn shutdown_lets_a_running_fulfilment_finish() {
     let db = Db::create().await;
     let server = Server::start(&db, &[("FULFILMENT_DELAY", "2s")]).await;
     let order_id = server.order("chk_shutdown").await;
-    let operation_id = server
-        .fulfil("ship-d", &order_id, TOKYO)
-        .await
-        .operation_id();
+    server.fulfil("ship-d", &order_id, TOKYO).await;
     // SIGTERM while the warehouse call runs: the server stops taking
     // requests, but the operation it owns completes before it exits.
     assert_eq!(db.state("ship-d").await.as_deref(), Some("in_progress"));
@@ -987,7 +993,7 @@ async fn shutdown_lets_a_running_fulfilment_finish() {
     assert_eq!(db.state("ship-d").await.as_deref(), Some("completed"));
     let shipments = db.shipments(&order_id).await;
     assert_eq!(shipments.len(), 1);
-    assert_eq!(shipments[0].1, derive_key(&operation_id, "warehouse.ship"));
+    assert_eq!(shipments[0].1, Db::shipment_key("ship-d"));
     let fulfilment: String = db
         .value(
             "SELECT fulfilment FROM orders WHERE id = $1::text::uuid",
@@ -1106,7 +1112,7 @@ async fn a_flaky_warehouse_ships_once_and_the_retry_resumes_the_same_operation()
     assert_eq!(status.json()["attempts"], 1);
     assert_eq!(
         shipments[0].1,
-        derive_key(&operation_id, "warehouse.ship"),
+        Db::shipment_key("ship-f"),
         "shipped under the operation's derived key"
     );
 
