@@ -384,6 +384,14 @@ impl MemoryLease {
         self.inner.entry_key.0.tenant()
     }
 
+    /// The id of what this operation creates, `name` saying which: the
+    /// same for every attempt and when the operation is redone
+    /// ([`Scope::derived_id`](crate::scope::Scope::derived_id)).
+    pub fn derived_id(&self, name: &str) -> String {
+        let (scope, key) = &self.inner.entry_key;
+        scope.derived_id(key.as_str(), name)
+    }
+
     /// Opens a fenced transaction, as [`LeaseStore::fenced`] does: its rows
     /// become visible at [`commit_fenced`](LeaseStore::commit_fenced), and
     /// until then no takeover can happen. `Fenced` if the token is no longer

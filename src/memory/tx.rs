@@ -68,6 +68,14 @@ impl MemoryTx {
         }
     }
 
+    /// The id of what this operation creates, `name` saying which: the
+    /// same whenever the operation is redone
+    /// ([`Scope::derived_id`](crate::scope::Scope::derived_id)).
+    pub fn derived_id(&self, name: &str) -> String {
+        let (scope, key) = &self.inner.entry_key;
+        scope.derived_id(key.as_str(), name)
+    }
+
     /// Stages a row for `table`, committed with the remembered response.
     ///
     /// [`TransactionAborted`](StoreErrorKind::TransactionAborted) once the

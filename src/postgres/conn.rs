@@ -11,7 +11,7 @@ use std::{fmt, time::Duration};
 use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
-use crate::protocol::statements::{OUTSIDE_A_TRANSACTION, ROLLBACK, SESSION_RESET_STATEMENTS};
+use crate::protocol::statements::{OUTSIDE_A_TRANSACTION, ROLLBACK, SESSION_RESET};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// A pooled connection that may be inside a transaction.
@@ -145,19 +145,17 @@ impl Conn {
         self.unnamed
     }
 
-    /// Undoes a request's session changes: the statements of
-    /// `SESSION_RESET_STATEMENTS`, each its own message, all pipelined (one
-    /// round trip, and sent on the first poll, so that the reset goes out
-    /// right behind whatever was polled before it). Nothing behind a
-    /// transaction pooler, where they would run on whichever server
+    /// Undoes a request's session changes: one call of the reset function
+    /// (`SESSION_RESET`), a message of its own, sent on the first poll so
+    /// that it goes out right behind whatever was polled before it. Nothing
+    /// behind a transaction pooler, where it would run on whichever server
     /// connection the pooler picks next, not on the one the transaction
     /// used.
     pub(super) async fn reset_session(&self) -> Result<(), tokio_postgres::Error> {
         if self.unnamed {
             return Ok(());
         }
-        let sent = SESSION_RESET_STATEMENTS.map(|statement| self.batch_execute(statement));
-        futures_util::future::try_join_all(sent).await.map(|_| ())
+        self.batch_execute(SESSION_RESET).await
     }
 
     /// Sends the `; `-separated utility statements of `batch` (our own

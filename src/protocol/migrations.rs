@@ -105,6 +105,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             "schema/0002_lz4_stored_bodies.sql"
         ))],
     },
+    Migration {
+        version: 3,
+        name: "session_reset_function",
+        steps: &[Step::Transactional(include_str!(
+            "schema/0003_session_reset_function.sql"
+        ))],
+    },
 ];
 
 /// The newest schema version this build knows (the runner reads it off the

@@ -224,8 +224,8 @@ async fn records_are_shared_with_pg_store() {
         backend
             .count("SELECT count(*) FROM tower_idempotency_migrations")
             .await,
-        2,
-        "the baseline and lz4_stored_bodies, once each"
+        3,
+        "the baseline, lz4_stored_bodies and session_reset_function, once each"
     );
     let request = claim_request("k1", Duration::from_secs(2));
     let Claim::Owned(tx) = backend.store.claim(&request).await.unwrap() else {
