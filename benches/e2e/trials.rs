@@ -16,7 +16,8 @@
 //! 4. Compression of large stored bodies (8 KB of JSON): pglz (the
 //!    default), lz4, none; with the bytes each row takes.
 //! 5. The session reset behind every owner's `COMMIT`: six statements (as
-//!    the store sends it), one call of a function running the six, none.
+//!    the stores sent it before migration 3), one call of the function
+//!    migration 3 creates (as they send it now), none.
 //!
 //! Trials 2 to 4 insert the key row as the one-commit mode does (order,
 //! outbox event, key row with its response, `COMMIT`) into a copy of
@@ -46,16 +47,6 @@ CREATE TABLE trial_lz4 (LIKE trial_wide INCLUDING ALL);
 ALTER TABLE trial_lz4 ALTER COLUMN response_body SET COMPRESSION lz4;
 CREATE TABLE trial_plain (LIKE trial_wide INCLUDING ALL);
 ALTER TABLE trial_plain ALTER COLUMN response_body SET STORAGE EXTERNAL;
-CREATE OR REPLACE FUNCTION trial_session_reset() RETURNS void LANGUAGE plpgsql AS $f$
-BEGIN
-    EXECUTE 'SET SESSION AUTHORIZATION DEFAULT';
-    EXECUTE 'RESET ALL';
-    EXECUTE 'CLOSE ALL';
-    EXECUTE 'UNLISTEN *';
-    PERFORM pg_advisory_unlock_all();
-    EXECUTE 'DISCARD TEMP';
-END
-$f$;
 ";
 
 /// The session reset the store sends behind every owner's `COMMIT`: six
@@ -193,14 +184,14 @@ pub(crate) fn run(pg: &TempPostgres, seconds: u64, rounds: usize) -> Vec<Vec<Tri
         ],
         vec![
             (
-                "one-commit, the session reset as six statements (now)",
+                "one-commit, the session reset as six statements (before migration 3)",
                 one_commit_then(RESET_STATEMENTS),
                 None,
                 None,
             ),
             (
-                "one-commit, the session reset as one function call",
-                one_commit_then("SELECT trial_session_reset();\n"),
+                "one-commit, the session reset as one function call (migration 3)",
+                one_commit_then("SELECT tower_idempotency_session_reset();\n"),
                 None,
                 None,
             ),

@@ -172,6 +172,39 @@ impl Pair {
         tokio::task::block_in_place(|| primary.stop(Shutdown::Immediate)).unwrap();
     }
 
+    /// Waits until the standby has replayed everything the primary
+    /// committed, then cuts it off (its WAL receiver stops: an empty
+    /// `primary_conninfo`) and waits until the primary sees it gone; the
+    /// primary goes on acknowledging commits. A connection to the standby.
+    async fn cut_off_once_replayed(
+        &mut self,
+        primary_sql: &tokio_postgres::Client,
+    ) -> tokio_postgres::Client {
+        eventually(
+            "the standby to replay what the primary committed",
+            || async {
+                count(
+                primary_sql,
+                "SELECT count(*) FROM pg_stat_replication WHERE replay_lsn >= pg_current_wal_lsn()",
+            )
+            .await
+                == 1
+            },
+        )
+        .await;
+        self.standby.cut_off();
+        let standby_sql = connect(&self.standby.config(DB)).await;
+        standby_sql
+            .batch_execute("SELECT pg_reload_conf()")
+            .await
+            .unwrap();
+        eventually("the standby to stop streaming", || async {
+            count(primary_sql, "SELECT count(*) FROM pg_stat_replication").await == 0
+        })
+        .await;
+        standby_sql
+    }
+
     /// `SELECT pg_promote(false)` on the standby, then polls
     /// `pg_is_in_recovery()` until it has left recovery (`pg_promote(true)`
     /// would only check every 100 ms).
@@ -645,29 +678,10 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
             create_with_retries(&server.http, &key, &format!("chk-{key}"), &no_crash, &log).await;
         kept.push((key, id));
     }
-    eventually("the standby to replay the kept orders", || async {
-        count(
-            &primary_sql,
-            "SELECT count(*) FROM pg_stat_replication WHERE replay_lsn >= pg_current_wal_lsn()",
-        )
-        .await
-            == 1
-    })
-    .await;
-
     let kept_ids: Vec<String> = kept.iter().map(|(_, id)| id.clone()).collect();
     // The standby is cut off as soon as it has the orders ; the primary
     // goes on acknowledging commits.
-    pair.standby.cut_off();
-    let standby_sql = connect(&pair.standby.config(DB)).await;
-    standby_sql
-        .batch_execute("SELECT pg_reload_conf()")
-        .await
-        .unwrap();
-    eventually("the standby to stop streaming", || async {
-        count(&primary_sql, "SELECT count(*) FROM pg_stat_replication").await == 0
-    })
-    .await;
+    let standby_sql = pair.cut_off_once_replayed(&primary_sql).await;
     // The relay charges the kept orders on the primary alone: their orders
     // and events are on the standby, their charges will not be.
     eventually("the kept orders' charges on the primary", || async {
@@ -976,25 +990,7 @@ async fn an_order_lost_in_a_failover_is_made_again_under_its_id_and_charged_once
         checkout_of.insert(id.clone(), checkout);
         kept.push(id);
     }
-    eventually("the standby to replay the kept orders", || async {
-        count(
-            &primary_sql,
-            "SELECT count(*) FROM pg_stat_replication WHERE replay_lsn >= pg_current_wal_lsn()",
-        )
-        .await
-            == 1
-    })
-    .await;
-    pair.standby.cut_off();
-    let standby_sql = connect(&pair.standby.config(DB)).await;
-    standby_sql
-        .batch_execute("SELECT pg_reload_conf()")
-        .await
-        .unwrap();
-    eventually("the standby to stop streaming", || async {
-        count(&primary_sql, "SELECT count(*) FROM pg_stat_replication").await == 0
-    })
-    .await;
+    let standby_sql = pair.cut_off_once_replayed(&primary_sql).await;
     drop(standby_sql);
 
     // Acknowledged on the primary alone, and charged outside.
