@@ -625,3 +625,29 @@ proptest! {
         prop_assert_eq!(refusal(&sql), None, "{:?}", sql);
     }
 }
+
+/// A remembered verdict is the fresh one, also after the thread's memory
+/// was cleared for being full, and a text too long to remember is judged.
+#[test]
+fn remembered_verdicts_are_the_fresh_ones() {
+    let texts = [
+        "INSERT INTO orders (tenant_id) VALUES ($1)",
+        "COMMIT",
+        "SET search_path = x",
+        "SET LOCAL lock_timeout = '1s'",
+        "SELECT set_config('a.b', 'c', false)",
+    ];
+    for round in 0..3 {
+        for text in texts {
+            assert_eq!(refusal(text), judge(text), "{text} (round {round})");
+        }
+        // Enough other texts to fill the memory and clear it.
+        for n in 0..=REMEMBERED {
+            let other = format!("SELECT {n}");
+            assert_eq!(refusal(&other), None);
+        }
+    }
+    let long = format!("SELECT '{}'; COMMIT", "x".repeat(REMEMBERED_LEN));
+    assert_eq!(refusal(&long), Some(Refusal::TransactionControl));
+    assert_eq!(refusal(&long), Some(Refusal::TransactionControl));
+}
