@@ -341,34 +341,26 @@ impl Server {
 impl Http {
     /// The text of `GET /metrics`.
     async fn metrics(&self) -> String {
-        let request = Request::get(format!("{}/metrics", self.base))
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let response = self.client.request(request).await.expect("server answers");
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
+        let (_, body) = self.fetch("/metrics").await;
         String::from_utf8(body.to_vec()).expect("UTF-8")
     }
 
-    /// `GET path` as tenant A: its status and body.
+    /// `GET path` as tenant A: its status and body as JSON.
     async fn get(&self, path: &str) -> (StatusCode, serde_json::Value) {
+        let (status, body) = self.fetch(path).await;
+        (status, serde_json::from_slice(&body).unwrap_or_default())
+    }
+
+    /// `GET path` as tenant A (`/metrics` needs no token and ignores it).
+    async fn fetch(&self, path: &str) -> (StatusCode, Bytes) {
         let request = Request::get(format!("{}{path}", self.base))
             .header("authorization", format!("Bearer {TOKEN_A}"))
             .body(Full::new(Bytes::new()))
             .unwrap();
         let response = self.client.request(request).await.expect("server answers");
         let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        (status, serde_json::from_slice(&body).unwrap_or_default())
+        let body = response.into_body().collect().await.expect("body");
+        (status, body.to_bytes())
     }
 
     /// POST /orders; `Err` when the transport failed.
