@@ -38,6 +38,25 @@ pub(super) async fn claim(
     claim_once(store, request, None).await
 }
 
+impl PgStore {
+    /// Whether the database is a Citus coordinator: known, or asked on
+    /// `conn` (once per store, by its first claim or one-commit
+    /// transaction; `None` if the question failed). `conn` learns it too.
+    pub(super) async fn learn_citus(&self, conn: &mut Conn) -> Option<bool> {
+        let citus = match self.on_citus() {
+            Some(citus) => citus,
+            None => {
+                let rows = conn.query_sql(IS_CITUS, &[]).await.ok()?;
+                let citus = rows.first().is_some_and(|row| row.get::<_, bool>(0));
+                self.found_citus(citus);
+                citus
+            }
+        };
+        conn.on_citus(citus);
+        Some(citus)
+    }
+}
+
 /// The claim, answered by `deadline` (plus [`CLAIM_GRACE`]) whatever the
 /// database does. The first attempt sets the deadline once it has a
 /// connection (taking one is bounded by the pool's acquire timeout); an
@@ -54,20 +73,9 @@ async fn claim_once(
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     // Cut off mid-statement, `conn` stays marked dirty: it is closed, and
     // PostgreSQL rolls back once the statement ends.
-    let split = match store.on_citus() {
-        Some(citus) => citus,
-        // Asked once per store, by its first claim. Unanswered, the claim
-        // takes the one statement that is correct on both (and asks again
-        // next time).
-        None => match conn.query_sql(IS_CITUS, &[]).await {
-            Ok(rows) => {
-                let citus = rows.first().is_some_and(|row| row.get::<_, bool>(0));
-                store.found_citus(citus);
-                citus
-            }
-            Err(_) => false,
-        },
-    };
+    // Unanswered, the claim takes the one statement that is correct on
+    // both (and the store asks again next time).
+    let split = store.learn_citus(&mut conn).await.unwrap_or(false);
     let claimed = tokio::time::timeout_at(
         deadline + CLAIM_GRACE,
         try_claim(&mut conn, request, wait, split),
@@ -133,7 +141,7 @@ async fn try_claim(
 ) -> Result<Claimed, StoreError> {
     let params = claim_params(request);
     let params_dyn = dyn_params(&params);
-    let begin = begin_with_waits(Some(wait), request.hold_limit);
+    let begin = begin_with_waits(Some(wait), conn.hold_limit_to_set(request.hold_limit));
     conn.mark_dirty();
     if split {
         let key = key_params(request);

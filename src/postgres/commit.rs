@@ -15,7 +15,10 @@ use super::{
 use crate::{
     protocol::{
         claim::{begin_with_waits, winner},
-        statements::{at_commit_params, CLAIM_AT_COMMIT, COMMIT, LOST_AT_COMMIT, ROLLBACK},
+        statements::{
+            at_commit_params, CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET, COMMIT, LOST_AT_COMMIT,
+            ROLLBACK,
+        },
     },
     record::StoredResponse,
     store::{ClaimRequest, CommitStore, Committed, StoreError, StoreErrorKind},
@@ -31,10 +34,16 @@ use crate::{
 impl CommitStore for PgStore {
     async fn begin(&self, request: &ClaimRequest) -> Result<PgTx, StoreError> {
         let mut conn = self.conn().await?;
+        if self.on_citus().is_none() {
+            // Asked once per store: whether the session reset may ride in
+            // the claim. Unanswered, it goes as a message of its own.
+            self.learn_citus(&mut conn).await;
+        }
         // No lock wait of its own (the handler's statements keep the
         // session's); should this process freeze, the server ends the
-        // transaction by itself after the hold limit.
-        let begin = begin_with_waits(None, request.hold_limit);
+        // transaction by itself after the hold limit (the session's, or
+        // one set for this transaction).
+        let begin = begin_with_waits(None, conn.hold_limit_to_set(request.hold_limit));
         // Until the handler's first statement is answered, a lost
         // connection costs nothing: the transaction starts over on another.
         conn.restartable(begin.clone());
@@ -69,7 +78,13 @@ impl CommitStore for PgStore {
         let mut conn = super::end::take_to_commit(&tx)
             .await?
             .ok_or_else(finished)?;
-        let statement = match conn.prepare_sql(CLAIM_AT_COMMIT).await {
+        // The session reset rides in the claim where the connection lets it.
+        let argument = conn.reset_in_statement();
+        let sql = match argument {
+            Some(_) => CLAIM_AT_COMMIT_AND_RESET,
+            None => CLAIM_AT_COMMIT,
+        };
+        let statement = match conn.prepare_sql(sql).await {
             Ok(statement) => statement,
             Err(e) => {
                 let _ = super::end::end(conn, None, ROLLBACK).await;
@@ -78,11 +93,15 @@ impl CommitStore for PgStore {
         };
         let headers = response.encode_headers();
         let params = at_commit_params(request, response, &headers);
+        let params = match &argument {
+            Some(argument) => [params.as_slice(), &[argument.param()]].concat(),
+            None => params.to_vec(),
+        };
         let params = dyn_params(&params);
         // A handler that sent no statement left the BEGIN to go out here.
         let begin = conn.take_begin();
         let claimed = behind(&conn, begin, conn.query_one_prepared(&statement, &params));
-        let (ended, clean) = pipelined(&conn, claimed).await;
+        let (ended, clean) = pipelined(&conn, claimed, argument.is_some()).await;
         if clean {
             conn.mark_clean();
         }
@@ -101,12 +120,13 @@ impl CommitStore for PgStore {
 }
 
 /// Sends the claim, the `COMMIT` behind it without waiting, and the session
-/// reset behind that: one round trip. The `COMMIT` goes out only once the
-/// claim was sent (its first poll pending): a claim that could not even be
-/// sent must not let the handler's writes commit without it. Also says
-/// whether the connection is clean (its transaction over, its session
-/// reset).
-async fn pipelined<F>(conn: &Conn, claimed: F) -> (Result<(), Finished>, bool)
+/// reset behind that (unless the claim carries it, `reset_in_claim`; then
+/// only if the transaction did not commit): one round trip. The `COMMIT`
+/// goes out only once the claim was sent (its first poll pending): a claim
+/// that could not even be sent must not let the handler's writes commit
+/// without it. Also says whether the connection is clean (its transaction
+/// over, its session reset).
+async fn pipelined<F>(conn: &Conn, claimed: F, reset_in_claim: bool) -> (Result<(), Finished>, bool)
 where
     F: Future<Output = Result<tokio_postgres::Row, tokio_postgres::Error>>,
 {
@@ -126,9 +146,19 @@ where
             None => claimed.await,
         }
     };
-    let reset = conn.reset_session();
+    let reset = async {
+        if reset_in_claim {
+            return Ok(());
+        }
+        conn.reset_session().await
+    };
     let (claim, ended, reset) = tokio::join!(biased; claim, conn.batch_execute(end), reset);
-    let clean = ended.is_ok() && reset.is_ok();
+    let mut clean = ended.is_ok() && reset.is_ok();
+    if clean && reset_in_claim && claim.is_err() {
+        // Rolled back before the claim's reset ran: the session advisory
+        // locks a handler's function took are still held.
+        clean = conn.reset_session().await.is_ok();
+    }
     let result = match (claim, ended) {
         (Err(e), _) => Err(Finished::Update(e)),
         (Ok(_), Err(e)) => Err(Finished::End(e)),

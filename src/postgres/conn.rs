@@ -6,12 +6,16 @@
 //! application, rolled back and reset before anyone else gets it.
 //! [`Conn::reset_session`] undoes a request's session changes.
 
-use std::{fmt, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
 
 use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
-use crate::protocol::statements::{OUTSIDE_A_TRANSACTION, ROLLBACK, SESSION_RESET};
+use crate::protocol::{
+    claim::millis,
+    sql::Param,
+    statements::{session_reset_keeping, OUTSIDE_A_TRANSACTION, ROLLBACK},
+};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// A pooled connection that may be inside a transaction.
@@ -40,6 +44,47 @@ pub(super) struct Conn {
     restartable: Option<String>,
     /// Closed instead of pooled again, however it ends (see [`Conn::poison`]).
     poisoned: bool,
+    /// What its session holds between transactions.
+    session: SessionDefaults,
+    /// Whether the session reset may ride in the statement that decides the
+    /// commit (`COMPLETE_AND_RESET`, `CLAIM_AT_COMMIT_AND_RESET`): reached
+    /// directly, on a database known not to be Citus.
+    reset_in_statement: bool,
+}
+
+/// What the store's sessions hold between transactions: the hold limit
+/// given to every connection the store opens
+/// ([`PgStoreBuilder::hold_limit`](super::PgStoreBuilder::hold_limit)),
+/// if they carry one, and the session reset that keeps it.
+#[derive(Debug, Clone)]
+pub(super) struct SessionDefaults {
+    hold_limit: Option<Duration>,
+    /// The reset as a message of its own.
+    reset: Arc<str>,
+    /// The reset function's argument where the reset rides in the commit's
+    /// statement: the hold limit as the setting takes it, or `None`.
+    reset_argument: Option<Arc<str>>,
+}
+
+/// The session reset function's argument, for a statement that carries
+/// the reset ([`Conn::reset_in_statement`]).
+pub(super) struct ResetArgument(Option<Arc<str>>);
+
+impl ResetArgument {
+    /// The argument as a parameter: the hold limit, or `NULL`.
+    pub(super) fn param(&self) -> Param<'_> {
+        Param::OptText(self.0.as_deref())
+    }
+}
+
+impl SessionDefaults {
+    pub(super) fn new(hold_limit: Option<Duration>) -> Self {
+        SessionDefaults {
+            hold_limit,
+            reset: session_reset_keeping(hold_limit).into(),
+            reset_argument: hold_limit.map(|limit| format!("{}ms", millis(limit)).into()),
+        }
+    }
 }
 
 impl Conn {
@@ -48,6 +93,8 @@ impl Conn {
         transaction_pooling: bool,
         connector: super::tls::Connector,
         pool: deadpool_postgres::Pool,
+        session: SessionDefaults,
+        citus: Option<bool>,
     ) -> Self {
         Conn {
             object: Some(object),
@@ -58,6 +105,8 @@ impl Conn {
             pool,
             restartable: None,
             poisoned: false,
+            session,
+            reset_in_statement: !transaction_pooling && citus == Some(false),
         }
     }
 
@@ -146,7 +195,8 @@ impl Conn {
     }
 
     /// Undoes a request's session changes: one call of the reset function
-    /// (`SESSION_RESET`), a message of its own, sent on the first poll so
+    /// (which gives the session its hold limit again, where the store's
+    /// sessions carry one), a message of its own, sent on the first poll so
     /// that it goes out right behind whatever was polled before it. Nothing
     /// behind a transaction pooler, where it would run on whichever server
     /// connection the pooler picks next, not on the one the transaction
@@ -155,7 +205,27 @@ impl Conn {
         if self.unnamed {
             return Ok(());
         }
-        self.batch_execute(SESSION_RESET).await
+        self.batch_execute(&self.session.reset).await
+    }
+
+    /// The database is (or is not) a Citus coordinator, as the store found.
+    pub(super) fn on_citus(&mut self, citus: bool) {
+        self.reset_in_statement = !self.unnamed && !citus;
+    }
+
+    /// The session reset function's argument when the reset rides in the
+    /// statement that decides the commit (see `COMPLETE_AND_RESET`); `None`
+    /// when it must go as a message of its own ([`Conn::reset_session`]).
+    pub(super) fn reset_in_statement(&self) -> Option<ResetArgument> {
+        self.reset_in_statement
+            .then(|| ResetArgument(self.session.reset_argument.clone()))
+    }
+
+    /// The hold limit an owner's transaction must set for itself: `limit`,
+    /// unless the session already carries it.
+    pub(super) fn hold_limit_to_set(&self, limit: Option<Duration>) -> Option<Duration> {
+        let carried = self.session.hold_limit.map(millis);
+        limit.filter(|&limit| Some(millis(limit)) != carried)
     }
 
     /// Sends the `; `-separated utility statements of `batch` (our own

@@ -14,8 +14,10 @@ use super::{
 use crate::{
     protocol::errors::ends_only_the_statement,
     protocol::errors::{claim_given_to_commit_fenced, fenced_given_to_complete},
+    protocol::sql::Param,
     protocol::statements::{
-        complete_params, fenced_check_params, COMMIT, COMPLETE, FENCED_CHECK, ROLLBACK,
+        complete_params, fenced_check_params, COMMIT, COMPLETE, COMPLETE_AND_RESET, FENCED_CHECK,
+        ROLLBACK,
     },
     protocol::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     record::StoredResponse,
@@ -30,7 +32,7 @@ pub(super) async fn complete(tx: PgTx, response: &StoredResponse) -> Result<(), 
     }
     let headers = response.encode_headers();
     let params = complete_params(tx.identity(), response, &headers);
-    commit_behind(&tx, COMPLETE, &dyn_params(&params)).await
+    commit_behind(&tx, COMPLETE, Some(COMPLETE_AND_RESET), &params).await
 }
 
 /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)
@@ -40,22 +42,30 @@ pub(super) async fn commit_fenced(tx: PgTx) -> Result<(), StoreError> {
         return Err(claim_given_to_commit_fenced());
     }
     let params = fenced_check_params(tx.identity());
-    commit_behind(&tx, FENCED_CHECK, &dyn_params(&params)).await
+    commit_behind(&tx, FENCED_CHECK, None, &params).await
 }
 
 /// Ends the transaction of `tx` with `COMMIT` behind `sql`, the statement
 /// that decides whether it may commit (the completion's UPDATE, the fenced
-/// check). Should `sql` not even prepare, the transaction rolls back.
+/// check), or behind `resetting`, the same statement with the session reset
+/// as its last parameter, where the connection lets the reset ride in it.
+/// Should the statement not even prepare, the transaction rolls back.
 async fn commit_behind(
     tx: &PgTx,
     sql: Sql<'static>,
-    params: &[&(dyn ToSql + Sync)],
+    resetting: Option<Sql<'static>>,
+    params: &[Param<'_>],
 ) -> Result<(), StoreError> {
     let Some(conn) = take_to_commit(tx).await? else {
         return Err(StoreError::new(
             StoreErrorKind::TransactionAborted,
             "the transaction has already finished",
         ));
+    };
+    let argument = resetting.and(conn.reset_in_statement());
+    let (sql, params) = match (&argument, resetting) {
+        (Some(argument), Some(resetting)) => (resetting, [params, &[argument.param()]].concat()),
+        _ => (sql, params.to_vec()),
     };
     let statement = match conn.prepare_sql(sql).await {
         Ok(statement) => statement,
@@ -65,9 +75,14 @@ async fn commit_behind(
             return Err(map_error(e));
         }
     };
-    end(conn, Some((&statement, params)), COMMIT)
-        .await
-        .map_err(completion_error)
+    let params = dyn_params(&params);
+    let update = Some((&statement, params.as_slice()));
+    let ended = if argument.is_some() {
+        commit_resetting(conn, update).await
+    } else {
+        end(conn, update, COMMIT).await
+    };
+    ended.map_err(completion_error)
 }
 
 /// The connection of `tx`, taken out to commit; `None` if the transaction
@@ -137,24 +152,46 @@ pub(super) async fn end(
     update: Option<(&Prepared<'_>, &[&(dyn ToSql + Sync)])>,
     end: &'static str,
 ) -> Result<(), Finished> {
-    let ended = async {
-        // `try_join!` and `biased`: the UPDATE goes out first, and should
-        // it fail before it was sent (an encoding error), the COMMIT
-        // never goes out at all. Once both were sent, a failed UPDATE has
-        // aborted the transaction and the COMMIT rolls back.
-        match update {
-            Some((statement, params)) => tokio::try_join!(
-                biased;
-                async { conn.query_one_prepared(statement, params).await.map_err(Finished::Update) },
-                async { conn.batch_execute(end).await.map_err(Finished::End) },
-            )
-            .map(|_| ()),
-            None => conn.batch_execute(end).await.map_err(Finished::End),
-        }
-    };
+    let ended = pipelined_end(&conn, update, end);
     let reset = conn.reset_session();
     let (ended, reset) = tokio::join!(biased; ended, reset);
     if ended.is_ok() && reset.is_ok() {
+        conn.mark_clean();
+    }
+    ended
+}
+
+/// Sends `update`, if any, and `end` behind it without waiting.
+async fn pipelined_end(
+    conn: &Conn,
+    update: Option<(&Prepared<'_>, &[&(dyn ToSql + Sync)])>,
+    end: &'static str,
+) -> Result<(), Finished> {
+    // `try_join!` and `biased`: the UPDATE goes out first, and should it
+    // fail before it was sent (an encoding error), the COMMIT never goes
+    // out at all. Once both were sent, a failed UPDATE has aborted the
+    // transaction and the COMMIT rolls back.
+    match update {
+        Some((statement, params)) => tokio::try_join!(
+            biased;
+            async { conn.query_one_prepared(statement, params).await.map_err(Finished::Update) },
+            async { conn.batch_execute(end).await.map_err(Finished::End) },
+        )
+        .map(|_| ()),
+        None => conn.batch_execute(end).await.map_err(Finished::End),
+    }
+}
+
+/// As [`end`] with `COMMIT`, for an `update` that carries the session
+/// reset itself (`COMPLETE_AND_RESET`): nothing behind the `COMMIT`. The
+/// connection goes back to the pool only if both worked (as with [`end`],
+/// a failed update closes it: whether its `COMMIT` went out is not known).
+pub(super) async fn commit_resetting(
+    mut conn: Conn,
+    update: Option<(&Prepared<'_>, &[&(dyn ToSql + Sync)])>,
+) -> Result<(), Finished> {
+    let ended = pipelined_end(&conn, update, COMMIT).await;
+    if ended.is_ok() {
         conn.mark_clean();
     }
     ended

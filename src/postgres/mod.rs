@@ -80,6 +80,8 @@ pub struct PgStore {
     /// On Citus the claim is sent as separate router statements (see
     /// `postgres/claim.rs`). Shared by every clone.
     citus: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    /// What the store's sessions hold between transactions.
+    session: conn::SessionDefaults,
 }
 
 impl fmt::Debug for PgStore {

@@ -13,12 +13,15 @@ use tokio_postgres::{
 };
 
 use super::{
-    conn::Conn,
+    conn::{Conn, SessionDefaults},
     conninfo::{self, SslMode, TlsParams},
     tls::{config_error, Connector},
     PgStore,
 };
-use crate::store::{StoreError, StoreErrorKind};
+use crate::{
+    protocol::statements::set_hold_limit,
+    store::{StoreError, StoreErrorKind},
+};
 
 /// Builds a [`PgStore`] with pool and TLS settings.
 #[derive(Debug, Clone)]
@@ -32,6 +35,7 @@ pub struct PgStoreBuilder {
     connect_timeout: Duration,
     keepalive_idle: Duration,
     transaction_pooling: bool,
+    hold_limit: Duration,
 }
 
 impl PgStoreBuilder {
@@ -56,6 +60,7 @@ impl PgStoreBuilder {
             connect_timeout: Duration::from_secs(5),
             keepalive_idle: Duration::from_secs(15),
             transaction_pooling: false,
+            hold_limit: crate::server::DEFAULT_HOLD_LIMIT,
         }
     }
 
@@ -200,6 +205,31 @@ impl PgStoreBuilder {
         crate::setter::with(self, |b| b.transaction_pooling = on)
     }
 
+    /// The idle limit the store's connections carry in their sessions
+    /// (`idle_in_transaction_session_timeout`); default 35 s, the hold
+    /// limit of an endpoint with the default handler timeout (30 s) plus
+    /// the layer's 5 s margin.
+    ///
+    /// Every owner's transaction has a hold limit (its endpoint's handler
+    /// timeout plus 5 s): should the process freeze while it holds the
+    /// transaction open, the server ends it after that long idle. An owner
+    /// whose hold limit is the session's sends nothing for it; any other
+    /// sends a `SET LOCAL` with its first statement, one statement more a
+    /// request. Set this to `handler_timeout + 5 s` of your busiest
+    /// endpoint when you change its handler timeout.
+    ///
+    /// The store sets it on every connection it opens and its session
+    /// reset (behind every owner's `COMMIT` or `ROLLBACK`, and on every
+    /// [`PooledClient`](super::PooledClient) given back) sets it again,
+    /// whatever a handler's function did to it. It applies to the
+    /// application's transactions on [`PgStore::client`] too. Not with a pool
+    /// of your own ([`pool`](Self::pool)) nor with
+    /// [`transaction_pooling`](Self::transaction_pooling) (the session is the
+    /// pooler's): then every owner sends its `SET LOCAL`.
+    pub fn hold_limit(self, limit: Duration) -> Self {
+        crate::setter::with(self, |b| b.hold_limit = limit)
+    }
+
     /// Creates the store; connections are opened lazily. Fails on a TLS
     /// setting that cannot work (a root certificate file that cannot be
     /// read, `verify-full` without one, TLS asked for in a build without
@@ -220,6 +250,10 @@ impl PgStoreBuilder {
             }
         };
         let config = std::sync::Arc::new(self.config.clone());
+        // The sessions carry the hold limit only where the store opens them
+        // itself and owns them (not behind a transaction pooler).
+        let hold_limit =
+            (self.pool.is_none() && !self.transaction_pooling).then_some(self.hold_limit);
         let pool = match self.pool {
             Some(pool) => pool,
             None => {
@@ -236,6 +270,15 @@ impl PgStoreBuilder {
                             super::types::load_types(client)
                                 .await
                                 .map_err(HookError::Backend)
+                        })
+                    }));
+                }
+                if let Some(limit) = hold_limit {
+                    let set: std::sync::Arc<str> = set_hold_limit(limit).into();
+                    pool = pool.post_create(Hook::async_fn(move |client, _| {
+                        let set = set.clone();
+                        Box::pin(async move {
+                            client.batch_execute(&set).await.map_err(HookError::Backend)
                         })
                     }));
                 }
@@ -257,6 +300,7 @@ impl PgStoreBuilder {
             connector,
             transaction_pooling: self.transaction_pooling,
             citus: Default::default(),
+            session: SessionDefaults::new(hold_limit),
         })
     }
 }
@@ -268,7 +312,16 @@ impl PgStore {
         self.pool
             .get()
             .await
-            .map(|o| Conn::new(o, pooling, self.connector.clone(), self.pool.clone()))
+            .map(|o| {
+                Conn::new(
+                    o,
+                    pooling,
+                    self.connector.clone(),
+                    self.pool.clone(),
+                    self.session.clone(),
+                    self.on_citus(),
+                )
+            })
             .map_err(|e| {
                 let message = match &e {
                     PoolError::Timeout(_) => "timed out waiting for a pooled connection",

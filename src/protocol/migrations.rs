@@ -112,6 +112,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             "schema/0003_session_reset_function.sql"
         ))],
     },
+    Migration {
+        version: 4,
+        name: "session_reset_keeps_hold_limit",
+        steps: &[Step::Transactional(include_str!(
+            "schema/0004_session_reset_keeps_hold_limit.sql"
+        ))],
+    },
 ];
 
 /// The newest schema version this build knows (the runner reads it off the

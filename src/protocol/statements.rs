@@ -2,7 +2,10 @@
 //! claim-first mode's completion, the fenced transaction's check, and the session
 //! reset. One text each; a driver adds only how it sends it.
 
+use std::time::Duration;
+
 use super::{
+    claim::millis,
     identity::TxIdentity,
     record::{key_params, may_take_over},
     sql::{Param, Sql},
@@ -25,6 +28,23 @@ pub(crate) const COMMIT: &str = "COMMIT";
 /// Ends a transaction, undoing its writes.
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
+/// The completion's `UPDATE`, as a `WITH` named `done`, then `$tail`.
+macro_rules! completion {
+    ($tail:expr) => {
+        concat!(
+            "WITH done AS ( \
+                 UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
+                     response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
+                     completed_at = statement_timestamp() \
+                 WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+                     AND attempt_token = $4::int8 AND state = 'in_progress' \
+                     AND pg_current_xact_id() = $9::text::xid8 AND $8::float8 IS NOT NULL \
+                 RETURNING 1) ",
+            $tail
+        )
+    };
+}
+
 // The COMMIT is pipelined behind this statement, so it must fail (aborting
 // the transaction) rather than match no row: the handler's writes must never
 // commit without the remembered response. Division by zero does that. The
@@ -39,17 +59,33 @@ pub(crate) const ROLLBACK: &str = "ROLLBACK";
 // claim's transaction is bounded by the handler's timeout, seconds against
 // a retention of hours. `$8` (the retention) is no longer needed; it stays
 // a parameter so that both drivers bind the same list.
-pub(crate) const COMPLETE: Sql<'static> = Sql::new(
-    "WITH done AS ( \
-         UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
-             response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
-             completed_at = statement_timestamp() \
-         WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
-             AND attempt_token = $4::int8 AND state = 'in_progress' \
-             AND pg_current_xact_id() = $9::text::xid8 AND $8::float8 IS NOT NULL \
-         RETURNING 1) \
-     SELECT 1 / (SELECT count(*)::int FROM done)",
-);
+pub(crate) const COMPLETE: Sql<'static> =
+    Sql::new(completion!("SELECT 1 / (SELECT count(*)::int FROM done)"));
+
+/// [`COMPLETE`] with the session reset in the same statement, for a
+/// connection reached directly: `$11` is the hold limit the session keeps
+/// (as in [`session_reset_keeping`]), or `NULL`.
+///
+/// The reset (migration 4's function) runs inside the owner's
+/// transaction, after everything the handler sent, and commits with it:
+/// once the `COMMIT` is through, the settings, role, cursors, listeners
+/// and temporary objects a handler's function may have changed are the
+/// defaults again, and session advisory locks are released, without a
+/// message of its own (one statement fewer a request). It sets the
+/// session's hold limit again in the same call, so the idle limit holds
+/// until the `COMMIT` arrives. It runs only once the statement has won:
+/// its argument needs the division first, and a lost or failed statement
+/// aborts the transaction before it (the driver then sends the reset on
+/// its own behind the `ROLLBACK`: a rolled-back transaction undoes its
+/// settings, cursors, listeners and temporary objects, but not session
+/// advisory locks). Not on Citus, where a router query runs its functions
+/// on the worker, nor behind a transaction pooler (the session is the
+/// pooler's).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) const COMPLETE_AND_RESET: Sql<'static> = Sql::new(completion!(concat!(
+    "SELECT tower_idempotency_session_reset(CASE WHEN ",
+    "1 / (SELECT count(*)::int FROM done) = 1 THEN $11::text END)"
+)));
 
 // A fenced transaction's commit, guarded like the completion: the check
 // fails (aborting the transaction, so the pipelined COMMIT rolls back) if
@@ -93,6 +129,61 @@ pub(crate) const SESSION_RESET_STATEMENTS: [&str; 6] = [
 /// runs [`SESSION_RESET_STATEMENTS`].
 pub(crate) const SESSION_RESET: &str = "SELECT tower_idempotency_session_reset()";
 
+/// The session reset that leaves the session's idle limit at `hold_limit`
+/// (migration 4's function): for a store whose connections carry it
+/// ([`set_hold_limit`]), so that an owner whose hold limit is that one
+/// needs no `SET LOCAL` of its own. Without a limit, [`SESSION_RESET`].
+/// The limit is a number formatted here, never client data.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn session_reset_keeping(hold_limit: Option<Duration>) -> String {
+    match hold_limit {
+        Some(limit) => format!(
+            "SELECT tower_idempotency_session_reset('{}ms')",
+            millis(limit)
+        ),
+        None => SESSION_RESET.to_owned(),
+    }
+}
+
+/// Gives a new connection's session the idle limit `hold_limit`
+/// (`idle_in_transaction_session_timeout`), which [`session_reset_keeping`]
+/// then keeps.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn set_hold_limit(hold_limit: Duration) -> String {
+    format!(
+        "SET idle_in_transaction_session_timeout = '{}ms'",
+        millis(hold_limit)
+    )
+}
+
+/// The one-commit mode's `INSERT … ON CONFLICT`, as a `WITH` named `won`,
+/// then `$tail`.
+macro_rules! claim_at_commit {
+    ($tail:expr) => {
+        concat!(
+            "WITH won AS ( \
+                 INSERT INTO idempotency_requests AS r \
+                     (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
+                      response_headers, response_body, resource_id, created_at, completed_at, expires_at) \
+                 VALUES ($1::text, $2::text, $3::text, $4::bytea, 'completed', $5::int2, $6::bytea, \
+                     $7::bytea, $8::text, statement_timestamp(), statement_timestamp(), \
+                     statement_timestamp() + make_interval(secs => $9::float8)) \
+                 ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
+                     request_fingerprint = EXCLUDED.request_fingerprint, state = 'completed', \
+                     attempt_token = EXCLUDED.attempt_token, response_status = EXCLUDED.response_status, \
+                     response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body, \
+                     resource_id = EXCLUDED.resource_id, created_at = EXCLUDED.created_at, \
+                     completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at, attempts = 0, \
+                     operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
+                     request_target = NULL, request_headers = NULL, request_body = NULL \
+                 WHERE ",
+            may_take_over!("r.", "EXCLUDED.created_at"),
+            " RETURNING 1) ",
+            $tail
+        )
+    };
+}
+
 // The one-commit mode's claim, sent last in the handler's transaction and
 // pipelined with its COMMIT: the key's record goes in completed, with the
 // response. The unique key decides: a free key (none, expired, or an
@@ -111,28 +202,18 @@ pub(crate) const SESSION_RESET: &str = "SELECT tower_idempotency_session_reset()
 // `a_record_that_expires_during_the_work_is_won_at_commit`). The WHERE reads
 // that instant as the proposed row's `created_at`: Citus refuses functions
 // that are not immutable in `ON CONFLICT … DO UPDATE`.
-pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(concat!(
-    "WITH won AS ( \
-         INSERT INTO idempotency_requests AS r \
-             (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
-              response_headers, response_body, resource_id, created_at, completed_at, expires_at) \
-         VALUES ($1::text, $2::text, $3::text, $4::bytea, 'completed', $5::int2, $6::bytea, \
-             $7::bytea, $8::text, statement_timestamp(), statement_timestamp(), \
-             statement_timestamp() + make_interval(secs => $9::float8)) \
-         ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
-             request_fingerprint = EXCLUDED.request_fingerprint, state = 'completed', \
-             attempt_token = EXCLUDED.attempt_token, response_status = EXCLUDED.response_status, \
-             response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body, \
-             resource_id = EXCLUDED.resource_id, created_at = EXCLUDED.created_at, \
-             completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at, attempts = 0, \
-             operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
-             request_target = NULL, request_headers = NULL, request_body = NULL \
-         WHERE ",
-    may_take_over!("r.", "EXCLUDED.created_at"),
-    " \
-         RETURNING 1) \
-     SELECT 1 / (SELECT count(*)::int FROM won)"
+pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(claim_at_commit!(
+    "SELECT 1 / (SELECT count(*)::int FROM won)"
 ));
+
+/// [`CLAIM_AT_COMMIT`] with the session reset in the same statement, run
+/// only once the key is won; `$10` is the hold limit the session keeps, or
+/// `NULL`. As [`COMPLETE_AND_RESET`].
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) const CLAIM_AT_COMMIT_AND_RESET: Sql<'static> = Sql::new(claim_at_commit!(concat!(
+    "SELECT tower_idempotency_session_reset(CASE WHEN ",
+    "1 / (SELECT count(*)::int FROM won) = 1 THEN $10::text END)"
+)));
 
 /// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: division by zero.
 pub(crate) const LOST_AT_COMMIT: &str = "22012";
@@ -239,10 +320,19 @@ pub(crate) fn at_commit_params<'a>(
 
 #[cfg(test)]
 mod reset_tests {
-    /// The function migration 3 creates runs the list, in its order.
+    /// The functions migrations 3 and 4 create run the list, in its order
+    /// (4 then sets the hold limit).
     #[test]
-    fn the_session_reset_function_runs_the_list_of_statements() {
-        let body = include_str!("schema/0003_session_reset_function.sql");
+    fn the_session_reset_functions_run_the_list_of_statements() {
+        for body in [
+            include_str!("schema/0003_session_reset_function.sql"),
+            include_str!("schema/0004_session_reset_keeps_hold_limit.sql"),
+        ] {
+            check(body);
+        }
+    }
+
+    fn check(body: &str) {
         let run: Vec<&str> = body
             .lines()
             .map(str::trim)
@@ -254,6 +344,7 @@ mod reset_tests {
                             .and_then(|l| l.strip_suffix(';'))
                     })
             })
+            .filter(|statement| !statement.starts_with("set_config("))
             .collect();
         let expected: Vec<&str> = super::SESSION_RESET_STATEMENTS
             .iter()

@@ -235,6 +235,139 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
     assert_eq!(pg.orders().await.len(), 2);
 }
 
+/// A handler that reports its session (backend process id) and the idle
+/// limit its transaction runs under, writes one order, then calls
+/// `unlimit()`, a function that takes the session's idle limit away where
+/// the guard cannot see it.
+fn reports_hold_limit_then_unlimits() -> Handler {
+    handler(|tx: PgTx| async move {
+        let row = tx
+            .query_one(
+                "SELECT pg_backend_pid(), current_setting('idle_in_transaction_session_timeout')",
+                &[],
+            )
+            .await?;
+        let (pid, limit): (i32, String) = (row.get(0), row.get(1));
+        insert_order(&tx).await?;
+        tx.query_one("SELECT unlimit()", &[]).await?;
+        Ok(created(
+            serde_json::json!({ "pid": pid, "limit": limit }).to_string(),
+        ))
+    })
+}
+
+/// The hold limit is the session's: every connection the store opens
+/// carries it (35 s, the default handler timeout's), an owner with the
+/// default handler timeout runs under it, one with another timeout under
+/// its own, and a function that took it away is undone before the
+/// connection serves anyone else. In both modes, on a pool of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hold_limit_is_the_sessions_whatever_a_function_did_to_it() {
+    let pg = Postgres::with_pool(1).await;
+    pg.exec(
+        "CREATE FUNCTION unlimit() RETURNS text LANGUAGE sql AS \
+             $$ SELECT set_config('idle_in_transaction_session_timeout', '0', false) $$",
+    )
+    .await;
+    let session = |store: PgStore| async move {
+        let client = store.client().await.unwrap();
+        let row = client
+            .query_one(
+                "SELECT pg_backend_pid(), current_setting('idle_in_transaction_session_timeout')",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, i32>(0), row.get::<_, String>(1))
+    };
+    let (pid, limit) = session(pg.store.clone()).await;
+    assert_eq!(limit, "35s", "a new connection carries the hold limit");
+
+    let mut keys = 0;
+    for one_commit in [false, true] {
+        for (timeout, expected) in [(None, "35s"), (Some(10), "15s"), (None, "35s")] {
+            let mut layer = layer(pg.store.clone());
+            if let Some(secs) = timeout {
+                layer = layer.handler_timeout(Duration::from_secs(secs));
+            }
+            keys += 1;
+            let key = format!("k{keys}");
+            let answer = if one_commit {
+                let service = layer
+                    .claim_at_commit()
+                    .layer(reports_hold_limit_then_unlimits());
+                send(service, tenant_a_post(&key)).await
+            } else {
+                send(
+                    layer.layer(reports_hold_limit_then_unlimits()),
+                    tenant_a_post(&key),
+                )
+                .await
+            };
+            assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+            let seen = answer.json();
+            assert_eq!(seen["pid"], pid, "the pool's one connection");
+            assert_eq!(
+                seen["limit"], expected,
+                "one-commit {one_commit}, handler timeout {timeout:?}"
+            );
+            // unlimit() set the session's limit to 0 in the handler's
+            // transaction, which committed: the reset behind it set it back.
+            assert_eq!(session(pg.store.clone()).await, (pid, "35s".to_owned()));
+        }
+    }
+    assert_eq!(pg.orders().await.len(), keys);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await,
+        keys as i64
+    );
+}
+
+/// A store on a pool of its own leaves the sessions as they are: every
+/// owner sets its hold limit for its own transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_pool_of_your_own_each_owner_sets_its_hold_limit() {
+    let db = tower_idempotency::testing::TestDatabase::create().await;
+    let manager = deadpool_postgres::Manager::new(db.config(), tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(1)
+        .build()
+        .unwrap();
+    let store = PgStore::builder(db.config()).pool(pool).build().unwrap();
+    store.migrate().await.unwrap();
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL); \
+             CREATE FUNCTION unlimit() RETURNS text LANGUAGE sql AS \
+             $$ SELECT set_config('idle_in_transaction_session_timeout', '0', false) $$",
+        )
+        .await
+        .unwrap();
+    let shown = |store: PgStore| async move {
+        let client = store.client().await.unwrap();
+        let limit: String = client
+            .query_one(
+                "SELECT current_setting('idle_in_transaction_session_timeout')",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        limit
+    };
+    assert_eq!(shown(store.clone()).await, "0", "the server's default");
+    let answer = send(
+        layer(store.clone()).layer(reports_hold_limit_then_unlimits()),
+        tenant_a_post("k1"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+    assert_eq!(answer.json()["limit"], "35s", "set for the transaction");
+    assert_eq!(shown(store.clone()).await, "0");
+}
+
 /// Statements that change the session in ways the guard used to miss, each
 /// with what the handler runs after it (its result ignored): an UPDATE of
 /// the pg_settings view (its rule calls `set_config(…, false)`), the same
@@ -710,4 +843,41 @@ async fn frozen_owner_is_ended_by_the_server() {
     pg.store.complete(next, &stored(b"second")).await.unwrap();
     assert!(pg.store.complete(owner, &stored(b"first")).await.is_err());
     assert_eq!(pg.records().await[0].2, "completed");
+}
+
+/// The session reset rides in the one-commit claim, and runs only once the
+/// claim has won: an owner that loses at commit is rolled back before its
+/// reset, and gets one behind the `ROLLBACK` instead. Either way the
+/// session advisory lock its handler's function took is released before
+/// the pool's one connection serves anyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_commit_owner_releases_its_session_locks_whether_it_wins_or_loses() {
+    use tower_idempotency::store::{CommitStore, Committed};
+    let pg = Postgres::with_pool(1).await;
+    pg.exec(
+        "CREATE FUNCTION hold_lock() RETURNS void LANGUAGE sql AS \
+             $$ SELECT pg_advisory_lock(42) $$",
+    )
+    .await;
+    let request = claim_request("k", Duration::from_secs(5));
+    let mut pids = Vec::new();
+    for (body, won) in [(&b"first"[..], true), (b"second", false)] {
+        let tx = CommitStore::begin(&pg.store, &request).await.unwrap();
+        let pid: i32 = tx
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        pids.push(pid);
+        tx.query_one("SELECT hold_lock()", &[]).await.unwrap();
+        let committed = pg.store.commit(tx, &request, &stored(body)).await.unwrap();
+        assert_eq!(matches!(committed, Committed::Won), won, "{committed:?}");
+        let free: bool = pg.value("SELECT pg_try_advisory_lock(42)").await;
+        assert!(free, "won {won}: the session advisory lock was released");
+        let _: bool = pg.value("SELECT pg_advisory_unlock(42)").await;
+    }
+    assert_eq!(pids[0], pids[1], "the connection went back to the pool");
+    let records = pg.records().await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].2, "completed");
 }

@@ -23,13 +23,14 @@ const CREATES: i64 = 200;
 const STATS_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The columns the completion's `SET` list assigns, read from the statement
-/// itself (`COMPLETE` in `src/protocol/statements.rs`), so that a column added to
-/// it later is checked too.
+/// itself (the `completion!` text that `COMPLETE` and `COMPLETE_AND_RESET` share,
+/// in `src/protocol/statements.rs`), so that a column added to it later is
+/// checked too.
 fn completion_sets() -> BTreeSet<String> {
     let source = include_str!("../../src/protocol/statements.rs");
     let start = source
-        .find("pub(crate) const COMPLETE: Sql<'static> = Sql::new(")
-        .expect("COMPLETE is in statements.rs");
+        .find("macro_rules! completion {")
+        .expect("the completion's text is in statements.rs");
     let text = &source[start..];
     let text = &text[text.find('"').expect("COMPLETE's text") + 1..];
     let text = &text[..text.find("\",").expect("COMPLETE's text ends")];

@@ -224,8 +224,9 @@ async fn records_are_shared_with_pg_store() {
         backend
             .count("SELECT count(*) FROM tower_idempotency_migrations")
             .await,
-        3,
-        "the baseline, lz4_stored_bodies and session_reset_function, once each"
+        4,
+        "the baseline, lz4_stored_bodies, session_reset_function and \
+         session_reset_keeps_hold_limit, once each"
     );
     let request = claim_request("k1", Duration::from_secs(2));
     let Claim::Owned(tx) = backend.store.claim(&request).await.unwrap() else {
