@@ -94,7 +94,7 @@ impl CommitStore for PgStore {
         let headers = response.encode_headers();
         let params = at_commit_params(request, response, &headers);
         let params = match &argument {
-            Some(argument) => [params.as_slice(), &[argument.param()]].concat(),
+            Some(arguments) => [params.as_slice(), &arguments.params()].concat(),
             None => params.to_vec(),
         };
         let params = dyn_params(&params);

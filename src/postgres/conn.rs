@@ -61,28 +61,42 @@ pub(super) struct SessionDefaults {
     hold_limit: Option<Duration>,
     /// The reset as a message of its own.
     reset: Arc<str>,
-    /// The reset function's argument where the reset rides in the commit's
-    /// statement: the hold limit as the setting takes it, or `None`.
-    reset_argument: Option<Arc<str>>,
+    /// The reset function's arguments where the reset rides in the commit's
+    /// statement: the hold limit as the setting takes it, and the role the
+    /// store logs in as.
+    reset_arguments: ResetArguments,
 }
 
-/// The session reset function's argument, for a statement that carries
+/// The session reset function's arguments, for a statement that carries
 /// the reset ([`Conn::reset_in_statement`]).
-pub(super) struct ResetArgument(Option<Arc<str>>);
+#[derive(Debug, Clone)]
+pub(super) struct ResetArguments {
+    hold_limit: Option<Arc<str>>,
+    login: Option<Arc<str>>,
+}
 
-impl ResetArgument {
-    /// The argument as a parameter: the hold limit, or `NULL`.
-    pub(super) fn param(&self) -> Param<'_> {
-        Param::OptText(self.0.as_deref())
+impl ResetArguments {
+    /// The arguments as parameters: the hold limit and the login, each
+    /// `NULL` if there is none.
+    pub(super) fn params(&self) -> [Param<'_>; 2] {
+        [
+            Param::OptText(self.hold_limit.as_deref()),
+            Param::OptText(self.login.as_deref()),
+        ]
     }
 }
 
 impl SessionDefaults {
-    pub(super) fn new(hold_limit: Option<Duration>) -> Self {
+    /// The sessions' `hold_limit`, if they carry one, and the role the
+    /// store logs in as, if the configuration names it.
+    pub(super) fn new(hold_limit: Option<Duration>, login: Option<&str>) -> Self {
         SessionDefaults {
             hold_limit,
-            reset: session_reset_keeping(hold_limit).into(),
-            reset_argument: hold_limit.map(|limit| format!("{}ms", millis(limit)).into()),
+            reset: session_reset_keeping(hold_limit, login).into(),
+            reset_arguments: ResetArguments {
+                hold_limit: hold_limit.map(|limit| format!("{}ms", millis(limit)).into()),
+                login: login.map(Into::into),
+            },
         }
     }
 }
@@ -216,9 +230,9 @@ impl Conn {
     /// The session reset function's argument when the reset rides in the
     /// statement that decides the commit (see `COMPLETE_AND_RESET`); `None`
     /// when it must go as a message of its own ([`Conn::reset_session`]).
-    pub(super) fn reset_in_statement(&self) -> Option<ResetArgument> {
+    pub(super) fn reset_in_statement(&self) -> Option<ResetArguments> {
         self.reset_in_statement
-            .then(|| ResetArgument(self.session.reset_argument.clone()))
+            .then(|| self.session.reset_arguments.clone())
     }
 
     /// The hold limit an owner's transaction must set for itself: `limit`,

@@ -64,7 +64,7 @@ async fn commit_behind(
     };
     let argument = resetting.and(conn.reset_in_statement());
     let (sql, params) = match (&argument, resetting) {
-        (Some(argument), Some(resetting)) => (resetting, [params, &[argument.param()]].concat()),
+        (Some(arguments), Some(resetting)) => (resetting, [params, &arguments.params()].concat()),
         _ => (sql, params.to_vec()),
     };
     let statement = match conn.prepare_sql(sql).await {

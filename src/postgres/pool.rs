@@ -294,13 +294,14 @@ impl PgStoreBuilder {
                     })?
             }
         };
+        let session = SessionDefaults::new(hold_limit, config.get_user());
         Ok(PgStore {
             pool,
             config,
             connector,
             transaction_pooling: self.transaction_pooling,
             citus: Default::default(),
-            session: SessionDefaults::new(hold_limit),
+            session,
         })
     }
 }

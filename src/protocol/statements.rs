@@ -64,7 +64,8 @@ pub(crate) const COMPLETE: Sql<'static> =
 
 /// [`COMPLETE`] with the session reset in the same statement, for a
 /// connection reached directly: `$11` is the hold limit the session keeps
-/// (as in [`session_reset_keeping`]), or `NULL`.
+/// and `$12` the role the store logs in as (as in [`session_reset_keeping`]),
+/// each or both `NULL`.
 ///
 /// The reset (migration 4's function) runs inside the owner's
 /// transaction, after everything the handler sent, and commits with it:
@@ -84,7 +85,7 @@ pub(crate) const COMPLETE: Sql<'static> =
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const COMPLETE_AND_RESET: Sql<'static> = Sql::new(completion!(concat!(
     "SELECT tower_idempotency_session_reset(CASE WHEN ",
-    "1 / (SELECT count(*)::int FROM done) = 1 THEN $11::text END)"
+    "1 / (SELECT count(*)::int FROM done) = 1 THEN $11::text END, $12::text)"
 )));
 
 // A fenced transaction's commit, guarded like the completion: the check
@@ -129,20 +130,29 @@ pub(crate) const SESSION_RESET_STATEMENTS: [&str; 6] = [
 /// runs [`SESSION_RESET_STATEMENTS`].
 pub(crate) const SESSION_RESET: &str = "SELECT tower_idempotency_session_reset()";
 
-/// The session reset that leaves the session's idle limit at `hold_limit`
-/// (migration 4's function): for a store whose connections carry it
-/// ([`set_hold_limit`]), so that an owner whose hold limit is that one
-/// needs no `SET LOCAL` of its own. Without a limit, [`SESSION_RESET`].
-/// The limit is a number formatted here, never client data.
+/// The session reset of migration 4's function: the session's idle limit
+/// left at `hold_limit` (for a store whose connections carry it,
+/// [`set_hold_limit`], so that an owner whose hold limit is that one needs
+/// no `SET LOCAL` of its own), and its authorization reset only when it is
+/// not `login`'s, the role the store logs in as. The limit is a number
+/// formatted here; the role name is written as an escaped literal.
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-pub(crate) fn session_reset_keeping(hold_limit: Option<Duration>) -> String {
-    match hold_limit {
-        Some(limit) => format!(
-            "SELECT tower_idempotency_session_reset('{}ms')",
-            millis(limit)
-        ),
-        None => SESSION_RESET.to_owned(),
-    }
+pub(crate) fn session_reset_keeping(hold_limit: Option<Duration>, login: Option<&str>) -> String {
+    let hold_limit = match hold_limit {
+        Some(limit) => format!("'{}ms'", millis(limit)),
+        None => "NULL".to_owned(),
+    };
+    let login = match login {
+        Some(login) => escaped_literal(login),
+        None => "NULL".to_owned(),
+    };
+    format!("SELECT tower_idempotency_session_reset({hold_limit}, {login})")
+}
+
+/// `text` as an escape string literal (`E'…'`): read the same whatever
+/// `standard_conforming_strings` says.
+fn escaped_literal(text: &str) -> String {
+    format!("E'{}'", text.replace('\\', "\\\\").replace('\'', "''"))
 }
 
 /// Gives a new connection's session the idle limit `hold_limit`
@@ -207,12 +217,12 @@ pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(claim_at_commit!(
 ));
 
 /// [`CLAIM_AT_COMMIT`] with the session reset in the same statement, run
-/// only once the key is won; `$10` is the hold limit the session keeps, or
-/// `NULL`. As [`COMPLETE_AND_RESET`].
+/// only once the key is won; `$10` and `$11` are the hold limit and the
+/// login, as `COMPLETE_AND_RESET`'s `$11` and `$12`.
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const CLAIM_AT_COMMIT_AND_RESET: Sql<'static> = Sql::new(claim_at_commit!(concat!(
     "SELECT tower_idempotency_session_reset(CASE WHEN ",
-    "1 / (SELECT count(*)::int FROM won) = 1 THEN $10::text END)"
+    "1 / (SELECT count(*)::int FROM won) = 1 THEN $10::text END, $11::text)"
 )));
 
 /// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: division by zero.
@@ -320,6 +330,19 @@ pub(crate) fn at_commit_params<'a>(
 
 #[cfg(test)]
 mod reset_tests {
+    /// The role name goes out as a literal that reads back as itself.
+    #[test]
+    fn the_login_is_escaped() {
+        assert_eq!(
+            super::session_reset_keeping(Some(std::time::Duration::from_secs(35)), Some(r"o'k\x")),
+            r"SELECT tower_idempotency_session_reset('35000ms', E'o''k\\x')"
+        );
+        assert_eq!(
+            super::session_reset_keeping(None, None),
+            "SELECT tower_idempotency_session_reset(NULL, NULL)"
+        );
+    }
+
     /// The functions migrations 3 and 4 create run the list, in its order
     /// (4 then sets the hold limit).
     #[test]

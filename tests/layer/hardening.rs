@@ -881,3 +881,63 @@ async fn a_one_commit_owner_releases_its_session_locks_whether_it_wins_or_loses(
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].2, "completed");
 }
+
+/// A handler's function that changes the session's authorization (a
+/// superuser's `SET SESSION AUTHORIZATION`, which the reset undoes only
+/// when the session is not the store's login any more): the request runs
+/// as the other role to its end, and the next one on the connection is the
+/// login again. Both modes, on a pool of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authorization_changed_in_a_function_does_not_outlive_the_request() {
+    let pg = Postgres::with_pool(1).await;
+    let login = pg.db.config().get_user().expect("a user").to_owned();
+    pg.exec(
+        "DO $$ BEGIN CREATE ROLE tia_hidden_role; \
+             EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+         GRANT ALL ON ALL TABLES IN SCHEMA public TO tia_hidden_role; \
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO tia_hidden_role; \
+         CREATE FUNCTION become() RETURNS text LANGUAGE plpgsql AS \
+             $$ BEGIN EXECUTE 'SET SESSION AUTHORIZATION tia_hidden_role'; \
+                RETURN session_user::text; END $$",
+    )
+    .await;
+    let becomes = handler(|tx: PgTx| async move {
+        insert_order(&tx).await?;
+        let user: String = tx.query_one("SELECT become()", &[]).await?.get(0);
+        Ok(created(serde_json::json!({ "user": user }).to_string()))
+    });
+    let session_user = |store: PgStore| async move {
+        let client = store.client().await.unwrap();
+        let user: String = client
+            .query_one("SELECT session_user::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        user
+    };
+    for (key, one_commit) in [("k1", false), ("k2", true)] {
+        let answer = if one_commit {
+            send(
+                layer(pg.store.clone())
+                    .claim_at_commit()
+                    .layer(becomes.clone()),
+                tenant_a_post(key),
+            )
+            .await
+        } else {
+            send(
+                layer(pg.store.clone()).layer(becomes.clone()),
+                tenant_a_post(key),
+            )
+            .await
+        };
+        assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+        assert_eq!(answer.json()["user"], "tia_hidden_role");
+        assert_eq!(
+            session_user(pg.store.clone()).await,
+            login,
+            "one-commit {one_commit}"
+        );
+    }
+    assert_eq!(pg.orders().await.len(), 2);
+}
