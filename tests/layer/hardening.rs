@@ -235,18 +235,25 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
     assert_eq!(pg.orders().await.len(), 2);
 }
 
+/// What `sql` (one row of the backend's process id and one text) reads on
+/// a connection the application borrows from `store`.
+async fn on_a_borrowed_connection(store: &PgStore, sql: &str) -> (i32, String) {
+    let client = store.client().await.unwrap();
+    let row = client.query_one(sql, &[]).await.unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// The session's idle limit, with its process id.
+const IDLE_LIMIT: &str =
+    "SELECT pg_backend_pid(), current_setting('idle_in_transaction_session_timeout')";
+
 /// A handler that reports its session (backend process id) and the idle
 /// limit its transaction runs under, writes one order, then calls
 /// `unlimit()`, a function that takes the session's idle limit away where
 /// the guard cannot see it.
 fn reports_hold_limit_then_unlimits() -> Handler {
     handler(|tx: PgTx| async move {
-        let row = tx
-            .query_one(
-                "SELECT pg_backend_pid(), current_setting('idle_in_transaction_session_timeout')",
-                &[],
-            )
-            .await?;
+        let row = tx.query_one(IDLE_LIMIT, &[]).await?;
         let (pid, limit): (i32, String) = (row.get(0), row.get(1));
         insert_order(&tx).await?;
         tx.query_one("SELECT unlimit()", &[]).await?;
@@ -269,18 +276,7 @@ async fn the_hold_limit_is_the_sessions_whatever_a_function_did_to_it() {
              $$ SELECT set_config('idle_in_transaction_session_timeout', '0', false) $$",
     )
     .await;
-    let session = |store: PgStore| async move {
-        let client = store.client().await.unwrap();
-        let row = client
-            .query_one(
-                "SELECT pg_backend_pid(), current_setting('idle_in_transaction_session_timeout')",
-                &[],
-            )
-            .await
-            .unwrap();
-        (row.get::<_, i32>(0), row.get::<_, String>(1))
-    };
-    let (pid, limit) = session(pg.store.clone()).await;
+    let (pid, limit) = on_a_borrowed_connection(&pg.store, IDLE_LIMIT).await;
     assert_eq!(limit, "35s", "a new connection carries the hold limit");
 
     let mut keys = 0;
@@ -313,7 +309,10 @@ async fn the_hold_limit_is_the_sessions_whatever_a_function_did_to_it() {
             );
             // unlimit() set the session's limit to 0 in the handler's
             // transaction, which committed: the reset behind it set it back.
-            assert_eq!(session(pg.store.clone()).await, (pid, "35s".to_owned()));
+            assert_eq!(
+                on_a_borrowed_connection(&pg.store, IDLE_LIMIT).await,
+                (pid, "35s".to_owned())
+            );
         }
     }
     assert_eq!(pg.orders().await.len(), keys);
@@ -345,19 +344,11 @@ async fn on_a_pool_of_your_own_each_owner_sets_its_hold_limit() {
         )
         .await
         .unwrap();
-    let shown = |store: PgStore| async move {
-        let client = store.client().await.unwrap();
-        let limit: String = client
-            .query_one(
-                "SELECT current_setting('idle_in_transaction_session_timeout')",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        limit
-    };
-    assert_eq!(shown(store.clone()).await, "0", "the server's default");
+    assert_eq!(
+        on_a_borrowed_connection(&store, IDLE_LIMIT).await.1,
+        "0",
+        "the server's default"
+    );
     let answer = send(
         layer(store.clone()).layer(reports_hold_limit_then_unlimits()),
         tenant_a_post("k1"),
@@ -365,7 +356,7 @@ async fn on_a_pool_of_your_own_each_owner_sets_its_hold_limit() {
     .await;
     assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
     assert_eq!(answer.json()["limit"], "35s", "set for the transaction");
-    assert_eq!(shown(store.clone()).await, "0");
+    assert_eq!(on_a_borrowed_connection(&store, IDLE_LIMIT).await.1, "0");
 }
 
 /// Statements that change the session in ways the guard used to miss, each
@@ -906,15 +897,6 @@ async fn an_authorization_changed_in_a_function_does_not_outlive_the_request() {
         let user: String = tx.query_one("SELECT become()", &[]).await?.get(0);
         Ok(created(serde_json::json!({ "user": user }).to_string()))
     });
-    let session_user = |store: PgStore| async move {
-        let client = store.client().await.unwrap();
-        let user: String = client
-            .query_one("SELECT session_user::text", &[])
-            .await
-            .unwrap()
-            .get(0);
-        user
-    };
     for (key, one_commit) in [("k1", false), ("k2", true)] {
         let answer = if one_commit {
             send(
@@ -934,7 +916,9 @@ async fn an_authorization_changed_in_a_function_does_not_outlive_the_request() {
         assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
         assert_eq!(answer.json()["user"], "tia_hidden_role");
         assert_eq!(
-            session_user(pg.store.clone()).await,
+            on_a_borrowed_connection(&pg.store, "SELECT pg_backend_pid(), session_user::text")
+                .await
+                .1,
             login,
             "one-commit {one_commit}"
         );
