@@ -128,6 +128,7 @@ pub(crate) const SESSION_RESET_STATEMENTS: [&str; 6] = [
 
 /// The session reset: one call of the function migration 3 creates, which
 /// runs [`SESSION_RESET_STATEMENTS`].
+#[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
 pub(crate) const SESSION_RESET: &str = "SELECT tower_idempotency_session_reset()";
 
 /// The session reset of migration 4's function: the session's idle limit
