@@ -32,6 +32,12 @@ use crate::store::{StoreError, StoreErrorKind};
 /// The SQLSTATE of a deadlock PostgreSQL broke by ending one statement.
 const DEADLOCK_DETECTED: &str = "40P01";
 
+/// PostgreSQL's internal error: how a build that raced another migrator's
+/// build or drop of the same index on the catalog's rows may end ("tuple
+/// concurrently updated"). A build step that ends so looks again, as after
+/// a lock timeout: the index's state decides what comes next.
+const INTERNAL_ERROR: &str = "XX000";
+
 /// Serialises concurrent migrators (any constant unique to this crate).
 pub(crate) const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 
@@ -555,7 +561,10 @@ impl<T: Transport> Runner<'_, T> {
             };
             match build {
                 Ok(()) => {}
-                Err(e) if T::lock_timed_out(&e) || e.sql_state() == Some(DEADLOCK_DETECTED) => {
+                Err(e)
+                    if T::lock_timed_out(&e)
+                        || matches!(e.sql_state(), Some(DEADLOCK_DETECTED | INTERNAL_ERROR)) =>
+                {
                     races += 1;
                     self.summary.build_races += 1;
                     if races >= self.settings.attempts {
