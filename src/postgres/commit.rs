@@ -6,7 +6,7 @@ use std::{future::Future, pin::pin, task::Poll};
 
 use super::{
     claim::connection_fault,
-    conn::{behind, Conn},
+    conn::{behind, Conn, ResetArguments},
     end::{completion_error, Finished},
     error::map_error,
     prepared::dyn_params,
@@ -34,11 +34,9 @@ use crate::{
 impl CommitStore for PgStore {
     async fn begin(&self, request: &ClaimRequest) -> Result<PgTx, StoreError> {
         let mut conn = self.conn().await?;
-        if self.on_citus().is_none() {
-            // Asked once per store: whether the session reset may ride in
-            // the claim. Unanswered, it goes as a message of its own.
-            self.learn_citus(&mut conn).await;
-        }
+        // Whether the session reset may ride in the claim (asked once per
+        // store); unanswered, it goes as a message of its own.
+        self.learn_citus(&mut conn).await;
         // No lock wait of its own (the handler's statements keep the
         // session's); should this process freeze, the server ends the
         // transaction by itself after the hold limit (the session's, or
@@ -79,11 +77,7 @@ impl CommitStore for PgStore {
             .await?
             .ok_or_else(finished)?;
         // The session reset rides in the claim where the connection lets it.
-        let argument = conn.reset_in_statement();
-        let sql = match argument {
-            Some(_) => CLAIM_AT_COMMIT_AND_RESET,
-            None => CLAIM_AT_COMMIT,
-        };
+        let (sql, arguments) = conn.deciding(CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET);
         let statement = match conn.prepare_sql(sql).await {
             Ok(statement) => statement,
             Err(e) => {
@@ -93,15 +87,12 @@ impl CommitStore for PgStore {
         };
         let headers = response.encode_headers();
         let params = at_commit_params(request, response, &headers);
-        let params = match &argument {
-            Some(arguments) => [params.as_slice(), &arguments.params()].concat(),
-            None => params.to_vec(),
-        };
+        let params = ResetArguments::after(&arguments, &params);
         let params = dyn_params(&params);
         // A handler that sent no statement left the BEGIN to go out here.
         let begin = conn.take_begin();
         let claimed = behind(&conn, begin, conn.query_one_prepared(&statement, &params));
-        let (ended, clean) = pipelined(&conn, claimed, argument.is_some()).await;
+        let (ended, clean) = pipelined(&conn, claimed, arguments.is_some()).await;
         if clean {
             conn.mark_clean();
         }

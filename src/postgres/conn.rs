@@ -13,7 +13,7 @@ use tokio_postgres::error::SqlState;
 
 use crate::protocol::{
     claim::millis,
-    sql::Param,
+    sql::{Param, Sql},
     statements::{session_reset_keeping, OUTSIDE_A_TRANSACTION, ROLLBACK},
 };
 use crate::store::{StoreError, StoreErrorKind};
@@ -76,13 +76,18 @@ pub(super) struct ResetArguments {
 }
 
 impl ResetArguments {
-    /// The arguments as parameters: the hold limit and the login, each
-    /// `NULL` if there is none.
-    pub(super) fn params(&self) -> [Param<'_>; 2] {
-        [
-            Param::OptText(self.hold_limit.as_deref()),
-            Param::OptText(self.login.as_deref()),
-        ]
+    /// `params`, then the reset's arguments (if it rides in the statement):
+    /// the hold limit and the login, each `NULL` if there is none.
+    pub(super) fn after<'a>(
+        arguments: &'a Option<ResetArguments>,
+        params: &[Param<'a>],
+    ) -> Vec<Param<'a>> {
+        let mut all = params.to_vec();
+        if let Some(arguments) = arguments {
+            all.push(Param::OptText(arguments.hold_limit.as_deref()));
+            all.push(Param::OptText(arguments.login.as_deref()));
+        }
+        all
     }
 }
 
@@ -227,12 +232,20 @@ impl Conn {
         self.reset_in_statement = !self.unnamed && !citus;
     }
 
-    /// The session reset function's argument when the reset rides in the
-    /// statement that decides the commit (see `COMPLETE_AND_RESET`); `None`
-    /// when it must go as a message of its own ([`Conn::reset_session`]).
-    pub(super) fn reset_in_statement(&self) -> Option<ResetArguments> {
-        self.reset_in_statement
-            .then(|| self.session.reset_arguments.clone())
+    /// The statement that decides the commit: `resetting` (`plain` with
+    /// the session reset in it, see `COMPLETE_AND_RESET`) with the reset's
+    /// arguments, where the reset may ride in it; else `plain`, and the
+    /// reset goes as a message of its own ([`Conn::reset_session`]).
+    pub(super) fn deciding(
+        &self,
+        plain: Sql<'static>,
+        resetting: Sql<'static>,
+    ) -> (Sql<'static>, Option<ResetArguments>) {
+        if self.reset_in_statement {
+            (resetting, Some(self.session.reset_arguments.clone()))
+        } else {
+            (plain, None)
+        }
     }
 
     /// The hold limit an owner's transaction must set for itself: `limit`,

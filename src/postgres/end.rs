@@ -5,7 +5,7 @@
 use tokio_postgres::types::ToSql;
 
 use super::{
-    conn::Conn,
+    conn::{Conn, ResetArguments},
     error::map_error,
     prepared::{dyn_params, Prepared, Sql},
     tx::Take,
@@ -62,11 +62,11 @@ async fn commit_behind(
             "the transaction has already finished",
         ));
     };
-    let argument = resetting.and(conn.reset_in_statement());
-    let (sql, params) = match (&argument, resetting) {
-        (Some(arguments), Some(resetting)) => (resetting, [params, &arguments.params()].concat()),
-        _ => (sql, params.to_vec()),
+    let (sql, arguments) = match resetting {
+        Some(resetting) => conn.deciding(sql, resetting),
+        None => (sql, None),
     };
+    let params = ResetArguments::after(&arguments, params);
     let statement = match conn.prepare_sql(sql).await {
         Ok(statement) => statement,
         Err(e) => {
@@ -77,7 +77,7 @@ async fn commit_behind(
     };
     let params = dyn_params(&params);
     let update = Some((&statement, params.as_slice()));
-    let ended = if argument.is_some() {
+    let ended = if arguments.is_some() {
         commit_resetting(conn, update).await
     } else {
         end(conn, update, COMMIT).await
