@@ -14,7 +14,8 @@
 //!   `E2E_EXPIRED` (expired keys for cleanup, default 1000000);
 //! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop);
 //! - `E2E_UNITS` (the `units` part's scenarios whose names hold one of these
-//!   comma-separated words, to profile one at a time).
+//!   comma-separated words, to profile one at a time), `E2E_UNITS_RATE`
+//!   (the `units` part's fixed rate; default half the slowest scenario's).
 //!
 //! The last line is `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx>
 //! p99_create_vs_bare=<x.xx> mixed_vs_bare=<x.xx> atcommit_vs_bare=<x.xx>
@@ -76,6 +77,7 @@ struct Settings {
     expired: u64,
     proxy_delay: Duration,
     rate: Option<f64>,
+    units_rate: Option<f64>,
 }
 
 impl Settings {
@@ -117,6 +119,7 @@ impl Settings {
                 number("E2E_PROXY_DELAY_MS").unwrap_or(0.5) / 1000.0,
             ),
             rate: number("E2E_RATE"),
+            units_rate: number("E2E_UNITS_RATE"),
         }
     }
 

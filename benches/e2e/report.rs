@@ -211,28 +211,24 @@ impl Report {
         } else {
             "claim at commit, the experiment until the mode is merged"
         };
-        let cost = |name: &str| self.units.as_ref().and_then(|c| units::of(c, name));
+        let cost = |name: &str| self.units.as_ref().and_then(|c| c.median(name));
         let minus = |a: Option<units::Cost>, b: Option<units::Cost>, f: fn(&units::Cost) -> f64| {
             Some(f(&a?) - f(&b?))
         };
-        let over = |a: Option<units::Cost>, b: Option<units::Cost>, f: fn(&units::Cost) -> f64| {
-            Some(f(&a?) / f(&b?))
+        // Round by round, so that the machine's drift between rounds falls out.
+        let paired = |a: &str, b: &str, f: fn(&units::Cost) -> f64| {
+            self.units.as_ref().and_then(|c| c.paired(a, b, f))
         };
         let trips = |c: &units::Cost| c.round_trips;
         let wal = |c: &units::Cost| c.wal;
         let cpu = |c: &units::Cost| c.cpu();
-        let (u_bare, u_default, u_one, u_experiment) = (
-            cost(units::BARE),
-            cost(units::DEFAULT),
-            cost(units::ONE_COMMIT),
-            cost(units::EXPERIMENT),
-        );
-        let trips_default = minus(u_default, u_bare, trips);
+        let (u_bare, u_one) = (cost(units::BARE), cost(units::ONE_COMMIT));
+        let trips_default = minus(cost(units::DEFAULT), u_bare, trips);
         let trips_one = minus(u_one, u_bare, trips);
-        let wal_create = over(u_default, u_bare, wal);
-        let wal_one = over(u_one, u_bare, wal);
-        let cpu_default = over(u_default, u_bare, cpu);
-        let cpu_one = over(u_one, u_experiment, cpu);
+        let wal_create = paired(units::DEFAULT, units::BARE, wal);
+        let wal_one = paired(units::ONE_COMMIT, units::BARE, wal);
+        let cpu_default = paired(units::DEFAULT, units::BARE, cpu);
+        let cpu_one = paired(units::ONE_COMMIT, units::EXPERIMENT, cpu);
         // WAL a one-commit create writes beyond bare's, in key rows.
         let wal_one_extra = (|| Some((u_one?.wal - u_bare?.wal) / self.key_row_wal?))();
         let targets: [Target; 11] = [

@@ -18,6 +18,11 @@
 //! 5. The session reset behind every owner's `COMMIT`: six statements (as
 //!    the stores sent it before migration 3), one call of the function
 //!    migration 3 creates (as they send it now), none.
+//! 6. The one-commit claim's form: an `INSERT … ON CONFLICT … DO UPDATE …
+//!    WHERE <takeover>` inside a `WITH`, then a division by the rows it
+//!    wrote (as the store sent it before), against one plain `INSERT` whose
+//!    update of a record it may not take over divides by zero as it sets a
+//!    column (as it sends it now).
 //!
 //! Trials 2 to 4 insert the key row as the one-commit mode does (order,
 //! outbox event, key row with its response, `COMMIT`) into a copy of
@@ -142,6 +147,37 @@ COMMIT;
     )
 }
 
+/// The takeover rule, as the store's one-commit claim reads it.
+const TAKEOVER: &str = "r.expires_at <= EXCLUDED.created_at OR (r.state = 'in_progress' \
+     AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= EXCLUDED.created_at))";
+
+/// A one-commit create into `trial_wide` whose key row is `claim` (`in_with`:
+/// the `INSERT` in a `WITH`, the takeover rule its `WHERE`, then a division
+/// by the rows it wrote; else one `INSERT` that divides by zero as it
+/// updates a record it may not take over), pipelined with `COMMIT`.
+fn one_commit_claiming(in_with: bool) -> String {
+    let insert = format!(
+        "INSERT INTO trial_wide AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, response_headers, response_body, created_at, completed_at, expires_at) VALUES ('pgb', 'POST /orders v1', {KEY}, '\\x00', 'completed', 201, '\\x00', {SMALL_BODY}, statement_timestamp(), statement_timestamp(), statement_timestamp() + interval '1 day') ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE SET state = 'completed', response_body = EXCLUDED.response_body, expires_at = EXCLUDED.expires_at"
+    );
+    let claim = if in_with {
+        format!("WITH won AS ({insert} WHERE {TAKEOVER} RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM won)")
+    } else {
+        format!("{insert}, attempts = 1 / (CASE WHEN {TAKEOVER} THEN 1 ELSE 0 END) - 1 RETURNING 1")
+    };
+    format!(
+        "\\set k random(1, 9000000000000000)
+\\startpipeline
+BEGIN ISOLATION LEVEL READ COMMITTED;
+{order}\\endpipeline
+{OUTBOX}\\startpipeline
+{claim};
+COMMIT;
+\\endpipeline
+",
+        order = order("trial_wide"),
+    )
+}
+
 /// One trial's result: its name, median tx/s, and bytes per row where sized.
 pub(crate) type Trial = (String, Option<f64>, Option<f64>);
 
@@ -248,6 +284,20 @@ pub(crate) fn run(pg: &TempPostgres, seconds: u64, rounds: usize) -> Vec<Vec<Tri
                 one_commit("trial_plain", "", LARGE_BODY, false),
                 None,
                 Some("trial_plain"),
+            ),
+        ],
+        vec![
+            (
+                "one-commit claim in a WITH, then a division by its rows (before)",
+                one_commit_claiming(true),
+                None,
+                None,
+            ),
+            (
+                "one-commit claim as one INSERT, dividing by zero on a record it may not take over (now)",
+                one_commit_claiming(false),
+                None,
+                None,
             ),
         ],
     ];

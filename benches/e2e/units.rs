@@ -13,6 +13,15 @@
 //! process's CPU is its own from `/proc/self/stat` less the proxy thread's,
 //! and holds the load's HTTP client as well as the server (the client's
 //! share is the same request for every scenario of the same body).
+//!
+//! Every scenario runs open loop at one fixed rate, half the slowest
+//! scenario's closed-loop throughput in the warm-up (or `E2E_UNITS_RATE`):
+//! saturated, the two cores are always busy and CPU per request is only
+//! the inverse of throughput, as noisy as it. The scenarios compared
+//! (default create and bare, one-commit and the hand-written experiment)
+//! run next to each other in every round, and their CPU ratio is the median
+//! of the rounds' ratios, so a drift of the machine's speed between rounds
+//! falls out of it.
 
 use std::{
     net::SocketAddr,
@@ -29,7 +38,7 @@ use tower_idempotency::postgres::PgStore;
 
 use crate::{
     experiment,
-    load::{Body, Kind, Load, Scenario, MAIN_KEYS},
+    load::{median, Body, Kind, Load, Scenario, MAIN_KEYS},
     one_commit_server, servers, Settings,
 };
 
@@ -70,8 +79,38 @@ impl Cost {
     }
 }
 
-/// The scenarios' names and their costs (medians over rounds).
-pub(crate) type Costs = Vec<(&'static str, Cost)>;
+/// Each scenario's cost in every round, at one rate.
+pub(crate) struct Costs {
+    /// Requests a second every scenario was sent.
+    pub(crate) rate: f64,
+    /// The scenarios' names and their costs, round by round.
+    scenarios: Vec<(&'static str, Vec<Cost>)>,
+}
+
+impl Costs {
+    /// The median of `name`'s rounds, part by part.
+    pub(crate) fn median(&self, name: &str) -> Option<Cost> {
+        let (_, rounds) = self.scenarios.iter().find(|(n, _)| *n == name)?;
+        Some(median_cost(rounds))
+    }
+
+    /// The median over rounds of `f(a) / f(b)`, each round's `a` against
+    /// the same round's `b`.
+    pub(crate) fn paired(&self, a: &str, b: &str, f: fn(&Cost) -> f64) -> Option<f64> {
+        let rounds = |name: &str| {
+            self.scenarios
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, r)| r)
+        };
+        let mut ratios: Vec<f64> = rounds(a)?
+            .iter()
+            .zip(rounds(b)?)
+            .map(|(a, b)| f(a) / f(b))
+            .collect();
+        (!ratios.is_empty()).then(|| median(&mut ratios))
+    }
+}
 
 pub(crate) const BARE: &str = "bare (no layer)";
 pub(crate) const DEFAULT: &str = "default create (claim first)";
@@ -123,17 +162,22 @@ pub(crate) async fn run(
         let only: Vec<String> = only.split(',').map(|s| s.trim().to_owned()).collect();
         scenarios.retain(|s| only.iter().any(|o| s.name.contains(o.as_str())));
     }
-    // Every pool connected and every statement prepared before counting.
+    // Every pool connected and every statement prepared before counting;
+    // the slowest scenario's throughput sets the rate.
+    let mut slowest = f64::INFINITY;
     for scenario in &scenarios {
-        load.run(*scenario, Duration::from_secs(1)).await;
+        let run = load.run(*scenario, Duration::from_secs(1)).await;
+        slowest = slowest.min(run.throughput());
     }
+    let rate = s.units_rate.unwrap_or(slowest * 0.5).max(1.0);
+    println!("units: every scenario at {rate:.0} requests a second, open loop");
     let ticks = clock_ticks();
     let postmaster = postmaster_pid(data_dir);
     let mut rounds: Vec<Vec<Cost>> = vec![Vec::new(); scenarios.len()];
     for round in 1..=s.rounds {
         for (i, scenario) in scenarios.iter().enumerate() {
             let before = Snapshot::take(&counters, &wal_reader, postmaster, ticks).await;
-            let run = load.run(*scenario, s.duration).await;
+            let run = load.fixed_rate(*scenario, rate, s.duration).await;
             let after = Snapshot::take(&counters, &wal_reader, postmaster, ticks).await;
             let cost = after.minus(&before, run.requests.max(1) as f64);
             println!(
@@ -150,11 +194,10 @@ pub(crate) async fn run(
             rounds[i].push(cost);
         }
     }
-    scenarios
-        .iter()
-        .zip(rounds)
-        .map(|(scenario, costs)| (scenario.name, median_cost(&costs)))
-        .collect()
+    Costs {
+        rate,
+        scenarios: scenarios.iter().map(|s| s.name).zip(rounds).collect(),
+    }
 }
 
 fn median_cost(costs: &[Cost]) -> Cost {
@@ -178,9 +221,12 @@ fn median_cost(costs: &[Cost]) -> Cost {
 /// The table of costs per request.
 pub(crate) fn print(costs: &Costs) {
     println!();
+    println!("At a fixed {:.0} req/s, open loop:", costs.rate);
+    println!();
     println!("| per request (median of rounds) | round trips | statements | parses | bytes to PostgreSQL | bytes back | WAL bytes | CPU us, bench process | CPU us, PostgreSQL |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for (name, c) in costs {
+    for (name, rounds) in &costs.scenarios {
+        let c = median_cost(rounds);
         println!(
             "| {name} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
             c.round_trips,
@@ -193,11 +239,6 @@ pub(crate) fn print(costs: &Costs) {
             c.cpu_postgres
         );
     }
-}
-
-/// The cost of `name` in `costs`.
-pub(crate) fn of(costs: &Costs, name: &str) -> Option<Cost> {
-    costs.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
 }
 
 struct Snapshot {

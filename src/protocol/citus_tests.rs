@@ -71,9 +71,9 @@ async fn explain(client: &tokio_postgres::Client, sql: Sql<'static>) -> Result<S
 /// intermediate result; a subquery drawing from the sequence runs first on
 /// the coordinator; a locking `WITH` runs first on the shard.
 const IN_STEPS: &[&str] = &[
-    // INSERT in a WITH: every claim, and the one-commit mode's commit.
+    // INSERT in a WITH: every claim (the one-commit mode's is one plain
+    // INSERT, a router query).
     "CLAIM",
-    "CLAIM_AT_COMMIT",
     // INSERT in a WITH: the takeover of an expired key (once per key per
     // retention at most).
     "TAKE_OVER",

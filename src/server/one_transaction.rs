@@ -208,6 +208,21 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
 
     // 5. Remember, or roll back.
     let ended = match remember::<M, _, _, _, _, _>(&setup, tx, &claim, ran, faults).await {
+        Remembered::Committed(parts, stored) => {
+            fault_point!(faults, AfterCommit);
+            // The response as committed is the record this process now
+            // answers retries with.
+            let body = stored.body.clone();
+            let record = Arc::new(Record {
+                fingerprint: claim.fingerprint,
+                response: stored,
+            });
+            if let Some(cache) = cache {
+                cache.insert(&claim.scope, &claim.key, record.clone(), expires);
+            }
+            answered(record);
+            Settled::Committed(parts, body)
+        }
         Remembered::Settled(ended) => ended,
         // One-commit mode: another commit had the key; answer its record.
         Remembered::Lost(record) => {
@@ -218,24 +233,15 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
             return (Coalesced::answer(&record, &claim.fingerprint), timings);
         }
     };
-    if let Settled::Committed(parts, body) = &ended {
-        fault_point!(faults, AfterCommit);
-        let replayed = &config.replay_headers;
-        let record = Arc::new(Record {
-            fingerprint: claim.fingerprint,
-            response: StoredResponse::remember(parts, replayed, body.clone()),
-        });
-        if let Some(cache) = cache {
-            cache.insert(&claim.scope, &claim.key, record.clone(), expires);
-        }
-        answered(record);
-    }
     timings.held = Some(held_since.elapsed());
     (ended, timings)
 }
 
 /// How phase 5 ended.
 enum Remembered<B, E> {
+    /// Committed with the handler's writes: the response's parts, and the
+    /// response as stored.
+    Committed(http::response::Parts, StoredResponse),
     Settled(Settled<B, E>),
     /// The one-commit mode's work lost to this record: its commit found
     /// the key taken, or its work failed and the key was found taken.
@@ -256,9 +262,7 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
             let stored = StoredResponse::remember(&parts, replayed, body);
             fault_point!(faults, BeforeCommit);
             match M::commit(&setup.store, tx, claim, &stored).await {
-                Ok(Committed::Won) => {
-                    return Remembered::Settled(Settled::Committed(parts, stored.body))
-                }
+                Ok(Committed::Won) => return Remembered::Committed(parts, stored),
                 Ok(Committed::Lost(record)) => return Remembered::Lost(record),
                 Ok(Committed::Held) => {
                     return Remembered::Settled(Settled::InProgress { retry_after: 1 })
