@@ -288,7 +288,7 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// `capacity` 0 turns it off too. A `ttl` above 100 years (the longest
     /// retention, which no entry outlives anyway) is clamped to it.
     pub fn replay_cache(mut self, capacity: u64, ttl: Duration) -> Self {
-        // The cache crate panics on a TTL above 1000 years.
+        // No entry outlives the longest retention anyway.
         let ttl = ttl.min(MAX_RETENTION);
         self.setup.shared.cache =
             (capacity > 0 && !ttl.is_zero()).then(|| RecordCache::new(capacity, ttl));
