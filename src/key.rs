@@ -136,8 +136,13 @@ impl IdempotencyKey {
     /// correlate log lines of one operation.
     pub fn short_hash(&self) -> String {
         use sha2::{Digest, Sha256};
+        use std::fmt::Write as _;
         let digest = Sha256::digest(self.0.as_bytes());
-        digest[..6].iter().map(|b| format!("{b:02x}")).collect()
+        let mut hex = String::with_capacity(12);
+        for b in &digest[..6] {
+            let _ = write!(hex, "{b:02x}");
+        }
+        hex
     }
 }
 

@@ -56,7 +56,7 @@ where
         Err(problem) => return Admission::Refused(problem),
     };
     if let Some(key) = &key {
-        tracing::Span::current().record("key_hash", key.short_hash());
+        record_key_hash(key);
     }
     let (mut parts, body) = request.into_parts();
     let Some(tenant) = setup.resolver.resolve(&parts) else {
@@ -76,7 +76,7 @@ where
         Some(key) => key,
         None => match key_in_body(config, &parts, &body) {
             Ok(key) => {
-                tracing::Span::current().record("key_hash", key.short_hash());
+                record_key_hash(&key);
                 key
             }
             Err(problem) => return Admission::Refused(problem),
@@ -218,3 +218,13 @@ where
 
 /// How far past the request body limit an over-long body is read and discarded.
 const DRAIN_LIMIT: usize = 1024 * 1024;
+
+/// The key's hash on the request's span, computed only when the span is
+/// recorded at all (no subscriber, or one that leaves the span out: no
+/// digest per request).
+fn record_key_hash(key: &IdempotencyKey) {
+    let span = tracing::Span::current();
+    if !span.is_disabled() {
+        span.record("key_hash", key.short_hash());
+    }
+}
