@@ -194,19 +194,19 @@ pub(crate) fn run(pg: &TempPostgres, seconds: u64, rounds: usize) -> Vec<Vec<Tri
     let trials: Vec<Vec<Variant>> = vec![
         vec![
             (
-                "one-commit, SET LOCAL idle limit (now)",
+                "one-commit, SET LOCAL idle limit (before migration 4)",
                 one_commit("trial_wide", IDLE, SMALL_BODY, false),
                 None,
                 None,
             ),
             (
-                "one-commit, idle limit as a startup option",
+                "one-commit, idle limit as a startup option (no statement, as with migration 4)",
                 one_commit("trial_wide", "", SMALL_BODY, false),
                 Some(IDLE_OPTION),
                 None,
             ),
             (
-                "claim first, two SET LOCAL (now)",
+                "claim first, two SET LOCAL (before migration 4; one now)",
                 claim_first(WAITS),
                 None,
                 None,
