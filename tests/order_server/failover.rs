@@ -752,6 +752,19 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         lost.len(),
         "the commits the cut-off standby never received are gone"
     );
+    // Before any retry makes them again under the same ids (and the relay
+    // charges them anew).
+    assert_eq!(
+        sql.query_one(
+            "SELECT count(*) FROM payment_charges WHERE order_id = ANY($1)",
+            &[&lost_ids],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0),
+        0,
+        "the charges of the vanished orders vanished with them (same database)"
+    );
 
     // A retry with the same key makes exactly one order, the lost one again
     // under its id (the id follows from tenant, endpoint and key), and is
@@ -797,17 +810,6 @@ async fn asynchronous_failover_loses_whole_requests_and_a_retry_makes_one_order(
         .map(|r| r.get(0))
         .collect();
     assert_eq!(orders, (kept.len() + lost.len()) as i64, "{checkouts:?}");
-    assert_eq!(
-        sql.query_one(
-            "SELECT count(*) FROM payment_charges WHERE order_id = ANY($1)",
-            &[&lost_ids],
-        )
-        .await
-        .unwrap()
-        .get::<_, i64>(0),
-        0,
-        "the charges of the vanished orders vanished with them (same database)"
-    );
     assert_eq!(
         count(
             &sql,
