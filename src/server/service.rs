@@ -251,8 +251,7 @@ impl<T: Send + 'static> Drop for RunToEnd<T> {
 }
 
 /// A request's work that may be dropped before it settles (the runtime shut
-/// down under it): then counted as cancelled, like every request. Not when
-/// it unwinds from a panic, which goes on to the request's task as it is.
+/// down under it): then counted as cancelled, like every request.
 struct Unfinished {
     /// What counting it needs: the endpoint's config, the request's span,
     /// the tenant label.
@@ -263,7 +262,7 @@ struct Unfinished {
 
 impl Drop for Unfinished {
     fn drop(&mut self) {
-        if !self.settled && !std::thread::panicking() {
+        if !self.settled {
             let (config, span, tenant) = &self.counted;
             Settled::<(), ()>::Cancelled.observe(
                 config,
