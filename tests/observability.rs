@@ -379,15 +379,18 @@ async fn a_request_that_waits_twice_is_counted_once() {
     );
 }
 
-/// The runtime that runs a request shuts down while the request owns its
-/// key (its handler still running): the request is counted, as cancelled,
-/// like every other.
+/// The runtime that runs a request's owned work shuts down under it: the
+/// request is answered 503 and counted like every other.
 #[test]
 fn a_request_cut_by_a_runtime_shutdown_is_counted() {
     let installed = installed();
     const ENDPOINT: &str = "POST /shutdown v1";
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let owner = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let driver = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
@@ -403,12 +406,21 @@ fn a_request_cut_by_a_runtime_shutdown_is_counted() {
             }
         }
     }));
-    let request = runtime.spawn(send(service, post(Some("t"), Some("k"), "{}")));
-    runtime.block_on(started.notified());
-    // Waits for the runtime's threads: every task, the request's among
-    // them, has been dropped once it returns.
-    runtime.shutdown_timeout(Duration::from_secs(10));
-    drop(request);
+    let owner_handle = owner.handle().clone();
+    let answer = driver.block_on(async move {
+        let mut request = Box::pin(send(service, post(Some("t"), Some("k"), "{}")));
+        // Polled here, but the work it spawns once it owns the key lands on `owner`.
+        let request = std::future::poll_fn(move |cx| {
+            let _entered = owner_handle.enter();
+            std::future::Future::poll(request.as_mut(), cx)
+        });
+        let shutdown = async move {
+            started.notified().await;
+            owner.shutdown_background();
+        };
+        tokio::join!(request, shutdown).0
+    });
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     let values = snapshot(&installed.snapshotter);
     assert_eq!(
         outcome(&values, ENDPOINT, "store_unavailable"),

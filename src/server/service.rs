@@ -3,15 +3,12 @@
 //! 1. **Admit** (`admit`): key, tenant, body, fingerprint.
 //! 2. to 5. **The mode's flow** ([`Mode`]): coalesce, claim, run the owner,
 //!    remember (`one_transaction`), or acquire, run under a lease, finish
-//!    (`long_running`), run to its end whether or not the client waits: in
-//!    place, and on a task of its own once the request's future is dropped.
+//!    (`long_running`), on a task of its own.
 //! 6. Every path ends in one [`Settled`], which is observed once and
 //!    answered once (`settled`).
 
 use std::{
     fmt,
-    future::Future,
-    pin::Pin,
     task::{Context, Poll},
 };
 
@@ -43,9 +40,8 @@ use crate::{
 /// The middleware [`IdempotencyLayer`](crate::IdempotencyLayer) produces.
 ///
 /// The inner service receives `Request<`[`RequestBody`]`>` and must run on a
-/// tokio runtime: once a request owns its key, its work runs on the
-/// request's own task, and should the request's future be dropped (its
-/// client went away), the rest moves to a task of its own and finishes there.
+/// tokio runtime: once a request owns its key, its work is spawned so that it
+/// finishes even if the client goes away.
 ///
 /// `M` is the mode: [`ClaimFirst`] (the default) or
 /// [`LongRunning`](crate::lease::LongRunning).
@@ -117,8 +113,8 @@ impl<S: Clone, St: Clone, F, R, M: Clone> Idempotency<S, St, F, R, M> {
     }
 }
 
-/// Phase 1 (admission), then the mode's flow (phases 2 to 5), run to its
-/// end ([`RunToEnd`]), then the answer.
+/// Phase 1 (admission), then the mode's flow (phases 2 to 5) on a task of
+/// its own, then the answer.
 async fn handle<S, St, F, R, M, ReqB, ResB>(
     setup: Setup<St, F, R, M>,
     inner: S,
@@ -158,33 +154,31 @@ where
         .rebuild
         .is_some()
         .then(|| admitted.claim.scope.tenant().clone());
-    // From the claim on, a connection may be inside a transaction: the work
-    // runs to its end whether or not the client is still waiting (in place,
-    // and on a task of its own once this future is dropped). It also counts
-    // how the request settled, so that a request whose client went away is
-    // counted too, and one the runtime dropped before it ended counts as
-    // cancelled; a replay to rebuild is counted once rebuilt, for the client
-    // that waits for it.
+    // From the claim on, a connection may be inside a transaction: run to the
+    // end on a task of our own, whether or not the client is still waiting.
+    // The task also counts how the request settled, so that a request whose
+    // client went away is counted too; a replay to rebuild is counted once
+    // rebuilt, for the client that waits for it.
     let running = setup.shared.drain.start();
     let work = M::run(setup, inner, admitted).instrument(span.clone());
     let counted = (config.clone(), span.clone(), tenant.clone());
     let rebuilds = rebuild_for.is_some();
-    let (settled, timings, observed) = RunToEnd::new(async move {
+    let (settled, timings, observed) = match tokio::spawn(async move {
         let _running = running;
-        let mut unfinished = Unfinished {
-            counted,
-            settled: false,
-        };
         let (settled, timings) = work.await;
-        unfinished.settled = true;
         let observed = !(rebuilds && matches!(settled, Settled::Replayed(_)));
         if observed {
-            let (config, span, tenant) = &unfinished.counted;
-            settled.observe(config, span, &timings, tenant.as_deref());
+            let (config, span, tenant) = counted;
+            settled.observe(&config, &span, &timings, tenant.as_deref());
         }
         (settled, timings, observed)
     })
-    .await;
+    .await
+    {
+        Ok(ended) => ended,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => (Settled::Cancelled, Timings::start(), false),
+    };
     let settled = match (settled, &config.rebuild, rebuild_for) {
         (Settled::Replayed(stored), Some(rebuilder), Some(tenant)) => {
             rebuild(rebuilder, &config, tenant, stored)
@@ -197,81 +191,6 @@ where
         settled.observe(&config, &span, &timings, tenant.as_deref());
     }
     settled.answer(&config, grpc)
-}
-
-/// A request's owned work, run in place on the request's own task: no task
-/// to spawn and no other worker to wake per request. Should the request's
-/// future be dropped before the work ends (its client went away, or the
-/// server dropped the connection), the rest of the work moves to a task of
-/// its own on the current runtime and runs to its end there, its output
-/// dropped: a transaction it holds still commits or rolls back as its flow
-/// says. The work is boxed from the start, so it keeps its address when it
-/// moves.
-struct RunToEnd<T: Send + 'static> {
-    work: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
-}
-
-impl<T: Send + 'static> RunToEnd<T> {
-    fn new(work: impl Future<Output = T> + Send + 'static) -> Self {
-        RunToEnd {
-            work: Some(Box::pin(work)),
-        }
-    }
-}
-
-impl<T: Send + 'static> Future for RunToEnd<T> {
-    type Output = T;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let this = self.get_mut();
-        // Awaited once, in `handle`: `None` only after it returned.
-        let Some(work) = this.work.as_mut() else {
-            return Poll::Pending;
-        };
-        let output = std::task::ready!(work.as_mut().poll(cx));
-        this.work = None;
-        Poll::Ready(output)
-    }
-}
-
-impl<T: Send + 'static> Drop for RunToEnd<T> {
-    fn drop(&mut self) {
-        let Some(work) = self.work.take() else {
-            return;
-        };
-        // Outside a runtime (or on one that is shutting down, which drops
-        // the task at once) the work is dropped here, and counted as
-        // cancelled (`Unfinished`).
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                work.await;
-            });
-        }
-    }
-}
-
-/// A request's work that may be dropped before it settles (the runtime shut
-/// down under it): then counted as cancelled, like every request.
-struct Unfinished {
-    /// What counting it needs: the endpoint's config, the request's span,
-    /// the tenant label.
-    counted: (std::sync::Arc<Config>, tracing::Span, Option<String>),
-    /// It settled, and observes itself.
-    settled: bool,
-}
-
-impl Drop for Unfinished {
-    fn drop(&mut self) {
-        if !self.settled {
-            let (config, span, tenant) = &self.counted;
-            Settled::<(), ()>::Cancelled.observe(
-                config,
-                span,
-                &Timings::start(),
-                tenant.as_deref(),
-            );
-        }
-    }
 }
 
 /// A gRPC request (`application/grpc`, `application/grpc+proto`, …): the
