@@ -88,24 +88,24 @@ pub(crate) struct Costs {
 }
 
 impl Costs {
+    /// `name`'s costs, round by round.
+    fn rounds(&self, name: &str) -> Option<&[Cost]> {
+        let (_, rounds) = self.scenarios.iter().find(|(n, _)| *n == name)?;
+        Some(rounds)
+    }
+
     /// The median of `name`'s rounds, part by part.
     pub(crate) fn median(&self, name: &str) -> Option<Cost> {
-        let (_, rounds) = self.scenarios.iter().find(|(n, _)| *n == name)?;
-        Some(median_cost(rounds))
+        self.rounds(name).map(median_cost)
     }
 
     /// The median over rounds of `f(a) / f(b)`, each round's `a` against
     /// the same round's `b`.
     pub(crate) fn paired(&self, a: &str, b: &str, f: fn(&Cost) -> f64) -> Option<f64> {
-        let rounds = |name: &str| {
-            self.scenarios
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, r)| r)
-        };
-        let mut ratios: Vec<f64> = rounds(a)?
+        let mut ratios: Vec<f64> = self
+            .rounds(a)?
             .iter()
-            .zip(rounds(b)?)
+            .zip(self.rounds(b)?)
             .map(|(a, b)| f(a) / f(b))
             .collect();
         (!ratios.is_empty()).then(|| median(&mut ratios))

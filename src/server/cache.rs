@@ -200,4 +200,13 @@ mod tests {
         let held = cache.entries.len();
         assert!((1..=60).contains(&held), "held {held} of capacity 50");
     }
+
+    /// The largest capacity a caller can give allocates nothing up front.
+    #[test]
+    fn the_largest_capacity_allocates_lazily() {
+        let cache = RecordCache::new(u64::MAX, Duration::from_secs(60));
+        let s = scope("a");
+        cache.insert(&s, &key("k"), record("x"), later(Duration::from_secs(60)));
+        assert!(cache.get(&s, &key("k")).is_some());
+    }
 }
