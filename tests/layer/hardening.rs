@@ -610,6 +610,73 @@ async fn connection_that_lost_its_prepared_statements_is_replaced() {
     assert_eq!(pg.orders().await.len(), 2);
 }
 
+/// The session reset is sent where code other than the store's reached the
+/// session, and only there: an owner's transaction and a borrowed
+/// connection are reset; a replay read from the table (a claim that found
+/// the record, rolled back) ran nothing but the store's own statements, and
+/// its connection goes back without one. The calls are counted by a
+/// wrapper around the reset function, on a pool of one, in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_sessions_that_ran_other_code_are_reset() {
+    let pg = Postgres::with_pool(1).await;
+    pg.exec(
+        "CREATE TABLE reset_calls (at timestamptz NOT NULL DEFAULT clock_timestamp()); \
+         ALTER FUNCTION tower_idempotency_session_reset(text, text) RENAME TO counted_reset; \
+         CREATE FUNCTION tower_idempotency_session_reset(hold_limit text, login text) \
+             RETURNS void LANGUAGE plpgsql AS $$ BEGIN \
+                 INSERT INTO reset_calls DEFAULT VALUES; \
+                 PERFORM counted_reset(hold_limit, login); \
+             END $$;",
+    )
+    .await;
+    let resets = || pg.count("SELECT count(*) FROM reset_calls");
+    let service = layer(pg.store.clone())
+        .without_replay_cache()
+        .layer(order_handler::<Postgres>(Default::default()));
+    let first = send(service.clone(), tenant_a_post("k1")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    assert_eq!(resets().await, 1, "the owner's transaction");
+
+    for _ in 0..3 {
+        let replay = send(service.clone(), tenant_a_post("k1")).await;
+        assert!(replay.replayed(), "{:?}", replay.headers);
+        assert_eq!(replay.body, first.body);
+    }
+    // The pool's one connection: this owner's claim waits for the last
+    // replay's rollback to give it back.
+    let second = send(service.clone(), tenant_a_post("k2")).await;
+    assert_eq!(second.status, StatusCode::CREATED, "{:?}", second.body);
+    assert_eq!(resets().await, 2, "no reset behind the replays' rollbacks");
+
+    let one_commit = layer(pg.store.clone())
+        .without_replay_cache()
+        .claim_at_commit()
+        .layer(order_handler::<Postgres>(Default::default()));
+    let third = send(one_commit.clone(), tenant_a_post("k3")).await;
+    assert_eq!(third.status, StatusCode::CREATED, "{:?}", third.body);
+    assert_eq!(resets().await, 3, "the one-commit owner's transaction");
+    // A retry the one-commit mode cannot answer before running the owner:
+    // the owner ran (its order rolled back), so its session is reset.
+    let retry = send(one_commit, tenant_a_post("k3")).await;
+    assert!(retry.replayed(), "{:?}", retry.headers);
+    assert_eq!(retry.body, third.body);
+    assert_eq!(resets().await, 4, "the owner that lost at commit");
+
+    {
+        let client = pg.store.client().await.unwrap();
+        client.batch_execute("SELECT 1").await.unwrap();
+    }
+    let fourth = send(service, tenant_a_post("k4")).await;
+    assert_eq!(fourth.status, StatusCode::CREATED, "{:?}", fourth.body);
+    assert_eq!(resets().await, 6, "a borrowed connection, then the owner");
+
+    assert_eq!(pg.orders().await.len(), 4);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await,
+        4
+    );
+}
 // 5. A commit that fails for good is not "the database is down".
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

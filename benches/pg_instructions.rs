@@ -1,0 +1,434 @@
+//! PostgreSQL's side of a create in instructions, counted by callgrind: a
+//! unit that holds still. The same build, statements and data count the
+//! same to a fraction of a percent whatever else the machine does, where
+//! CPU time moves by 10 % between runs of the same code.
+//!
+//! The cluster runs under `valgrind --tool=callgrind`; each scenario's
+//! requests run one after another on one connection (one backend), which
+//! callgrind counts on its own and writes out when it exits. A backend that
+//! only connects and warms up (statements prepared, functions compiled,
+//! caches filled) is counted the same way, and the difference over the
+//! number of requests is what one request costs. Scenarios: bare (the
+//! order and its outbox event in a transaction), the hand-written claim at
+//! commit (the upper bound of the one-commit mode), the one-commit mode
+//! and the default mode (claim first), the last two through the layer and
+//! `PgStore` as an application runs them (the tower service called in
+//! process, no HTTP).
+//!
+//!     cargo bench --bench pg_instructions
+//!
+//! `PGI_REQUESTS` (default 300) requests per scenario. Needs valgrind
+//! (`apt-get install valgrind`); takes about two minutes.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tower::{util::BoxCloneSyncService, Service as _, ServiceExt as _};
+use tower_idempotency::{
+    fingerprint::JsonFingerprinter,
+    outbox,
+    postgres::{PgStore, PgTx},
+    scope::SingleTenant,
+    testing::{Shutdown, TempPostgres},
+    IdempotencyLayer, RequestBody,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Service = BoxCloneSyncService<
+    Request<Full<Bytes>>,
+    Response<tower_idempotency::ResponseBody<Full<Bytes>>>,
+    BoxError,
+>;
+
+const ORDERS: &str = "CREATE TABLE orders (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), \
+     tenant_id text NOT NULL, checkout_id text NOT NULL, total bigint NOT NULL, \
+     created_at timestamptz NOT NULL DEFAULT now(), UNIQUE (tenant_id, checkout_id)); \
+     DROP TRIGGER outbox_events_notify_insert ON outbox_events;";
+const INSERT_ORDER: &str =
+    "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3) RETURNING id::text";
+const ENQUEUE: &str = "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
+     VALUES ($1, $2, 'OrderCreated', $3)";
+const REMEMBER: &str = "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+     request_fingerprint, state, response_status, response_headers, response_body, completed_at, \
+     expires_at) VALUES ('bench', 'at-commit', $1, $2, 'completed', 201, '', $3, now(), \
+     now() + interval '1 day')";
+const WARM_UP: usize = 20;
+
+/// How one scenario sends its requests.
+#[derive(Clone, Copy, PartialEq)]
+enum Scenario {
+    Bare,
+    Experiment,
+    OneCommit,
+    Default,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 4] = [
+        Scenario::Bare,
+        Scenario::Experiment,
+        Scenario::OneCommit,
+        Scenario::Default,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Bare => "bare (no layer)",
+            Scenario::Experiment => "claim at commit, hand-written",
+            Scenario::OneCommit => "one-commit create",
+            Scenario::Default => "default create (claim first)",
+        }
+    }
+}
+
+fn main() {
+    let requests: usize = std::env::var("PGI_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        panic!("valgrind is needed (apt-get install valgrind)");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut pg = TempPostgres::start().expect("a temporary PostgreSQL");
+    let config = pg.config();
+    runtime.block_on(async {
+        let store = PgStore::builder(config.clone()).build().expect("store");
+        store.migrate().await.expect("migrations");
+        let (client, connection) = config
+            .connect(tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(connection);
+        client.batch_execute(ORDERS).await.expect("schema");
+    });
+    pg.stop(Shutdown::Fast).expect("stop");
+
+    let data = pg.data_dir().to_path_buf();
+    let out = data.parent().expect("cluster dir").join("callgrind");
+    std::fs::create_dir_all(&out).expect("callgrind dir");
+    chown_like(&out, &data);
+    let mut server = under_callgrind(&pg, &out);
+    runtime.block_on(wait_until_ready(&config));
+
+    println!(
+        "PostgreSQL instructions per request ({requests} requests a scenario, one backend each):"
+    );
+    println!();
+    println!("| scenario | instructions per request | over bare | over the hand-written |");
+    println!("| --- | ---: | ---: | ---: |");
+    let mut counted = Vec::new();
+    for scenario in Scenario::ALL {
+        let base = runtime.block_on(backend(&config, scenario, 0, &out));
+        let full = runtime.block_on(backend(&config, scenario, requests, &out));
+        let per = (full.saturating_sub(base)) as f64 / requests as f64;
+        counted.push((scenario, per));
+    }
+    let of = |s: Scenario| counted.iter().find(|(c, _)| *c == s).map(|(_, n)| *n);
+    let (bare, experiment) = (
+        of(Scenario::Bare).unwrap(),
+        of(Scenario::Experiment).unwrap(),
+    );
+    for (scenario, per) in &counted {
+        println!(
+            "| {} | {:.0} | {:.2} | {:.2} |",
+            scenario.name(),
+            per,
+            per / bare,
+            per / experiment
+        );
+    }
+    println!();
+    println!(
+        "INSTRUCTIONS pg_onecommit_vs_experiment={:.3} pg_default_vs_bare={:.3} pg_experiment_vs_bare={:.3}",
+        of(Scenario::OneCommit).unwrap() / experiment,
+        of(Scenario::Default).unwrap() / bare,
+        experiment / bare
+    );
+    let _ = Command::new("kill")
+        .arg("-INT")
+        .arg(server.id().to_string())
+        .status();
+    let _ = server.wait();
+}
+
+/// Gives `path` the owner of `like` (the cluster runs as `postgres` when
+/// the bench runs as root).
+fn chown_like(path: &Path, like: &Path) {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(like).expect("data dir");
+    std::os::unix::fs::chown(path, Some(meta.uid()), Some(meta.gid())).expect("chown");
+}
+
+/// The stopped cluster started again under callgrind, as its owner, on its
+/// socket and port; every backend writes `out/cg.<pid>` when it exits.
+fn under_callgrind(pg: &TempPostgres, out: &Path) -> Child {
+    use std::os::unix::{fs::MetadataExt as _, process::CommandExt as _};
+    let config = pg.config();
+    let socket = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Unix(path)) => path.clone(),
+        _ => panic!("the temporary cluster listens on a Unix socket"),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let meta = std::fs::metadata(pg.data_dir()).expect("data dir");
+    let mut command = Command::new("valgrind");
+    command
+        .arg("--tool=callgrind")
+        .arg(format!("--callgrind-out-file={}/cg.%p", out.display()))
+        .arg(pg.bin_dir().join("postgres"))
+        .arg("-D")
+        .arg(pg.data_dir())
+        .arg("-k")
+        .arg(&socket)
+        .arg("-p")
+        .arg(port.to_string())
+        .args(["-c", "listen_addresses=", "-c", "autovacuum=off"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if nix_is_root() {
+        command.uid(meta.uid()).gid(meta.gid());
+    }
+    command.spawn().expect("valgrind")
+}
+
+fn nix_is_root() -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false)
+}
+
+async fn wait_until_ready(config: &tokio_postgres::Config) {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        match config.connect(tokio_postgres::NoTls).await {
+            Ok(_) => return,
+            Err(e) if Instant::now() > deadline => panic!("PostgreSQL under callgrind: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// One backend's instructions: it connects, warms up, sends `requests`
+/// creates of `scenario`, and exits.
+async fn backend(
+    config: &tokio_postgres::Config,
+    scenario: Scenario,
+    requests: usize,
+    out: &Path,
+) -> u64 {
+    let run = format!("{}", rand_tag());
+    let pid = match scenario {
+        Scenario::Bare | Scenario::Experiment => {
+            let (client, connection) = config
+                .connect(tokio_postgres::NoTls)
+                .await
+                .expect("connect");
+            let task = tokio::spawn(connection);
+            let pid: i32 = client
+                .query_one("SELECT pg_backend_pid()", &[])
+                .await
+                .expect("pid")
+                .get(0);
+            let statements = Statements::prepare(&client).await;
+            for i in 0..WARM_UP + requests {
+                let checkout = format!("{run}-{i}");
+                if scenario == Scenario::Bare {
+                    bare(&client, &statements, &checkout).await;
+                } else {
+                    at_commit(&client, &statements, &checkout).await;
+                }
+            }
+            drop(client);
+            let _ = task.await;
+            pid
+        }
+        Scenario::OneCommit | Scenario::Default => {
+            let store = PgStore::builder(config.clone())
+                .max_connections(1)
+                .build()
+                .expect("store");
+            let pid: i32 = store
+                .client()
+                .await
+                .expect("client")
+                .query_one("SELECT pg_backend_pid()", &[])
+                .await
+                .expect("pid")
+                .get(0);
+            let mut service = layered(store, scenario == Scenario::OneCommit);
+            for i in 0..WARM_UP + requests {
+                let checkout = format!("{run}-{i}");
+                let request = Request::post("/orders")
+                    .header("idempotency-key", &checkout)
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(format!(
+                        r#"{{"checkout_id":"{checkout}","total":2400}}"#
+                    ))))
+                    .expect("request");
+                let answer = service
+                    .ready()
+                    .await
+                    .expect("ready")
+                    .call(request)
+                    .await
+                    .expect("answer");
+                assert_eq!(answer.status(), StatusCode::CREATED);
+            }
+            drop(service);
+            pid
+        }
+    };
+    counted(&out.join(format!("cg.{pid}"))).await
+}
+
+/// The total a backend's callgrind file holds, once it has exited.
+async fn counted(file: &PathBuf) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            if let Some(total) = text.lines().find_map(|l| {
+                l.strip_prefix("totals: ")
+                    .or_else(|| l.strip_prefix("summary: "))
+            }) {
+                return total.trim().parse().expect("a count");
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} was not written: did the backend exit?",
+            file.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn rand_tag() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// The bare scenarios' statements, prepared once per connection (as the
+/// e2e bench's pool caches them).
+struct Statements {
+    insert: tokio_postgres::Statement,
+    enqueue: tokio_postgres::Statement,
+    remember: tokio_postgres::Statement,
+}
+
+impl Statements {
+    async fn prepare(client: &tokio_postgres::Client) -> Statements {
+        Statements {
+            insert: client.prepare(INSERT_ORDER).await.expect("prepare"),
+            enqueue: client.prepare(ENQUEUE).await.expect("prepare"),
+            remember: client.prepare(REMEMBER).await.expect("prepare"),
+        }
+    }
+}
+
+/// The order and its event, in a transaction (as `benches/e2e`'s bare server).
+async fn bare(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
+    let (insert, enqueue) = (&s.insert, &s.enqueue);
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&"bench", &checkout, &2400_i64];
+    let (_, row) = tokio::try_join!(
+        biased;
+        client.batch_execute("BEGIN"),
+        client.query_one(insert, &params)
+    )
+    .expect("insert");
+    let id: String = row.get(0);
+    let payload = serde_json::json!({"id": id, "total": 2400});
+    client
+        .execute(enqueue, &[&"bench", &id, &payload])
+        .await
+        .expect("enqueue");
+    client.batch_execute("COMMIT").await.expect("commit");
+}
+
+/// The hand-written claim at commit (as `benches/e2e/experiment.rs`): the
+/// key row last, completed, pipelined with `COMMIT`.
+async fn at_commit(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
+    use sha2::Digest as _;
+    let (insert, enqueue, remember) = (&s.insert, &s.enqueue, &s.remember);
+    let body = format!(r#"{{"checkout_id":"{checkout}","total":2400}}"#);
+    let fingerprint = sha2::Sha256::digest(body.as_bytes()).to_vec();
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&"bench", &checkout, &2400_i64];
+    let (_, row) = tokio::try_join!(
+        biased;
+        client.batch_execute("BEGIN"),
+        client.query_one(insert, &params)
+    )
+    .expect("insert");
+    let id: String = row.get(0);
+    let payload = serde_json::json!({"id": id, "total": 2400});
+    client
+        .execute(enqueue, &[&"bench", &id, &payload])
+        .await
+        .expect("enqueue");
+    let response =
+        serde_json::to_vec(&serde_json::json!({"id": id, "checkout_id": checkout, "total": 2400}))
+            .expect("json");
+    let row: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&checkout, &fingerprint, &response];
+    let (remembered, committed) = tokio::join!(
+        biased;
+        client.execute(remember, &row),
+        client.batch_execute("COMMIT")
+    );
+    remembered.expect("remember");
+    committed.expect("commit");
+}
+
+/// The layer in the one-commit or the default mode over the same writes,
+/// through the owner's transaction.
+fn layered(store: PgStore, one_commit: bool) -> Service {
+    let handler = tower::service_fn(|request: Request<RequestBody>| async move {
+        let tx = request
+            .extensions()
+            .get::<PgTx>()
+            .cloned()
+            .ok_or("no transaction")?;
+        let (parts, body) = request.into_parts();
+        drop(parts);
+        let body = http_body_util::BodyExt::collect(body).await?.to_bytes();
+        let order: serde_json::Value = serde_json::from_slice(&body)?;
+        let checkout = order["checkout_id"].as_str().unwrap_or_default().to_owned();
+        let total = order["total"].as_i64().unwrap_or_default();
+        let row = tx
+            .query_one(INSERT_ORDER, &[&tx.tenant(), &checkout, &total])
+            .await?;
+        let id: String = row.get(0);
+        let payload = serde_json::json!({"id": id, "total": total});
+        outbox::enqueue(&tx, &id, "OrderCreated", &payload).await?;
+        let answer = serde_json::json!({"id": id, "checkout_id": checkout, "total": total});
+        Ok::<_, BoxError>(
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(answer.to_string())))
+                .expect("response"),
+        )
+    });
+    let layer = IdempotencyLayer::new(
+        store,
+        "POST /orders v1",
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .tenant_resolver(SingleTenant::new("bench"))
+    .without_replay_cache();
+    if one_commit {
+        BoxCloneSyncService::new(tower::Layer::layer(&layer.claim_at_commit(), handler))
+    } else {
+        BoxCloneSyncService::new(tower::Layer::layer(&layer, handler))
+    }
+}
