@@ -17,7 +17,9 @@
 //!
 //!     cargo bench --bench pg_instructions
 //!
-//! `PGI_REQUESTS` (default 300) requests per scenario. Needs valgrind
+//! `PGI_REQUESTS` (default 300) requests per scenario; `PGI_SETUP`, SQL
+//! run after the migrations (to count a variant: a function replaced, an
+//! index added). Needs valgrind
 //! (`apt-get install valgrind`); takes about two minutes.
 
 use std::{
@@ -110,6 +112,9 @@ fn main() {
             .expect("connect");
         tokio::spawn(connection);
         client.batch_execute(ORDERS).await.expect("schema");
+        if let Ok(setup) = std::env::var("PGI_SETUP") {
+            client.batch_execute(&setup).await.expect("PGI_SETUP");
+        }
     });
     pg.stop(Shutdown::Fast).expect("stop");
 
