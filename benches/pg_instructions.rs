@@ -41,12 +41,13 @@ use tower_idempotency::{
     IdempotencyLayer, RequestBody,
 };
 
+#[path = "support/create.rs"]
+#[allow(dead_code)]
+mod create;
+
+use create::Service;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-type Service = BoxCloneSyncService<
-    Request<Full<Bytes>>,
-    Response<tower_idempotency::ResponseBody<Full<Bytes>>>,
-    BoxError,
->;
 
 const ORDERS: &str = "CREATE TABLE orders (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), \
      tenant_id text NOT NULL, checkout_id text NOT NULL, total bigint NOT NULL, \
@@ -342,22 +343,32 @@ impl Statements {
     }
 }
 
-/// The order and its event, in a transaction (as `benches/e2e`'s bare server).
-async fn bare(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
-    let (insert, enqueue) = (&s.insert, &s.enqueue);
+/// Begins and writes the order and its event (`BEGIN` pipelined with the
+/// first insert); the order's id.
+async fn order_and_event(
+    client: &tokio_postgres::Client,
+    s: &Statements,
+    checkout: &str,
+) -> String {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&"bench", &checkout, &2400_i64];
     let (_, row) = tokio::try_join!(
         biased;
         client.batch_execute("BEGIN"),
-        client.query_one(insert, &params)
+        client.query_one(&s.insert, &params)
     )
     .expect("insert");
     let id: String = row.get(0);
     let payload = serde_json::json!({"id": id, "total": 2400});
     client
-        .execute(enqueue, &[&"bench", &id, &payload])
+        .execute(&s.enqueue, &[&"bench", &id, &payload])
         .await
         .expect("enqueue");
+    id
+}
+
+/// The order and its event, in a transaction (as `benches/e2e`'s bare server).
+async fn bare(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
+    order_and_event(client, s, checkout).await;
     client.batch_execute("COMMIT").await.expect("commit");
 }
 
@@ -365,29 +376,16 @@ async fn bare(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
 /// key row last, completed, pipelined with `COMMIT`.
 async fn at_commit(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
     use sha2::Digest as _;
-    let (insert, enqueue, remember) = (&s.insert, &s.enqueue, &s.remember);
     let body = format!(r#"{{"checkout_id":"{checkout}","total":2400}}"#);
     let fingerprint = sha2::Sha256::digest(body.as_bytes()).to_vec();
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&"bench", &checkout, &2400_i64];
-    let (_, row) = tokio::try_join!(
-        biased;
-        client.batch_execute("BEGIN"),
-        client.query_one(insert, &params)
-    )
-    .expect("insert");
-    let id: String = row.get(0);
-    let payload = serde_json::json!({"id": id, "total": 2400});
-    client
-        .execute(enqueue, &[&"bench", &id, &payload])
-        .await
-        .expect("enqueue");
+    let id = order_and_event(client, s, checkout).await;
     let response =
         serde_json::to_vec(&serde_json::json!({"id": id, "checkout_id": checkout, "total": 2400}))
             .expect("json");
     let row: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&checkout, &fingerprint, &response];
     let (remembered, committed) = tokio::join!(
         biased;
-        client.execute(remember, &row),
+        client.execute(&s.remember, &row),
         client.batch_execute("COMMIT")
     );
     remembered.expect("remember");
