@@ -123,7 +123,7 @@ fn main() {
     let out = data.parent().expect("cluster dir").join("callgrind");
     std::fs::create_dir_all(&out).expect("callgrind dir");
     chown_like(&out, &data);
-    let mut server = under_callgrind(&pg, &out);
+    let _server = under_callgrind(&pg, &out);
     runtime.block_on(wait_until_ready(&config));
 
     println!(
@@ -160,11 +160,20 @@ fn main() {
         of(Scenario::Default).unwrap() / bare,
         experiment / bare
     );
-    let _ = Command::new("kill")
-        .arg("-INT")
-        .arg(server.id().to_string())
-        .status();
-    let _ = server.wait();
+}
+
+/// The cluster under callgrind, shut down (fast) when dropped, a panic
+/// included.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-INT")
+            .arg(self.0.id().to_string())
+            .status();
+        let _ = self.0.wait();
+    }
 }
 
 /// Gives `path` the owner of `like` (the cluster runs as `postgres` when
@@ -177,7 +186,7 @@ fn chown_like(path: &Path, like: &Path) {
 
 /// The stopped cluster started again under callgrind, as its owner, on its
 /// socket and port; every backend writes `out/cg.<pid>` when it exits.
-fn under_callgrind(pg: &TempPostgres, out: &Path) -> Child {
+fn under_callgrind(pg: &TempPostgres, out: &Path) -> Server {
     use std::os::unix::{fs::MetadataExt as _, process::CommandExt as _};
     let config = pg.config();
     let socket = match config.get_hosts().first() {
@@ -200,17 +209,15 @@ fn under_callgrind(pg: &TempPostgres, out: &Path) -> Child {
         .args(["-c", "listen_addresses=", "-c", "autovacuum=off"])
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    if nix_is_root() {
+    if running_as_root() {
         command.uid(meta.uid()).gid(meta.gid());
     }
-    command.spawn().expect("valgrind")
+    Server(command.spawn().expect("valgrind"))
 }
 
-fn nix_is_root() -> bool {
+fn running_as_root() -> bool {
     use std::os::unix::fs::MetadataExt as _;
-    std::fs::metadata("/proc/self")
-        .map(|m| m.uid() == 0)
-        .unwrap_or(false)
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
 async fn wait_until_ready(config: &tokio_postgres::Config) {
@@ -232,7 +239,7 @@ async fn backend(
     requests: usize,
     out: &Path,
 ) -> u64 {
-    let run = format!("{}", rand_tag());
+    let run = run_tag();
     let pid = match scenario {
         Scenario::Bare | Scenario::Experiment => {
             let (client, connection) = config
@@ -318,11 +325,13 @@ async fn counted(file: &PathBuf) -> u64 {
     }
 }
 
-fn rand_tag() -> u128 {
+/// A tag that keeps each backend's checkout ids (and keys) new.
+fn run_tag() -> String {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0)
+        .to_string()
 }
 
 /// The bare scenarios' statements, prepared once per connection (as the
