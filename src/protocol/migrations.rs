@@ -125,6 +125,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             "schema/0004_session_reset_keeps_hold_limit.sql"
         ))],
     },
+    Migration {
+        version: 5,
+        name: "session_reset_static",
+        steps: &[Step::Transactional(include_str!(
+            "schema/0005_session_reset_static.sql"
+        ))],
+    },
 ];
 
 /// The newest schema version this build knows (the runner reads it off the

@@ -67,7 +67,7 @@ pub(crate) const COMPLETE: Sql<'static> =
 /// and `$12` the role the store logs in as (as in [`session_reset_keeping`]),
 /// each or both `NULL`.
 ///
-/// The reset (migration 4's function) runs inside the owner's
+/// The reset (the function of migrations 4 and 5) runs inside the owner's
 /// transaction, after everything the handler sent, and commits with it:
 /// once the `COMMIT` is through, the settings, role, cursors, listeners
 /// and temporary objects a handler's function may have changed are the
@@ -126,12 +126,12 @@ pub(crate) const SESSION_RESET_STATEMENTS: [&str; 6] = [
     "DISCARD TEMP",
 ];
 
-/// The session reset: one call of the function migration 3 creates, which
-/// runs [`SESSION_RESET_STATEMENTS`].
+/// The session reset: one call of the function migration 3 creates (and 5
+/// rewrites with static statements), which runs [`SESSION_RESET_STATEMENTS`].
 #[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
 pub(crate) const SESSION_RESET: &str = "SELECT tower_idempotency_session_reset()";
 
-/// The session reset of migration 4's function: the session's idle limit
+/// The session reset of migration 4's function (rewritten by 5): the session's idle limit
 /// left at `hold_limit` (for a store whose connections carry it,
 /// [`set_hold_limit`], so that an owner whose hold limit is that one needs
 /// no `SET LOCAL` of its own), and its authorization reset only when it is
@@ -349,35 +349,71 @@ mod reset_tests {
     }
 
     /// The functions migrations 3 and 4 create run the list, in its order
-    /// (4 then sets the hold limit).
+    /// (4 then sets the hold limit); migration 5's run the same statements,
+    /// static where PL/pgSQL allows, `DISCARD TEMP` last and only where the
+    /// session has a temporary schema.
     #[test]
     fn the_session_reset_functions_run_the_list_of_statements() {
         for body in [
             include_str!("schema/0003_session_reset_function.sql"),
             include_str!("schema/0004_session_reset_keeps_hold_limit.sql"),
         ] {
-            check(body);
+            assert_eq!(run(body), listed(), "{body}");
         }
+        let body = include_str!("schema/0005_session_reset_static.sql");
+        let (no_arguments, keeping) = body
+            .split_once("CREATE OR REPLACE FUNCTION tower_idempotency_session_reset(hold_limit")
+            .expect("both functions");
+        let mut moved = listed();
+        moved.retain(|s| *s != "DISCARD TEMP");
+        moved.push("DISCARD TEMP");
+        for function in [no_arguments, keeping] {
+            let statements = run(function);
+            // The keeping function's two PERFORMs (one with the hold
+            // limit) unlock the same way.
+            let statements: Vec<&str> = statements
+                .iter()
+                .enumerate()
+                .filter(|&(i, s)| !statements[..i].contains(s))
+                .map(|(_, s)| *s)
+                .collect();
+            assert_eq!(statements, moved, "{function}");
+        }
+        assert!(
+            body.matches("IF pg_catalog.pg_my_temp_schema() <> 0 THEN\n        DISCARD TEMP;")
+                .count()
+                == 2,
+            "DISCARD TEMP only with a temporary schema"
+        );
     }
 
-    fn check(body: &str) {
-        let run: Vec<&str> = body
-            .lines()
+    /// The statements a reset function's body runs, in order: `EXECUTE`d
+    /// strings, `PERFORM`ed calls (less `set_config`) and static statements.
+    fn run(body: &str) -> Vec<&str> {
+        body.lines()
             .map(str::trim)
             .filter_map(|line| {
-                line.strip_prefix("EXECUTE '")
-                    .and_then(|l| l.strip_suffix("';"))
-                    .or_else(|| {
-                        line.strip_prefix("PERFORM ")
-                            .and_then(|l| l.strip_suffix(';'))
-                    })
+                if let Some(text) = line.strip_prefix("EXECUTE '") {
+                    return text.strip_suffix("';");
+                }
+                if let Some(call) = line.strip_prefix("PERFORM ") {
+                    let call = call.trim_end_matches([';', ',']);
+                    let call = call.strip_prefix("pg_catalog.").unwrap_or(call);
+                    return (!call.starts_with("set_config(")).then_some(call);
+                }
+                let statement = line.strip_suffix(';')?;
+                super::SESSION_RESET_STATEMENTS
+                    .contains(&statement)
+                    .then_some(statement)
             })
-            .filter(|statement| !statement.starts_with("set_config("))
-            .collect();
-        let expected: Vec<&str> = super::SESSION_RESET_STATEMENTS
+            .collect()
+    }
+
+    /// The list, with `PERFORM`'s view of the `SELECT`.
+    fn listed() -> Vec<&'static str> {
+        super::SESSION_RESET_STATEMENTS
             .iter()
             .map(|s| s.strip_prefix("SELECT ").unwrap_or(s))
-            .collect();
-        assert_eq!(run, expected);
+            .collect()
     }
 }

@@ -214,9 +214,32 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
         "CREATE FUNCTION wander() RETURNS text LANGUAGE sql AS \
              $$ SELECT set_config('search_path', 'nowhere', false) $$; \
          CREATE FUNCTION hold_lock() RETURNS void LANGUAGE sql AS \
-             $$ SELECT pg_advisory_lock(42) $$;",
+             $$ SELECT pg_advisory_lock(42) $$; \
+         CREATE FUNCTION scratch() RETURNS void LANGUAGE plpgsql AS \
+             $$ BEGIN EXECUTE 'CREATE TEMP TABLE scratch (x int)'; END $$;",
     )
     .await;
+    // A temporary table made where the guard cannot see it is gone before
+    // the connection serves anyone else (the reset discards the session's
+    // temporary objects when it has a temporary schema).
+    let scratching = layer(pg.store.clone()).layer(writes_then_runs("SELECT scratch()"));
+    let made = send(scratching, tenant_a_post("k0")).await;
+    assert_eq!(made.status, StatusCode::CREATED, "{:?}", made.body);
+    let client = pg.store.client().await.unwrap();
+    let row = client
+        .query_one(
+            "SELECT pg_my_temp_schema() <> 0, \
+                 (SELECT count(*) FROM pg_class WHERE relnamespace = pg_my_temp_schema())",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(
+        row.get::<_, bool>(0),
+        "the session has its temporary schema"
+    );
+    assert_eq!(row.get::<_, i64>(1), 0, "and nothing left in it");
+    drop(client);
     let locking = layer(pg.store.clone()).layer(writes_then_runs("SELECT hold_lock()"));
     let first = send(locking, tenant_a_post("k1")).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -228,11 +251,11 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
     let second = send(wandering, tenant_a_post("k2")).await;
     assert_eq!(second.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(second.json()["code"], "commit_rejected");
-    assert_eq!(pg.orders().await.len(), 1);
+    assert_eq!(pg.orders().await.len(), 2);
     // The next request on the same (only) connection sees the default again.
     let third = send(orders_service(pg.store.clone()), tenant_a_post("k2")).await;
     assert_eq!(third.status, StatusCode::CREATED, "{:?}", third.body);
-    assert_eq!(pg.orders().await.len(), 2);
+    assert_eq!(pg.orders().await.len(), 3);
 }
 
 /// What `sql` (one row of the backend's process id and one text) reads on

@@ -482,7 +482,11 @@ mod pg_store {
         store.migrate().await.expect("a rerun is a no-op");
         let client = db.client().await;
         let versions = migration_versions(&client).await;
-        assert_eq!(versions, [1, 2, 3, 4], "every migration of the crate, once");
+        assert_eq!(
+            versions,
+            [1, 2, 3, 4, 5],
+            "every migration of the crate, once"
+        );
         // A migrator that waited for another's lock reads what it committed,
         // also when the database defaults to a snapshot per transaction.
         let later = tower_idempotency::testing::TestDatabase::create().await;
@@ -500,7 +504,11 @@ mod pg_store {
         })
         .await;
         let versions = migration_versions(&later.client().await).await;
-        assert_eq!(versions, [1, 2, 3, 4], "every migration of the crate, once");
+        assert_eq!(
+            versions,
+            [1, 2, 3, 4, 5],
+            "every migration of the crate, once"
+        );
         let fillfactor: String = client
             .query_one("SELECT array_to_string(reloptions, ',') FROM pg_class WHERE relname = 'idempotency_requests'", &[])
             .await
@@ -609,7 +617,11 @@ mod sqlx_store {
             .await;
         }
         let versions = migration_versions(&later.client().await).await;
-        assert_eq!(versions, [1, 2, 3, 4], "every migration of the crate, once");
+        assert_eq!(
+            versions,
+            [1, 2, 3, 4, 5],
+            "every migration of the crate, once"
+        );
     }
 
     /// Two layers are two processes: the duplicate waits on the row lock in

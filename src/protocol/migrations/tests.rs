@@ -39,6 +39,7 @@ const BASELINE: Migration = MIGRATIONS[0];
 const LZ4: Migration = MIGRATIONS[1];
 const RESET: Migration = MIGRATIONS[2];
 const KEEP: Migration = MIGRATIONS[3];
+const STATIC: Migration = MIGRATIONS[4];
 
 /// What the crate's migrations record.
 fn released() -> Vec<(i32, String)> {
@@ -57,15 +58,16 @@ const UNDER_LOAD: &[Migration] = &[
     LZ4,
     RESET,
     KEEP,
+    STATIC,
     Migration {
-        version: 5,
+        version: 6,
         name: "load_note",
         steps: &[Step::Transactional(
             "ALTER TABLE idempotency_requests ADD COLUMN load_note text",
         )],
     },
     Migration {
-        version: 6,
+        version: 7,
         name: "load_note_index",
         steps: &[Step::ConcurrentIndex {
             name: NOTE_INDEX,
@@ -92,8 +94,9 @@ const UNIQUE_TARGET: &[Migration] = &[
     LZ4,
     RESET,
     KEEP,
+    STATIC,
     Migration {
-        version: 5,
+        version: 6,
         name: "unique_target",
         steps: &[Step::ConcurrentIndex {
             name: TARGET_INDEX,
@@ -310,7 +313,7 @@ async fn a_migration_under_load_holds_claims_up_at_most_its_lock_timeout() {
     );
     assert!(slowest <= bound, "a claim took {slowest:?}, past {bound:?}");
 
-    assert_eq!(summary.applied, [5, 6]);
+    assert_eq!(summary.applied, [6, 7]);
     assert!(
         summary.lock_timeouts as usize >= waits.len() - 1,
         "{} waits seen, {summary:?}",
@@ -350,7 +353,7 @@ async fn a_migration_that_never_gets_its_lock_gives_up_unavailable() {
     assert_eq!(e.sql_state(), Some("55P03"));
     let message = e.to_string();
     assert!(
-        message.contains("migration 5 (load_note)") && message.contains("3 attempts"),
+        message.contains("migration 6 (load_note)") && message.contains("3 attempts"),
         "{message}"
     );
     blocker.batch_execute("COMMIT").await.unwrap();
@@ -404,7 +407,7 @@ where
         .await
         .unwrap();
     let summary = run().await.unwrap();
-    assert_eq!(summary.applied, [5]);
+    assert_eq!(summary.applied, [6]);
     assert_eq!(summary.rebuilds, 1, "{summary:?}");
     assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(true));
     assert_eq!(
@@ -414,7 +417,8 @@ where
             (2, "lz4_stored_bodies".to_owned()),
             (3, "session_reset_function".to_owned()),
             (4, "session_reset_keeps_hold_limit".to_owned()),
-            (5, "unique_target".to_owned())
+            (5, "session_reset_static".to_owned()),
+            (6, "unique_target".to_owned())
         ]
     );
     assert_eq!(
@@ -488,7 +492,7 @@ async fn migrators_racing_over_an_index_build_record_each_version_once() {
     applied.sort_unstable();
     assert_eq!(
         applied,
-        [1, 2, 3, 4, 5, 6],
+        [1, 2, 3, 4, 5, 6, 7],
         "each version applied by one migrator"
     );
     let client = db.client().await;
