@@ -160,7 +160,11 @@ where
     // client went away is counted too; a replay to rebuild is counted once
     // rebuilt, for the client that waits for it.
     let running = setup.shared.drain.start();
-    let work = M::run(setup, inner, admitted).instrument(span.clone());
+    // Boxed where it is made: the work is a large future (about 9 KB with a
+    // small handler), and moved by value into the task it would be copied
+    // whole at every step on the way (the span's wrapper, the task's
+    // closure, the spawn, the task's cell).
+    let work = Box::pin(M::run(setup, inner, admitted)).instrument(span.clone());
     let counted = (config.clone(), span.clone(), tenant.clone());
     let rebuilds = rebuild_for.is_some();
     let (settled, timings, observed) = match tokio::spawn(async move {
