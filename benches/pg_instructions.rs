@@ -1,29 +1,34 @@
-//! PostgreSQL's side of a create in instructions, counted by callgrind: a
-//! unit that holds still. The same build, statements and data count the
-//! same to a fraction of a percent whatever else the machine does, where
-//! CPU time moves by 10 % between runs of the same code.
+//! A create in instructions, counted by callgrind: a unit that holds still.
+//! PostgreSQL's side counts the same to a fraction of a percent whatever
+//! else the machine does, the process's within a few percent (the runtime
+//! polls a little more or less), where CPU time moves by 10 % between runs
+//! of the same code.
 //!
-//! The cluster runs under `valgrind --tool=callgrind`; each scenario's
-//! requests run one after another on one connection (one backend), which
-//! callgrind counts on its own and writes out when it exits. A backend that
-//! only connects and warms up (statements prepared, functions compiled,
-//! caches filled) is counted the same way, and the difference over the
-//! number of requests is what one request costs. Scenarios: bare (the
-//! order and its outbox event in a transaction), the hand-written claim at
-//! commit (the upper bound of the one-commit mode), the one-commit mode
-//! and the default mode (claim first), the last two through the layer and
-//! `PgStore` as an application runs them (the tower service called in
-//! process, no HTTP).
+//! PostgreSQL's side: the cluster runs under `valgrind --tool=callgrind`;
+//! each scenario's requests run one after another on one connection (one
+//! backend), which callgrind counts on its own and writes out when it
+//! exits. A backend that only connects and warms up (statements prepared,
+//! functions compiled, caches filled) is counted the same way, and the
+//! difference over the number of requests is what one request costs.
 //!
-//!     cargo bench --bench pg_instructions
+//! The process's side: this bench runs itself again under callgrind for
+//! one scenario at a time, against a cluster of its own run as usual, with
+//! the requests and with a third of them; the difference over the
+//! difference in requests. It holds the layer, `PgStore` and the driver,
+//! not HTTP (the tower service is called in process).
+//!
+//! Scenarios: bare (the order and its outbox event in a transaction), the
+//! hand-written claim at commit (the upper bound of the one-commit mode),
+//! the one-commit mode and the default mode (claim first), the last two
+//! through the layer and `PgStore` as an application runs them.
+//!
+//!     cargo bench --features test-util --bench pg_instructions
 //!
 //! `PGI_REQUESTS` (default 300) requests per scenario; `PGI_ONLY`, the
-//! scenarios whose names hold one of its comma-separated words (the bench
-//! process itself run under callgrind, one scenario at a time, counts the
-//! client's side the same way); `PGI_SETUP`, SQL
-//! run after the migrations (to count a variant: a function replaced, an
-//! index added). Needs valgrind
-//! (`apt-get install valgrind`); takes about two minutes.
+//! scenarios whose names hold one of its comma-separated words; `PGI_SETUP`,
+//! SQL run after the migrations (to count a variant: a function replaced,
+//! an index added). Needs valgrind (`apt-get install valgrind`); takes about
+//! a minute and a half.
 
 use std::{
     path::{Path, PathBuf},
@@ -93,6 +98,10 @@ impl Scenario {
     }
 }
 
+/// Set in the bench's own runs under callgrind (the process's side): the
+/// scenario to run, against a cluster run as usual.
+const CHILD: &str = "PGI_CHILD";
+
 fn main() {
     let requests: usize = std::env::var("PGI_REQUESTS")
         .ok()
@@ -107,71 +116,152 @@ fn main() {
         .expect("runtime");
     let mut pg = TempPostgres::start().expect("a temporary PostgreSQL");
     let config = pg.config();
-    runtime.block_on(async {
-        let store = PgStore::builder(config.clone()).build().expect("store");
-        store.migrate().await.expect("migrations");
-        let (client, connection) = config
-            .connect(tokio_postgres::NoTls)
-            .await
-            .expect("connect");
-        tokio::spawn(connection);
-        client.batch_execute(ORDERS).await.expect("schema");
-        if let Ok(setup) = std::env::var("PGI_SETUP") {
-            client.batch_execute(&setup).await.expect("PGI_SETUP");
-        }
-    });
+    runtime.block_on(prepare(&config));
+    if let Ok(name) = std::env::var(CHILD) {
+        let scenario = Scenario::ALL
+            .into_iter()
+            .find(|s| s.name() == name)
+            .expect("a scenario's name");
+        runtime.block_on(backend(&config, scenario, requests));
+        return;
+    }
+    let scenarios = selected();
     pg.stop(Shutdown::Fast).expect("stop");
 
     let data = pg.data_dir().to_path_buf();
     let out = data.parent().expect("cluster dir").join("callgrind");
     std::fs::create_dir_all(&out).expect("callgrind dir");
     chown_like(&out, &data);
-    let _server = under_callgrind(&pg, &out);
+    let server = under_callgrind(&pg, &out);
     runtime.block_on(wait_until_ready(&config));
-
-    println!(
-        "PostgreSQL instructions per request ({requests} requests a scenario, one backend each):"
-    );
-    println!();
-    println!("| scenario | instructions per request | over bare | over the hand-written |");
-    println!("| --- | ---: | ---: | ---: |");
-    let only: Option<Vec<String>> = std::env::var("PGI_ONLY")
-        .ok()
-        .map(|only| only.split(',').map(|w| w.trim().to_owned()).collect());
-    let mut counted = Vec::new();
-    for scenario in Scenario::ALL {
-        if let Some(only) = &only {
-            if !only.iter().any(|w| scenario.name().contains(w.as_str())) {
-                continue;
-            }
-        }
-        let base = runtime.block_on(backend(&config, scenario, 0, &out));
-        let full = runtime.block_on(backend(&config, scenario, requests, &out));
-        let per = (full.saturating_sub(base)) as f64 / requests as f64;
-        counted.push((scenario, per));
+    let mut database = Vec::new();
+    for &scenario in &scenarios {
+        let count = |n| {
+            runtime.block_on(async {
+                let pid = backend(&config, scenario, n).await;
+                counted(&out.join(format!("cg.{pid}"))).await
+            })
+        };
+        let (base, full) = (count(0), count(requests));
+        database.push((scenario, full.saturating_sub(base) as f64 / requests as f64));
     }
-    let of = |s: Scenario| counted.iter().find(|(c, _)| *c == s).map(|(_, n)| *n);
+    drop(server);
+    let mut process = Vec::new();
+    for &scenario in &scenarios {
+        process.push((scenario, process_side(scenario, requests, &out)));
+    }
+
+    println!("Instructions per request ({requests} requests a scenario, one after another):");
+    println!();
+    println!("| scenario | PostgreSQL | over bare | over the hand-written | the process (no HTTP) | over bare | over the hand-written |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let of = |counts: &[(Scenario, f64)], s: Scenario| {
+        counts.iter().find(|(c, _)| *c == s).map(|(_, n)| *n)
+    };
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) => format!("{:.3}", a / b),
         _ => "n/a".to_owned(),
     };
-    let (bare, experiment) = (of(Scenario::Bare), of(Scenario::Experiment));
-    for (scenario, per) in &counted {
-        println!(
-            "| {} | {:.0} | {} | {} |",
-            scenario.name(),
-            per,
-            ratio(Some(*per), bare),
-            ratio(Some(*per), experiment)
-        );
+    for &scenario in &scenarios {
+        let cells = [&database, &process].map(|counts| {
+            let n = of(counts, scenario);
+            format!(
+                "{:.0} | {} | {}",
+                n.unwrap_or(0.0),
+                ratio(n, of(counts, Scenario::Bare)),
+                ratio(n, of(counts, Scenario::Experiment))
+            )
+        });
+        println!("| {} | {} | {} |", scenario.name(), cells[0], cells[1]);
     }
+    let both = |s: Scenario| Some(of(&database, s)? + of(&process, s)?);
     println!();
     println!(
-        "INSTRUCTIONS pg_onecommit_vs_experiment={} pg_default_vs_bare={} pg_experiment_vs_bare={}",
-        ratio(of(Scenario::OneCommit), experiment),
-        ratio(of(Scenario::Default), bare),
-        ratio(experiment, bare)
+        "INSTRUCTIONS pg_onecommit_vs_experiment={} pg_default_vs_bare={} pg_experiment_vs_bare={} \
+         process_onecommit_vs_experiment={} both_onecommit_vs_experiment={}",
+        ratio(
+            of(&database, Scenario::OneCommit),
+            of(&database, Scenario::Experiment)
+        ),
+        ratio(of(&database, Scenario::Default), of(&database, Scenario::Bare)),
+        ratio(
+            of(&database, Scenario::Experiment),
+            of(&database, Scenario::Bare)
+        ),
+        ratio(
+            of(&process, Scenario::OneCommit),
+            of(&process, Scenario::Experiment)
+        ),
+        ratio(both(Scenario::OneCommit), both(Scenario::Experiment)),
     );
+}
+
+/// The schema: the crate's migrations, the orders table, `PGI_SETUP`.
+async fn prepare(config: &tokio_postgres::Config) {
+    let store = PgStore::builder(config.clone()).build().expect("store");
+    store.migrate().await.expect("migrations");
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client.batch_execute(ORDERS).await.expect("schema");
+    if let Ok(setup) = std::env::var("PGI_SETUP") {
+        client.batch_execute(&setup).await.expect("PGI_SETUP");
+    }
+}
+
+/// The scenarios `PGI_ONLY` names (all without it).
+fn selected() -> Vec<Scenario> {
+    let only: Option<Vec<String>> = std::env::var("PGI_ONLY")
+        .ok()
+        .map(|only| only.split(',').map(|w| w.trim().to_owned()).collect());
+    Scenario::ALL
+        .into_iter()
+        .filter(|s| match &only {
+            Some(only) => only.iter().any(|w| s.name().contains(w.as_str())),
+            None => true,
+        })
+        .collect()
+}
+
+/// The process's instructions per request of `scenario`: this bench run
+/// again under callgrind for that scenario alone, once with `requests` and
+/// once with a third of them, against a cluster of its own run as usual;
+/// the difference over the difference in requests.
+fn process_side(scenario: Scenario, requests: usize, out: &Path) -> f64 {
+    let few = requests / 3;
+    let total = |n: usize| {
+        let file = out.join(format!("process.{n}.{}", run_tag()));
+        let ran = Command::new("valgrind")
+            .arg("--tool=callgrind")
+            .arg("--trace-children=no")
+            .arg(format!("--callgrind-out-file={}", file.display()))
+            .arg(std::env::current_exe().expect("this bench"))
+            .env(CHILD, scenario.name())
+            .env("PGI_REQUESTS", n.to_string())
+            .output()
+            .expect("valgrind");
+        assert!(
+            ran.status.success(),
+            "{} under callgrind: {}",
+            scenario.name(),
+            String::from_utf8_lossy(&ran.stderr)
+        );
+        totals(&std::fs::read_to_string(&file).expect("callgrind's file")).expect("a total")
+    };
+    let (few_total, full_total) = (total(few), total(requests));
+    full_total.saturating_sub(few_total) as f64 / (requests - few) as f64
+}
+
+/// The total of a callgrind file.
+fn totals(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("totals: ")
+                .or_else(|| l.strip_prefix("summary: "))
+        })
+        .and_then(|total| total.trim().parse().ok())
 }
 
 /// The cluster under callgrind, shut down (fast) when dropped, a panic
@@ -243,14 +333,9 @@ async fn wait_until_ready(config: &tokio_postgres::Config) {
     }
 }
 
-/// One backend's instructions: it connects, warms up, sends `requests`
-/// creates of `scenario`, and exits.
-async fn backend(
-    config: &tokio_postgres::Config,
-    scenario: Scenario,
-    requests: usize,
-    out: &Path,
-) -> u64 {
+/// One backend's life: it connects, warms up, sends `requests` creates of
+/// `scenario`, and exits; its process id.
+async fn backend(config: &tokio_postgres::Config, scenario: Scenario, requests: usize) -> i32 {
     let run = run_tag();
     let pid = match scenario {
         Scenario::Bare | Scenario::Experiment => {
@@ -313,20 +398,19 @@ async fn backend(
             pid
         }
     };
-    counted(&out.join(format!("cg.{pid}"))).await
+    pid
 }
 
 /// The total a backend's callgrind file holds, once it has exited.
 async fn counted(file: &PathBuf) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        if let Ok(text) = std::fs::read_to_string(file) {
-            if let Some(total) = text.lines().find_map(|l| {
-                l.strip_prefix("totals: ")
-                    .or_else(|| l.strip_prefix("summary: "))
-            }) {
-                return total.trim().parse().expect("a count");
-            }
+        if let Some(total) = std::fs::read_to_string(file)
+            .ok()
+            .as_deref()
+            .and_then(totals)
+        {
+            return total;
         }
         assert!(
             Instant::now() < deadline,
