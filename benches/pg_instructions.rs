@@ -1,6 +1,6 @@
 //! A create in instructions, counted by callgrind: a unit that holds still.
 //! PostgreSQL's side counts the same to a fraction of a percent whatever
-//! else the machine does, the process's within a few percent (the runtime
+//! else the machine does, the process's within about 10 % (the runtime
 //! polls a little more or less), where CPU time moves by 10 % between runs
 //! of the same code.
 //!
