@@ -106,7 +106,8 @@ fn main() {
     let requests: usize = std::env::var("PGI_REQUESTS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
+        .unwrap_or(300)
+        .max(3);
     if Command::new("valgrind").arg("--version").output().is_err() {
         panic!("valgrind is needed (apt-get install valgrind)");
     }
