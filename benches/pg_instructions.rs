@@ -41,12 +41,10 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use tower::{util::BoxCloneSyncService, Service as _, ServiceExt as _};
 use tower_idempotency::{
-    fingerprint::JsonFingerprinter,
     outbox,
     postgres::{PgStore, PgTx},
-    scope::SingleTenant,
     testing::{Shutdown, TempPostgres},
-    IdempotencyLayer, RequestBody,
+    RequestBody,
 };
 
 #[path = "support/create.rs"]
@@ -529,13 +527,7 @@ fn layered(store: PgStore, one_commit: bool) -> Service {
                 .expect("response"),
         )
     });
-    let layer = IdempotencyLayer::new(
-        store,
-        "POST /orders v1",
-        JsonFingerprinter::new("orders.v1"),
-    )
-    .tenant_resolver(SingleTenant::new("bench"))
-    .without_replay_cache();
+    let layer = create::layer(store);
     if one_commit {
         BoxCloneSyncService::new(tower::Layer::layer(&layer.claim_at_commit(), handler))
     } else {

@@ -41,12 +41,17 @@ pub(crate) fn layered(store: PgStore) -> Service {
                 .expect("response"),
         )
     });
-    let layer = IdempotencyLayer::new(
+    BoxCloneSyncService::new(tower::Layer::layer(&layer(store), handler))
+}
+
+/// The benches' layer: `POST /orders v1`, JSON fingerprints, tenant
+/// `bench`, no replay cache.
+pub(crate) fn layer(store: PgStore) -> IdempotencyLayer<PgStore, JsonFingerprinter, SingleTenant> {
+    IdempotencyLayer::new(
         store,
         "POST /orders v1",
         JsonFingerprinter::new("orders.v1"),
     )
     .tenant_resolver(SingleTenant::new("bench"))
-    .without_replay_cache();
-    BoxCloneSyncService::new(tower::Layer::layer(&layer, handler))
+    .without_replay_cache()
 }
