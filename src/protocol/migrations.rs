@@ -69,8 +69,6 @@ pub(crate) enum Step {
     Transactional(&'static str),
     /// `CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} …`,
     /// one statement, run outside any transaction.
-    // No migration of the baseline's release builds an index yet.
-    #[cfg_attr(not(test), allow(dead_code))]
     ConcurrentIndex {
         name: &'static str,
         table: &'static str,
@@ -131,6 +129,100 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         steps: &[Step::Transactional(include_str!(
             "schema/0005_session_reset_static.sql"
         ))],
+    },
+    // Versions 6 to 9 make the key columns whose values differ from one
+    // key to the next (the idempotency key, the outbox's aggregate id, the
+    // inbox's consumer and event id) compare byte by byte, collation "C",
+    // whatever the database's locale, without rebuilding an index while its
+    // table is locked: 6 builds each index again with those columns in "C",
+    // concurrently; 7, 8 and 9 make the columns "C", a table at a time, and
+    // put those indexes in the old ones' places. PostgreSQL reuses an index
+    // whose collations already are the columns' new ones, so they change the
+    // catalog only. tenant_id and endpoint stay as they are: Citus cannot
+    // change the type of the column a table is distributed by; the endpoint
+    // is in the lease index, which is partial, and PostgreSQL rebuilds a
+    // partial index whenever one of its columns changes type; and both are
+    // mostly equal from one key to the next, which PostgreSQL sees without
+    // the locale (equal bytes are equal).
+    Migration {
+        version: 6,
+        name: "bytewise_key_indexes",
+        steps: &[
+            Step::ConcurrentIndex {
+                name: "idempotency_requests_key_bytewise",
+                table: "idempotency_requests",
+                sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \
+                      idempotency_requests_key_bytewise ON idempotency_requests \
+                      (tenant_id, endpoint, idempotency_key COLLATE \"C\")",
+            },
+            Step::ConcurrentIndex {
+                name: "outbox_events_aggregate_bytewise",
+                table: "outbox_events",
+                sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS \
+                      outbox_events_aggregate_bytewise ON outbox_events \
+                      (tenant_id, aggregate_id COLLATE \"C\")",
+            },
+            Step::ConcurrentIndex {
+                name: "inbox_events_key_bytewise",
+                table: "inbox_events",
+                sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \
+                      inbox_events_key_bytewise ON inbox_events \
+                      (tenant_id, consumer COLLATE \"C\", event_id COLLATE \"C\")",
+            },
+        ],
+    },
+    // One statement a step (Citus forwards a table's DDL by its text, one
+    // statement at a time, and refuses `ADD CONSTRAINT` beside other
+    // changes), one table a migration (a transaction that held one table's
+    // lock while it waited for another's would hold the claims up longer
+    // than the lock timeout, and could deadlock with a handler's
+    // transaction writing both). Each old index is dropped before its
+    // columns change, or the change would rebuild it under the lock.
+    Migration {
+        version: 7,
+        name: "bytewise_request_keys",
+        steps: &[
+            Step::Transactional(
+                "ALTER TABLE idempotency_requests DROP CONSTRAINT idempotency_requests_pkey",
+            ),
+            Step::Transactional(
+                "ALTER TABLE idempotency_requests \
+                 ALTER COLUMN idempotency_key TYPE text COLLATE \"C\"",
+            ),
+            Step::Transactional(
+                "ALTER TABLE idempotency_requests ADD CONSTRAINT idempotency_requests_pkey \
+                 PRIMARY KEY USING INDEX idempotency_requests_key_bytewise",
+            ),
+        ],
+    },
+    Migration {
+        version: 8,
+        name: "bytewise_outbox_aggregate",
+        steps: &[
+            Step::Transactional("DROP INDEX outbox_events_aggregate_idx"),
+            Step::Transactional(
+                "ALTER TABLE outbox_events ALTER COLUMN aggregate_id TYPE text COLLATE \"C\"",
+            ),
+            Step::Transactional(
+                "ALTER INDEX outbox_events_aggregate_bytewise RENAME TO outbox_events_aggregate_idx",
+            ),
+        ],
+    },
+    Migration {
+        version: 9,
+        name: "bytewise_inbox_keys",
+        steps: &[
+            Step::Transactional("ALTER TABLE inbox_events DROP CONSTRAINT inbox_events_pkey"),
+            Step::Transactional(
+                "ALTER TABLE inbox_events \
+                 ALTER COLUMN consumer TYPE text COLLATE \"C\", \
+                 ALTER COLUMN event_id TYPE text COLLATE \"C\"",
+            ),
+            Step::Transactional(
+                "ALTER TABLE inbox_events ADD CONSTRAINT inbox_events_pkey \
+                 PRIMARY KEY USING INDEX inbox_events_key_bytewise",
+            ),
+        ],
     },
 ];
 

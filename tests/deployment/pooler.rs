@@ -704,7 +704,11 @@ async fn migrations_run_through_the_pooler_and_concurrently() {
     }
     let client = db.client().await;
     let versions = migration_versions(&client).await;
-    assert_eq!(versions, [1, 2, 3, 4, 5], "every migration applied once");
+    assert_eq!(
+        versions,
+        (1..=9).collect::<Vec<i32>>(),
+        "every migration applied once"
+    );
     // Again: nothing to do, nothing doubled.
     stores[0].migrate().await.expect("migrating again");
     drop(bouncer);

@@ -40,6 +40,10 @@ const LZ4: Migration = MIGRATIONS[1];
 const RESET: Migration = MIGRATIONS[2];
 const KEEP: Migration = MIGRATIONS[3];
 const STATIC: Migration = MIGRATIONS[4];
+const BYTEWISE_INDEXES: Migration = MIGRATIONS[5];
+const BYTEWISE_REQUESTS: Migration = MIGRATIONS[6];
+const BYTEWISE_OUTBOX: Migration = MIGRATIONS[7];
+const BYTEWISE_INBOX: Migration = MIGRATIONS[8];
 
 /// What the crate's migrations record.
 fn released() -> Vec<(i32, String)> {
@@ -59,15 +63,19 @@ const UNDER_LOAD: &[Migration] = &[
     RESET,
     KEEP,
     STATIC,
+    BYTEWISE_INDEXES,
+    BYTEWISE_REQUESTS,
+    BYTEWISE_OUTBOX,
+    BYTEWISE_INBOX,
     Migration {
-        version: 6,
+        version: 10,
         name: "load_note",
         steps: &[Step::Transactional(
             "ALTER TABLE idempotency_requests ADD COLUMN load_note text",
         )],
     },
     Migration {
-        version: 7,
+        version: 11,
         name: "load_note_index",
         steps: &[Step::ConcurrentIndex {
             name: NOTE_INDEX,
@@ -95,8 +103,12 @@ const UNIQUE_TARGET: &[Migration] = &[
     RESET,
     KEEP,
     STATIC,
+    BYTEWISE_INDEXES,
+    BYTEWISE_REQUESTS,
+    BYTEWISE_OUTBOX,
+    BYTEWISE_INBOX,
     Migration {
-        version: 6,
+        version: 10,
         name: "unique_target",
         steps: &[Step::ConcurrentIndex {
             name: TARGET_INDEX,
@@ -313,7 +325,7 @@ async fn a_migration_under_load_holds_claims_up_at_most_its_lock_timeout() {
     );
     assert!(slowest <= bound, "a claim took {slowest:?}, past {bound:?}");
 
-    assert_eq!(summary.applied, [6, 7]);
+    assert_eq!(summary.applied, [10, 11]);
     assert!(
         summary.lock_timeouts as usize >= waits.len() - 1,
         "{} waits seen, {summary:?}",
@@ -353,7 +365,7 @@ async fn a_migration_that_never_gets_its_lock_gives_up_unavailable() {
     assert_eq!(e.sql_state(), Some("55P03"));
     let message = e.to_string();
     assert!(
-        message.contains("migration 6 (load_note)") && message.contains("3 attempts"),
+        message.contains("migration 10 (load_note)") && message.contains("3 attempts"),
         "{message}"
     );
     blocker.batch_execute("COMMIT").await.unwrap();
@@ -407,7 +419,7 @@ where
         .await
         .unwrap();
     let summary = run().await.unwrap();
-    assert_eq!(summary.applied, [6]);
+    assert_eq!(summary.applied, [10]);
     assert_eq!(summary.rebuilds, 1, "{summary:?}");
     assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(true));
     assert_eq!(
@@ -418,7 +430,11 @@ where
             (3, "session_reset_function".to_owned()),
             (4, "session_reset_keeps_hold_limit".to_owned()),
             (5, "session_reset_static".to_owned()),
-            (6, "unique_target".to_owned())
+            (6, "bytewise_key_indexes".to_owned()),
+            (7, "bytewise_request_keys".to_owned()),
+            (8, "bytewise_outbox_aggregate".to_owned()),
+            (9, "bytewise_inbox_keys".to_owned()),
+            (10, "unique_target".to_owned())
         ]
     );
     assert_eq!(
@@ -492,10 +508,318 @@ async fn migrators_racing_over_an_index_build_record_each_version_once() {
     applied.sort_unstable();
     assert_eq!(
         applied,
-        [1, 2, 3, 4, 5, 6, 7],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
         "each version applied by one migrator"
     );
     let client = db.client().await;
     assert_eq!(recorded(&client).await, under_load_recorded());
     assert_eq!(index_valid(&client, NOTE_INDEX).await, Some(true));
+}
+
+/// The key columns versions 6 to 9 make compare byte by byte, and the
+/// index each ends up in (under its old name).
+const BYTEWISE: [(&str, &str, &str); 4] = [
+    (
+        "idempotency_requests",
+        "idempotency_key",
+        "idempotency_requests_pkey",
+    ),
+    (
+        "outbox_events",
+        "aggregate_id",
+        "outbox_events_aggregate_idx",
+    ),
+    ("inbox_events", "consumer", "inbox_events_pkey"),
+    ("inbox_events", "event_id", "inbox_events_pkey"),
+];
+
+/// Each column of [`BYTEWISE`], and `tenant_id` and `endpoint`: the
+/// column's collation, and the collation the index it is in uses for it
+/// (`default` for the database's).
+async fn key_collations(client: &tokio_postgres::Client) -> Vec<(String, String, String)> {
+    let mut columns: Vec<_> = BYTEWISE.to_vec();
+    columns.extend([
+        (
+            "idempotency_requests",
+            "tenant_id",
+            "idempotency_requests_pkey",
+        ),
+        (
+            "idempotency_requests",
+            "endpoint",
+            "idempotency_requests_pkey",
+        ),
+        (
+            "idempotency_requests",
+            "endpoint",
+            "idempotency_requests_lease_idx",
+        ),
+        ("inbox_events", "tenant_id", "inbox_events_pkey"),
+    ]);
+    let mut found = Vec::new();
+    for (table, column, index) in columns {
+        let row = client
+            .query_one(
+                "SELECT (SELECT collname::text FROM pg_collation WHERE oid = a.attcollation), \
+                        (SELECT collname::text FROM pg_collation \
+                          WHERE oid = i.indcollation[array_position(i.indkey::int2[], a.attnum)]) \
+                 FROM pg_attribute a, pg_index i \
+                 WHERE a.attrelid = $1::text::regclass AND a.attname = $2 \
+                   AND i.indexrelid = $3::text::regclass AND i.indisvalid",
+                &[&table, &column, &index],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{table}.{column} in a valid {index}: {e}"));
+        found.push((
+            format!("{table}.{column} in {index}"),
+            row.get(0),
+            row.get(1),
+        ));
+    }
+    found
+}
+
+/// What [`key_collations`] finds after version 9: the key columns "C"
+/// in their indexes too, `tenant_id` and `endpoint` the database's.
+fn bytewise_collations() -> Vec<(String, String, String)> {
+    let mut expected: Vec<_> = BYTEWISE
+        .iter()
+        .map(|(table, column, index)| (format!("{table}.{column} in {index}"), "C", "C"))
+        .collect();
+    expected.extend([
+        (
+            "idempotency_requests.tenant_id in idempotency_requests_pkey".to_owned(),
+            "default",
+            "default",
+        ),
+        (
+            "idempotency_requests.endpoint in idempotency_requests_pkey".to_owned(),
+            "default",
+            "default",
+        ),
+        (
+            "idempotency_requests.endpoint in idempotency_requests_lease_idx".to_owned(),
+            "default",
+            "default",
+        ),
+        (
+            "inbox_events.tenant_id in inbox_events_pkey".to_owned(),
+            "default",
+            "default",
+        ),
+    ]);
+    expected
+        .into_iter()
+        .map(|(name, column, index)| (name, column.to_owned(), index.to_owned()))
+        .collect()
+}
+
+/// The storage (`relfilenode`) of each index, by name.
+async fn index_files(client: &tokio_postgres::Client) -> Vec<(String, u32)> {
+    client
+        .query(
+            "SELECT c.relname::text, c.relfilenode::oid FROM pg_class c \
+             WHERE c.relkind = 'i' AND c.relname ~ '^(idempotency_requests|outbox_events|inbox_events)_' \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// Versions 6 to 9 on a database whose locale is not C (C.UTF-8, compared
+/// by the C library's rules, as en_US.UTF-8 is on managed services), with
+/// rows in every table and claims running throughout: the key columns end
+/// up "C" in the catalog and in their indexes under the old names, the
+/// indexes version 6 built are the ones in use (same storage: nothing was
+/// rebuilt while a table was locked), the other indexes untouched, no row
+/// lost, and the keys still
+/// arbitrate (a duplicate claim is not owned again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
+    const WORKERS: usize = 3;
+    let admin = TestDatabase::create().await;
+    let name = format!("{}_utf8", admin.name());
+    admin
+        .client()
+        .await
+        .batch_execute(&format!(
+            "CREATE DATABASE {name} TEMPLATE template0 ENCODING 'UTF8' LOCALE 'C.UTF-8'"
+        ))
+        .await
+        .expect("a database in C.UTF-8 (the C library's, not PostgreSQL's C)");
+    let mut config = admin.config();
+    config.dbname(&name);
+    let store = PgStore::builder(config.clone())
+        .max_connections(WORKERS + 1)
+        .build()
+        .unwrap();
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+
+    run_on(&store, &MIGRATIONS[..5], &SETTINGS).await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+                 request_fingerprint, state, response_status, response_headers, response_body, \
+                 completed_at, expires_at)
+             SELECT 't', 'POST /x', 'old-' || i, decode(repeat('01', 32), 'hex'), 'completed',
+                    200, '', 'done', now(), now() + interval '1 day'
+             FROM generate_series(1, 2000) i;
+             INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+                 request_fingerprint, expires_at, lease_expires_at)
+             SELECT 't', 'POST /x', 'leased-' || i, '\\x00', now() + interval '1 day',
+                    now() + interval '1 hour'
+             FROM generate_series(1, 200) i;
+             INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload)
+             SELECT 't', 'order-' || (i % 100), 'E', '{}' FROM generate_series(1, 2000) i;
+             INSERT INTO inbox_events (tenant_id, consumer, event_id)
+             SELECT 't', 'c' || (i % 3), 'e' || i FROM generate_series(1, 2000) i;",
+        )
+        .await
+        .unwrap();
+    let before = key_collations(&client).await;
+    assert!(
+        before
+            .iter()
+            .all(|(_, column, index)| column == "default" && index == "default"),
+        "{before:?}"
+    );
+
+    let untouched = index_files(&client).await;
+    let summary = run_on(&store, &MIGRATIONS[..6], &SETTINGS).await.unwrap();
+    assert_eq!(summary.applied, [6]);
+    let built = index_files(&client).await;
+    let file = |files: &[(String, u32)], name: &str| {
+        files
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, f)| *f)
+            .unwrap_or_else(|| panic!("{name} in {files:?}"))
+    };
+
+    // Claims before, around and after versions 7 to 9: the migration
+    // starts once the workers have committed claims, and the workers stop
+    // once they have committed more after it.
+    let epoch = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|worker| tokio::spawn(claim_until(store.clone(), worker, epoch, stop.clone())))
+        .collect();
+    let claimed_rows = "SELECT count(*) FROM idempotency_requests WHERE idempotency_key LIKE 'w%'";
+    let mut seen: i64 = 0;
+    while seen < 2 * WORKERS as i64 {
+        seen = value(&client, claimed_rows).await;
+        tokio::task::yield_now().await;
+    }
+    let started_at = epoch.elapsed();
+    let summary = run_on(&store, MIGRATIONS, &SETTINGS).await.unwrap();
+    let migrated_at = epoch.elapsed();
+    let at_end: i64 = value(&client, claimed_rows).await;
+    let mut now = at_end;
+    while now < at_end + 2 * WORKERS as i64 {
+        now = value(&client, claimed_rows).await;
+        tokio::task::yield_now().await;
+    }
+    stop.store(true, Relaxed);
+    let mut claims = Claims::new();
+    for worker in workers {
+        claims.extend(worker.await.unwrap());
+    }
+    assert_eq!(summary.applied, [7, 8, 9]);
+    assert_eq!(summary.rebuilds, 0);
+    assert!(
+        claims.iter().any(|(end, _)| *end <= started_at)
+            && claims.iter().any(|(end, _)| *end > migrated_at),
+        "claims before and after it: {claims:?}"
+    );
+
+    assert_eq!(key_collations(&client).await, bytewise_collations());
+    let after = index_files(&client).await;
+    for (now, then) in [
+        (
+            "idempotency_requests_pkey",
+            "idempotency_requests_key_bytewise",
+        ),
+        (
+            "outbox_events_aggregate_idx",
+            "outbox_events_aggregate_bytewise",
+        ),
+        ("inbox_events_pkey", "inbox_events_key_bytewise"),
+    ] {
+        assert_eq!(
+            file(&after, now),
+            file(&built, then),
+            "{now} is {then}, not rebuilt"
+        );
+    }
+    for index in [
+        "idempotency_requests_lease_idx",
+        "idempotency_requests_expires_at_idx",
+    ] {
+        assert_eq!(
+            file(&after, index),
+            file(&untouched, index),
+            "{index} untouched"
+        );
+    }
+    assert!(
+        after.iter().all(|(name, _)| !name.ends_with("_bytewise")),
+        "{after:?}"
+    );
+    let primary: bool = value(
+        &client,
+        "SELECT indisprimary FROM pg_index WHERE indexrelid = 'idempotency_requests_pkey'::regclass",
+    )
+    .await;
+    assert!(primary);
+    let rows: i64 = value(
+        &client,
+        "SELECT count(*) FROM idempotency_requests WHERE idempotency_key LIKE 'old-%'",
+    )
+    .await;
+    assert_eq!(rows, 2000);
+    let claimed: i64 = value(
+        &client,
+        "SELECT count(*) FROM idempotency_requests WHERE idempotency_key LIKE 'w%'",
+    )
+    .await;
+    assert_eq!(claimed as usize, claims.len(), "one row per claim");
+    let counts: (i64, i64) = {
+        let row = client
+            .query_one(
+                "SELECT (SELECT count(*) FROM outbox_events), (SELECT count(*) FROM inbox_events)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(counts, (2000, 2000));
+
+    // The keys still arbitrate: the first claim's key and an old one are
+    // not owned again; the inbox still refuses an event twice.
+    for key in ["w0-0", "old-7"] {
+        let claim = store.claim(&claim_request(key)).await.unwrap();
+        assert!(!matches!(claim, Claim::Owned(_)), "{key} owned twice");
+    }
+    let inserted = client
+        .execute(
+            "INSERT INTO inbox_events (tenant_id, consumer, event_id) VALUES ('t', 'c1', 'e1') \
+             ON CONFLICT (tenant_id, consumer, event_id) DO NOTHING",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(inserted, 0);
+    drop(client);
+    drop(store);
+    let _ = admin
+        .client()
+        .await
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await;
 }
