@@ -823,3 +823,65 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
         .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
         .await;
 }
+
+/// Versions 6 to 9 on a Citus cluster whose tables were distributed by an
+/// earlier release: the coordinator forwards each statement to every
+/// shard, and every shard ends with its key columns "C" in its primary
+/// key; claims route and arbitrate as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_columns_become_bytewise_on_distributed_tables() {
+    use crate::protocol::citus::OWN_TABLES;
+    let citus = tokio::task::spawn_blocking(|| crate::testing::TempCitus::start(2))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let db = citus.database().await.unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::builder(db.config()).build().unwrap();
+    run_on(&store, &MIGRATIONS[..5], &SETTINGS).await.unwrap();
+    assert!(store.distribute_by_tenant(&OWN_TABLES).await.unwrap());
+    let client = db.client().await;
+    let distributed: i64 = value(&client, "SELECT count(*) FROM pg_dist_partition").await;
+    assert_eq!(distributed, 3);
+    claim_and_complete(&store, "before").await.unwrap();
+
+    let summary = run_on(&store, MIGRATIONS, &SETTINGS).await.unwrap();
+    assert_eq!(summary.applied, [6, 7, 8, 9]);
+    assert_eq!(key_collations(&client).await, bytewise_collations());
+    // Every shard of each table: its key columns "C", in its primary key
+    // (or the aggregate index) too.
+    for (table, column, index) in BYTEWISE {
+        let rows = client
+            .query(
+                "SELECT success, result FROM run_command_on_shards($1::text::regclass, $2::text)",
+                &[
+                    &table,
+                    &format!(
+                        "SELECT (SELECT collname FROM pg_collation WHERE oid = a.attcollation) \
+                                || '/' || (SELECT collname FROM pg_collation \
+                                  WHERE oid = i.indcollation[array_position(i.indkey::int2[], a.attnum)]) \
+                         FROM pg_attribute a, pg_index i, pg_class c \
+                         WHERE a.attrelid = '%s'::regclass AND a.attname = '{column}' \
+                           AND i.indrelid = a.attrelid AND i.indexrelid = c.oid \
+                           AND c.relname LIKE '{index}%%' AND i.indisvalid"
+                    ),
+                ],
+            )
+            .await
+            .unwrap();
+        assert!(!rows.is_empty(), "{table} has shards");
+        for row in rows {
+            let (ok, result): (bool, String) = (row.get(0), row.get(1));
+            assert!(
+                ok && result == "C/C",
+                "{table}.{column} on a shard: {result}"
+            );
+        }
+    }
+    claim_and_complete(&store, "after").await.unwrap();
+    for key in ["before", "after"] {
+        let claim = store.claim(&claim_request(key)).await.unwrap();
+        assert!(!matches!(claim, Claim::Owned(_)), "{key} owned twice");
+    }
+    let rows: i64 = value(&client, "SELECT count(*) FROM idempotency_requests").await;
+    assert_eq!(rows, 2);
+}
