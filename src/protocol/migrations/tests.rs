@@ -829,7 +829,7 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
 /// shard, and every shard ends with its key columns "C" in its primary
 /// key; claims route and arbitrate as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_key_columns_become_bytewise_on_distributed_tables() {
+async fn the_key_columns_become_bytewise_on_citus_distributed_tables() {
     use crate::protocol::citus::OWN_TABLES;
     let citus = tokio::task::spawn_blocking(|| crate::testing::TempCitus::start(2))
         .await
