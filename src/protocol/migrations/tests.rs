@@ -630,14 +630,14 @@ async fn index_files(client: &tokio_postgres::Client) -> Vec<(String, u32)> {
         .collect()
 }
 
-/// Versions 6 to 9 on a database whose locale is not C (C.UTF-8, compared
-/// by the C library's rules, as en_US.UTF-8 is on managed services), with
-/// rows in every table and claims running throughout: the key columns end
-/// up "C" in the catalog and in their indexes under the old names, the
-/// indexes version 6 built are the ones in use (same storage: nothing was
-/// rebuilt while a table was locked), the other indexes untouched, no row
-/// lost, and the keys still
-/// arbitrate (a duplicate claim is not owned again).
+/// Versions 6 to 9 on a database whose locale is not PostgreSQL's C
+/// (C.UTF-8, which PostgreSQL compares through the C library as it does
+/// en_US.UTF-8, and which every glibc machine has), with rows in every
+/// table and claims running before and after: the key columns end up "C"
+/// in the catalog and in their indexes under the old names, the indexes
+/// version 6 built are the ones in use (same storage: nothing was rebuilt
+/// while a table was locked), the other indexes untouched, no row lost,
+/// and the keys still arbitrate (a duplicate claim is not owned again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
     const WORKERS: usize = 3;
