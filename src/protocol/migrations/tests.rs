@@ -138,17 +138,27 @@ async fn index_valid(client: &tokio_postgres::Client, name: &str) -> Option<bool
         .map(|row| row.get(0))
 }
 
-async fn recorded(client: &tokio_postgres::Client) -> Vec<(i32, String)> {
+/// The rows of `sql`, two columns each.
+async fn pairs<A, B>(client: &tokio_postgres::Client, sql: &str) -> Vec<(A, B)>
+where
+    A: for<'a> tokio_postgres::types::FromSql<'a>,
+    B: for<'a> tokio_postgres::types::FromSql<'a>,
+{
     client
-        .query(
-            "SELECT version, name FROM tower_idempotency_migrations ORDER BY version",
-            &[],
-        )
+        .query(sql, &[])
         .await
         .unwrap()
         .iter()
         .map(|row| (row.get(0), row.get(1)))
         .collect()
+}
+
+async fn recorded(client: &tokio_postgres::Client) -> Vec<(i32, String)> {
+    pairs(
+        client,
+        "SELECT version, name FROM tower_idempotency_migrations ORDER BY version",
+    )
+    .await
 }
 
 fn claim_request(key: &str) -> ClaimRequest {
@@ -616,18 +626,13 @@ fn bytewise_collations() -> Vec<(String, String, String)> {
 
 /// The storage (`relfilenode`) of each index, by name.
 async fn index_files(client: &tokio_postgres::Client) -> Vec<(String, u32)> {
-    client
-        .query(
-            "SELECT c.relname::text, c.relfilenode::oid FROM pg_class c \
-             WHERE c.relkind = 'i' AND c.relname ~ '^(idempotency_requests|outbox_events|inbox_events)_' \
-             ORDER BY 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect()
+    pairs(
+        client,
+        "SELECT c.relname::text, c.relfilenode::oid FROM pg_class c \
+         WHERE c.relkind = 'i' AND c.relname ~ '^(idempotency_requests|outbox_events|inbox_events)_' \
+         ORDER BY 1",
+    )
+    .await
 }
 
 /// Versions 6 to 9 on a database whose locale is not PostgreSQL's C
