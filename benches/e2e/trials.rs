@@ -75,7 +75,7 @@ ALTER TABLE trial_locale ALTER COLUMN tenant_id TYPE text COLLATE "en_US.utf8",
     ALTER COLUMN idempotency_key TYPE text COLLATE "en_US.utf8";
 ALTER TABLE trial_locale ADD PRIMARY KEY (tenant_id, endpoint, idempotency_key);
 CREATE INDEX ON trial_locale (expires_at);
-CREATE TABLE trial_locale_c (LIKE trial_locale INCLUDING ALL);
+CREATE TABLE trial_locale_c (LIKE trial_locale INCLUDING ALL) WITH (fillfactor = 80);
 ALTER TABLE trial_locale_c ALTER COLUMN idempotency_key TYPE text COLLATE "C";
 "#;
 

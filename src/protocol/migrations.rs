@@ -135,7 +135,9 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     // inbox's consumer and event id) compare byte by byte, collation "C",
     // whatever the database's locale, without rebuilding an index while its
     // table is locked: 6 builds each index again with those columns in "C",
-    // concurrently; 7, 8 and 9 make the columns "C", a table at a time, and
+    // concurrently (the key table's last: from the moment it takes inserts
+    // until version 7, the claims' `ON CONFLICT ON CONSTRAINT` names only
+    // one of two unique indexes); 7, 8 and 9 make the columns "C", a table at a time, and
     // put those indexes in the old ones' places. PostgreSQL reuses an index
     // whose collations already are the columns' new ones, so they change the
     // catalog only. tenant_id and endpoint stay as they are: Citus cannot
@@ -149,13 +151,6 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "bytewise_key_indexes",
         steps: &[
             Step::ConcurrentIndex {
-                name: "idempotency_requests_key_bytewise",
-                table: "idempotency_requests",
-                sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \
-                      idempotency_requests_key_bytewise ON idempotency_requests \
-                      (tenant_id, endpoint, idempotency_key COLLATE \"C\")",
-            },
-            Step::ConcurrentIndex {
                 name: "outbox_events_aggregate_bytewise",
                 table: "outbox_events",
                 sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS \
@@ -168,6 +163,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
                 sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \
                       inbox_events_key_bytewise ON inbox_events \
                       (tenant_id, consumer COLLATE \"C\", event_id COLLATE \"C\")",
+            },
+            Step::ConcurrentIndex {
+                name: "idempotency_requests_key_bytewise",
+                table: "idempotency_requests",
+                sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \
+                      idempotency_requests_key_bytewise ON idempotency_requests \
+                      (tenant_id, endpoint, idempotency_key COLLATE \"C\")",
             },
         ],
     },
