@@ -624,15 +624,51 @@ fn bytewise_collations() -> Vec<(String, String, String)> {
         .collect()
 }
 
-/// The storage (`relfilenode`) of each index, by name.
-async fn index_files(client: &tokio_postgres::Client) -> Vec<(String, u32)> {
+/// The storage (`relfilenode`) of each of the three tables and of each of
+/// their indexes, by name: a rebuilt index or a rewritten table has a new
+/// one.
+async fn files(client: &tokio_postgres::Client) -> Vec<(String, u32)> {
     pairs(
         client,
         "SELECT c.relname::text, c.relfilenode::oid FROM pg_class c \
-         WHERE c.relkind = 'i' AND c.relname ~ '^(idempotency_requests|outbox_events|inbox_events)_' \
+         WHERE c.relkind IN ('r', 'i') AND c.relnamespace = current_schema()::regnamespace \
+           AND c.relname ~ '^(idempotency_requests|outbox_events|inbox_events)' \
          ORDER BY 1",
     )
     .await
+}
+
+/// The indexes versions 7 to 9 put in the place of others: the name they
+/// end with, the name version 6 built them under.
+const SWAPS: [(&str, &str); 3] = [
+    (
+        "idempotency_requests_pkey",
+        "idempotency_requests_key_bytewise",
+    ),
+    (
+        "outbox_events_aggregate_idx",
+        "outbox_events_aggregate_bytewise",
+    ),
+    ("inbox_events_pkey", "inbox_events_key_bytewise"),
+];
+
+/// A database of the test's own in the locale C.UTF-8 (the C library's,
+/// which PostgreSQL compares through `strcoll` as it does en_US.UTF-8, and
+/// which every glibc machine has), beside `admin`'s: its name and how to
+/// reach it.
+async fn c_utf8_database(admin: &TestDatabase) -> (String, tokio_postgres::Config) {
+    let name = format!("{}_utf8", admin.name());
+    admin
+        .client()
+        .await
+        .batch_execute(&format!(
+            "CREATE DATABASE {name} TEMPLATE template0 ENCODING 'UTF8' LOCALE 'C.UTF-8'"
+        ))
+        .await
+        .expect("a database in C.UTF-8 (the C library's, not PostgreSQL's C)");
+    let mut config = admin.config();
+    config.dbname(&name);
+    (name, config)
 }
 
 /// Versions 6 to 9 on a database whose locale is not PostgreSQL's C
@@ -647,17 +683,7 @@ async fn index_files(client: &tokio_postgres::Client) -> Vec<(String, u32)> {
 async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
     const WORKERS: usize = 3;
     let admin = TestDatabase::create().await;
-    let name = format!("{}_utf8", admin.name());
-    admin
-        .client()
-        .await
-        .batch_execute(&format!(
-            "CREATE DATABASE {name} TEMPLATE template0 ENCODING 'UTF8' LOCALE 'C.UTF-8'"
-        ))
-        .await
-        .expect("a database in C.UTF-8 (the C library's, not PostgreSQL's C)");
-    let mut config = admin.config();
-    config.dbname(&name);
+    let (name, config) = c_utf8_database(&admin).await;
     let store = PgStore::builder(config.clone())
         .max_connections(WORKERS + 1)
         .build()
@@ -694,10 +720,10 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
         "{before:?}"
     );
 
-    let untouched = index_files(&client).await;
+    let untouched = files(&client).await;
     let summary = run_on(&store, &MIGRATIONS[..6], &SETTINGS).await.unwrap();
     assert_eq!(summary.applied, [6]);
-    let built = index_files(&client).await;
+    let built = files(&client).await;
     let file = |files: &[(String, u32)], name: &str| {
         files
             .iter()
@@ -735,7 +761,6 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
         claims.extend(worker.await.unwrap());
     }
     assert_eq!(summary.applied, [7, 8, 9]);
-    assert_eq!(summary.rebuilds, 0);
     assert!(
         claims.iter().any(|(end, _)| *end <= started_at)
             && claims.iter().any(|(end, _)| *end > migrated_at),
@@ -743,34 +768,26 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
     );
 
     assert_eq!(key_collations(&client).await, bytewise_collations());
-    let after = index_files(&client).await;
-    for (now, then) in [
-        (
-            "idempotency_requests_pkey",
-            "idempotency_requests_key_bytewise",
-        ),
-        (
-            "outbox_events_aggregate_idx",
-            "outbox_events_aggregate_bytewise",
-        ),
-        ("inbox_events_pkey", "inbox_events_key_bytewise"),
-    ] {
+    let after = files(&client).await;
+    for (now, then) in SWAPS {
         assert_eq!(
             file(&after, now),
             file(&built, then),
             "{now} is {then}, not rebuilt"
         );
     }
-    for index in [
-        "idempotency_requests_lease_idx",
-        "idempotency_requests_expires_at_idx",
-    ] {
-        assert_eq!(
-            file(&after, index),
-            file(&untouched, index),
-            "{index} untouched"
-        );
+    // Everything else (the tables, the other indexes) has the storage it
+    // had before version 6.
+    for (name, before) in untouched
+        .iter()
+        .filter(|(name, _)| SWAPS.iter().all(|(swapped, _)| name != swapped))
+    {
+        assert_eq!(file(&after, name), *before, "{name} untouched");
     }
+    assert!(
+        untouched.len() > SWAPS.len() + 3,
+        "the tables and their other indexes: {untouched:?}"
+    );
     assert!(
         after.iter().all(|(name, _)| !name.ends_with("_bytewise")),
         "{after:?}"
@@ -828,6 +845,157 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
         .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
         .await;
 }
+
+/// Versions 7 to 9 step by step, each statement in a transaction of its
+/// own that is checked before it commits: no statement gives a table or an
+/// index new storage, so none rebuilt an index under its table's lock (an
+/// index rebuilt by one statement and dropped by a later one would pass a
+/// check made only at the end). A statement that does rebuild, changing
+/// `endpoint`'s collation (in the primary key and the partial lease index),
+/// is caught by the same check, so the check can fail. Then every index's
+/// definition: its columns, their order and collations, as the statements
+/// expect them.
+#[tokio::test]
+async fn no_step_of_versions_7_to_9_rebuilds_an_index() {
+    let admin = TestDatabase::create().await;
+    let (name, config) = c_utf8_database(&admin).await;
+    let store = PgStore::builder(config.clone()).build().unwrap();
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    run_on(&store, &MIGRATIONS[..6], &SETTINGS).await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+                 request_fingerprint, expires_at, lease_expires_at)
+             SELECT 't', 'POST /x', 'k' || i, '\\x00', now() + interval '1 day',
+                    now() + interval '1 hour'
+             FROM generate_series(1, 100) i;
+             INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload)
+             SELECT 't', 'order-' || i, 'E', '{}' FROM generate_series(1, 100) i;
+             INSERT INTO inbox_events (tenant_id, consumer, event_id)
+             SELECT 't', 'c', 'e' || i FROM generate_series(1, 100) i;",
+        )
+        .await
+        .unwrap();
+
+    // What a statement gave new storage to, checked inside its transaction.
+    let new_files = |sql: &'static str, end: &'static str| {
+        let client = &client;
+        async move {
+            client.batch_execute("BEGIN").await.unwrap();
+            let before = files(client).await;
+            client
+                .batch_execute(sql)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            let after = files(client).await;
+            client.batch_execute(end).await.unwrap();
+            let mut new: Vec<_> = after
+                .into_iter()
+                .filter(|(_, file)| before.iter().all(|(_, old)| old != file))
+                .map(|(name, _)| name)
+                .collect();
+            new.sort();
+            new
+        }
+    };
+    let mut steps = 0;
+    for migration in [BYTEWISE_REQUESTS, BYTEWISE_OUTBOX, BYTEWISE_INBOX] {
+        for step in migration.steps {
+            let Step::Transactional(sql) = *step else {
+                panic!("{}: an index build among the swaps", migration.name);
+            };
+            assert_eq!(
+                new_files(sql, "COMMIT").await,
+                Vec::<String>::new(),
+                "{}: {sql}",
+                migration.name
+            );
+            steps += 1;
+        }
+    }
+    assert_eq!(steps, 9);
+    assert_eq!(key_collations(&client).await, bytewise_collations());
+    assert_eq!(
+        new_files(
+            "ALTER TABLE idempotency_requests ALTER COLUMN endpoint TYPE text COLLATE \"C\"",
+            "ROLLBACK",
+        )
+        .await,
+        [
+            "idempotency_requests_lease_idx",
+            "idempotency_requests_pkey"
+        ],
+        "a statement that rebuilds is seen to"
+    );
+
+    let definitions: Vec<(String, String)> = pairs(
+        &client,
+        "SELECT c.relname::text, pg_get_indexdef(c.oid) FROM pg_class c \
+         WHERE c.relkind = 'i' AND c.relnamespace = current_schema()::regnamespace \
+           AND c.relname ~ '^(idempotency_requests|outbox_events|inbox_events)' \
+         ORDER BY 1",
+    )
+    .await;
+    let definitions: Vec<(&str, &str)> = definitions
+        .iter()
+        .map(|(name, definition)| (&**name, &**definition))
+        .collect();
+    assert_eq!(definitions, INDEX_DEFINITIONS);
+    drop(client);
+    drop(store);
+    let _ = admin
+        .client()
+        .await
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await;
+}
+
+/// Every index of the three tables after version 9, as `pg_get_indexdef`
+/// gives it (a column's collation is named only where it is not the
+/// column's own).
+const INDEX_DEFINITIONS: [(&str, &str); 8] = [
+    (
+        "idempotency_requests_expires_at_idx",
+        "CREATE INDEX idempotency_requests_expires_at_idx ON public.idempotency_requests USING btree \
+         (expires_at)",
+    ),
+    (
+        "idempotency_requests_lease_idx",
+        "CREATE INDEX idempotency_requests_lease_idx ON public.idempotency_requests USING btree \
+         (endpoint, lease_expires_at) WHERE (lease_expires_at IS NOT NULL)",
+    ),
+    (
+        "idempotency_requests_operation_id_idx",
+        "CREATE UNIQUE INDEX idempotency_requests_operation_id_idx ON public.idempotency_requests USING btree \
+         (tenant_id, operation_id) WHERE (operation_id IS NOT NULL)",
+    ),
+    (
+        "idempotency_requests_pkey",
+        "CREATE UNIQUE INDEX idempotency_requests_pkey ON public.idempotency_requests USING btree \
+         (tenant_id, endpoint, idempotency_key)",
+    ),
+    (
+        "inbox_events_pkey",
+        "CREATE UNIQUE INDEX inbox_events_pkey ON public.inbox_events USING btree \
+         (tenant_id, consumer, event_id)",
+    ),
+    (
+        "outbox_events_aggregate_idx",
+        "CREATE INDEX outbox_events_aggregate_idx ON public.outbox_events USING btree \
+         (tenant_id, aggregate_id)",
+    ),
+    (
+        "outbox_events_due_idx",
+        "CREATE INDEX outbox_events_due_idx ON public.outbox_events USING btree \
+         (next_attempt_at) WHERE ((published_at IS NULL) AND (parked_at IS NULL))",
+    ),
+    (
+        "outbox_events_pkey",
+        "CREATE UNIQUE INDEX outbox_events_pkey ON public.outbox_events USING btree \
+         (tenant_id, id)",
+    ),
+];
 
 /// Versions 6 to 9 on a Citus cluster whose tables were distributed by an
 /// earlier release: the coordinator forwards each statement to every
