@@ -15,7 +15,9 @@
 //! - `E2E_PROXY_DELAY_MS` (each way, default 0.5), `E2E_RATE` (open loop);
 //! - `E2E_UNITS` (the `units` part's scenarios whose names hold one of these
 //!   comma-separated words, to profile one at a time), `E2E_UNITS_RATE`
-//!   (the `units` part's fixed rate; default half the slowest scenario's).
+//!   (the `units` part's fixed rate; default half the slowest scenario's);
+//! - `E2E_TRIALS` (the `trials` part's trials by number, comma-separated;
+//!   default: all).
 //!
 //! The last line is `RATIOS create_vs_bare=<x.xx> replay_vs_create=<x.xx>
 //! p99_create_vs_bare=<x.xx> mixed_vs_bare=<x.xx> atcommit_vs_bare=<x.xx>
