@@ -18,11 +18,13 @@
 //! 5. The session reset behind every owner's `COMMIT`: six statements (as
 //!    the stores sent it before migration 3), one call of the function
 //!    migration 3 creates (as they send it now), none.
-//! 6. The one-commit claim's form: an `INSERT … ON CONFLICT … DO UPDATE …
-//!    WHERE <takeover>` inside a `WITH`, then a division by the rows it
-//!    wrote (as the store sent it before), against one plain `INSERT` whose
-//!    update of a record it may not take over divides by zero as it sets a
-//!    column (as it sends it now).
+//! 6. The one-commit claim's form: one plain `INSERT` (as the store sends
+//!    it now: a key with a row fails it, and a row that may be taken over
+//!    is removed afterwards and the work runs again), against one `INSERT
+//!    … ON CONFLICT … DO UPDATE` whose update of a record it may not take
+//!    over divides by zero as it sets a column (as it sent it before), and
+//!    that `INSERT` with the takeover rule as its `WHERE` inside a `WITH`,
+//!    then a division by the rows it wrote (earlier still).
 //! 7. The idempotency key's collation in a database whose locale is not C
 //!    (as managed services create them: `en_US.UTF-8`): the key table's
 //!    text columns in that locale (before migrations 6 to 9), against the
@@ -176,18 +178,36 @@ COMMIT;
 const TAKEOVER: &str = "r.expires_at <= EXCLUDED.created_at OR (r.state = 'in_progress' \
      AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= EXCLUDED.created_at))";
 
-/// A one-commit create into `trial_wide` whose key row is `claim` (`in_with`:
-/// the `INSERT` in a `WITH`, the takeover rule its `WHERE`, then a division
-/// by the rows it wrote; else one `INSERT` that divides by zero as it
-/// updates a record it may not take over), pipelined with `COMMIT`.
-fn one_commit_claiming(in_with: bool) -> String {
-    let insert = format!(
-        "INSERT INTO trial_wide AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, response_headers, response_body, created_at, completed_at, expires_at) VALUES ('pgb', 'POST /orders v1', {KEY}, '\\x00', 'completed', 201, '\\x00', {SMALL_BODY}, statement_timestamp(), statement_timestamp(), statement_timestamp() + interval '1 day') ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE SET state = 'completed', response_body = EXCLUDED.response_body, expires_at = EXCLUDED.expires_at"
-    );
-    let claim = if in_with {
-        format!("WITH won AS ({insert} WHERE {TAKEOVER} RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM won)")
-    } else {
-        format!("{insert}, attempts = 1 / (CASE WHEN {TAKEOVER} THEN 1 ELSE 0 END) - 1 RETURNING 1")
+/// The one-commit claim's forms trial 6 compares.
+#[derive(Clone, Copy)]
+enum ClaimForm {
+    /// One plain `INSERT`: a key with a row fails it (a unique violation);
+    /// a row that may be taken over is removed after and the work runs again.
+    Plain,
+    /// One `INSERT … ON CONFLICT … DO UPDATE` that divides by zero as it
+    /// updates a record it may not take over.
+    Dividing,
+    /// The `INSERT … ON CONFLICT … DO UPDATE … WHERE <takeover>` in a
+    /// `WITH`, then a division by the rows it wrote.
+    InWith,
+}
+
+/// A one-commit create into `trial_wide` whose key row goes in as `form`,
+/// pipelined with `COMMIT`.
+fn one_commit_claiming(form: ClaimForm) -> String {
+    let insert = "INSERT INTO trial_wide AS r (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, response_headers, response_body, created_at, completed_at, expires_at) VALUES ('pgb', 'POST /orders v1', {KEY}, '\\x00', 'completed', 201, '\\x00', {SMALL_BODY}, statement_timestamp(), statement_timestamp(), statement_timestamp() + interval '1 day')";
+    let insert = insert
+        .replace("{KEY}", KEY)
+        .replace("{SMALL_BODY}", SMALL_BODY);
+    let update = "ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE SET state = 'completed', response_body = EXCLUDED.response_body, expires_at = EXCLUDED.expires_at";
+    let claim = match form {
+        ClaimForm::Plain => format!("{insert} RETURNING 1"),
+        ClaimForm::Dividing => format!(
+            "{insert} {update}, attempts = 1 / (CASE WHEN {TAKEOVER} THEN 1 ELSE 0 END) - 1 RETURNING 1"
+        ),
+        ClaimForm::InWith => format!(
+            "WITH won AS ({insert} {update} WHERE {TAKEOVER} RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM won)"
+        ),
     };
     format!(
         "\\set k random(1, 9000000000000000)
@@ -313,14 +333,20 @@ pub(crate) fn run(pg: &TempPostgres, seconds: u64, rounds: usize) -> Vec<Vec<Tri
         ],
         vec![
             (
-                "one-commit claim in a WITH, then a division by its rows (before)",
-                one_commit_claiming(true),
+                "one-commit claim as one plain INSERT, a takeover running the work again (now)",
+                one_commit_claiming(ClaimForm::Plain),
                 None,
                 None,
             ),
             (
-                "one-commit claim as one INSERT, dividing by zero on a record it may not take over (now)",
-                one_commit_claiming(false),
+                "one-commit claim as one INSERT … ON CONFLICT … DO UPDATE, dividing by zero on a record it may not take over (before)",
+                one_commit_claiming(ClaimForm::Dividing),
+                None,
+                None,
+            ),
+            (
+                "one-commit claim in a WITH, then a division by its rows (earlier)",
+                one_commit_claiming(ClaimForm::InWith),
                 None,
                 None,
             ),

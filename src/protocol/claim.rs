@@ -273,23 +273,44 @@ async fn unseen<L: Link>(link: &mut L, request: &ClaimRequest) -> Result<Claimed
     }
 }
 
-/// What a commit of the one-commit mode that lost lost to: the record of
-/// the key, read with a fresh snapshot on `link`.
+/// What a commit of the one-commit mode that lost lost to, read with a
+/// fresh snapshot on `link`: the key's record; else, if the row that
+/// failed the commit may be taken over (or is gone), the key freed
+/// ([`FREE`]) for the work to run again; else (an operation of the
+/// long-running mode under its lease) held. The caller commits what this
+/// wrote (the statements run on their own, or in a transaction it ends).
 pub(crate) async fn winner<L: Link>(
     link: &mut L,
     request: &ClaimRequest,
 ) -> Result<Committed, StoreError> {
     let rows = link.query(LOOKUP, &key_params(request)).await?;
-    let record = rows.first().map(|row| record_at(row, 0)).transpose()?;
-    Ok(match record.flatten() {
-        Some(record) => Committed::Lost(record),
-        // An operation of the long-running mode under its lease, or a
-        // record already gone (removed by an operator, or its retention
-        // ended since): the key may be free, but this transaction is over.
-        // The client's retry runs again.
-        None => Committed::Held,
+    let found = rows.first().map(|row| record_at(row, 0)).transpose()?;
+    if let Some(Some(record)) = found {
+        return Ok(Committed::Lost(record));
+    }
+    let freed = link.query(FREE, &key_params(request)).await?;
+    Ok(if found.is_none() || !freed.is_empty() {
+        // Expired, an orphan, or removed since (by cleanup or an
+        // operator): the key is free, though this transaction is over.
+        Committed::Freed
+    } else {
+        Committed::Held
     })
 }
+
+// The row that failed a one-commit claim, deleted if it may be taken over
+// (its retention ended, or an orphan: the rule of the claim-first mode's
+// takeover), so that the request's work can run again on a free key. An
+// operation under a live lease stays, and so does a record committed since
+// (unexpired). The token a new row draws comes from the sequence: larger
+// than every token handed out before, the deleted row's included.
+pub(crate) const FREE: Sql<'static> = Sql::new(concat!(
+    "DELETE FROM idempotency_requests AS r \
+     WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
+         AND (",
+    may_take_over!("r.", "now()"),
+    ") RETURNING 1"
+));
 
 fn found(record: Option<Record>) -> Claimed {
     record.map_or(Claimed::InProgress, Claimed::Completed)

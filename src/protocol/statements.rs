@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::{
     claim::millis,
     identity::TxIdentity,
-    record::{key_params, may_take_over},
+    record::key_params,
     sql::{Param, Sql},
 };
 use crate::{record::StoredResponse, store::ClaimRequest};
@@ -167,27 +167,16 @@ pub(crate) fn set_hold_limit(hold_limit: Duration) -> String {
     )
 }
 
-/// The one-commit mode's `INSERT … ON CONFLICT`, returning `$returning`.
+/// The one-commit mode's `INSERT`, returning `$returning`.
 macro_rules! claim_at_commit {
     ($returning:expr) => {
         concat!(
-            "INSERT INTO idempotency_requests AS r \
+            "INSERT INTO idempotency_requests \
                  (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
                   response_headers, response_body, resource_id, created_at, completed_at, expires_at) \
              VALUES ($1::text, $2::text, $3::text, $4::bytea, 'completed', $5::int2, $6::bytea, \
                  $7::bytea, $8::text, statement_timestamp(), statement_timestamp(), \
                  statement_timestamp() + make_interval(secs => $9::float8)) \
-             ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
-                 request_fingerprint = EXCLUDED.request_fingerprint, state = 'completed', \
-                 attempt_token = EXCLUDED.attempt_token, response_status = EXCLUDED.response_status, \
-                 response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body, \
-                 resource_id = EXCLUDED.resource_id, created_at = EXCLUDED.created_at, \
-                 completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at, \
-                 attempts = 1 / (CASE WHEN ",
-            may_take_over!("r.", "EXCLUDED.created_at"),
-            " THEN 1 ELSE 0 END) - 1, \
-                 operation_id = NULL, lease_expires_at = NULL, request_method = NULL, \
-                 request_target = NULL, request_headers = NULL, request_body = NULL \
              RETURNING ",
             $returning
         )
@@ -196,29 +185,30 @@ macro_rules! claim_at_commit {
 
 // The one-commit mode's claim, sent last in the handler's transaction and
 // pipelined with its COMMIT: the key's record goes in completed, with the
-// response. The unique key decides: a free key (none, expired, or an
-// orphan, as the claim-first mode's takeover) is won; a key another commit is
-// inserting makes this statement wait for that commit and then see its
-// record. Losing must abort the transaction, so that the pipelined COMMIT
-// rolls the handler's writes back: the update of a record that may not be
-// taken over divides by zero (SQLSTATE 22012, which no other part of the
-// statement can raise) as it sets `attempts`, after the row is locked and
-// read at its latest version, the moment a `WHERE` on the update would
-// have been judged. (The divisor is a `CASE` on the row, so the planner
-// cannot fold it into an error of its own. One plain `INSERT`, without a
-// `WITH` counting what it wrote: measured with pgbench, about 10 % less
-// PostgreSQL CPU for `BEGIN`, this statement and `COMMIT`; on Citus a
-// router query.) A takeover clears what the old record carried (an
-// operation's id, lease, request).
+// response. The unique key decides, as a plain INSERT: a free key is won;
+// a key another commit is inserting makes this statement wait for that
+// commit, and then fail if it committed; a key with any committed row
+// fails it at once. Failing aborts the transaction, so that the pipelined
+// COMMIT rolls the handler's writes back: a unique violation (SQLSTATE
+// 23505; no other can come from this statement, which inserts the key's
+// row alone). The store then reads the key with a fresh snapshot
+// (`claim::winner`): a record to answer, or a row that may be taken over
+// (expired, or an orphan, as the claim-first mode's takeover), which it
+// deletes ([`FREE`](super::claim::FREE)) and answers `Committed::Freed`,
+// so that the layer runs the work again on the free key. A takeover costs a
+// second run of the handler, once per key per retention period at most;
+// in exchange no create pays for it: against `INSERT … ON CONFLICT … DO
+// UPDATE` with the takeover rule in its `SET` (which this statement was),
+// PostgreSQL counts about 46,000 instructions fewer a create (callgrind,
+// `benches/pg_instructions.rs`): no probe of the key's index before the
+// insert, no 17-column projection set up at every execution. On Citus a
+// router query.
 // The record is created at this commit (`created_at` too: the
 // transaction's start is the handler's, not the record's). Retention counts
-// from this commit, and expiry is judged at it too
-// (`statement_timestamp()`, not `now()`, which is the transaction's start:
-// a record that expired while the handler worked is free at commit, on
-// every store alike; the conformance check
-// `a_record_that_expires_during_the_work_is_won_at_commit`). The takeover
-// rule reads that instant as the proposed row's `created_at`: Citus refuses
-// functions that are not immutable in `ON CONFLICT … DO UPDATE`.
+// from this commit, and expiry is judged at it too: a record that expired
+// while the handler worked is freed at commit and won by the second run,
+// on every store alike (the conformance check
+// `a_record_that_expires_during_the_work_is_won_at_commit`).
 pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(claim_at_commit!("1"));
 
 /// [`CLAIM_AT_COMMIT`] with the session reset in the same statement, run
@@ -230,8 +220,9 @@ pub(crate) const CLAIM_AT_COMMIT_AND_RESET: Sql<'static> = Sql::new(claim_at_com
     "tower_idempotency_session_reset($10::text, $11::text)"
 ));
 
-/// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: division by zero.
-pub(crate) const LOST_AT_COMMIT: &str = "22012";
+/// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: a unique violation (the
+/// key's row exists).
+pub(crate) const LOST_AT_COMMIT: &str = "23505";
 
 /// Whether the session is inside a transaction block: outside one a
 /// statement is its own transaction, so `now()` and

@@ -14,6 +14,7 @@ pub(super) fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
         ("TAKE_OVER", claim::TAKE_OVER),
         ("COMPLETE", st::COMPLETE),
         ("CLAIM_AT_COMMIT", st::CLAIM_AT_COMMIT),
+        ("FREE", claim::FREE),
         ("FENCED_CHECK", st::FENCED_CHECK),
         ("INSPECT_KEY", admin::INSPECT_KEY),
         ("REMOVE_KEY", admin::REMOVE_KEY),

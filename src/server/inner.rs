@@ -17,7 +17,8 @@ pub trait Inner<ResB>:
         Response = Response<ResB>,
         Future: Send + 'static,
         Error: Send + 'static,
-    > + Send
+    > + Clone
+    + Send
     + 'static
 {
 }
@@ -28,7 +29,8 @@ impl<T, ResB> Inner<ResB> for T where
             Response = Response<ResB>,
             Future: Send + 'static,
             Error: Send + 'static,
-        > + Send
+        > + Clone
+        + Send
         + 'static
 {
 }

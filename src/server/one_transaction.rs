@@ -26,6 +26,10 @@ use crate::{
 
 /// How a one-transaction mode opens the owner's transaction and ends it.
 pub(crate) trait OneTransaction<St: Store>: Send + Sync + 'static {
+    /// Whether [`commit`](Self::commit) may answer [`Committed::Freed`],
+    /// after which the owner runs again (so its request is kept for that).
+    const MAY_FREE: bool;
+
     /// Phase 3: the handle the owner writes through, or the answer the
     /// key already has.
     fn open(
@@ -51,6 +55,8 @@ pub(crate) trait OneTransaction<St: Store>: Send + Sync + 'static {
 }
 
 impl<St: Store> OneTransaction<St> for ClaimFirst {
+    const MAY_FREE: bool = false;
+
     fn open(
         store: &St,
         claim: &ClaimRequest,
@@ -74,6 +80,8 @@ impl<St: Store> OneTransaction<St> for ClaimFirst {
 }
 
 impl<St: CommitStore> OneTransaction<St> for ClaimAtCommit {
+    const MAY_FREE: bool = true;
+
     async fn open(store: &St, claim: &ClaimRequest) -> Result<Claim<St::Tx>, StoreError> {
         store.begin(claim).await.map(Claim::Owned)
     }
@@ -128,7 +136,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     admitted: Admitted,
 ) -> (Settled<B, S::Error>, Timings) {
     let Admitted {
-        mut parts,
+        parts,
         body,
         mut claim,
     } = admitted;
@@ -165,76 +173,106 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
         }
     };
 
-    // 3. Claim (or only open the transaction), with what is left of the
-    // wait. Should this process freeze past the handler's deadline, the
-    // database ends the claim by itself. The record's retention counts from
-    // the claim (or the commit), so it ends no sooner than `expires`.
+    // A second run's request, in a mode whose commit may free the key
+    // first (`Committed::Freed`: the key's record had expired): the parts
+    // as they came, before the owner's transaction joins them, and the
+    // service. Copied before the first run, which consumes them.
+    let mut again = M::MAY_FREE.then(|| (copy_parts(&parts), inner.clone()));
+    let (mut parts, mut inner) = (parts, inner);
     let expires = std::time::Instant::now() + claim.retention;
-    claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
-    claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
-    let claimed = M::open(&setup.store, &claim).await;
-    timings.claimed = Some(timings.since_arrival());
-    if followed || matches!(claimed, Ok(Claim::InProgress)) {
-        timings.waited = timings.claimed;
-    }
-    let tx = match claimed {
-        Ok(Claim::Owned(tx)) => tx,
-        Ok(Claim::Completed(record)) => {
-            let record = Arc::new(record);
-            answered(record.clone());
-            return (Coalesced::answer(&record, &claim.fingerprint), timings);
+    loop {
+        // 3. Claim (or only open the transaction), with what is left of
+        // the wait. Should this process freeze past the handler's deadline,
+        // the database ends the claim by itself. The record's retention
+        // counts from the claim (or the commit), so it ends no sooner than
+        // `expires`.
+        claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+        claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
+        let claimed = M::open(&setup.store, &claim).await;
+        let claimed_at = *timings.claimed.get_or_insert(timings.since_arrival());
+        if followed || matches!(claimed, Ok(Claim::InProgress)) {
+            timings.waited = Some(claimed_at);
         }
-        Ok(Claim::InProgress) => return (Settled::InProgress { retry_after: 1 }, timings),
-        Err(e) => return (Settled::ClaimFailed(e), timings),
-    };
-    let held_since = Instant::now();
-    fault_point!(faults, AfterClaim);
-
-    // 4. Run the owner, under its deadline.
-    parts.extensions.insert(tx.clone());
-    let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let owner = run_owner(
-        inner,
-        request,
-        config.response_body_limit,
-        &*config.classifier,
-    );
-    let ran = tokio::time::timeout(config.handler_timeout, owner)
-        .await
-        .unwrap_or(Err(Rollback::TimedOut));
-    if ran.is_ok() {
-        fault_point!(faults, AfterHandler);
-    }
-
-    // 5. Remember, or roll back.
-    let ended = match remember::<M, _, _, _, _, _>(&setup, tx, &claim, ran, faults).await {
-        Remembered::Committed(parts, stored) => {
-            fault_point!(faults, AfterCommit);
-            // The response as committed is the record this process now
-            // answers retries with.
-            let body = stored.body.clone();
-            let record = Arc::new(Record {
-                fingerprint: claim.fingerprint,
-                response: stored,
-            });
-            if let Some(cache) = cache {
-                cache.insert(&claim.scope, &claim.key, record.clone(), expires);
+        let tx = match claimed {
+            Ok(Claim::Owned(tx)) => tx,
+            Ok(Claim::Completed(record)) => {
+                let record = Arc::new(record);
+                answered(record.clone());
+                return (Coalesced::answer(&record, &claim.fingerprint), timings);
             }
-            answered(record);
-            Settled::Committed(parts, body)
+            Ok(Claim::InProgress) => return (Settled::InProgress { retry_after: 1 }, timings),
+            Err(e) => return (Settled::ClaimFailed(e), timings),
+        };
+        let held_since = Instant::now();
+        fault_point!(faults, AfterClaim);
+
+        // 4. Run the owner, under its deadline.
+        parts.extensions.insert(tx.clone());
+        let request = Request::from_parts(parts, RequestBody::buffered(body.clone()));
+        let owner = run_owner(
+            inner,
+            request,
+            config.response_body_limit,
+            &*config.classifier,
+        );
+        let ran = tokio::time::timeout(config.handler_timeout, owner)
+            .await
+            .unwrap_or(Err(Rollback::TimedOut));
+        if ran.is_ok() {
+            fault_point!(faults, AfterHandler);
         }
-        Remembered::Settled(ended) => ended,
-        // One-commit mode: another commit had the key; answer its record.
-        Remembered::Lost(record) => {
-            crate::metrics::commit_lost(&config.endpoint);
-            let record = Arc::new(record);
-            answered(record.clone());
-            timings.held = Some(held_since.elapsed());
-            return (Coalesced::answer(&record, &claim.fingerprint), timings);
-        }
-    };
-    timings.held = Some(held_since.elapsed());
-    (ended, timings)
+
+        // 5. Remember, or roll back.
+        let ended = match remember::<M, _, _, _, _, _>(&setup, tx, &claim, ran, faults).await {
+            Remembered::Committed(parts, stored) => {
+                fault_point!(faults, AfterCommit);
+                // The response as committed is the record this process now
+                // answers retries with.
+                let body = stored.body.clone();
+                let record = Arc::new(Record {
+                    fingerprint: claim.fingerprint,
+                    response: stored,
+                });
+                if let Some(cache) = cache {
+                    cache.insert(&claim.scope, &claim.key, record.clone(), expires);
+                }
+                answered(record);
+                Settled::Committed(parts, body)
+            }
+            Remembered::Settled(ended) => ended,
+            // One-commit mode: another commit had the key; answer its record.
+            Remembered::Lost(record) => {
+                crate::metrics::commit_lost(&config.endpoint);
+                let record = Arc::new(record);
+                answered(record.clone());
+                timings.held = Some(held_since.elapsed());
+                return (Coalesced::answer(&record, &claim.fingerprint), timings);
+            }
+            // One-commit mode: the key was freed of an expired record, and
+            // the work was rolled back: run it again, once, on the free key.
+            Remembered::Freed => match again.take() {
+                Some((copied, service)) => {
+                    tracing::debug!("the key's expired record was removed; running the work again");
+                    (parts, inner) = (copied, service);
+                    continue;
+                }
+                None => Settled::InProgress { retry_after: 1 },
+            },
+        };
+        timings.held = Some(held_since.elapsed());
+        return (ended, timings);
+    }
+}
+
+/// A copy of a request's parts, for a second run of its owner.
+fn copy_parts(parts: &http::request::Parts) -> http::request::Parts {
+    let (mut copy, ()) = Request::new(()).into_parts();
+    copy.method = parts.method.clone();
+    copy.uri = parts.uri.clone();
+    copy.version = parts.version;
+    copy.headers = parts.headers.clone();
+    copy.extensions = parts.extensions.clone();
+    copy
 }
 
 /// How phase 5 ended.
@@ -246,6 +284,9 @@ enum Remembered<B, E> {
     /// The one-commit mode's work lost to this record: its commit found
     /// the key taken, or its work failed and the key was found taken.
     Lost(Record),
+    /// The one-commit mode's commit found the key's record expired and
+    /// removed it: the work was rolled back, and may run again.
+    Freed,
 }
 
 /// Commits the owner's response with its writes, or rolls its work back.
@@ -267,6 +308,7 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
                 Ok(Committed::Held) => {
                     return Remembered::Settled(Settled::InProgress { retry_after: 1 })
                 }
+                Ok(Committed::Freed) => return Remembered::Freed,
                 Err(e) => Settled::CompletionFailed(e),
             }
         }

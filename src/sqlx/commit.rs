@@ -89,10 +89,11 @@ impl CommitStore for SqlxStore {
 }
 
 impl SqlxStore {
-    /// The record a lost commit lost to, with a fresh snapshot. Read inside
-    /// a transaction of its own, as every statement of this store is (behind
-    /// a transaction pooler an unnamed statement outside one may reach
-    /// another server connection than its own preparation).
+    /// The record a lost commit lost to, with a fresh snapshot, or the key
+    /// freed (see `protocol::claim::winner`). In a transaction of its own,
+    /// as every statement of this store is (behind a transaction pooler an
+    /// unnamed statement outside one may reach another server connection
+    /// than its own preparation), committed if it freed the key.
     async fn lost_to(&self, request: &ClaimRequest) -> Result<Committed, StoreError> {
         let pooling = self.transaction_pooling;
         let mut tx = GuardedConnection::begin(&self.pool, pooling)
@@ -106,7 +107,16 @@ impl SqlxStore {
             request,
         )
         .await;
-        tx.rollback_quietly().await;
-        winner
+        match winner {
+            Ok(Committed::Freed) => tx
+                .end(COMMIT, false)
+                .await
+                .map(|()| Committed::Freed)
+                .map_err(map_commit_error),
+            other => {
+                tx.rollback_quietly().await;
+                other
+            }
+        }
     }
 }

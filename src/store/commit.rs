@@ -60,6 +60,11 @@ pub trait CommitStore: Store {
     /// - [`Committed::Held`]: the key is held by an unfinished owner of the
     ///   other modes (an endpoint switched modes while requests ran):
     ///   nothing of `tx` was committed.
+    /// - [`Committed::Freed`]: the key was free only by a record it had to
+    ///   remove first (expired, or an orphan): nothing of `tx` was
+    ///   committed; run the work again. `PgStore` and `SqlxStore` answer
+    ///   so, which spares every create the cost of a takeover rule in its
+    ///   insert.
     ///
     /// **Errors.** As [`Store::complete`]: nothing was committed and the
     /// key is as it was, except for
@@ -84,4 +89,13 @@ pub enum Committed {
     /// The key is held by an unfinished owner of another mode: everything
     /// written through the transaction was rolled back.
     Held,
+    /// The key's record had expired (or was left in progress by no live
+    /// owner), and is now removed: everything written through the
+    /// transaction was rolled back, and the key is free. The caller runs
+    /// the work again, in a new transaction, whose commit decides as any
+    /// other. The layer does so once per request; a store may instead take
+    /// the key over inside [`commit`](CommitStore::commit) and answer
+    /// [`Committed::Won`], as [`MemoryStore`](crate::memory::MemoryStore)
+    /// does.
+    Freed,
 }

@@ -250,6 +250,80 @@ async fn a_failed_handler_commits_nothing<B: TwoInstances>(
     assert_eq!(backend.orders().await.len(), 1);
 }
 
+/// A key whose record expired but is still in the table (cleanup has not
+/// run) is a new operation. The commit's insert meets the old row; the
+/// store removes it (`Committed::Freed`) and the layer runs the work
+/// again on the free key: the handler runs twice for that request, the
+/// first run's order is rolled back, and the key's one row holds the new
+/// answer, under a larger token, remembered anew. Sent to a second
+/// instance, whose replay cache does not hold the first answer.
+async fn an_expired_record_is_taken_over_by_a_second_run<B: TwoInstances>(
+    backend: &B,
+    client: &tokio_postgres::Client,
+) {
+    let calls = Arc::new(AtomicU64::new(0));
+    let first = send(
+        one_commit(backend.store()).layer(meeting_handler::<B>(calls.clone(), None)),
+        tenant_a_post("expired"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let old_token: i64 = client
+        .query_one(
+            "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' \
+             WHERE idempotency_key = 'expired' RETURNING attempt_token",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+
+    let second = send(
+        one_commit(backend.second_store().await).layer(meeting_handler::<B>(calls.clone(), None)),
+        tenant_a_post("expired"),
+    )
+    .await;
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(!second.replayed(), "a new operation, not a replay");
+    assert_ne!(second.json()["id"], first.json()["id"]);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "the first request once, the second twice (its first run met the expired row)"
+    );
+    let mut orders: Vec<String> = backend
+        .orders()
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    orders.sort();
+    let mut answered = vec![
+        first.json()["id"].as_str().unwrap().to_owned(),
+        second.json()["id"].as_str().unwrap().to_owned(),
+    ];
+    answered.sort();
+    assert_eq!(
+        orders, answered,
+        "one order per operation; the freed run's rolled back"
+    );
+    assert_eq!(
+        record::<B>(client, "expired").await,
+        [("completed".to_owned(), 201, second.body.to_vec())]
+    );
+    let row = client
+        .query_one(
+            "SELECT attempt_token, expires_at > now() + interval '1 hour' \
+             FROM idempotency_requests WHERE idempotency_key = 'expired'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (token, remembered): (i64, bool) = (row.get(0), row.get(1));
+    assert!(token > old_token, "token {token} after {old_token}");
+    assert!(remembered, "remembered for the retention from this commit");
+}
+
 /// A handler whose order is unique in the domain (one per checkout: its id
 /// is the checkout's). Its insert fails once the first order is committed;
 /// it answers that failure with a `503`, or, if `ignores_errors`, answers
@@ -373,4 +447,17 @@ async fn sqlx_store_a_retry_on_another_instance_rolls_back_and_replays() {
 async fn sqlx_store_a_failed_handler_commits_nothing() {
     let sqlx = Sqlx::new().await;
     a_failed_handler_commits_nothing(&sqlx, &sqlx.client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_store_an_expired_record_is_taken_over_by_a_second_run() {
+    let pg = Postgres::new().await;
+    an_expired_record_is_taken_over_by_a_second_run(&pg, &pg.client).await;
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_an_expired_record_is_taken_over_by_a_second_run() {
+    let sqlx = Sqlx::new().await;
+    an_expired_record_is_taken_over_by_a_second_run(&sqlx, &sqlx.client).await;
 }

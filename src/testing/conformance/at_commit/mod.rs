@@ -40,7 +40,7 @@ const RACERS: usize = 8;
 /// | [`another_request_gets_the_first_fingerprint`] | replay | give a commit with another fingerprint the first request's record, so the layer refuses it |
 /// | [`an_aborted_transaction_leaves_the_key_free`] | abort frees the key | let the next commit win after an abort |
 /// | [`scopes_are_isolated_at_commit`] | tenant isolation | let the same raw key of two tenants win once each |
-/// | [`an_expired_record_is_won_again`] | expiry takeover | let a commit win a key whose record's retention ended |
+/// | [`an_expired_record_is_won_again`] | expiry takeover | let a commit win a key whose record's retention ended (at once, or after answering [`Committed::Freed`]) |
 ///
 /// With [`run_at_commit_with`], three more:
 ///
@@ -48,7 +48,7 @@ const RACERS: usize = 8;
 /// | --- | --- | --- |
 /// | [`the_winners_writes_commit_with_its_record`] | atomic completion | show the winner's write only once its commit returned |
 /// | [`a_losers_writes_are_rolled_back`] | a loser rolls back | commit nothing a loser wrote, the winner's write only |
-/// | [`a_record_that_expires_during_the_work_is_won_at_commit`] | expiry takeover | judge expiry at the commit: a record whose retention ended while the handler worked is taken over by its commit |
+/// | [`a_record_that_expires_during_the_work_is_won_at_commit`] | expiry takeover | judge expiry at the commit: a record whose retention ended while the handler worked is taken over by its commit, or freed by it ([`Committed::Freed`], the work rolled back) for a second run that wins |
 pub async fn run_at_commit<St: CommitStore>(store: St) -> Report {
     run(store, None::<NoWrites>).await
 }
@@ -166,6 +166,7 @@ fn describe_commit(committed: &Committed) -> String {
             String::from_utf8_lossy(&record.response.body)
         ),
         Committed::Held => "Held".to_owned(),
+        Committed::Freed => "Freed".to_owned(),
     }
 }
 
@@ -212,6 +213,26 @@ async fn must_win<St: CommitStore>(
         guarantee,
         what,
     )
+}
+
+/// A commit of a key whose record expired, which must win it: at once
+/// ([`Committed::Won`]), or after freeing it ([`Committed::Freed`]) by a
+/// second commit of the same request, as the layer runs the work again.
+/// Anything else fails the check.
+async fn must_win_expired<St: CommitStore>(
+    store: &St,
+    request: &ClaimRequest,
+    response: &StoredResponse,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<(), CheckFailure> {
+    match commit_new(store, request, response, guarantee).await? {
+        Committed::Freed => {
+            let again = format!("{what}, run again after Freed");
+            must_win(store, request, response, guarantee, &again).await
+        }
+        committed => expect_won(committed, guarantee, what),
+    }
 }
 
 /// A commit of `response` that must lose, told the remembered record with
@@ -275,6 +296,7 @@ pub async fn concurrent_commits_have_one_winner<St: CommitStore>(
                 winners[0]
             ),
             Committed::Held => fail!(G, "a loser was told Held, not the winner's record"),
+            Committed::Freed => fail!(G, "a loser was told Freed, not the winner's record"),
         }
     }
     Ok(())
@@ -374,7 +396,7 @@ pub async fn an_expired_record_is_won_again<St: CommitStore>(
     // The behaviour under test is time passing: the retention runs out.
     tokio::time::sleep(Duration::from_millis(600)).await;
     let req = request(scope("t1"), &key, 2, DAY, WAIT);
-    must_win(
+    must_win_expired(
         store,
         &req,
         &response(b"new"),

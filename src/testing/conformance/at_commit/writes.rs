@@ -7,7 +7,7 @@ use super::{
     begin, begin_new, begin_twice, commit, expect_won, must_lose, must_win, win_then_lose,
 };
 use crate::{
-    store::CommitStore,
+    store::{CommitStore, Committed},
     testing::conformance::{
         new_request, request, response, scope, unique_key,
         writes::{expect_row, marker, write, Row},
@@ -56,7 +56,9 @@ pub async fn a_losers_writes_are_rolled_back<St: CommitStore, W: Writes<St::Tx>>
 
 /// **Expiry takeover**: a record whose retention ends while a handler's
 /// transaction runs (begun, and written through, before the end) is taken
-/// over by that transaction's commit: expiry is judged when the commit
+/// over by that transaction's commit, or freed by it
+/// ([`Committed::Freed`]: its writes rolled back, and a second run of the
+/// work, as the layer makes, wins): expiry is judged when the commit
 /// happens, not when the transaction began. The new record then answers.
 pub async fn a_record_that_expires_during_the_work_is_won_at_commit<
     St: CommitStore,
@@ -78,11 +80,21 @@ pub async fn a_record_that_expires_during_the_work_is_won_at_commit<
     // retention runs out while this transaction is open.
     tokio::time::sleep(retention * 2).await;
     let committed = commit(store, tx, &req, &response(b"new"), G, "commit").await?;
-    expect_won(
-        committed,
-        G,
-        "the commit of a transaction begun before the record expired, committed after",
-    )?;
+    let what = "the commit of a transaction begun before the record expired, committed after";
+    let mark = if let Committed::Freed = committed {
+        // Freed: the work is rolled back, and runs again on the free key.
+        let why = "a write of a commit that answered Freed is committed";
+        expect_row(writes, &mark, Row::Absent, G, why).await?;
+        let tx = begin(store, &req, G).await?;
+        let again = marker("again");
+        write(writes, &tx, &again, G).await?;
+        let committed = commit(store, tx, &req, &response(b"new"), G, "the second run").await?;
+        expect_won(committed, G, &format!("{what}, run again after Freed"))?;
+        again
+    } else {
+        expect_won(committed, G, what)?;
+        mark
+    };
     let why = "the winner's write is not committed";
     expect_row(writes, &mark, Row::Committed, G, why).await?;
     let what = "a retry of the new record (which must replace the expired one)";
