@@ -379,6 +379,55 @@ async fn a_request_that_waits_twice_is_counted_once() {
     );
 }
 
+/// The runtime that runs a request's owned work shuts down under it: the
+/// request is answered 503 and counted like every other.
+#[test]
+fn a_request_cut_by_a_runtime_shutdown_is_counted() {
+    let installed = installed();
+    const ENDPOINT: &str = "POST /shutdown v1";
+    let owner = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let driver = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let started = Arc::new(Notify::new());
+    let service = v1_layer(MemoryStore::new(), ENDPOINT).layer(tower::service_fn({
+        let started = started.clone();
+        move |_: Request<RequestBody>| {
+            let started = started.clone();
+            async move {
+                started.notify_one();
+                std::future::pending::<()>().await;
+                Ok::<_, BoxError>(Response::new(Full::new(Bytes::new())))
+            }
+        }
+    }));
+    let owner_handle = owner.handle().clone();
+    let answer = driver.block_on(async move {
+        let mut request = Box::pin(send(service, post(Some("t"), Some("k"), "{}")));
+        // Polled here, but the work it spawns once it owns the key lands on `owner`.
+        let request = std::future::poll_fn(move |cx| {
+            let _entered = owner_handle.enter();
+            std::future::Future::poll(request.as_mut(), cx)
+        });
+        let shutdown = async move {
+            started.notified().await;
+            owner.shutdown_background();
+        };
+        tokio::join!(request, shutdown).0
+    });
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    let values = snapshot(&installed.snapshotter);
+    assert_eq!(
+        outcome(&values, ENDPOINT, "store_unavailable"),
+        Some(&DebugValue::Counter(1))
+    );
+}
+
 /// The long-running mode's metrics: operations running, takeovers by a
 /// request and by the recovery worker, fenced writes, recoveries, and the
 /// lease gauges' readings.

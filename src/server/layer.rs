@@ -113,10 +113,9 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// Resolves once no request that claimed a key through this layer (its
     /// clones and the services it made included) is still running.
     ///
-    /// Once a request owns its key its work runs to its end even if the
-    /// client goes away (on a task of its own from the moment the server
-    /// drops the request); a server's graceful shutdown does not wait for
-    /// such tasks. Await this after the server
+    /// Once a request owns its key its work runs on a task of its own, so
+    /// that it finishes even if the client goes away; a server's graceful
+    /// shutdown does not wait for such tasks. Await this after the server
     /// has stopped accepting requests and before the runtime ends, and every
     /// owned operation commits or rolls back first.
     ///

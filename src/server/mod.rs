@@ -17,8 +17,7 @@
 //!    modes), `long_running` (the long-running mode); `flow`: which mode
 //!    runs which ([`Mode`]).
 //! 5. **Services.** `service`, the one `Service` impl (admission, then the
-//!    mode's flow, run to its end even without its client (`detach`),
-//!    then the answer) with its `future`;
+//!    mode's flow on a task of its own, then the answer) with its `future`;
 //!    `recovery` and `status`, the long-running mode's two services;
 //!    `extract`, the axum extractors.
 //! 6. **The builder.** `layer`.
@@ -27,7 +26,6 @@ mod admit;
 mod body;
 mod cache;
 mod coalesce;
-mod detach;
 mod drain;
 mod endpoint;
 #[cfg(feature = "axum")]

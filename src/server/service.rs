@@ -3,8 +3,7 @@
 //! 1. **Admit** (`admit`): key, tenant, body, fingerprint.
 //! 2. to 5. **The mode's flow** ([`Mode`]): coalesce, claim, run the owner,
 //!    remember (`one_transaction`), or acquire, run under a lease, finish
-//!    (`long_running`), run to its end whether or not the client waits
-//!    (polled inline; on a task of its own once the request is dropped).
+//!    (`long_running`), on a task of its own.
 //! 6. Every path ends in one [`Settled`], which is observed once and
 //!    answered once (`settled`).
 
@@ -22,7 +21,6 @@ use tracing::{field, Instrument};
 use super::{
     admit::{admit, Admission},
     body::{BoxError, RequestBody, ResponseBody},
-    detach::OwnedWork,
     endpoint::{Config, Setup},
     flow::Mode,
     future::ResponseFuture,
@@ -157,21 +155,19 @@ where
         .is_some()
         .then(|| admitted.claim.scope.tenant().clone());
     // From the claim on, a connection may be inside a transaction: run to the
-    // end whether or not the client is still waiting (on a task of its own
-    // once the request is dropped). The work also counts how the request
-    // settled, so that a request whose client went away is counted too; a
-    // replay to rebuild is counted once rebuilt, for the client that waits
-    // for it.
+    // end on a task of our own, whether or not the client is still waiting.
+    // The task also counts how the request settled, so that a request whose
+    // client went away is counted too; a replay to rebuild is counted once
+    // rebuilt, for the client that waits for it.
     let running = setup.shared.drain.start();
     // Boxed where it is made: the work is a large future (about 9 KB with a
-    // small handler), which would otherwise be copied whole at every step on
-    // the way (the span's wrapper, the closure, the box that detaches it).
+    // small handler), and moved by value into the task it would be copied
+    // whole at every step on the way (the span's wrapper, the task's
+    // closure, the spawn, the task's cell).
     let work = Box::pin(M::run(setup, inner, admitted)).instrument(span.clone());
     let counted = (config.clone(), span.clone(), tenant.clone());
     let rebuilds = rebuild_for.is_some();
-    // Polled here, in the request's task; should the request be dropped
-    // first (its client gone), the rest runs on a task of its own.
-    let (settled, timings, observed) = OwnedWork::new(async move {
+    let (settled, timings, observed) = match tokio::spawn(async move {
         let _running = running;
         let (settled, timings) = work.await;
         let observed = !(rebuilds && matches!(settled, Settled::Replayed(_)));
@@ -181,7 +177,12 @@ where
         }
         (settled, timings, observed)
     })
-    .await;
+    .await
+    {
+        Ok(ended) => ended,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => (Settled::Cancelled, Timings::start(), false),
+    };
     let settled = match (settled, &config.rebuild, rebuild_for) {
         (Settled::Replayed(stored), Some(rebuilder), Some(tenant)) => {
             rebuild(rebuilder, &config, tenant, stored)

@@ -76,6 +76,8 @@ pub enum Settled<B, E> {
     RolledBack(Rollback<B, E>),
     /// The owner's response was ready, but the commit failed (see the kind).
     CompletionFailed(StoreError),
+    /// The runtime shut down under the owned work.
+    Cancelled,
     /// A long-running operation was started (or taken over) and did not
     /// finish within `respond_within`: `202 Accepted`.
     Accepted(OperationId, StatusHint),
@@ -145,7 +147,7 @@ impl<B, E> Settled<B, E> {
             Settled::Replayed(_) => Outcome::Replayed,
             Settled::KeyReused => Outcome::KeyReused,
             Settled::InProgress { .. } => Outcome::InProgress,
-            Settled::ClaimFailed(_) => Outcome::StoreUnavailable,
+            Settled::ClaimFailed(_) | Settled::Cancelled => Outcome::StoreUnavailable,
             Settled::Committed(..) | Settled::Accepted(..) => Outcome::New,
             Settled::StillRunning(..) => Outcome::Replayed,
             Settled::Rebuilt(_) => Outcome::Rebuilt,
@@ -249,6 +251,7 @@ impl<B, E> Settled<B, E> {
                     tracing::error!(error = %e, "commit failed; the handler's writes were rolled back")
                 }
             },
+            Settled::Cancelled => tracing::warn!("the runtime shut down under an owned request"),
             Settled::Accepted(id, _) => {
                 tracing::info!(operation_id = %id, "accepted; the operation runs on")
             }
@@ -320,6 +323,9 @@ impl<B, E> Settled<B, E> {
             ),
             Settled::RolledBack(Rollback::TimedOut) => handler_timeout(config),
             Settled::CompletionFailed(e) => completion_failed(&e),
+            Settled::Cancelled => {
+                store_unavailable("the request was cancelled by a runtime shutdown")
+            }
             Settled::Accepted(id, status) => return Ok(accepted(&status, id, false)),
             Settled::StillRunning(id, status) => return Ok(accepted(&status, id, true)),
             Settled::Rebuilt(response) => return Ok(response.map(ResponseBody::buffered)),
