@@ -220,11 +220,7 @@ async fn claim_until(
 /// built concurrently, under the claims.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migration_under_load_holds_claims_up_at_most_its_lock_timeout() {
-    let db = TestDatabase::create().await;
-    let store = PgStore::builder(db.config())
-        .max_connections(WORKERS)
-        .build()
-        .unwrap();
+    let (db, store) = claims_store().await;
     store.migrate().await.unwrap();
     let summary = under_load(&db, &store, UNDER_LOAD, "ADD COLUMN").await;
     let client = db.client().await;
@@ -247,11 +243,7 @@ async fn a_migration_under_load_holds_claims_up_at_most_its_lock_timeout() {
 /// a time while claims go on, and the three get through once it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn versions_7_to_9_under_load_hold_claims_up_at_most_their_lock_timeout() {
-    let db = TestDatabase::create().await;
-    let store = PgStore::builder(db.config())
-        .max_connections(WORKERS)
-        .build()
-        .unwrap();
+    let (db, store) = claims_store().await;
     run_on(&store, &MIGRATIONS[..6], &SETTINGS).await.unwrap();
     let summary = under_load(&db, &store, MIGRATIONS, "DROP CONSTRAINT").await;
     let client = db.client().await;
@@ -262,6 +254,17 @@ async fn versions_7_to_9_under_load_hold_claims_up_at_most_their_lock_timeout() 
 
 /// How many claims [`under_load`] keeps running.
 const WORKERS: usize = 4;
+
+/// A database of the test's own and a store with a connection for each of
+/// [`under_load`]'s workers.
+async fn claims_store() -> (TestDatabase, PgStore) {
+    let db = TestDatabase::create().await;
+    let store = PgStore::builder(db.config())
+        .max_connections(WORKERS)
+        .build()
+        .unwrap();
+    (db, store)
+}
 
 /// Runs `list` on a migrator of its own while [`WORKERS`] claim and
 /// complete keys on `store` and a long transaction holds ACCESS SHARE on the
