@@ -31,7 +31,9 @@ pub const HANDLER_TIMEOUTS_TOTAL: &str = "idempotency_handler_timeouts_total";
 
 /// Counter: one-commit mode requests whose handler ran and whose commit
 /// lost to another commit of the key (rolled back, answered with the
-/// winner's record), by `endpoint`: handler work done and discarded.
+/// winner's record), or met the key's expired record (rolled back, the
+/// record removed and the handler run again), by `endpoint`: handler work
+/// done and discarded.
 pub const COMMITS_LOST_TOTAL: &str = "idempotency_commits_lost_total";
 
 /// Gauge: long-running operations whose work runs in this process right

@@ -15,7 +15,7 @@ use crate::{
         claim::begin_with_waits,
         errors::ends_only_the_statement,
         sql::{Param, Sql},
-        statements::{COMMIT, ROLLBACK},
+        statements::{BEGIN, COMMIT, ROLLBACK},
         transport::{Link, Transport},
         waits::GRACE,
     },
@@ -33,6 +33,30 @@ impl Link for Conn {
         self.query_sql(sql, &dyn_params(params))
             .await
             .map_err(map_error)
+    }
+
+    /// The statement between `BEGIN ISOLATION LEVEL READ COMMITTED` and
+    /// `COMMIT`, the three pipelined: one round trip. The connection is
+    /// outside any transaction here (the store's own statements on a clean
+    /// connection); should any of the three fail, it is closed, not pooled.
+    async fn write_alone(
+        &mut self,
+        sql: Sql<'static>,
+        params: &[Param<'_>],
+    ) -> Result<Vec<Row>, StoreError> {
+        // Prepared before the pipeline, as in `transaction`.
+        let statement = self.prepare_sql(sql).await.map_err(map_error)?;
+        let params = dyn_params(params);
+        self.mark_dirty();
+        let (_, rows, _) = tokio::try_join!(
+            biased;
+            self.batch_pipelined(BEGIN),
+            self.query_prepared(&statement, &params),
+            self.batch_execute(COMMIT),
+        )
+        .map_err(map_error)?;
+        self.mark_clean();
+        Ok(rows)
     }
 }
 

@@ -288,7 +288,7 @@ pub(crate) async fn winner<L: Link>(
     if let Some(Some(record)) = found {
         return Ok(Committed::Lost(record));
     }
-    let freed = link.query(FREE, &key_params(request)).await?;
+    let freed = link.write_alone(FREE, &key_params(request)).await?;
     Ok(if found.is_none() || !freed.is_empty() {
         // Expired, an orphan, or removed since (by cleanup or an
         // operator): the key is free, though this transaction is over.

@@ -23,6 +23,17 @@ pub(crate) trait Link: Send {
         sql: Sql<'static>,
         params: &[Param<'_>],
     ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
+
+    /// Runs `sql`, a write, in a `READ COMMITTED` transaction: the one the
+    /// link is in, or, for a link outside any transaction, one of its own
+    /// around the statement (never the database's default isolation).
+    fn write_alone(
+        &mut self,
+        sql: Sql<'static>,
+        params: &[Param<'_>],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send {
+        self.query(sql, params)
+    }
 }
 
 /// A store's pool, for statements that each run on their own.

@@ -180,6 +180,8 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     let mut again = M::MAY_FREE.then(|| (copy_parts(&parts), inner.clone()));
     let (mut parts, mut inner) = (parts, inner);
     let expires = std::time::Instant::now() + claim.retention;
+    // The key is held from the first run's claim to the end of the last.
+    let mut held_since = None;
     loop {
         // 3. Claim (or only open the transaction), with what is left of
         // the wait. Should this process freeze past the handler's deadline,
@@ -203,7 +205,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
             Ok(Claim::InProgress) => return (Settled::InProgress { retry_after: 1 }, timings),
             Err(e) => return (Settled::ClaimFailed(e), timings),
         };
-        let held_since = Instant::now();
+        let held_since = *held_since.get_or_insert_with(Instant::now);
         fault_point!(faults, AfterClaim);
 
         // 4. Run the owner, under its deadline.
@@ -249,9 +251,12 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
                 return (Coalesced::answer(&record, &claim.fingerprint), timings);
             }
             // One-commit mode: the key was freed of an expired record, and
-            // the work was rolled back: run it again, once, on the free key.
+            // the work was rolled back: run it again, once, on the free key
+            // (under a handler timeout of its own). The discarded run is
+            // counted as a lost commit's is.
             Remembered::Freed => match again.take() {
                 Some((copied, service)) => {
+                    crate::metrics::commit_lost(&config.endpoint);
                     tracing::debug!("the key's expired record was removed; running the work again");
                     (parts, inner) = (copied, service);
                     continue;

@@ -108,11 +108,14 @@ impl SqlxStore {
         )
         .await;
         match winner {
+            // Should the COMMIT fail, only the removal of the expired row is
+            // in doubt (the handler's writes were rolled back before): an
+            // error of the removal, not an unknown outcome.
             Ok(Committed::Freed) => tx
                 .end(COMMIT, false)
                 .await
                 .map(|()| Committed::Freed)
-                .map_err(map_commit_error),
+                .map_err(map_error),
             other => {
                 tx.rollback_quietly().await;
                 other

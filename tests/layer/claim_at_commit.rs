@@ -324,6 +324,85 @@ async fn an_expired_record_is_taken_over_by_a_second_run<B: TwoInstances>(
     assert!(remembered, "remembered for the retention from this commit");
 }
 
+/// The state and token of `key`'s rows.
+async fn state_and_token(client: &tokio_postgres::Client, key: &str) -> Vec<(String, i64)> {
+    client
+        .query(
+            "SELECT state, attempt_token FROM idempotency_requests WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// A key whose row is an operation of the long-running mode: under a live
+/// lease it is held (the one-commit request's work is rolled back, it is
+/// answered `409 idempotency_in_progress`, and the row stays as it was);
+/// once the lease has expired the row may be taken over, and the request
+/// runs its work again on the freed key and commits.
+async fn a_leased_key_is_held_and_an_expired_lease_is_taken_over<B: TwoInstances>(
+    backend: &B,
+    client: &tokio_postgres::Client,
+) {
+    client
+        .batch_execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+                 request_fingerprint, state, expires_at, lease_expires_at) \
+             VALUES ('tenant-a', 'POST /orders v1', 'leased', '\\x00', 'in_progress', \
+                 now() + interval '1 day', now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    let leased = state_and_token(client, "leased").await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let held = send(
+        one_commit(backend.store()).layer(meeting_handler::<B>(calls.clone(), None)),
+        tenant_a_post("leased"),
+    )
+    .await;
+    assert_eq!(held.status, StatusCode::CONFLICT);
+    assert_eq!(held.json()["code"], "idempotency_in_progress");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "run once, not again");
+    assert!(backend.orders().await.is_empty(), "its order rolled back");
+    assert_eq!(
+        state_and_token(client, "leased").await,
+        leased,
+        "the operation untouched"
+    );
+
+    client
+        .batch_execute(
+            "UPDATE idempotency_requests SET lease_expires_at = now() - interval '1 second' \
+             WHERE idempotency_key = 'leased'",
+        )
+        .await
+        .unwrap();
+    let taken = send(
+        one_commit(backend.second_store().await).layer(meeting_handler::<B>(calls.clone(), None)),
+        tenant_a_post("leased"),
+    )
+    .await;
+    assert_eq!(taken.status, StatusCode::CREATED);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "its first run met the row, its second won"
+    );
+    let orders = backend.orders().await;
+    assert_eq!(orders.len(), 1);
+    assert_eq!(taken.json()["id"], orders[0].0.as_str());
+    let now = state_and_token(client, "leased").await;
+    assert_eq!(now.len(), 1);
+    assert_eq!(now[0].0, "completed");
+    assert!(
+        now[0].1 > leased[0].1,
+        "a larger token: {now:?} after {leased:?}"
+    );
+}
+
 /// A handler whose order is unique in the domain (one per checkout: its id
 /// is the checkout's). Its insert fails once the first order is committed;
 /// it answers that failure with a `503`, or, if `ignores_errors`, answers
@@ -460,4 +539,17 @@ async fn pg_store_an_expired_record_is_taken_over_by_a_second_run() {
 async fn sqlx_store_an_expired_record_is_taken_over_by_a_second_run() {
     let sqlx = Sqlx::new().await;
     an_expired_record_is_taken_over_by_a_second_run(&sqlx, &sqlx.client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_store_a_leased_key_is_held_and_an_expired_lease_is_taken_over() {
+    let pg = Postgres::new().await;
+    a_leased_key_is_held_and_an_expired_lease_is_taken_over(&pg, &pg.client).await;
+    assert_eq!(pg.idle_in_transaction().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_a_leased_key_is_held_and_an_expired_lease_is_taken_over() {
+    let sqlx = Sqlx::new().await;
+    a_leased_key_is_held_and_an_expired_lease_is_taken_over(&sqlx, &sqlx.client).await;
 }
