@@ -694,6 +694,16 @@ const SWAPS: [(&str, &str); 3] = [
     ("inbox_events_pkey", "inbox_events_key_bytewise"),
 ];
 
+/// Drops the database [`c_utf8_database`] made (what is left of a failed
+/// test goes with `admin`'s cluster).
+async fn drop_database(admin: &TestDatabase, name: &str) {
+    let _ = admin
+        .client()
+        .await
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await;
+}
+
 /// A database of the test's own in the locale C.UTF-8 (the C library's,
 /// which PostgreSQL compares through `strcoll` as it does en_US.UTF-8, and
 /// which every glibc machine has), beside `admin`'s: its name and how to
@@ -881,11 +891,7 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
     assert_eq!(inserted, 0);
     drop(client);
     drop(store);
-    let _ = admin
-        .client()
-        .await
-        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
-        .await;
+    drop_database(&admin, &name).await;
 }
 
 /// Versions 7 to 9 step by step, each statement in a transaction of its
@@ -986,11 +992,7 @@ async fn no_step_of_versions_7_to_9_rebuilds_an_index() {
     assert_eq!(definitions, INDEX_DEFINITIONS);
     drop(client);
     drop(store);
-    let _ = admin
-        .client()
-        .await
-        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
-        .await;
+    drop_database(&admin, &name).await;
 }
 
 /// Every index of the three tables after version 9, as `pg_get_indexdef`
