@@ -112,9 +112,16 @@ impl PgStoreBuilder {
     /// connection string asks for: `tokio_postgres_rustls`, `postgres-native-tls`
     /// or `postgres-openssl` configured as your service needs it. It opens the
     /// pool's connections, the outbox relay's `LISTEN` connection and the
-    /// cancel requests of timed-out handlers. TLS is then asked for as the
-    /// configuration's `sslmode` says (tokio-postgres's `disable`, `prefer` or
-    /// `require`); verifying the certificate is the connector's job.
+    /// cancel requests of timed-out handlers.
+    ///
+    /// The connection string's `sslmode` still decides whether TLS is
+    /// required: `disable` connects in plaintext, `prefer` uses TLS when the
+    /// server offers it, and `require`, `verify-ca` and `verify-full` use TLS
+    /// or do not connect ("server does not support TLS"), never plaintext.
+    /// Verifying the certificate is the connector's job: a connection string
+    /// that also names `sslrootcert`, `sslcert` or `sslkey` is refused by
+    /// [`build`](Self::build), since a connector of your own does not read
+    /// them (configure them on the connector instead).
     pub fn tls<T>(self, tls: T) -> Self
     where
         T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
@@ -233,7 +240,8 @@ impl PgStoreBuilder {
     /// Creates the store; connections are opened lazily. Fails on a TLS
     /// setting that cannot work (a root certificate file that cannot be
     /// read, `verify-full` without one, TLS asked for in a build without
-    /// `tls-rustls` and no connector given).
+    /// `tls-rustls` and no connector given, `sslrootcert`, `sslcert` or
+    /// `sslkey` in the connection string beside a connector of your own).
     pub fn build(mut self) -> Result<PgStore, StoreError> {
         self.config
             .connect_timeout(self.connect_timeout)
@@ -241,14 +249,15 @@ impl PgStoreBuilder {
             .keepalives_idle(self.keepalive_idle)
             .keepalives_interval(Duration::from_secs(5))
             .keepalives_retries(3);
-        let connector = match self.tls {
-            Some(tls) => tls,
-            None => {
-                let (connector, wire) = Connector::from_params(&self.tls_params)?;
-                self.config.ssl_mode(wire);
-                connector
-            }
+        // The wire mode always follows the parsed `sslmode`, whoever makes
+        // the TLS: a caller's connector left with tokio-postgres's default
+        // (`prefer`) would fall back to plaintext, and send a cleartext
+        // password, to a server (or anyone on the path) that answers "no TLS".
+        let (connector, wire) = match self.tls {
+            Some(tls) => (tls, Connector::wire_mode_for_own(&self.tls_params)?),
+            None => Connector::from_params(&self.tls_params)?,
         };
+        self.config.ssl_mode(wire);
         let config = std::sync::Arc::new(self.config.clone());
         // The sessions carry the hold limit only where the store opens them
         // itself and owns them (not behind a transaction pooler).

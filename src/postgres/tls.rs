@@ -93,14 +93,39 @@ impl Connector {
     pub(crate) fn from_params(
         params: &TlsParams,
     ) -> Result<(Connector, tokio_postgres::config::SslMode), StoreError> {
-        use tokio_postgres::config::SslMode as Wire;
         let mode = params.effective_mode().map_err(config_error)?;
-        let wire = match mode {
-            SslMode::Disable => return Ok((Connector::new(NoTls, "no TLS"), Wire::Disable)),
-            SslMode::Prefer => Wire::Prefer,
-            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => Wire::Require,
-        };
-        Ok((rustls_connector(mode, params)?, wire))
+        if mode == SslMode::Disable {
+            return Ok((Connector::new(NoTls, "no TLS"), wire(mode)));
+        }
+        Ok((rustls_connector(mode, params)?, wire(mode)))
+    }
+
+    /// The `sslmode` to set on tokio-postgres's configuration for a
+    /// caller's connector: the one the connection string asks for, so a
+    /// connector of one's own never weakens it. The certificate files of
+    /// the string are refused rather than dropped: the caller's connector
+    /// does not read them, and silently ignoring a CA the operator named
+    /// would verify against something else.
+    pub(crate) fn wire_mode_for_own(
+        params: &TlsParams,
+    ) -> Result<tokio_postgres::config::SslMode, StoreError> {
+        let mode = params.effective_mode().map_err(config_error)?;
+        let named: Vec<&str> = [
+            params.root.as_ref().map(|_| "sslrootcert"),
+            params.client.as_ref().map(|_| "sslcert and sslkey"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !named.is_empty() {
+            return Err(config_error(format!(
+                "{} cannot be used with a TLS connector of your own (PgStoreBuilder::tls), \
+                 which does not read them: configure them on the connector and leave them \
+                 out of the connection string",
+                named.join(" and ")
+            )));
+        }
+        Ok(wire(mode))
     }
 
     /// A pool manager whose connections use this connector.
@@ -117,6 +142,17 @@ impl Connector {
     /// TLS as the connection itself.
     pub(crate) async fn cancel(&self, token: &CancelToken) -> Result<(), Error> {
         self.inner.cancel(token).await
+    }
+}
+
+/// What tokio-postgres is told for `mode`: it knows only disable, prefer and
+/// require, and the verification is the connector's.
+fn wire(mode: SslMode) -> tokio_postgres::config::SslMode {
+    use tokio_postgres::config::SslMode as Wire;
+    match mode {
+        SslMode::Disable => Wire::Disable,
+        SslMode::Prefer => Wire::Prefer,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => Wire::Require,
     }
 }
 

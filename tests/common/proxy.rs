@@ -20,22 +20,36 @@ use tokio_postgres::config::Host;
 pub(crate) struct SlowProxy {
     port: u16,
     delay_ms: Arc<AtomicU64>,
+    connections: Arc<AtomicU64>,
     target: tokio_postgres::Config,
 }
 
 impl SlowProxy {
     pub(crate) async fn start(target: tokio_postgres::Config) -> SlowProxy {
         let delay_ms = Arc::new(AtomicU64::new(0));
-        let delay = delay_ms.clone();
+        let connections = Arc::new(AtomicU64::new(0));
+        let (delay, accepted) = (delay_ms.clone(), connections.clone());
         let port = listen(&target, move |client, server| {
+            accepted.fetch_add(1, Ordering::SeqCst);
             pipe(client, server, delay.clone())
         })
         .await;
         SlowProxy {
             port,
             delay_ms,
+            connections,
             target,
         }
+    }
+
+    /// The loopback port it listens on.
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// How many connections clients have opened through it so far.
+    pub(crate) fn connections(&self) -> u64 {
+        self.connections.load(Ordering::SeqCst)
     }
 
     /// Connection settings that go through the proxy.

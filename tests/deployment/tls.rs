@@ -553,3 +553,155 @@ async fn the_example_server_refuses_an_unverified_certificate() {
         "{stderr}"
     );
 }
+
+/// A rustls connector of the caller's, trusting no root: enough for a
+/// server that never gets as far as a handshake.
+fn callers_connector() -> tokio_postgres_rustls::MakeRustlsConnect {
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    tokio_postgres_rustls::MakeRustlsConnect::new(config)
+}
+
+/// The test cluster reached over loopback TCP through a proxy: a server
+/// that offers no TLS (a Unix socket never does), as a plaintext server or
+/// anyone on the path who answers "no TLS" to the TLS request. Returns the
+/// proxy and a connection string to it with `sslmode`.
+async fn plaintext_server(
+    db: &tower_idempotency::testing::TestDatabase,
+    sslmode: &str,
+) -> (common::proxy::SlowProxy, String) {
+    let proxy = common::proxy::SlowProxy::start(db.config()).await;
+    let config = db.config();
+    let url = format!(
+        "host=127.0.0.1 port={} user={} dbname={} sslmode={sslmode}",
+        proxy.port(),
+        config.get_user().unwrap(),
+        config.get_dbname().unwrap(),
+    );
+    (proxy, url)
+}
+
+/// A connector of one's own never weakens the connection string's
+/// `sslmode`: with `require` (and `verify-*`, which a caller's connector
+/// verifies) a server that offers no TLS is refused, never spoken to in
+/// plaintext; with `prefer` and `disable` it connects without TLS, as
+/// libpq does.
+#[tokio::test]
+async fn a_callers_connector_keeps_the_sslmode_of_the_connection_string() {
+    let db = tower_idempotency::testing::TestDatabase::create().await;
+    let (_proxy, url) = plaintext_server(&db, "require").await;
+    let store = PgStoreBuilder::from_conninfo(&url)
+        .unwrap()
+        .tls(callers_connector())
+        .build()
+        .expect("the store builds");
+    let error = chain(&store.client().await.expect_err("no plaintext session"));
+    assert!(error.contains("server does not support TLS"), "{error}");
+    assert!(error.contains("store_unavailable"), "{error}");
+
+    for mode in ["prefer", "disable"] {
+        let (_proxy, url) = plaintext_server(&db, mode).await;
+        let store = PgStoreBuilder::from_conninfo(&url)
+            .unwrap()
+            .tls(callers_connector())
+            .build()
+            .unwrap();
+        let client = store.client().await.unwrap_or_else(|e| panic!("{mode}: {e}"));
+        assert!(!encrypted(&client).await, "{mode}");
+    }
+}
+
+/// The relay's `LISTEN` connection, opened outside the pool with the
+/// builder's configuration and connector, keeps `sslmode=require` too:
+/// the pool here is the caller's (plaintext over the local socket), the
+/// relay's listener goes through the plaintext TCP proxy and is refused
+/// at every attempt, so no `LISTEN` session ever exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_listener_keeps_sslmode_require_with_a_callers_connector() {
+    use tower_idempotency::outbox::{DeliveryError, OutboxEvent, Relay, Sink};
+    struct Nowhere;
+    impl Sink for Nowhere {
+        async fn deliver(&self, _: &OutboxEvent) -> Result<(), DeliveryError> {
+            Ok(())
+        }
+    }
+    let db = tower_idempotency::testing::TestDatabase::create().await;
+    let (proxy, url) = plaintext_server(&db, "require").await;
+    let manager = deadpool_postgres::Manager::new(db.config(), tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(2)
+        .build()
+        .unwrap();
+    let store = PgStoreBuilder::from_conninfo(&url)
+        .unwrap()
+        .tls(callers_connector())
+        .pool(pool)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = Relay::new(store.clone(), Nowhere).poll_interval(Duration::from_millis(50));
+    let running = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    // The listener reconnects after a failed attempt: a second attempt
+    // through the proxy means the first one was refused. (A plaintext
+    // session would have stayed connected, LISTENing.)
+    let retried = async {
+        while proxy.connections() < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), retried)
+        .await
+        .expect("the listener's first connection was refused and it tried again");
+    let client = db.client().await;
+    let listening: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND query = 'LISTEN tower_idempotency_outbox'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(listening, 0, "no plaintext LISTEN session");
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+}
+
+/// Certificate files in the connection string beside a connector of one's
+/// own are refused when the store is built, not dropped: the connector
+/// does not read them.
+#[test]
+fn certificate_files_beside_a_callers_connector_are_refused_at_build() {
+    let base = "postgres://app@127.0.0.1:1/db?sslmode=require";
+    for (query, expected) in [
+        ("&sslrootcert=/tmp/ca.pem", "sslrootcert cannot be used"),
+        (
+            "&sslcert=/tmp/c.pem&sslkey=/tmp/c.key",
+            "sslcert and sslkey cannot be used",
+        ),
+    ] {
+        let error = PgStoreBuilder::from_conninfo(&format!("{base}{query}"))
+            .unwrap()
+            .tls(callers_connector())
+            .build()
+            .expect_err(query);
+        assert!(error.to_string().contains(expected), "{query}: {error}");
+    }
+    // Without them the same builder is fine.
+    PgStoreBuilder::from_conninfo(base)
+        .unwrap()
+        .tls(callers_connector())
+        .build()
+        .unwrap();
+}
