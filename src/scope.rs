@@ -4,6 +4,8 @@ use std::{fmt, sync::Arc};
 
 use http::request::Parts;
 
+use crate::fingerprint::Fingerprint;
+
 /// The authenticated tenant a request acts for.
 ///
 /// Whatever authenticates the request (an auth layer, a gateway) decides the
@@ -84,9 +86,10 @@ impl Scope {
         &self.endpoint
     }
 
-    /// The id of what the operation under `key` in this scope creates,
-    /// `name` saying which ("order", "shipment"): a UUID that follows from
-    /// the operation alone, the same whenever the operation runs again.
+    /// The id of what the operation under `key` in this scope, with the
+    /// request whose fingerprint is `fingerprint`, creates, `name` saying
+    /// which ("order", "shipment"): a UUID that follows from the operation
+    /// alone, the same whenever the operation runs again.
     ///
     /// An operation runs again after its transaction rolled back, and after
     /// an asynchronous failover lost its commit: the client's retry with the
@@ -99,29 +102,46 @@ impl Scope {
     /// outbox event carries the same entity id, and every derived key is
     /// the same (see the [outbox guide](crate::guide::outbox)).
     ///
-    /// It is 16 bytes of `SHA-256("tower-idempotency/derived-id/1" ‖ tenant
-    /// ‖ endpoint ‖ key ‖ name)` (each part length-prefixed) as an RFC 9562
-    /// version-8 UUID, hyphenated. Handlers get it from their transaction
-    /// (`PgTx::derived_id`, `SqlxTx::derived_id`, the lease handles).
+    /// The operation is the key *and* its request: once a key's retention
+    /// has ended, the same key with another request is a new operation and
+    /// gets a new id, while the same request again gets the same id (and
+    /// meets whatever domain rule its first run's rows set, such as one
+    /// order per checkout).
+    ///
+    /// It is 16 bytes of `SHA-256("tower-idempotency/derived-id/2" ‖ tenant
+    /// ‖ endpoint ‖ key ‖ fingerprint ‖ name)` (each part length-prefixed)
+    /// as an RFC 9562 version-8 UUID, hyphenated. Handlers get it from their
+    /// transaction (`PgTx::derived_id`, `SqlxTx::derived_id`, the lease
+    /// handles).
     ///
     /// ```
-    /// use tower_idempotency::scope::{Scope, TenantId};
+    /// use tower_idempotency::{fingerprint::Fingerprint, scope::{Scope, TenantId}};
     ///
     /// let scope = Scope::new(TenantId::new("tenant-a"), "POST /orders v1");
-    /// let id = scope.derived_id("9f1c2d0e-order-1", "order");
-    /// assert_eq!(id, scope.derived_id("9f1c2d0e-order-1", "order"));
-    /// assert_ne!(id, scope.derived_id("9f1c2d0e-order-1", "shipment"));
+    /// let request = Fingerprint::digest("orders.v1", br#"{"checkout_id":"chk_1"}"#);
+    /// let id = scope.derived_id("9f1c2d0e-order-1", &request, "order");
+    /// assert_eq!(id, scope.derived_id("9f1c2d0e-order-1", &request, "order"));
+    /// assert_ne!(id, scope.derived_id("9f1c2d0e-order-1", &request, "shipment"));
+    /// let another = Fingerprint::digest("orders.v1", br#"{"checkout_id":"chk_2"}"#);
+    /// assert_ne!(id, scope.derived_id("9f1c2d0e-order-1", &another, "order"));
     /// let other = Scope::new(TenantId::new("tenant-b"), "POST /orders v1");
-    /// assert_ne!(id, other.derived_id("9f1c2d0e-order-1", "order"));
+    /// assert_ne!(id, other.derived_id("9f1c2d0e-order-1", &request, "order"));
     /// assert_eq!((id.len(), &id[14..15]), (36, "8"));
     /// ```
-    pub fn derived_id(&self, key: &str, name: &str) -> String {
+    pub fn derived_id(&self, key: &str, fingerprint: &Fingerprint, name: &str) -> String {
         use sha2::{Digest, Sha256};
         let mut hasher = Sha256::new();
-        hasher.update(b"tower-idempotency/derived-id/1");
-        for part in [self.tenant.as_str(), self.endpoint(), key, name] {
+        hasher.update(b"tower-idempotency/derived-id/2");
+        let parts: [&[u8]; 5] = [
+            self.tenant.as_str().as_bytes(),
+            self.endpoint().as_bytes(),
+            key.as_bytes(),
+            fingerprint.as_bytes().as_slice(),
+            name.as_bytes(),
+        ];
+        for part in parts {
             hasher.update((part.len() as u64).to_be_bytes());
-            hasher.update(part.as_bytes());
+            hasher.update(part);
         }
         let digest = hasher.finalize();
         let mut bytes = [0u8; 16];

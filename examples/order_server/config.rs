@@ -13,7 +13,11 @@ pub(crate) struct Settings {
     pub(crate) transaction_pooling: bool,
     pub(crate) addr: SocketAddr,
     pub(crate) tokens: HashMap<String, TenantId>,
+    /// `IDEMPOTENCY_RETENTION`, used exactly as given.
     pub(crate) retention: Duration,
+    /// `IDEMPOTENCY_HANDLER_TIMEOUT`: how long the work of `POST /orders`
+    /// may run before it is rolled back and answered `503`.
+    pub(crate) handler_timeout: Duration,
     pub(crate) wait: Duration,
     /// The lease of a long-running fulfilment: how long an owner that stops
     /// heart-beating keeps its claim before a retry or the recovery worker
@@ -80,6 +84,27 @@ impl Settings {
                 ))
             }
         };
+        let retention_text = var("IDEMPOTENCY_RETENTION").unwrap_or_else(|| "24h".into());
+        let retention = parse_duration("IDEMPOTENCY_RETENTION", &retention_text)?;
+        let timeout_text = var("IDEMPOTENCY_HANDLER_TIMEOUT").unwrap_or_else(|| "30s".into());
+        let handler_timeout = parse_duration("IDEMPOTENCY_HANDLER_TIMEOUT", &timeout_text)?;
+        let mode = Mode::parse(&var("IDEMPOTENCY_MODE").unwrap_or_else(|| "claim-first".into()))?;
+        // The claim-first mode counts retention from the claim: a key must
+        // outlive its work, or a retry right after a slow commit would find
+        // it expired and run the work again. The layer would raise a shorter
+        // retention; the server refuses it instead, so that what an operator
+        // configured is what is remembered.
+        let floor = handler_timeout.saturating_add(Duration::from_secs(5));
+        if mode == Mode::ClaimFirst && retention < floor {
+            return Err(format!(
+                "IDEMPOTENCY_RETENTION={} is shorter than IDEMPOTENCY_HANDLER_TIMEOUT={} + 5s, \
+                 so a key could expire while its work runs: set IDEMPOTENCY_RETENTION to at \
+                 least {}s, or shorten IDEMPOTENCY_HANDLER_TIMEOUT",
+                retention_text.trim(),
+                timeout_text.trim(),
+                floor.as_secs_f64().ceil(),
+            ));
+        }
         Ok(Settings {
             database_url,
             transaction_pooling,
@@ -90,10 +115,8 @@ impl Settings {
                 &var("ORDER_SERVER_TOKENS")
                     .unwrap_or_else(|| "demo-token-a=tenant-a,demo-token-b=tenant-b".into()),
             )?,
-            retention: parse_duration(
-                "IDEMPOTENCY_RETENTION",
-                &var("IDEMPOTENCY_RETENTION").unwrap_or_else(|| "24h".into()),
-            )?,
+            retention,
+            handler_timeout,
             wait: parse_duration(
                 "IDEMPOTENCY_WAIT",
                 &var("IDEMPOTENCY_WAIT").unwrap_or_else(|| "5s".into()),
@@ -109,7 +132,7 @@ impl Settings {
             max_attempts: parse_attempts(
                 &var("IDEMPOTENCY_MAX_ATTEMPTS").unwrap_or_else(|| "5".into()),
             )?,
-            mode: Mode::parse(&var("IDEMPOTENCY_MODE").unwrap_or_else(|| "claim-first".into()))?,
+            mode,
             payment_provider: var("PAYMENT_PROVIDER_URL")
                 .map(|url| match url.trim().parse::<http::Uri>() {
                     Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => {

@@ -131,6 +131,9 @@ async fn run() -> Result<(), String> {
     // the replay).
     .transaction_pooling(settings.transaction_pooling)
     .max_connections(32)
+    // The sessions carry POST /orders' hold limit, so that its owners send
+    // no `SET LOCAL` of their own.
+    .hold_limit(settings.handler_timeout.saturating_add(Duration::from_secs(5)))
     .build()
     .map_err(|e| format!("DATABASE_URL is not usable: {e}"))?;
     schema::migrate(&store).await?;
@@ -139,6 +142,7 @@ async fn run() -> Result<(), String> {
     let idempotency =
         IdempotencyLayer::new(store.clone(), "POST /orders v1", orders::fingerprinter())
             .retention(settings.retention)
+            .handler_timeout(settings.handler_timeout)
             .wait(settings.wait)
             // The contract lets operators (and tests) change
             // idempotency_requests rows directly; a replay cache would keep
@@ -252,7 +256,7 @@ async fn run() -> Result<(), String> {
     });
 
     println!("listening on http://{addr}");
-    tracing::info!(%addr, mode = settings.mode.name(), retention = ?settings.retention, wait = ?settings.wait, lease = ?settings.lease, fulfilment_delay = ?settings.fulfilment_delay, "order server started; outbox relay and fulfilment recovery running");
+    tracing::info!(%addr, mode = settings.mode.name(), retention = ?settings.retention, handler_timeout = ?settings.handler_timeout, wait = ?settings.wait, lease = ?settings.lease, fulfilment_delay = ?settings.fulfilment_delay, "order server started; outbox relay and fulfilment recovery running");
     axum::serve(listener, app)
         .with_graceful_shutdown(until_stopped(stopped))
         .await

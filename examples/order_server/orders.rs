@@ -202,11 +202,13 @@ pub(crate) async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
         .map(|i| json!({"sku": i.sku, "quantity": i.quantity, "unit_price": i.unit_price}))
         .collect();
     let total = order.total().unwrap_or_default();
-    // The order's id follows from the operation (tenant, endpoint, key),
-    // not from a generator: an order lost with its transaction in an
-    // asynchronous failover and created again by the client's retry is the
-    // same order, and the keys derived from its id downstream (the charge,
-    // the reservation) are the same keys, so nothing is done twice there.
+    // The order's id follows from the operation (tenant, endpoint, key and
+    // the request's fingerprint), not from a generator: an order lost with
+    // its transaction in an asynchronous failover and created again by the
+    // client's retry is the same order, and the keys derived from its id
+    // downstream (the charge, the reservation) are the same keys, so nothing
+    // is done twice there. A new request under a key whose retention ended
+    // is a new operation, with a new id.
     let order_id = tx.derived_id("order");
     let inserted = tx
         .query_opt(
@@ -222,19 +224,18 @@ pub(crate) async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
     let row = match inserted {
         Ok(Some(row)) => row,
         Ok(None) => {
-            // The checkout has an order (made under another key), or this
-            // key's record expired and the key now comes with another
-            // checkout: its order id is taken.
+            // The checkout has an order: made under another key, or by this
+            // same request under this key before its retention ended (the
+            // same request derives the same id, and carries the same
+            // checkout).
             let existing = tx
                 .query_one(
-                    "SELECT id::text, checkout_id = $2 FROM orders \
-                     WHERE tenant_id = $1 AND (checkout_id = $2 OR id = $3::text::uuid) \
-                     ORDER BY checkout_id = $2 DESC LIMIT 1",
-                    &[&tx.tenant(), &order.checkout_id, &order_id],
+                    "SELECT id::text FROM orders WHERE tenant_id = $1 AND checkout_id = $2",
+                    &[&tx.tenant(), &order.checkout_id],
                 )
                 .await;
             return match existing {
-                Ok(row) if row.get::<_, bool>(1) => final_problem(
+                Ok(row) => final_problem(
                     Problem::new(
                         StatusCode::CONFLICT,
                         "checkout_already_ordered",
@@ -242,11 +243,6 @@ pub(crate) async fn create(tx: PgTx, order: Validated<NewOrder>) -> Response {
                     )
                     .with_member("order_id", row.get::<_, String>(0)),
                 ),
-                Ok(_) => final_problem(Problem::new(
-                    StatusCode::CONFLICT,
-                    "idempotency_key_reused",
-                    "This idempotency key already created another order; use a new key for a new order",
-                )),
                 Err(e) => db_failure(e),
             };
         }

@@ -9,6 +9,7 @@ impl CommitStore for MemoryStore {
         Ok(MemoryTx::new(
             self.state.clone(),
             entry_key,
+            request.fingerprint,
             0,
             TxKind::AtCommit,
         ))

@@ -348,6 +348,7 @@ struct LeaseInner {
     state: Arc<Mutex<State>>,
     entry_key: EntryKey,
     operation_id: OperationId,
+    fingerprint: crate::fingerprint::Fingerprint,
     token: i64,
 }
 
@@ -358,6 +359,7 @@ impl MemoryLease {
                 state,
                 entry_key,
                 operation_id: leased.operation_id,
+                fingerprint: leased.fingerprint,
                 token: leased.token,
             }),
         }
@@ -389,7 +391,7 @@ impl MemoryLease {
     /// ([`Scope::derived_id`](crate::scope::Scope::derived_id)).
     pub fn derived_id(&self, name: &str) -> String {
         let (scope, key) = &self.inner.entry_key;
-        scope.derived_id(key.as_str(), name)
+        scope.derived_id(key.as_str(), &self.inner.fingerprint, name)
     }
 
     /// Opens a fenced transaction, as [`LeaseStore::fenced`] does: its rows
@@ -403,6 +405,7 @@ impl MemoryLease {
         Ok(MemoryTx::new(
             inner.state.clone(),
             inner.entry_key.clone(),
+            inner.fingerprint,
             inner.token,
             TxKind::Fenced,
         ))

@@ -278,6 +278,7 @@ impl Store for MemoryStore {
                         return Ok(Claim::Owned(MemoryTx::new(
                             self.state.clone(),
                             entry_key,
+                            request.fingerprint,
                             token,
                             TxKind::Claim {
                                 fingerprint: request.fingerprint,

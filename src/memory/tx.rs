@@ -28,6 +28,8 @@ pub struct MemoryTx {
 pub(super) struct TxInner {
     pub(super) state: Arc<Mutex<State>>,
     pub(super) entry_key: EntryKey,
+    // The request's: with the key, what the operation is (`derived_id`).
+    pub(super) fingerprint: Fingerprint,
     pub(super) token: i64,
     pub(super) kind: TxKind,
     pub(super) staged: Mutex<Option<Vec<(String, Value)>>>,
@@ -53,6 +55,7 @@ impl MemoryTx {
     pub(super) fn new(
         state: Arc<Mutex<State>>,
         entry_key: EntryKey,
+        fingerprint: Fingerprint,
         token: i64,
         kind: TxKind,
     ) -> Self {
@@ -60,6 +63,7 @@ impl MemoryTx {
             inner: Arc::new(TxInner {
                 state,
                 entry_key,
+                fingerprint,
                 token,
                 kind,
                 staged: Mutex::new(Some(Vec::new())),
@@ -73,7 +77,7 @@ impl MemoryTx {
     /// ([`Scope::derived_id`](crate::scope::Scope::derived_id)).
     pub fn derived_id(&self, name: &str) -> String {
         let (scope, key) = &self.inner.entry_key;
-        scope.derived_id(key.as_str(), name)
+        scope.derived_id(key.as_str(), &self.inner.fingerprint, name)
     }
 
     /// Stages a row for `table`, committed with the remembered response.

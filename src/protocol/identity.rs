@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use crate::{key::IdempotencyKey, scope::Scope, store::OperationId};
+use crate::{fingerprint::Fingerprint, key::IdempotencyKey, scope::Scope, store::OperationId};
 
 /// An owner of a key: its scope, the key, the attempt token it holds it at
 /// and the retention its answer is remembered for, plus what its role
@@ -20,6 +20,9 @@ use crate::{key::IdempotencyKey, scope::Scope, store::OperationId};
 pub(crate) struct Identity<R> {
     scope: Scope,
     key: IdempotencyKey,
+    /// The request's fingerprint: with the scope and the key, what an
+    /// operation is (its derived ids follow from all of them).
+    fingerprint: Fingerprint,
     token: i64,
     retention: Duration,
     role: R,
@@ -68,6 +71,7 @@ impl<R> Identity<R> {
     pub(crate) fn new(
         scope: Scope,
         key: IdempotencyKey,
+        fingerprint: Fingerprint,
         token: i64,
         retention: Duration,
         role: R,
@@ -75,6 +79,7 @@ impl<R> Identity<R> {
         Identity {
             scope,
             key,
+            fingerprint,
             token,
             retention,
             role,
@@ -106,6 +111,17 @@ impl<R> Identity<R> {
 
     pub(crate) fn attempt_token(&self) -> i64 {
         self.token
+    }
+
+    /// The fingerprint of the request the owner runs.
+    pub(crate) fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// The id of what this operation creates, `name` saying which.
+    pub(crate) fn derived_id(&self, name: &str) -> String {
+        self.scope
+            .derived_id(self.key.as_str(), &self.fingerprint, name)
     }
 
     pub(crate) fn retention(&self) -> Duration {
@@ -218,15 +234,15 @@ macro_rules! tx_accessors {
         }
 
         /// The id of what this operation creates, `name` saying which
-        /// ("order"): a UUID from the tenant, the endpoint, the key and
-        /// `name`, the same whenever the operation is redone (after a
-        /// rollback, or after an asynchronous failover lost its commit), so
-        /// that keys derived from it downstream stay the same
+        /// ("order"): a UUID from the tenant, the endpoint, the key, the
+        /// request's fingerprint and `name`, the same whenever the same
+        /// request is redone under the key (after a rollback, or after an
+        /// asynchronous failover lost its commit), so that keys derived from
+        /// it downstream stay the same, and new for a new request under a
+        /// key whose retention ended
         /// ([`Scope::derived_id`]($crate::scope::Scope::derived_id)).
         pub fn derived_id(&self, name: &str) -> String {
-            self.identity()
-                .scope()
-                .derived_id(self.identity().idempotency_key(), name)
+            self.identity().derived_id(name)
         }
     };
 }
@@ -263,14 +279,13 @@ macro_rules! lease_accessors {
         }
 
         /// The id of what this operation creates, `name` saying which
-        /// ("shipment"): the same for every attempt, and for the operation
-        /// redone after an asynchronous failover lost it (its
-        /// [`operation_id`](Self::operation_id) is drawn anew then)
+        /// ("shipment"): the same for every attempt, and for the same
+        /// request redone after an asynchronous failover lost it (its
+        /// [`operation_id`](Self::operation_id) is drawn anew then); new for
+        /// a new request under a key whose retention ended
         /// ([`Scope::derived_id`]($crate::scope::Scope::derived_id)).
         pub fn derived_id(&self, name: &str) -> String {
-            self.identity()
-                .scope()
-                .derived_id(self.identity().idempotency_key(), name)
+            self.identity().derived_id(name)
         }
 
         /// Whether the store has told this owner it was fenced (a heartbeat,

@@ -204,7 +204,8 @@ pub(crate) const RECOVER: Sql<'static> = Sql::new(concat!(
      WHERE r.tenant_id = $6::text AND r.tenant_id = due.tenant_id AND r.endpoint = due.endpoint \
          AND r.idempotency_key = due.idempotency_key \
      RETURNING r.tenant_id, r.idempotency_key, r.attempt_token, r.operation_id::text, \
-         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts"
+         r.request_method, r.request_target, r.request_headers, r.request_body, r.attempts, \
+         r.request_fingerprint"
 ));
 
 /// How many of the operations due longest [`RECOVERY_TENANTS`] looks at.
@@ -224,6 +225,7 @@ pub(crate) fn acquired<L>(
     let identity = Identity::new(
         claim.scope.clone(),
         claim.key.clone(),
+        claim.fingerprint,
         token,
         claim.retention,
         lease,
@@ -268,6 +270,7 @@ pub(crate) struct RecoverRow<'r> {
     pub(crate) headers: Option<&'r [u8]>,
     pub(crate) body: Option<&'r [u8]>,
     pub(crate) attempts: i32,
+    pub(crate) fingerprint: &'r [u8],
 }
 
 /// The owner a recovery on `endpoint` took over, with the request to
@@ -284,8 +287,10 @@ pub(crate) fn recovered<L>(
         .map_err(|_| corrupt("stored record has an invalid key"))?;
     let operation_id = parse_id(row.operation_id)?;
     let request = stored_request(row.method, row.target, row.headers, row.body)?;
+    let fingerprint = Fingerprint::from_slice(row.fingerprint)
+        .ok_or_else(|| corrupt("stored record has a fingerprint that is not 32 bytes"))?;
     let lease = Lease::new(operation_id, lease);
-    let identity = Identity::new(scope.clone(), key, row.token, retention, lease);
+    let identity = Identity::new(scope.clone(), key, fingerprint, row.token, retention, lease);
     let attempt = attempt_of(row.attempts);
     let owned = Owned::new(handle(identity), operation_id, row.token, attempt);
     Ok(Recovered::new(owned, scope, request))
@@ -578,6 +583,7 @@ pub(crate) async fn recover<T: Transport, L>(
         headers: row.opt_bytea(6)?,
         body: row.opt_bytea(7)?,
         attempts: row.int4(8)?,
+        fingerprint: row.bytea(9)?,
     };
     recovered(row, endpoint, lease, retention, handle).map(Some)
 }

@@ -111,6 +111,8 @@ pub(crate) struct Shared {
     pub(crate) in_flight: Arc<InFlight>,
     pub(crate) drain: Arc<Drain>,
     pub(crate) cache: Option<RecordCache>,
+    /// Set once a raised retention has been said (`Setup::say_raised_retention`).
+    pub(crate) retention_said: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The replay cache's defaults, as [`IdempotencyLayer::replay_cache`](super::IdempotencyLayer::replay_cache) states them.
@@ -123,6 +125,7 @@ impl Default for Shared {
             in_flight: Arc::default(),
             drain: Arc::default(),
             cache: Some(RecordCache::new(CACHE_CAPACITY, CACHE_TTL)),
+            retention_said: Arc::default(),
         }
     }
 }
@@ -179,5 +182,23 @@ impl<St, F, R, M: Covers> Setup<St, F, R, M> {
         self.config
             .retention
             .max(self.mode.covers(self.config.handler_timeout))
+    }
+
+    /// Says once, when the layer makes its first service, that the
+    /// retention in force is longer than the one configured: an operator
+    /// who set a retention must be able to see that keys live longer.
+    pub(crate) fn say_raised_retention(&self) {
+        use std::sync::atomic::Ordering;
+        let (configured, effective) = (self.config.retention, self.retention());
+        if effective > configured && !self.shared.retention_said.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                endpoint = %self.config.endpoint,
+                configured_retention = ?configured,
+                effective_retention = ?effective,
+                handler_timeout = ?self.config.handler_timeout,
+                "the configured retention is shorter than this mode's work may take; \
+                 keys are remembered for the effective retention instead"
+            );
+        }
     }
 }

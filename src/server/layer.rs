@@ -204,14 +204,20 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// How long a completed key is remembered (default 24 h). After that the
     /// same key is a new operation.
     ///
-    /// In the claim-first mode retention counts from the claim, so it is raised
-    /// to cover the work: at least [`handler_timeout`](Self::handler_timeout)
+    /// In the claim-first mode retention counts from the claim, so it must
+    /// cover the work: at least [`handler_timeout`](Self::handler_timeout)
     /// plus 5 s (the margin within which the database ends a silent owner),
     /// or a record could expire before its work commits, and a retry right
     /// after that commit would run the work again. In the long-running mode
-    /// it is raised to at least the lease plus the longest recovery backoff
-    /// plus 5 s, so that a released operation is still there when recovery
-    /// may take it. The one-commit mode counts it from the commit: no floor.
+    /// it must cover the lease plus the longest recovery backoff plus 5 s, so
+    /// that a released operation is still there when recovery may take it.
+    /// The one-commit mode counts it from the commit: no floor. A shorter
+    /// value is raised to the floor, never silently: the layer warns once,
+    /// naming both values, and
+    /// [`effective_retention`](Self::effective_retention) tells the value in
+    /// force. A service that must remember keys for exactly what its
+    /// operator configured refuses a shorter value at start, as the example
+    /// order server does.
     ///
     /// Values above 100 years are clamped to it.
     pub fn retention(self, retention: Duration) -> Self {
@@ -265,6 +271,9 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// pooled connection for good. The database also ends the owner's
     /// transaction by itself when it sits idle 5 s past this limit
     /// (`idle_in_transaction_session_timeout`), should the process freeze.
+    ///
+    /// In the claim-first mode the [`retention`](Self::retention) must be
+    /// at least this plus 5 s; see there.
     ///
     /// Clamped to `i32::MAX` milliseconds (about 24.8 days), like the wait.
     pub fn handler_timeout(self, timeout: Duration) -> Self {
@@ -446,10 +455,36 @@ where
     }
 }
 
-impl<S, St: Clone, F, R, M: Clone> Layer<S> for IdempotencyLayer<St, F, R, M> {
+impl<St, F, R, M: super::flow::Mode<St>> IdempotencyLayer<St, F, R, M> {
+    /// How long this layer's keys are remembered: the configured
+    /// [`retention`](Self::retention), or the mode's floor when that is
+    /// longer (the claim-first mode: [`handler_timeout`](Self::handler_timeout)
+    /// plus 5 s; the long-running mode: the lease plus the longest recovery
+    /// backoff plus 5 s; the one-commit mode has none). When the two
+    /// differ, the layer says so once with a warning naming both, as it
+    /// makes its first service.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, fingerprint::JsonFingerprinter, memory::MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), "POST /orders v1", JsonFingerprinter::new("orders.v1"))
+    ///     .handler_timeout(Duration::from_secs(2))
+    ///     .retention(Duration::from_secs(3));
+    /// assert_eq!(layer.effective_retention(), Duration::from_secs(7));
+    /// let layer = layer.claim_at_commit();
+    /// assert_eq!(layer.effective_retention(), Duration::from_secs(3));
+    /// ```
+    pub fn effective_retention(&self) -> Duration {
+        self.setup.retention()
+    }
+}
+
+impl<S, St: Clone, F, R, M: super::flow::Mode<St>> Layer<S> for IdempotencyLayer<St, F, R, M> {
     type Service = Idempotency<S, St, F, R, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.setup.say_raised_retention();
         Idempotency::new(inner, self.setup.clone())
     }
 }

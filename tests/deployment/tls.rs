@@ -610,7 +610,10 @@ async fn a_callers_connector_keeps_the_sslmode_of_the_connection_string() {
             .tls(callers_connector())
             .build()
             .unwrap();
-        let client = store.client().await.unwrap_or_else(|e| panic!("{mode}: {e}"));
+        let client = store
+            .client()
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {e}"));
         assert!(!encrypted(&client).await, "{mode}");
     }
 }

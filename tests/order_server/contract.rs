@@ -145,6 +145,12 @@ impl Server {
         self.row(sql).await.get(0)
     }
 
+    /// The first column of every row `sql` selects.
+    async fn column<T: for<'a> FromSql<'a>>(&self, sql: &str) -> Vec<T> {
+        let rows = self.sql.query(sql, &[]).await.unwrap();
+        rows.iter().map(|row| row.get(0)).collect()
+    }
+
     async fn count(&self, sql: &str) -> i64 {
         self.value(sql).await
     }
@@ -875,6 +881,124 @@ async fn an_unknown_idempotency_mode_stops_the_start_in_one_line() {
     );
 }
 
+/// A retention shorter than the claim-first mode's work may take is
+/// refused at start, in one line naming both values, never raised behind
+/// the operator's back; the one-commit mode (retention from the commit)
+/// takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_shorter_than_the_work_is_refused_at_start_in_the_claim_first_mode() {
+    let out = Command::new(example_binary())
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:9/nothing")
+        .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
+        .env("IDEMPOTENCY_RETENTION", "2s")
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "it never listened");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains("IDEMPOTENCY_RETENTION=2s")
+            && lines[0].contains("IDEMPOTENCY_HANDLER_TIMEOUT=30s"),
+        "names both values: {stderr}"
+    );
+    let server = Server::start(Mode::OneCommit, &[("IDEMPOTENCY_RETENTION", "2s")]).await;
+    assert_eq!(
+        server.place_order("short", "chk_short").await.status,
+        StatusCode::CREATED
+    );
+    let window: f64 = server
+        .value("SELECT extract(epoch from expires_at - created_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'short'")
+        .await;
+    assert_eq!(window, 2.0, "the one-commit mode keeps 2s as given");
+}
+
+/// The retention is what was configured, to the second: with a 2 s handler
+/// timeout an 8 s retention is allowed, a key replays before 8 s and is a
+/// new operation after 9 s (its new request creates a new order, under a
+/// new id; its old request meets the checkout rule).
+async fn the_configured_retention_is_what_is_remembered(mode: Mode) {
+    let server = Server::start(
+        mode,
+        &[
+            ("IDEMPOTENCY_HANDLER_TIMEOUT", "2s"),
+            ("IDEMPOTENCY_RETENTION", "8s"),
+        ],
+    )
+    .await;
+    let first = server.place_order("eight", "chk_eight").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let started = std::time::Instant::now();
+    let window: f64 = server
+        .value("SELECT extract(epoch from expires_at - created_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'eight'")
+        .await;
+    assert_eq!(window, 8.0, "IDEMPOTENCY_RETENTION sets expires_at exactly");
+    let replay = server.place_order("eight", "chk_eight").await;
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "the replay was sent within the retention"
+    );
+    assert!(replay.replayed(), "within 8 s: replayed");
+    assert_eq!(replay.body, first.body);
+    // The retention passes on the clock (nothing is changed by hand here):
+    // this waits for time itself, not for another task.
+    let expired_at: f64 = server
+        .value("SELECT extract(epoch from expires_at - now())::float8 FROM idempotency_requests WHERE idempotency_key = 'eight'")
+        .await;
+    tokio::time::sleep(Duration::from_secs_f64(expired_at.max(0.0) + 1.0)).await;
+    let again = server.place_order("eight", "chk_eight_b").await;
+    assert_eq!(again.status, StatusCode::CREATED, "{:?}", again.json());
+    assert!(!again.replayed(), "after 9 s: a new operation");
+    assert_ne!(
+        again.order_id(),
+        first.order_id(),
+        "a new request, a new order id"
+    );
+    let orders: Vec<String> = server
+        .column("SELECT checkout_id FROM orders ORDER BY created_at")
+        .await;
+    assert_eq!(orders, ["chk_eight", "chk_eight_b"]);
+    let row = server
+        .row("SELECT response_status, extract(epoch from expires_at - created_at)::float8 FROM idempotency_requests WHERE idempotency_key = 'eight'")
+        .await;
+    assert_eq!((row.get::<_, i16>(0), row.get::<_, f64>(1)), (201, 8.0));
+}
+
+/// Once a key expired, a new request under it creates a new order with a
+/// new id (the id derives from the request too, not from the key alone),
+/// in both modes; the first request again under the key meets the checkout
+/// rule, naming the first order.
+async fn an_expired_key_with_a_new_request_creates_a_new_order(mode: Mode) {
+    let server = Server::start(mode, &[]).await;
+    let first = server.place_order("kk1", "chk_kk1_a").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    server.exec("UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE idempotency_key = 'kk1'").await;
+    let second = server.place_order("kk1", "chk_kk1_b").await;
+    assert_eq!(second.status, StatusCode::CREATED, "{:?}", second.json());
+    assert_ne!(second.order_id(), first.order_id());
+    assert_eq!(second.json()["checkout_id"], "chk_kk1_b");
+    let orders: Vec<String> = server
+        .column("SELECT id::text FROM orders ORDER BY created_at")
+        .await;
+    assert_eq!(orders, [first.order_id(), second.order_id()]);
+    let events: i64 = server
+        .count("SELECT count(DISTINCT aggregate_id) FROM outbox_events WHERE event_type = 'OrderCreated'")
+        .await;
+    assert_eq!(events, 2, "one event per order");
+    // The first request again, after the second's record expired too.
+    server.exec("UPDATE idempotency_requests SET expires_at = now() - interval '1 second' WHERE idempotency_key = 'kk1'").await;
+    let third = server.place_order("kk1", "chk_kk1_a").await;
+    assert_eq!(third.status, StatusCode::CONFLICT);
+    assert_eq!(third.json()["code"], "checkout_already_ordered");
+    assert_eq!(third.json()["order_id"], first.json()["id"]);
+    assert_eq!(server.count("SELECT count(*) FROM orders").await, 2);
+}
+
 // Every test above posts orders: each runs in both modes of POST /orders.
 both_modes!(
     serves_the_contract_table,
@@ -885,6 +1009,8 @@ both_modes!(
     database_outage_answers_503_and_the_retry_starts_afresh,
     each_order_is_charged_once_whatever_the_deliveries,
     expired_key_is_a_new_operation_but_the_checkout_rule_stands,
+    the_configured_retention_is_what_is_remembered,
+    an_expired_key_with_a_new_request_creates_a_new_order,
     redelivery_after_the_providers_keys_expired_still_charges_once,
     shutdown_lets_an_abandoned_request_commit,
     every_route_but_health_and_metrics_needs_a_token,

@@ -23,6 +23,7 @@ use tokio::{
 };
 use tokio_postgres::types::{FromSql, ToSql};
 use tower_idempotency::{
+    fingerprint::Fingerprint,
     outbox::derive_key,
     scope::{Scope, TenantId},
     testing::TestDatabase,
@@ -130,12 +131,23 @@ impl Db {
     }
 
     /// The warehouse's idempotency key for the fulfilment under `key`
-    /// (tenant A): derived from the operation (tenant, endpoint, key), so
-    /// that a fulfilment lost in an asynchronous failover and started again
-    /// by the client's retry ships under the same key.
-    fn shipment_key(key: &str) -> String {
+    /// (tenant A): derived from the operation (tenant, endpoint, key and
+    /// the request's fingerprint, read from its record), so that a
+    /// fulfilment lost in an asynchronous failover and started again by the
+    /// client's retry ships under the same key.
+    async fn shipment_key(&self, key: &str) -> String {
+        let stored: Vec<u8> = self
+            .value(
+                "SELECT request_fingerprint FROM idempotency_requests WHERE endpoint = $1 AND idempotency_key = $2",
+                &[&ENDPOINT, &key],
+            )
+            .await;
+        let fingerprint = Fingerprint::from_slice(&stored).expect("a 32-byte fingerprint");
         let scope = Scope::new(TenantId::new("tenant-a"), ENDPOINT);
-        derive_key(&scope.derived_id(key, "shipment"), "warehouse.ship")
+        derive_key(
+            &scope.derived_id(key, &fingerprint, "shipment"),
+            "warehouse.ship",
+        )
     }
 
     /// The shipments of `order_id`: (shipment_id, idempotency_key, fencing_token).
@@ -472,7 +484,7 @@ async fn fulfilment_runs_as_a_long_running_operation() {
         shipments,
         [(
             shipment_id.clone(),
-            Db::shipment_key("ship-1"),
+            db.shipment_key("ship-1").await,
             record.get::<_, i64>(0)
         )],
         "exactly one shipment, with the operation's derived key and the attempt's token"
@@ -778,7 +790,7 @@ async fn owner_killed_mid_fulfilment_is_taken_over_by_the_retry() {
         db.shipments(&order_id).await,
         [(
             shipment_id.to_owned(),
-            Db::shipment_key("ship-k"),
+            db.shipment_key("ship-k").await,
             second_token
         )],
         "exactly one shipment, by the attempt that took over"
@@ -848,7 +860,7 @@ async fn stale_owner_resumes_after_a_takeover_and_changes_nothing() {
     // Nothing A did after the takeover counts.
     assert_eq!(
         db.shipments(&order_id).await,
-        [(shipment_id.clone(), Db::shipment_key("ship-s"), token)],
+        [(shipment_id.clone(), db.shipment_key("ship-s").await, token)],
         "one shipment, with B's token"
     );
     let record = db
@@ -907,7 +919,7 @@ async fn recovery_worker_redrives_an_abandoned_fulfilment() {
     assert!(token > first_token, "{token} > {first_token}");
     let shipments = db.shipments(&order_id).await;
     assert_eq!(shipments.len(), 1, "exactly one shipment");
-    assert_eq!(shipments[0].1, Db::shipment_key("ship-r"));
+    assert_eq!(shipments[0].1, db.shipment_key("ship-r").await);
     assert_eq!(shipments[0].2, token);
     let status = b.completed(&operation_id).await;
     assert_eq!(status["result"]["status"], 200);
@@ -993,7 +1005,7 @@ async fn shutdown_lets_a_running_fulfilment_finish() {
     assert_eq!(db.state("ship-d").await.as_deref(), Some("completed"));
     let shipments = db.shipments(&order_id).await;
     assert_eq!(shipments.len(), 1);
-    assert_eq!(shipments[0].1, Db::shipment_key("ship-d"));
+    assert_eq!(shipments[0].1, db.shipment_key("ship-d").await);
     let fulfilment: String = db
         .value(
             "SELECT fulfilment FROM orders WHERE id = $1::text::uuid",
@@ -1112,7 +1124,7 @@ async fn a_flaky_warehouse_ships_once_and_the_retry_resumes_the_same_operation()
     assert_eq!(status.json()["attempts"], 1);
     assert_eq!(
         shipments[0].1,
-        Db::shipment_key("ship-f"),
+        db.shipment_key("ship-f").await,
         "shipped under the operation's derived key"
     );
 

@@ -71,13 +71,5 @@ pub(in crate::postgres) async fn open_fenced(lease: &PgLease) -> Result<PgTx, St
         return Err(fenced());
     };
     let xid: String = row.get(0);
-    let (.., token) = id.columns();
-    Ok(PgTx::fenced(
-        conn,
-        id.scope().clone(),
-        id.key().clone(),
-        token,
-        xid,
-        id.retention(),
-    ))
+    Ok(PgTx::fenced(conn, id, xid))
 }

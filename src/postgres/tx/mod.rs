@@ -1,6 +1,6 @@
 //! [`PgTx`]: the open transaction a key's owner writes through.
 
-use std::{fmt, future::Future, sync::Arc, time::Duration};
+use std::{fmt, future::Future, sync::Arc};
 
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tokio_postgres::{
@@ -12,11 +12,7 @@ use super::{
     conn::{behind, Conn},
     prepared::{Prepared, Sql},
 };
-use crate::{
-    key::IdempotencyKey,
-    protocol::identity::{tx_accessors, Identity, Tx, TxIdentity},
-    scope::Scope,
-};
+use crate::protocol::identity::{tx_accessors, Identity, Tx, TxIdentity};
 
 mod error;
 
@@ -195,13 +191,17 @@ impl PgTx {
     /// (`LeaseStore::fenced`), which only `commit_fenced` commits.
     pub(super) fn fenced(
         conn: Conn,
-        scope: Scope,
-        key: IdempotencyKey,
-        token: i64,
+        owner: &crate::protocol::identity::LeaseIdentity,
         xid: String,
-        retention: Duration,
     ) -> Self {
-        let id = Identity::new(scope, key, token, retention, Tx::new(xid));
+        let id = Identity::new(
+            owner.scope().clone(),
+            owner.key().clone(),
+            *owner.fingerprint(),
+            owner.attempt_token(),
+            owner.retention(),
+            Tx::new(xid),
+        );
         Self::build(conn, id, true)
     }
 
@@ -225,7 +225,14 @@ impl PgTx {
         xid: String,
     ) -> Self {
         let (scope, key) = (request.scope.clone(), request.key.clone());
-        let id = Identity::new(scope, key, token, request.retention, Tx::new(xid));
+        let id = Identity::new(
+            scope,
+            key,
+            request.fingerprint,
+            token,
+            request.retention,
+            Tx::new(xid),
+        );
         Self::build(conn, id, false)
     }
 

@@ -64,6 +64,7 @@ pub(in crate::sqlx) async fn open_fenced(lease: &SqlxLease) -> Result<SqlxTx, St
         store.transaction_pooling,
         id.scope().clone(),
         id.key().clone(),
+        *id.fingerprint(),
         token,
         xid,
         id.retention(),
