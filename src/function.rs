@@ -64,25 +64,13 @@ use crate::{
     store::{Claim, ClaimRequest, Store, StoreError, MAX_RETENTION, MAX_WAIT},
 };
 
-/// The work's timeout unless it sets one: the HTTP layer's default handler
-/// timeout, so that a function and an endpoint on one store are bounded
-/// alike.
-const DEFAULT_WORK_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// How long past the work's deadline the database itself ends the owner's
-/// transaction when it went silent (its process frozen, its network gone):
-/// the HTTP layer's margin, for the same reason.
-const HOLD_MARGIN: Duration = Duration::from_secs(5);
-
-// The default hold limit is the one `PgStore`'s sessions carry by default
-// (the layer's default handler timeout plus its margin), so that an owner
-// with the default work timeout sends no `SET LOCAL` of its own. Should the
-// layer's defaults change, this stops compiling rather than drifting apart.
-#[cfg(feature = "postgres")]
-const _: () = assert!(
-    DEFAULT_WORK_TIMEOUT.as_millis() + HOLD_MARGIN.as_millis()
-        == crate::server::DEFAULT_HOLD_LIMIT.as_millis()
-);
+// The work's timeout unless it sets one, and how long past it the database
+// itself ends the owner's transaction when it went silent (its process
+// frozen, its network gone): the HTTP layer's, so that a function and an
+// endpoint on one store are bounded alike, and an owner with the default
+// timeout sends no `SET LOCAL` of its own (the hold limit `PgStore`'s
+// sessions carry by default is the same sum).
+use crate::server::{DEFAULT_HANDLER_TIMEOUT as DEFAULT_WORK_TIMEOUT, HOLD_MARGIN};
 
 /// Runs work once per key; see the [module](self) docs.
 #[derive(Clone)]

@@ -58,6 +58,7 @@ pub use layer::IdempotencyLayer;
 pub use lease_config::LeaseConfig;
 #[cfg(feature = "postgres")]
 pub(crate) use mode::DEFAULT_HOLD_LIMIT;
+pub(crate) use mode::{DEFAULT_HANDLER_TIMEOUT, HOLD_MARGIN};
 pub use mode::{ClaimAtCommit, ClaimFirst, LongRunning};
 pub use recovery::Recovery;
 pub use service::Idempotency;
