@@ -64,6 +64,8 @@ mod setter;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
 pub mod sqlx;
 pub mod store;
+#[cfg(test)]
+mod test_log;
 
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]

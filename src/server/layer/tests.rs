@@ -187,3 +187,52 @@ fn limits_are_clamped_to_what_the_database_takes() {
     assert_eq!(layer.setup.config.handler_timeout, MAX_WAIT);
     assert_eq!(layer.setup.config.wait, MAX_WAIT);
 }
+
+/// A retention shorter than the claim-first mode's work is raised to cover
+/// it, and said once, with both values, when the layer makes its first
+/// service (not again for the next ones, nor for a clone's); the one-commit
+/// mode keeps it as configured and says nothing.
+#[test]
+fn a_raised_retention_is_said_once_and_exposed() {
+    use std::time::Duration;
+    let layer = IdempotencyLayer::new(
+        MemoryStore::new(),
+        "POST /orders v1",
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .handler_timeout(Duration::from_secs(2))
+    .retention(Duration::from_secs(3));
+    assert_eq!(layer.effective_retention(), Duration::from_secs(7));
+    let log = crate::test_log::logged(async {
+        let inner = tower::service_fn(|_: Request<RequestBody>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(
+                http_body_util::Full::new(Bytes::new()),
+            ))
+        });
+        let _first = layer.layer(inner.clone());
+        let _second = layer.clone().layer(inner);
+    });
+    assert_eq!(log.matches("WARN").count(), 1, "{log}");
+    assert!(
+        log.contains("configured_retention=3s") && log.contains("effective_retention=7s"),
+        "{log}"
+    );
+    let at_commit = IdempotencyLayer::new(
+        MemoryStore::new(),
+        "POST /orders v1",
+        JsonFingerprinter::new("orders.v1"),
+    )
+    .handler_timeout(Duration::from_secs(2))
+    .retention(Duration::from_secs(3))
+    .claim_at_commit();
+    assert_eq!(at_commit.effective_retention(), Duration::from_secs(3));
+    let log = crate::test_log::logged(async {
+        let inner = tower::service_fn(|_: Request<RequestBody>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(
+                http_body_util::Full::new(Bytes::new()),
+            ))
+        });
+        let _service = at_commit.layer(inner);
+    });
+    assert!(!log.contains("WARN"), "{log}");
+}
