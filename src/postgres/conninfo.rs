@@ -105,6 +105,56 @@ impl SslMode {
     }
 }
 
+/// What the hosts of `config` make of `mode`, as libpq has it, adjusting
+/// `config` where it must:
+///
+/// - Unix sockets only: a local socket carries no TLS and libpq ignores
+///   `sslmode` there, so `prefer` and `require` connect without it (no
+///   server answers a TLS request on a socket); `verify-ca` and
+///   `verify-full`, which promise a certificate, are refused rather than
+///   quietly dropped.
+/// - `hostaddr` without `host`: below `verify-full` no name is needed, so
+///   the address is the name TLS is given (the certificate's name is not
+///   checked); `verify-full` needs a host name to check, as libpq says.
+pub(crate) fn settle_hosts(
+    config: &mut tokio_postgres::Config,
+    mode: SslMode,
+) -> Result<SslMode, String> {
+    use tokio_postgres::config::Host;
+    let hosts = config.get_hosts();
+    let unix_only = !hosts.is_empty()
+        && config.get_hostaddrs().is_empty()
+        && hosts.iter().all(|h| !matches!(h, Host::Tcp(_)));
+    if unix_only {
+        return match mode {
+            SslMode::Disable | SslMode::Prefer | SslMode::Require => Ok(SslMode::Disable),
+            SslMode::VerifyCa | SslMode::VerifyFull => Err(format!(
+                "sslmode={} cannot be met over a Unix socket, which carries no TLS: \
+                 connect over TCP (host=NAME) or use sslmode=require",
+                mode.name()
+            )),
+        };
+    }
+    if hosts.is_empty() && !config.get_hostaddrs().is_empty() && mode != SslMode::Disable {
+        if mode == SslMode::VerifyFull {
+            return Err(
+                "sslmode=verify-full needs host, the name the certificate must carry; \
+                 hostaddr alone gives none (add host=NAME beside hostaddr)"
+                    .into(),
+            );
+        }
+        let names: Vec<String> = config
+            .get_hostaddrs()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        for name in names {
+            config.host(&name);
+        }
+    }
+    Ok(mode)
+}
+
 /// Splits libpq's TLS parameters (`sslmode`, `sslrootcert`, `sslcert`,
 /// `sslkey`) off `conninfo`: returns the rest, in the same form, and the
 /// parameters. The last occurrence of a parameter wins, as in libpq.

@@ -253,9 +253,11 @@ impl PgStoreBuilder {
         // the TLS: a caller's connector left with tokio-postgres's default
         // (`prefer`) would fall back to plaintext, and send a cleartext
         // password, to a server (or anyone on the path) that answers "no TLS".
+        let mode = self.tls_params.effective_mode().map_err(config_error)?;
+        let mode = conninfo::settle_hosts(&mut self.config, mode).map_err(config_error)?;
         let (connector, wire) = match self.tls {
-            Some(tls) => (tls, Connector::wire_mode_for_own(&self.tls_params)?),
-            None => Connector::from_params(&self.tls_params)?,
+            Some(tls) => (tls, Connector::wire_mode_for_own(&self.tls_params, mode)?),
+            None => Connector::from_params(&self.tls_params, mode)?,
         };
         self.config.ssl_mode(wire);
         let config = std::sync::Arc::new(self.config.clone());

@@ -37,7 +37,6 @@ impl fmt::Debug for Connector {
 }
 
 trait Connect: Send + Sync {
-    fn manager(&self, config: Config, manager: ManagerConfig) -> Manager;
     fn connect<'a>(
         &'a self,
         config: &'a Config,
@@ -52,10 +51,6 @@ where
     T::TlsConnect: Send + Sync,
     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
 {
-    fn manager(&self, config: Config, manager: ManagerConfig) -> Manager {
-        Manager::from_config(config, self.clone(), manager)
-    }
-
     fn connect<'a>(
         &'a self,
         config: &'a Config,
@@ -87,13 +82,15 @@ impl Connector {
         }
     }
 
-    /// The connector libpq's parameters ask for, and the `sslmode` to set
-    /// on tokio-postgres's configuration (which knows only disable, prefer
-    /// and require: the verification is the connector's).
+    /// The connector libpq's parameters ask for in `mode` (their
+    /// effective mode, or what the hosts make of it: see
+    /// `conninfo::settle_hosts`), and the `sslmode` to set on tokio-postgres's
+    /// configuration (which knows only disable, prefer and require: the
+    /// verification is the connector's).
     pub(crate) fn from_params(
         params: &TlsParams,
+        mode: SslMode,
     ) -> Result<(Connector, tokio_postgres::config::SslMode), StoreError> {
-        let mode = params.effective_mode().map_err(config_error)?;
         if mode == SslMode::Disable {
             return Ok((Connector::new(NoTls, "no TLS"), wire(mode)));
         }
@@ -108,8 +105,8 @@ impl Connector {
     /// would verify against something else.
     pub(crate) fn wire_mode_for_own(
         params: &TlsParams,
+        mode: SslMode,
     ) -> Result<tokio_postgres::config::SslMode, StoreError> {
-        let mode = params.effective_mode().map_err(config_error)?;
         let named: Vec<&str> = [
             params.root.as_ref().map(|_| "sslrootcert"),
             params.client.as_ref().map(|_| "sslcert and sslkey"),
@@ -128,20 +125,67 @@ impl Connector {
         Ok(wire(mode))
     }
 
-    /// A pool manager whose connections use this connector.
+    /// A pool manager whose connections this connector opens, as
+    /// [`connect`](Self::connect) does.
     pub(crate) fn manager(&self, config: Config, manager: ManagerConfig) -> Manager {
-        self.inner.manager(config, manager)
+        Manager::from_connect(config, PoolConnect(self.clone()), manager)
     }
 
-    /// A connection outside the pool, and its messages.
+    /// A connection, and its messages. With `sslmode=prefer`, a TLS
+    /// handshake that fails is tried again without TLS, as libpq does:
+    /// `prefer` promises encryption only where it works, and a server whose
+    /// certificate the connector refuses (or that closes the handshake)
+    /// would otherwise be unreachable in a mode that accepts plaintext.
     pub(crate) async fn connect(&self, config: &Config) -> Result<(Client, Messages), Error> {
-        self.inner.connect(config).await
+        use tokio_postgres::config::SslMode as Wire;
+        match self.inner.connect(config).await {
+            Err(e) if config.get_ssl_mode() == Wire::Prefer && handshake_failed(&e) => {
+                tracing::debug!(error = %e, source = ?std::error::Error::source(&e), "TLS handshake failed with sslmode=prefer; connecting without TLS");
+                let mut plain = config.clone();
+                plain.ssl_mode(Wire::Disable);
+                self.inner.connect(&plain).await
+            }
+            other => other,
+        }
     }
 
     /// Cancels what runs on the connection `token` came from, over the same
     /// TLS as the connection itself.
     pub(crate) async fn cancel(&self, token: &CancelToken) -> Result<(), Error> {
         self.inner.cancel(token).await
+    }
+}
+
+/// Whether connecting failed in the TLS handshake (tokio-postgres's
+/// `Kind::Tls`, which it shows only through its text).
+fn handshake_failed(e: &Error) -> bool {
+    e.to_string() == "error performing TLS handshake"
+}
+
+/// Opens the pool's connections through a [`Connector`], each driven by a
+/// task of its own until its client goes.
+struct PoolConnect(Connector);
+
+impl deadpool_postgres::Connect for PoolConnect {
+    fn connect(
+        &self,
+        config: &Config,
+    ) -> BoxFuture<'_, Result<(Client, tokio::task::JoinHandle<()>), Error>> {
+        let config = config.clone();
+        Box::pin(async move {
+            let (client, mut messages) = self.0.connect(&config).await?;
+            let driver = tokio::spawn(async move {
+                // Notices are not the pool's business; an error ends the
+                // connection, which its client reports on its next use.
+                while let Some(message) = messages.next().await {
+                    if let Err(e) = message {
+                        tracing::debug!(error = %e, "pooled connection closed");
+                        break;
+                    }
+                }
+            });
+            Ok((client, driver))
+        })
     }
 }
 
@@ -245,17 +289,22 @@ mod rustls_config {
             .map_err(|e| format!("cannot configure TLS: {e}"))?
             .dangerous()
             .with_custom_certificate_verifier(verifier);
-        match &params.client {
-            None => Ok(builder.with_no_client_auth()),
+        let mut config = match &params.client {
+            None => builder.with_no_client_auth(),
             Some((cert, key)) => {
                 let chain = certificates(cert, "sslcert")?;
                 let key = PrivateKeyDer::from_pem_file(key)
                     .map_err(|e| format!("cannot read sslkey {}: {e}", key.display()))?;
                 builder.with_client_auth_cert(chain, key).map_err(|e| {
                     format!("sslcert and sslkey do not make a client certificate: {e}")
-                })
+                })?
             }
-        }
+        };
+        // PostgreSQL 17 refuses a direct TLS connection
+        // (`sslnegotiation=direct`) that does not name its protocol by
+        // ALPN, as libpq 17 always does; older servers ignore it.
+        config.alpn_protocols = vec![b"postgresql".to_vec()];
+        Ok(config)
     }
 
     fn certificates(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {

@@ -708,3 +708,167 @@ fn certificate_files_beside_a_callers_connector_are_refused_at_build() {
         .build()
         .unwrap();
 }
+
+/// The TLS test server's Unix socket directory, for libpq's `host=/dir`.
+fn socket_dir(server: &tls_server::TlsServer) -> String {
+    match &server.cluster.config().get_hosts()[0] {
+        tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+        other => panic!("the cluster listens on a Unix socket, not {other:?}"),
+    }
+}
+
+/// A Unix socket carries no TLS, and libpq ignores `sslmode` there:
+/// `require` and `prefer` connect (without TLS) where tokio-postgres alone
+/// asks the socket for TLS and gives up; `verify-*`, which promise a
+/// checked certificate, are refused when the store is built.
+#[tokio::test]
+async fn require_and_prefer_over_a_unix_socket_connect_without_tls() {
+    let server = server();
+    let db = server.database().await;
+    let conninfo = |mode: &str| {
+        format!(
+            "host={} port={} user=app dbname={db} sslmode={mode}",
+            socket_dir(server),
+            server.port
+        )
+    };
+    for mode in ["require", "prefer"] {
+        let store = PgStore::connect(&conninfo(mode)).unwrap();
+        let client = store
+            .client()
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {}", chain(&e)));
+        assert!(!encrypted(&client).await, "{mode}: a local socket");
+    }
+    for mode in ["verify-ca", "verify-full"] {
+        let conninfo = format!("{} sslrootcert='{}'", conninfo(mode), server.ca());
+        let error = PgStore::connect(&conninfo).expect_err(mode);
+        assert!(error.to_string().contains("Unix socket"), "{mode}: {error}");
+    }
+}
+
+/// `hostaddr` without `host`: below `verify-full` the address serves as
+/// the TLS name (nothing checks it), so `require` and `verify-ca` connect
+/// encrypted; `verify-full` has no name to check and is refused at build.
+#[tokio::test]
+async fn hostaddr_without_host_connects_below_verify_full() {
+    let server = server();
+    let db = server.database().await;
+    let conninfo = |mode: &str| {
+        format!(
+            "hostaddr=127.0.0.1 port={} user=app password={PASSWORD} dbname={db} sslmode={mode} sslrootcert='{}'",
+            server.port,
+            server.ca()
+        )
+    };
+    for mode in ["require", "verify-ca"] {
+        let store = PgStore::connect(&conninfo(mode)).unwrap();
+        let client = store
+            .client()
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {}", chain(&e)));
+        assert!(encrypted(&client).await, "{mode}");
+    }
+    let error = PgStore::connect(&conninfo("verify-full")).expect_err("no name to verify");
+    assert!(error.to_string().contains("needs host"), "{error}");
+    // The other CA is still refused: the address names the server, it
+    // does not vouch for it.
+    let other = format!(
+        "hostaddr=127.0.0.1 port={} user=app password={PASSWORD} dbname={db} sslmode=verify-ca sslrootcert='{}'",
+        server.port,
+        server.other_ca()
+    );
+    let error = pg_store_error(&other).await;
+    assert!(error.contains("UnknownIssuer"), "{error}");
+}
+
+/// The store's TLS names its protocol by ALPN (`postgresql`), which
+/// PostgreSQL 17 requires of a direct TLS connection
+/// (`sslnegotiation=direct`): seen by a TLS server that records what the
+/// client offered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_tls_offers_the_postgresql_alpn() {
+    use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
+
+    let ca = tls_server::Ca::new("ALPN test CA");
+    let (cert, key) = ca.sign("localhost", &["localhost"]);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let offered = std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .unwrap();
+        config.alpn_protocols = vec![b"postgresql".to_vec()];
+        let mut tls = rustls::ServerConnection::new(std::sync::Arc::new(config)).unwrap();
+        while tls.is_handshaking() {
+            tls.complete_io(&mut socket)
+                .expect("the handshake completes");
+        }
+        tls.alpn_protocol().map(<[u8]>::to_vec)
+    });
+    let url = format!(
+        "host=localhost port={port} user=app dbname=app sslmode=require sslnegotiation=direct"
+    );
+    let store = PgStoreBuilder::from_conninfo(&url)
+        .unwrap()
+        .build()
+        .unwrap();
+    // No PostgreSQL behind the handshake: the connection then fails.
+    let _ = store.client().await;
+    let offered = offered.join().unwrap();
+    assert_eq!(offered.as_deref(), Some(&b"postgresql"[..]));
+}
+
+/// A server that takes TLS or not, for `prefer`.
+fn either_server() -> &'static tls_server::TlsServer {
+    static SERVER: std::sync::OnceLock<tls_server::TlsServer> = std::sync::OnceLock::new();
+    SERVER.get_or_init(|| tls_server::TlsServer::start(tls_server::EITHER, false))
+}
+
+/// `prefer` tries TLS and, when the handshake fails, connects again
+/// without it, as libpq does (here the certificate does not chain to the
+/// given root); `require` with the same root is refused.
+#[tokio::test]
+async fn prefer_connects_without_tls_after_a_failed_handshake() {
+    let server = either_server();
+    let db = server.database().await;
+    let url = |mode: &str| {
+        server.url(
+            "localhost",
+            &db,
+            &format!("sslmode={mode}&sslrootcert={}", server.other_ca()),
+        )
+    };
+    let store = PgStore::connect(&url("prefer")).unwrap();
+    store.migrate().await.unwrap();
+    let client = store
+        .client()
+        .await
+        .unwrap_or_else(|e| panic!("{}", chain(&e)));
+    assert!(
+        !encrypted(&client).await,
+        "plaintext after the failed handshake"
+    );
+    let error = pg_store_error(&url("require")).await;
+    assert!(error.contains("UnknownIssuer"), "{error}");
+    // With the right root, prefer gets TLS.
+    let trusted = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=prefer&sslrootcert={}", server.ca()),
+    );
+    let store = PgStore::connect(&trusted).unwrap();
+    assert!(encrypted(&store.client().await.unwrap()).await);
+}
