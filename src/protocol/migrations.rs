@@ -502,9 +502,15 @@ fn check_recorded(applied: &[(i32, String)], list: &[Migration]) -> Result<(), S
                 format!(
                     "the database holds a development schema of tower-idempotency from before its \
                      first release (migration {version} is recorded as `{name}`, which this build \
-                     does not know); it cannot be upgraded: migrate a fresh database, or drop the \
-                     crate's tables (idempotency_requests, outbox_events, inbox_events, \
-                     tower_idempotency_migrations) and migrate again"
+                     does not know); it cannot be upgraded: migrate a fresh database, or move this \
+                     one to the released schema without losing events. First drain the outbox \
+                     relay until outbox_events holds no event with published_at and parked_at \
+                     both NULL, and copy inbox_events' rows aside (they are what stops a consumer \
+                     from applying an event twice); then drop the crate's tables \
+                     (idempotency_requests, outbox_events, inbox_events, \
+                     tower_idempotency_migrations), migrate, and copy the inbox rows back. The \
+                     migration guide (docs/migrations.md, \"Leaving a development schema\") has \
+                     the SQL"
                 ),
             ));
         }
@@ -1163,7 +1169,33 @@ mod list_tests {
         let development = recorded(&[(1, "idempotency_requests"), (2, "outbox_and_inbox")]);
         let e = check_recorded(&development, MIGRATIONS).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::Schema);
-        assert!(e.to_string().contains("development schema"), "{e}");
+        let message = e.to_string();
+        assert!(message.contains("development schema"), "{message}");
+        // Events are not to be lost on the way to a fresh schema: the relay
+        // drained before any table is dropped, the inbox's rows (what keeps
+        // a consumer from applying an event twice) copied aside and back,
+        // the guide's section named for the SQL.
+        let drain = message
+            .find("drain")
+            .unwrap_or_else(|| panic!("says to drain the relay: {message}"));
+        let drop = message
+            .find("drop")
+            .unwrap_or_else(|| panic!("says what to drop: {message}"));
+        assert!(
+            drain < drop,
+            "drained before anything is dropped: {message}"
+        );
+        assert!(
+            message.contains("published_at") && message.contains("parked_at"),
+            "{message}"
+        );
+        assert!(
+            message.contains("copy")
+                && message.contains("inbox_events")
+                && message.contains("back"),
+            "keeps the inbox's rows: {message}"
+        );
+        assert!(message.contains("docs/migrations.md"), "{message}");
         let newer = recorded(&[(1, "baseline"), (LATEST + 1, "later")]);
         let e = check_recorded(&newer, MIGRATIONS).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::Schema);
