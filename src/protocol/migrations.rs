@@ -14,6 +14,16 @@
 //! interrupted build left a dead one. Nothing relies on session state
 //! between statements, so it runs through a transaction pooler too.
 //!
+//! Migrators racing on a fresh database (every first deploy) leave the
+//! schema one migrator leaves: a migrator that waited out another's index
+//! build reads the record under the migration lock before it looks at the
+//! index again, and stops once the migration is recorded (a later version
+//! may have taken the index under another name since); a version missing
+//! under recorded later ones is recorded, never run again
+//! ([`Standing::Superseded`]); and an index built again under a name a
+//! later version took is dropped at the run's end
+//! (`Step::ConcurrentIndex::taken_by`).
+//!
 //! A driver adds only a [`Transport`]: how it sends the runner's statements.
 
 use std::{
@@ -73,6 +83,15 @@ pub(crate) enum Step {
         name: &'static str,
         table: &'static str,
         sql: &'static str,
+        /// The later version that takes the index under another name (makes
+        /// it a constraint's, or renames it), if one does. Once that version
+        /// is recorded the name is free for good, and an index that bears it
+        /// is a leftover: built again by a migrator that looked for it after
+        /// that version ran. The runner drops such leftovers (a second
+        /// unique index on the key columns, which every insert maintains and
+        /// which can fail an insert that `ON CONFLICT` on the primary key
+        /// would have settled).
+        taken_by: Option<i32>,
     },
 }
 
@@ -156,6 +175,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
                 sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS \
                       outbox_events_aggregate_bytewise ON outbox_events \
                       (tenant_id, aggregate_id COLLATE \"C\")",
+                taken_by: Some(8),
             },
             Step::ConcurrentIndex {
                 name: "inbox_events_key_bytewise",
@@ -163,6 +183,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
                 sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \
                       inbox_events_key_bytewise ON inbox_events \
                       (tenant_id, consumer COLLATE \"C\", event_id COLLATE \"C\")",
+                taken_by: Some(9),
             },
             Step::ConcurrentIndex {
                 name: "idempotency_requests_key_bytewise",
@@ -170,6 +191,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
                 sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \
                       idempotency_requests_key_bytewise ON idempotency_requests \
                       (tenant_id, endpoint, idempotency_key COLLATE \"C\")",
+                taken_by: Some(7),
             },
         ],
     },
@@ -368,6 +390,12 @@ pub(crate) struct Summary {
     /// Index builds that met another migrator's build and were ended by
     /// PostgreSQL's deadlock detection, checked again after a backoff.
     pub(crate) build_races: u32,
+    /// Versions found unrecorded under recorded later ones, recorded without
+    /// running them (see [`Standing::Superseded`]).
+    pub(crate) superseded: Vec<i32>,
+    /// Leftover indexes dropped: built again under a name a later version
+    /// had taken (see `Step::ConcurrentIndex::taken_by`).
+    pub(crate) leftovers: u32,
     /// The run changed a database default that sessions read when they
     /// start (see [`super::citus`]): the connection it ran on is closed
     /// rather than pooled again, so that every session from here on has it.
@@ -414,7 +442,52 @@ pub(crate) async fn run_list<T: Transport>(
         }
         runner.apply(migration).await?;
     }
+    // Every migrator looks for leftovers at its end, so the last of racing
+    // ones looks after every build: a migrator's look under the lock and
+    // its `CREATE INDEX CONCURRENTLY` are two transactions (the build runs
+    // outside any), and in the moment between them another migrator may
+    // have finished the index, recorded the migration and run the version
+    // that takes the index's name. A build then makes a leftover.
+    runner.drop_leftovers(list).await?;
     Ok(runner.summary)
+}
+
+/// Where a migration stands in what is recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Standing {
+    /// Recorded: applied, by this migrator or another.
+    Recorded,
+    /// Not recorded, but a later version is: applied, and what it made
+    /// possibly taken since under other names.
+    ///
+    /// The runner records versions in order: it applies a version only once
+    /// every earlier one is recorded (by it or by another migrator), so a
+    /// later version on record proves this one was applied. Its steps must
+    /// not run again: version 6's indexes became versions 7 to 9's primary
+    /// keys and aggregate index, under those indexes' names, and building
+    /// them again would put a second unique index beside each primary key.
+    /// So the missing row is put back and nothing is run. (No migrator sees
+    /// such a gap in a record only the runner wrote: an earlier version's row
+    /// commits before a later one is applied. A gap is a hand-edited table.)
+    /// Asking each step whether its result exists under its final names
+    /// instead would need every step to know what later versions make of
+    /// it, and would take an index an operator made for one the migration
+    /// needs; the order of the record says it for every migration.
+    Superseded,
+    /// Neither: to apply.
+    Pending,
+}
+
+impl Standing {
+    fn of(migration: &Migration, applied: &[(i32, String)]) -> Standing {
+        if applied.iter().any(|(v, _)| *v == migration.version) {
+            Standing::Recorded
+        } else if applied.iter().any(|(v, _)| *v > migration.version) {
+            Standing::Superseded
+        } else {
+            Standing::Pending
+        }
+    }
 }
 
 /// Refuses a database whose recorded migrations are not a prefix of `list`:
@@ -429,9 +502,15 @@ fn check_recorded(applied: &[(i32, String)], list: &[Migration]) -> Result<(), S
                 format!(
                     "the database holds a development schema of tower-idempotency from before its \
                      first release (migration {version} is recorded as `{name}`, which this build \
-                     does not know); it cannot be upgraded: migrate a fresh database, or drop the \
-                     crate's tables (idempotency_requests, outbox_events, inbox_events, \
-                     tower_idempotency_migrations) and migrate again"
+                     does not know); it cannot be upgraded: migrate a fresh database, or move this \
+                     one to the released schema without losing events. First drain the outbox \
+                     relay until outbox_events holds no event with published_at and parked_at \
+                     both NULL, and copy inbox_events' rows aside (they are what stops a consumer \
+                     from applying an event twice); then drop the crate's tables \
+                     (idempotency_requests, outbox_events, inbox_events, \
+                     tower_idempotency_migrations), migrate, and copy the inbox rows back. The \
+                     migration guide (docs/migrations.md, \"Leaving a development schema\") has \
+                     the SQL"
                 ),
             ));
         }
@@ -490,18 +569,25 @@ enum Work<'a> {
     /// recorded.
     Bootstrap,
     /// Unless `migration` is recorded: runs its transactional steps if
-    /// `steps`, then records it if `record`.
+    /// `steps`, then records it if `record`. A superseded migration is
+    /// recorded, its steps never run, whatever the flags.
     Apply {
         migration: &'a Migration,
         steps: bool,
         record: bool,
     },
     /// Whether index `name` on `table` is valid, and whether anything
-    /// holds the table's SHARE UPDATE EXCLUSIVE lock (a build).
+    /// holds the table's SHARE UPDATE EXCLUSIVE lock (a build). With a
+    /// `migration`, first whether it is recorded or superseded, under the
+    /// migration lock ([`Done::AlreadyRecorded`]: nothing more to build).
     IndexState {
         name: &'static str,
         table: &'static str,
+        migration: Option<&'a Migration>,
     },
+    /// Under the migration lock: the indexes of `list`'s index steps whose
+    /// names a recorded version took, that exist.
+    Leftovers { list: &'a [Migration] },
 }
 
 /// What a transaction found.
@@ -509,6 +595,9 @@ enum Done {
     Read(Vec<(i32, String)>),
     /// Another migrator recorded the migration first.
     AlreadyRecorded,
+    /// The migration was superseded ([`Standing::Superseded`]) and is now
+    /// recorded, nothing of it run.
+    Superseded,
     Ran,
     Index {
         /// `None`: no such index.
@@ -517,12 +606,24 @@ enum Done {
         /// index on it (or a vacuum) runs.
         busy: bool,
     },
+    /// Leftover indexes: `(name, table)`.
+    Leftovers(Vec<(&'static str, &'static str)>),
+}
+
+/// How an index build ended.
+enum Built {
+    /// The index is there and valid.
+    Valid,
+    /// The migration got recorded (or superseded) meanwhile: nothing of it
+    /// is to be built any more.
+    Recorded,
 }
 
 /// What a transaction is for, in logs and errors.
 enum Label<'a> {
     Table,
     Migration(&'a Migration),
+    Leftovers,
 }
 
 impl fmt::Display for Label<'_> {
@@ -530,6 +631,7 @@ impl fmt::Display for Label<'_> {
         match self {
             Label::Table => f.write_str("the migration table"),
             Label::Migration(m) => write!(f, "migration {} ({})", m.version, m.name),
+            Label::Leftovers => f.write_str("the leftover indexes"),
         }
     }
 }
@@ -544,7 +646,9 @@ impl<T: Transport> Runner<'_, T> {
             .steps
             .iter()
             .filter_map(|step| match *step {
-                Step::ConcurrentIndex { name, table, sql } => Some((name, table, sql)),
+                Step::ConcurrentIndex {
+                    name, table, sql, ..
+                } => Some((name, table, sql)),
                 Step::Transactional(_) => None,
             })
             .collect();
@@ -562,21 +666,42 @@ impl<T: Transport> Runner<'_, T> {
                 steps: false,
                 record: false,
             };
-            if let Done::AlreadyRecorded = self.transaction(&label, check).await? {
+            match self.transaction(&label, check).await? {
+                Done::Ran => {
+                    for (name, table, sql) in builds {
+                        // Recorded while this migrator waited for another's
+                        // build: what it would build may already be taken
+                        // under another name by a later version.
+                        if let Built::Recorded = self
+                            .build_index(&label, migration, name, table, sql)
+                            .await?
+                        {
+                            break;
+                        }
+                    }
+                    let record = Work::Apply {
+                        migration,
+                        steps: false,
+                        record: true,
+                    };
+                    self.transaction(&label, record).await?
+                }
+                done => done,
+            }
+        };
+        match done {
+            Done::AlreadyRecorded => return Ok(()),
+            Done::Superseded => {
+                self.summary.superseded.push(migration.version);
+                tracing::warn!(
+                    version = migration.version,
+                    name = migration.name,
+                    "an idempotency migration was not recorded while later ones are; \
+                     recorded it without running it again"
+                );
                 return Ok(());
             }
-            for (name, table, sql) in builds {
-                self.build_index(&label, name, table, sql).await?;
-            }
-            let record = Work::Apply {
-                migration,
-                steps: false,
-                record: true,
-            };
-            self.transaction(&label, record).await?
-        };
-        if let Done::AlreadyRecorded = done {
-            return Ok(());
+            _ => {}
         }
         self.summary.applied.push(migration.version);
         tracing::info!(
@@ -590,7 +715,8 @@ impl<T: Transport> Runner<'_, T> {
     }
 
     /// Builds index `name` with `sql` (`CREATE INDEX CONCURRENTLY IF NOT
-    /// EXISTS`) unless it is there and valid.
+    /// EXISTS`) unless it is there and valid, or `migration` got recorded
+    /// ([`Built::Recorded`]).
     ///
     /// No `lock_timeout`: the build's SHARE UPDATE EXCLUSIVE lock does not
     /// conflict with the claims' row writes. Two builds on one table must
@@ -605,37 +731,39 @@ impl<T: Transport> Runner<'_, T> {
     /// dropped first). Migrators that found it missing at the same moment
     /// may still start two builds: the one PostgreSQL ends backs off and
     /// looks again.
+    ///
+    /// Every look first reads, under the migration lock, whether
+    /// `migration` is recorded: a migrator that waited out another's build
+    /// wakes, as often as not, after that one recorded the migration and
+    /// ran later ones, which may have taken the index under another name.
+    /// Looking for it by its name then finds nothing, and building it would
+    /// make a second index beside its successor.
     async fn build_index(
         &mut self,
         label: &Label<'_>,
+        migration: &Migration,
         name: &'static str,
         table: &'static str,
         sql: &'static str,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Built, StoreError> {
         let started = Instant::now();
         let (mut drops, mut races, mut looks) = (0, 0, 0);
         loop {
             looks += 1;
-            let Done::Index { valid, busy } = self
-                .transaction(label, Work::IndexState { name, table })
-                .await?
-            else {
-                unreachable!("an index check reads the index")
+            let look = Work::IndexState {
+                name,
+                table,
+                migration: Some(migration),
+            };
+            let (valid, busy) = match self.transaction(label, look).await? {
+                Done::Index { valid, busy } => (valid, busy),
+                Done::AlreadyRecorded => return Ok(Built::Recorded),
+                _ => unreachable!("an index check reads the index or the record"),
             };
             let build = match (valid, busy) {
-                (Some(true), _) => return Ok(()),
+                (Some(true), _) => return Ok(Built::Valid),
                 (Some(false), true) => {
-                    let waited = started.elapsed();
-                    if waited >= self.settings.build_wait {
-                        return Err(StoreError::new(
-                            StoreErrorKind::Unavailable,
-                            format!(
-                                "{label}: index {name} has been built by another migrator, or \
-                                 its table locked, for {waited:?}; migrate again later"
-                            ),
-                        ));
-                    }
-                    tokio::time::sleep(self.settings.backoff(looks)).await;
+                    self.wait_for_build(label, name, started, looks).await?;
                     continue;
                 }
                 (Some(false), false) => {
@@ -660,30 +788,134 @@ impl<T: Transport> Runner<'_, T> {
                 }
                 (None, _) => self.transport.batch(sql).await,
             };
-            match build {
-                Ok(()) => {}
-                Err(e)
-                    if T::lock_timed_out(&e)
-                        || matches!(e.sql_state(), Some(DEADLOCK_DETECTED | INTERNAL_ERROR)) =>
-                {
-                    races += 1;
-                    self.summary.build_races += 1;
-                    if races >= self.settings.attempts {
-                        return Err(e);
-                    }
-                    let backoff = self.settings.backoff(races);
-                    tracing::warn!(
-                        %label,
-                        index = name,
-                        backoff_ms = backoff.as_millis() as u64,
-                        error = %e,
-                        "an index build met another migrator's; looking again"
-                    );
-                    tokio::time::sleep(backoff).await;
-                }
-                Err(e) => return Err(e),
+            if let Err(e) = build {
+                races += 1;
+                self.after_race(label, name, e, races).await?;
             }
         }
+    }
+
+    /// Drops the indexes of `list`'s index steps whose names a recorded
+    /// version took (`Step::ConcurrentIndex::taken_by`).
+    ///
+    /// Decided under the migration lock, on what is recorded: once the
+    /// version that took a name is recorded, no migration builds that name
+    /// legitimately again (it is in the past of every migrator that reads
+    /// the record), so the drop itself may run outside the lock, as it
+    /// must (`DROP INDEX CONCURRENTLY` runs outside any transaction; a plain
+    /// `DROP INDEX` would hold the claims up behind its table's lock).
+    async fn drop_leftovers(&mut self, list: &[Migration]) -> Result<(), StoreError> {
+        let label = Label::Leftovers;
+        let Done::Leftovers(leftovers) = self.transaction(&label, Work::Leftovers { list }).await?
+        else {
+            unreachable!("a look for leftovers lists them")
+        };
+        for (name, table) in leftovers {
+            self.drop_leftover(&label, name, table).await?;
+        }
+        Ok(())
+    }
+
+    /// Drops leftover index `name` on `table`, once nothing builds it (a
+    /// migrator still building it is waited for, as in
+    /// [`build_index`](Self::build_index), and drops it too at its end).
+    async fn drop_leftover(
+        &mut self,
+        label: &Label<'_>,
+        name: &'static str,
+        table: &'static str,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let (mut races, mut looks) = (0, 0);
+        loop {
+            looks += 1;
+            let look = Work::IndexState {
+                name,
+                table,
+                migration: None,
+            };
+            let Done::Index { valid, busy } = self.transaction(label, look).await? else {
+                unreachable!("an index check without a migration reads the index")
+            };
+            match (valid, busy) {
+                // Looked at in a transaction that committed: the run still
+                // ends with a `COMMIT`.
+                (None, _) => return Ok(()),
+                (Some(_), true) => {
+                    self.wait_for_build(label, name, started, looks).await?;
+                    continue;
+                }
+                (Some(_), false) => {}
+            }
+            tracing::warn!(
+                %label,
+                index = name,
+                "dropping an index built again after a later migration took its name"
+            );
+            let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {name}");
+            match self.transport.batch(&drop).await {
+                Ok(()) => self.summary.leftovers += 1,
+                Err(e) => {
+                    races += 1;
+                    self.after_race(label, name, e, races).await?;
+                }
+            }
+        }
+    }
+
+    /// Waits before looking again at index `name`, which another migrator
+    /// builds (or its table is locked); gives up after `build_wait`.
+    async fn wait_for_build(
+        &self,
+        label: &Label<'_>,
+        name: &str,
+        started: Instant,
+        looks: u32,
+    ) -> Result<(), StoreError> {
+        let waited = started.elapsed();
+        if waited >= self.settings.build_wait {
+            return Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                format!(
+                    "{label}: index {name} has been built by another migrator, or its table \
+                     locked, for {waited:?}; migrate again later"
+                ),
+            ));
+        }
+        tokio::time::sleep(self.settings.backoff(looks)).await;
+        Ok(())
+    }
+
+    /// What follows an index build or drop that ended with `e`, the
+    /// `races`th: a lock wait, a deadlock or a catalog row updated by
+    /// another migrator's build or drop of the same index backs off to look
+    /// again (at most `attempts` times); anything else is the run's error.
+    async fn after_race(
+        &mut self,
+        label: &Label<'_>,
+        name: &str,
+        e: StoreError,
+        races: u32,
+    ) -> Result<(), StoreError> {
+        let race = T::lock_timed_out(&e)
+            || matches!(e.sql_state(), Some(DEADLOCK_DETECTED | INTERNAL_ERROR));
+        if !race {
+            return Err(e);
+        }
+        self.summary.build_races += 1;
+        if races >= self.settings.attempts {
+            return Err(e);
+        }
+        let backoff = self.settings.backoff(races);
+        tracing::warn!(
+            %label,
+            index = name,
+            backoff_ms = backoff.as_millis() as u64,
+            error = %e,
+            "an index build met another migrator's; looking again"
+        );
+        tokio::time::sleep(backoff).await;
+        Ok(())
     }
 
     /// Runs `work` in a transaction of its own, tried again after a jittered
@@ -695,7 +927,11 @@ impl<T: Transport> Runner<'_, T> {
             attempts += 1;
             let error = match self.attempt(work).await {
                 Ok(done) => return Ok(done),
-                Err(e) if T::lock_timed_out(&e) => e,
+                // A deadlock PostgreSQL broke by ending this transaction's
+                // statement (one waiting for the migration lock while
+                // holding a snapshot that another migrator's index build
+                // waits out, say): rolled back whole like a lock wait.
+                Err(e) if T::lock_timed_out(&e) || e.sql_state() == Some(DEADLOCK_DETECTED) => e,
                 // The driver closes a connection left inside a transaction.
                 Err(e) => return Err(e),
             };
@@ -750,41 +986,87 @@ impl<T: Transport> Runner<'_, T> {
                 // while this one waited for it (READ COMMITTED: each
                 // statement sees the latest commits).
                 let applied = t.applied().await?;
-                if applied.iter().any(|(v, _)| *v == migration.version) {
-                    Done::AlreadyRecorded
-                } else {
-                    if steps {
-                        for step in migration.steps {
-                            if let Step::Transactional(sql) = *step {
-                                t.batch(sql).await?;
+                match Standing::of(migration, &applied) {
+                    Standing::Recorded => Done::AlreadyRecorded,
+                    Standing::Superseded => {
+                        t.record(migration.version, migration.name).await?;
+                        Done::Superseded
+                    }
+                    Standing::Pending => {
+                        if steps {
+                            for step in migration.steps {
+                                if let Step::Transactional(sql) = *step {
+                                    t.batch(sql).await?;
+                                }
                             }
                         }
+                        if record {
+                            t.record(migration.version, migration.name).await?;
+                        }
+                        Done::Ran
                     }
-                    if record {
-                        t.record(migration.version, migration.name).await?;
-                    }
-                    Done::Ran
                 }
             }
-            Work::IndexState { name, table } => {
-                // Asked without waiting: a statement queued for the lock
-                // may hold a snapshot (the catalog's), which the running
-                // build waits out before it ends: a deadlock.
-                t.batch(BEGIN).await?;
-                let lock = format!("LOCK TABLE {table} IN SHARE UPDATE EXCLUSIVE MODE NOWAIT");
-                let busy = match t.batch(&lock).await {
-                    Ok(()) => false,
-                    Err(e) if T::lock_timed_out(&e) => {
-                        t.batch("ROLLBACK").await?;
-                        t.batch(BEGIN).await?;
-                        true
+            Work::IndexState {
+                name,
+                table,
+                migration,
+            } => {
+                let settled = match migration {
+                    // Under the lock, as a later version that takes the
+                    // index under another name runs.
+                    Some(migration) => {
+                        t.batch(&begin_locked).await?;
+                        Standing::of(migration, &t.applied().await?) != Standing::Pending
                     }
-                    Err(e) => return Err(e),
+                    None => {
+                        t.batch(BEGIN).await?;
+                        false
+                    }
                 };
-                Done::Index {
-                    valid: t.index_valid(name).await?,
-                    busy,
+                if settled {
+                    Done::AlreadyRecorded
+                } else {
+                    // Asked without waiting: a statement queued for the
+                    // lock may hold a snapshot (the catalog's), which the
+                    // running build waits out before it ends: a deadlock.
+                    let lock = format!("LOCK TABLE {table} IN SHARE UPDATE EXCLUSIVE MODE NOWAIT");
+                    let busy = match t.batch(&lock).await {
+                        Ok(()) => false,
+                        Err(e) if T::lock_timed_out(&e) => {
+                            t.batch("ROLLBACK").await?;
+                            t.batch(BEGIN).await?;
+                            true
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    Done::Index {
+                        valid: t.index_valid(name).await?,
+                        busy,
+                    }
                 }
+            }
+            Work::Leftovers { list } => {
+                t.batch(&begin_locked).await?;
+                let applied = t.applied().await?;
+                let mut leftovers = Vec::new();
+                for step in list.iter().flat_map(|m| m.steps) {
+                    let Step::ConcurrentIndex {
+                        name,
+                        table,
+                        taken_by: Some(taker),
+                        ..
+                    } = *step
+                    else {
+                        continue;
+                    };
+                    if applied.iter().any(|(v, _)| *v == taker)
+                        && t.index_valid(name).await?.is_some()
+                    {
+                        leftovers.push((name, table));
+                    }
+                }
+                Done::Leftovers(leftovers)
             }
         };
         t.commit().await?;
@@ -811,7 +1093,29 @@ mod list_tests {
                 1
             );
             for step in migration.steps {
-                if let Step::ConcurrentIndex { name, table, sql } = step {
+                if let Step::ConcurrentIndex {
+                    name,
+                    table,
+                    sql,
+                    taken_by,
+                } = step
+                {
+                    // The version that takes the index comes later and
+                    // names it in one of its steps.
+                    if let Some(taker) = taken_by {
+                        let taker = MIGRATIONS
+                            .iter()
+                            .find(|m| m.version == *taker)
+                            .unwrap_or_else(|| panic!("{name} is taken by a version of the list"));
+                        assert!(taker.version > migration.version, "{name}");
+                        assert!(
+                            taker.steps.iter().any(
+                                |step| matches!(step, Step::Transactional(sql) if sql.contains(name))
+                            ),
+                            "version {} takes {name}",
+                            taker.version
+                        );
+                    }
                     let sql = sql.trim().trim_end_matches(';');
                     assert!(!sql.contains(';'), "one statement: {sql}");
                     let head = format!("INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table}");
@@ -832,6 +1136,7 @@ mod list_tests {
             name: "i",
             table: "t",
             sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS i ON t (c)",
+            taken_by: None,
         };
         let mixed = [Migration {
             version: 1,
@@ -864,7 +1169,33 @@ mod list_tests {
         let development = recorded(&[(1, "idempotency_requests"), (2, "outbox_and_inbox")]);
         let e = check_recorded(&development, MIGRATIONS).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::Schema);
-        assert!(e.to_string().contains("development schema"), "{e}");
+        let message = e.to_string();
+        assert!(message.contains("development schema"), "{message}");
+        // Events are not to be lost on the way to a fresh schema: the relay
+        // drained before any table is dropped, the inbox's rows (what keeps
+        // a consumer from applying an event twice) copied aside and back,
+        // the guide's section named for the SQL.
+        let drain = message
+            .find("drain")
+            .unwrap_or_else(|| panic!("says to drain the relay: {message}"));
+        let drop = message
+            .find("drop")
+            .unwrap_or_else(|| panic!("says what to drop: {message}"));
+        assert!(
+            drain < drop,
+            "drained before anything is dropped: {message}"
+        );
+        assert!(
+            message.contains("published_at") && message.contains("parked_at"),
+            "{message}"
+        );
+        assert!(
+            message.contains("copy")
+                && message.contains("inbox_events")
+                && message.contains("back"),
+            "keeps the inbox's rows: {message}"
+        );
+        assert!(message.contains("docs/migrations.md"), "{message}");
         let newer = recorded(&[(1, "baseline"), (LATEST + 1, "later")]);
         let e = check_recorded(&newer, MIGRATIONS).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::Schema);

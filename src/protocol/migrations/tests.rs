@@ -82,6 +82,7 @@ const UNDER_LOAD: &[Migration] = &[
             table: "idempotency_requests",
             sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS idempotency_requests_load_note_idx \
                   ON idempotency_requests (load_note)",
+            taken_by: None,
         }],
     },
 ];
@@ -115,6 +116,7 @@ const UNIQUE_TARGET: &[Migration] = &[
             table: "idempotency_requests",
             sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS idempotency_requests_target_idx \
                   ON idempotency_requests (tenant_id, request_target)",
+            taken_by: None,
         }],
     },
 ];
@@ -1101,4 +1103,155 @@ async fn the_key_columns_become_bytewise_on_citus_distributed_tables() {
     }
     let rows: i64 = value(&client, "SELECT count(*) FROM idempotency_requests").await;
     assert_eq!(rows, 2);
+}
+
+/// Every index of the crate's three tables: its name and its definition
+/// (`pg_get_indexdef`, which names the columns, their collations and
+/// whether it is unique), and whether it is valid, in name order.
+async fn index_list(client: &tokio_postgres::Client) -> Vec<(String, String, bool)> {
+    client
+        .query(
+            "SELECT c.relname::text, pg_get_indexdef(i.indexrelid), i.indisvalid \
+             FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             WHERE i.indrelid IN ('idempotency_requests'::regclass, \
+                                  'outbox_events'::regclass, 'inbox_events'::regclass) \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect()
+}
+
+/// A database whose record lost version 6 while versions 7 to 9, which
+/// took version 6's indexes under the old indexes' names, are recorded (a
+/// hand-edited table, or a migrator that trailed the one that ran them):
+/// migrating again builds none of version 6's indexes a second time.
+async fn a_version_superseded_by_recorded_ones_is_not_built_again<F, Fut>(db: &TestDatabase, run: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Summary, StoreError>>,
+{
+    let client = db.client().await;
+    let migrated = index_list(&client).await;
+    assert!(
+        migrated
+            .iter()
+            .any(|(name, _, _)| name == "idempotency_requests_pkey"),
+        "{migrated:?}"
+    );
+    client
+        .batch_execute("DELETE FROM tower_idempotency_migrations WHERE version = 6")
+        .await
+        .unwrap();
+    let summary = run().await.unwrap();
+    assert_eq!(index_list(&client).await, migrated, "{summary:?}");
+    assert!(summary.applied.is_empty(), "{summary:?}");
+    assert_eq!(summary.superseded, [6], "{summary:?}");
+    // The lost row is put back: the record says again what the schema is.
+    assert_eq!(recorded(&client).await, released());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_superseded_by_recorded_ones_is_not_built_again_by_pg_store() {
+    let db = TestDatabase::create().await;
+    let store = PgStore::builder(db.config()).build().unwrap();
+    store.migrate().await.unwrap();
+    a_version_superseded_by_recorded_ones_is_not_built_again(&db, || {
+        run_on(&store, MIGRATIONS, &SETTINGS)
+    })
+    .await;
+}
+
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_superseded_by_recorded_ones_is_not_built_again_by_sqlx_store() {
+    use crate::sqlx::migrations::run_with;
+    let db = TestDatabase::create().await;
+    let pool = sqlx_pool(&db).await;
+    crate::sqlx::SqlxStore::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    a_version_superseded_by_recorded_ones_is_not_built_again(&db, || {
+        run_with(&pool, false, MIGRATIONS, &SETTINGS)
+    })
+    .await;
+}
+
+/// How many migrators race, and how many fresh databases they race on.
+const RACERS: usize = 4;
+const RACES: usize = 10;
+
+/// `RACERS` migrators at once on a fresh database, `RACES` times, with the
+/// default settings (each `migrate()` of a store of its own, as instances
+/// of a first deploy): every race leaves the indexes one migrator leaves. A
+/// migrator that trails another through version 6's builds must not build
+/// them again once versions 7 to 9 took them under the old names.
+async fn racing_migrators_leave_one_migrators_indexes<F, Fut>(migrate: F)
+where
+    F: Fn(TestDatabase) -> Fut,
+    Fut: std::future::Future<Output = TestDatabase>,
+{
+    let alone = migrate_alone().await;
+    for race in 0..RACES {
+        let db = migrate(TestDatabase::create().await).await;
+        let client = db.client().await;
+        assert_eq!(recorded(&client).await, released(), "race {race}");
+        assert_eq!(index_list(&client).await, alone, "race {race}");
+    }
+}
+
+/// The indexes one migrator leaves on a fresh database.
+async fn migrate_alone() -> Vec<(String, String, bool)> {
+    let db = TestDatabase::create().await;
+    let store = PgStore::builder(db.config()).build().unwrap();
+    store.migrate().await.unwrap();
+    let list = index_list(&db.client().await).await;
+    // Sanity: the pg_index rows the test compares are those the race
+    // doubled (a second unique index beside each primary key).
+    assert!(
+        !list.iter().any(|(name, _, _)| name.ends_with("_bytewise")),
+        "{list:?}"
+    );
+    list
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_migrators_leave_one_migrators_indexes_by_pg_store() {
+    racing_migrators_leave_one_migrators_indexes(|db| async move {
+        let runs: Vec<_> = (0..RACERS)
+            .map(|_| {
+                let store = PgStore::builder(db.config()).build().unwrap();
+                tokio::spawn(async move { store.migrate().await })
+            })
+            .collect();
+        for run in runs {
+            run.await.unwrap().expect("every migrator succeeds");
+        }
+        db
+    })
+    .await;
+}
+
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_migrators_leave_one_migrators_indexes_by_sqlx_store() {
+    racing_migrators_leave_one_migrators_indexes(|db| async move {
+        let mut stores = Vec::new();
+        for _ in 0..RACERS {
+            stores.push(crate::sqlx::SqlxStore::new(sqlx_pool(&db).await));
+        }
+        let runs: Vec<_> = stores
+            .into_iter()
+            .map(|store| tokio::spawn(async move { store.migrate().await }))
+            .collect();
+        for run in runs {
+            run.await.unwrap().expect("every migrator succeeds");
+        }
+        db
+    })
+    .await;
 }
