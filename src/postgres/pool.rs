@@ -71,7 +71,7 @@ impl PgStoreBuilder {
     /// | parameter | meaning |
     /// | --- | --- |
     /// | `sslmode=disable` | no TLS |
-    /// | `sslmode=prefer` (the default) | TLS if the server offers it, plain if it does not |
+    /// | `sslmode=prefer` (the default) | TLS if the server offers it, plain if it does not or if the handshake fails (as libpq) |
     /// | `sslmode=require` | TLS or no connection; the certificate is not checked, unless `sslrootcert` is given (then as `verify-ca`) |
     /// | `sslmode=verify-ca` | TLS, the certificate must chain to `sslrootcert` |
     /// | `sslmode=verify-full` | as `verify-ca`, and the certificate must name the host connected to (a DNS name or an IP address in its subject alternative names) |
@@ -85,8 +85,15 @@ impl PgStoreBuilder {
     /// refused. A certificate that does not verify fails the connection, with
     /// the reason ("invalid peer certificate: UnknownIssuer", "… certificate
     /// not valid for name …"); nothing falls back to a connection the `sslmode`
-    /// excludes. TLS is rustls with ring (feature `tls-rustls`, on by
-    /// default); [`tls`](Self::tls) replaces it with a connector of your own.
+    /// excludes. Over a Unix socket, which carries no TLS, `prefer` and
+    /// `require` connect without it and `verify-*` are refused; `hostaddr`
+    /// without `host` serves as the TLS name below `verify-full`, which needs
+    /// `host`. TLS is rustls with ring (feature `tls-rustls`, on by default),
+    /// which offers ALPN `postgresql` (`sslnegotiation=direct` works) and is
+    /// stricter than OpenSSL in what it verifies (no version 1 or SHA-1
+    /// certificates, names from the subject alternative names only): see the
+    /// [deploying guide](crate::guide::deploying). [`tls`](Self::tls)
+    /// replaces it with a connector of your own.
     ///
     /// ```
     /// use tower_idempotency::postgres::PgStoreBuilder;

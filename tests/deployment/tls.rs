@@ -872,3 +872,86 @@ async fn prefer_connects_without_tls_after_a_failed_handshake() {
     let store = PgStore::connect(&trusted).unwrap();
     assert!(encrypted(&store.client().await.unwrap()).await);
 }
+
+/// A loopback address the TLS test server's certificate does not name
+/// (127.0.0.2, forwarded to the server): the host a provider's
+/// certificate does not carry, for `verify-ca`.
+async fn unnamed_address(server: &tls_server::TlsServer) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let target = format!("127.0.0.1:{}", server.port);
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                if let Ok(mut upstream) = tokio::net::TcpStream::connect(&target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// `SqlxStore` takes the application's `sqlx::PgPool`, whose TLS is
+/// sqlx 0.8's own; the deploying guide's table states where it departs from
+/// libpq, and these pin each such row (a sqlx that changes fails here, and
+/// the table with it):
+/// - `verify-ca` checks the host name too, so a certificate that does not
+///   name the host dialled is refused (`PgStore` takes it);
+/// - `require` never checks the certificate, even with `sslrootcert`
+///   (`PgStore` checks the chain then, as libpq);
+/// - `require` over a Unix socket fails (`PgStore` connects without TLS).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_tls_departs_from_libpq_where_the_guide_says() {
+    let server = server();
+    let db = server.database().await;
+    let unnamed = unnamed_address(server).await;
+    let verify_ca = format!(
+        "postgres://app:{PASSWORD}@{unnamed}/{db}?sslmode=verify-ca&sslrootcert={}",
+        server.ca()
+    );
+    let error = sqlx::PgPool::connect(&verify_ca)
+        .await
+        .expect_err("sqlx checks the name under verify-ca");
+    assert!(
+        chain(&error).contains("certificate not valid for name \"127.0.0.2\""),
+        "{}",
+        chain(&error)
+    );
+    let store = PgStore::connect(&verify_ca).unwrap();
+    assert!(
+        encrypted(&store.client().await.unwrap()).await,
+        "PgStore: verify-ca checks the chain only"
+    );
+
+    let require_other_ca = server.url(
+        "localhost",
+        &db,
+        &format!("sslmode=require&sslrootcert={}", server.other_ca()),
+    );
+    let pool = sqlx::PgPool::connect(&require_other_ca)
+        .await
+        .expect("sqlx: require does not check the chain");
+    let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ssl);
+    let error = pg_store_error(&require_other_ca).await;
+    assert!(error.contains("UnknownIssuer"), "PgStore: {error}");
+
+    let socket = format!(
+        "postgres://app@localhost/{db}?host={}&port={}&sslmode=require",
+        socket_dir(server),
+        server.port
+    );
+    let error = sqlx::PgPool::connect(&socket)
+        .await
+        .expect_err("sqlx asks a Unix socket for TLS");
+    assert!(
+        chain(&error).contains("server does not support TLS"),
+        "{}",
+        chain(&error)
+    );
+}
