@@ -9,7 +9,13 @@ use std::{fmt, future::Future, time::Duration};
 
 use tokio_postgres::types::ToSql;
 
-use crate::{metrics, postgres::PgStore, protocol::retention as statements, store::StoreError};
+use crate::{
+    metrics,
+    postgres::PgStore,
+    protocol::retention as statements,
+    protocol::waits::{answered_within, BACKGROUND_DEADLINE},
+    store::StoreError,
+};
 
 /// Removes expired idempotency records in batches and refreshes the
 /// retention and in-progress gauges.
@@ -117,10 +123,16 @@ impl Cleanup {
     ///     WHERE tenant_id = $1 AND expires_at <= now()
     ///     ORDER BY expires_at LIMIT 1000 FOR UPDATE SKIP LOCKED);
     /// ```
+    ///
+    /// Each batch is answered within 10 s whatever the database or the
+    /// network does; past it the batch's connection is closed (the server
+    /// rolls it back) and this returns an `Unavailable` error.
     pub async fn run_once(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let removed = self.delete_batch().await?;
+            let removed =
+                answered_within(BACKGROUND_DEADLINE, self.delete_batch(), "a cleanup batch")
+                    .await?;
             total += removed;
             if (removed as i64) < self.batch_size {
                 tracing::debug!(removed = total, "idempotency cleanup pass done");
@@ -132,6 +144,15 @@ impl Cleanup {
     /// Reads the cleanup backlog, the oldest in-progress age and the
     /// long-running operations' gauges, and sets them.
     pub async fn refresh_gauges(&self) -> Result<RetentionStatus, StoreError> {
+        answered_within(
+            BACKGROUND_DEADLINE,
+            self.read_gauges(),
+            "the retention gauges",
+        )
+        .await
+    }
+
+    async fn read_gauges(&self) -> Result<RetentionStatus, StoreError> {
         let mut session = self.store.session().await?;
         let (backlog, oldest, leases) = tokio::try_join!(
             session.prepare(statements::CLEANUP_BACKLOG),

@@ -1,4 +1,5 @@
 //! Where the crate is deployed: through a transaction pooler (PgBouncer),
+//! across a network partition,
 //! over TLS as managed PostgreSQL requires it, on Citus, on Patroni, and the
 //! operator's files under `ops/`.
 
@@ -7,6 +8,8 @@ mod citus;
 mod common;
 #[path = "deployment/ops.rs"]
 mod ops;
+#[path = "deployment/partition.rs"]
+mod partition;
 #[path = "deployment/patroni.rs"]
 mod patroni;
 #[path = "deployment/pooler.rs"]

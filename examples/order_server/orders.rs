@@ -290,10 +290,18 @@ pub(crate) async fn get(
     if !is_uuid(&id) {
         return not_found();
     }
-    let client = match store.client().await {
-        Ok(client) => client,
-        Err(e) => {
+    // A database that stops answering (a network partition) must not hold
+    // the request: the lookup is given 5 s, then answered 503 and its
+    // connection closed (a `PooledClient` dropped mid-statement is reset
+    // or closed, never pooled as it is).
+    let client = match tokio::time::timeout(LOOKUP_DEADLINE, store.client()).await {
+        Ok(Ok(client)) => client,
+        Ok(Err(e)) => {
             tracing::error!(error = %e, "cannot reach the database");
+            return crate::unavailable();
+        }
+        Err(_) => {
+            tracing::error!("the database did not lend a connection within 5 s");
             return crate::unavailable();
         }
     };
@@ -309,7 +317,12 @@ pub(crate) async fn get(
     // transaction pooler, which would not keep one between round trips.
     let params: [(&(dyn ToSql + Sync), Type); 2] =
         [(&id, Type::TEXT), (&tenant.as_str(), Type::TEXT)];
-    match client.query_typed_opt(&sql, &params).await {
+    let found = tokio::time::timeout(LOOKUP_DEADLINE, client.query_typed_opt(&sql, &params)).await;
+    let Ok(found) = found else {
+        tracing::error!("the database did not answer the order lookup within 5 s");
+        return crate::unavailable();
+    };
+    match found {
         Ok(Some(row)) => match read(&row) {
             Ok(body) => axum::Json(body).into_response(),
             Err(e) => {
@@ -324,6 +337,9 @@ pub(crate) async fn get(
         }
     }
 }
+
+/// How long `GET /orders/{id}` waits for the database.
+const LOOKUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub(crate) fn is_uuid(id: &str) -> bool {
     id.len() == 36

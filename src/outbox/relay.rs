@@ -11,7 +11,11 @@ use super::{
     sink::{BatchReport, DeliveryError, OutboxStatus, Sink},
 };
 use crate::{
-    metrics, postgres::PgStore, protocol::outbox as statements, protocol::statements::BEGIN,
+    metrics,
+    postgres::PgStore,
+    protocol::outbox as statements,
+    protocol::statements::BEGIN,
+    protocol::waits::{answered_within, BACKGROUND_DEADLINE},
     store::StoreError,
 };
 
@@ -148,30 +152,45 @@ impl<K: Sink> Relay<K> {
 
     /// Claims, delivers and records one batch. For tests, cron-style use and
     /// [`run`](Self::run).
+    ///
+    /// Each of its two database phases (claiming the batch, recording it)
+    /// is answered within 10 s whatever the database or
+    /// the network does: past it the batch's connection is closed (the
+    /// server rolls back and its events stay due) and this returns an
+    /// `Unavailable` error, so a stopped network path cannot stall the relay.
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
-        let mut session = self.store.session().await?;
-        let (due, claim) = tokio::try_join!(
-            session.prepare(statements::DUE_TENANTS),
-            session.prepare(statements::CLAIM_EVENTS),
-        )?;
-        let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
-        session.mark_dirty();
-        let (_, tenants) = tokio::try_join!(
-            biased;
-            session.batch_execute(BEGIN),
-            session.query_prepared(&due, &limit),
-        )?;
-        // The events are locked one tenant at a time (one shard on Citus).
-        let mut rows = Vec::new();
-        for tenant in &tenants {
-            let tenant: &str = tenant.get(0);
-            let left = self.batch_size - rows.len() as i64;
-            if left <= 0 {
-                break;
+        let mut session = answered_within(
+            BACKGROUND_DEADLINE,
+            self.store.session(),
+            "taking a connection",
+        )
+        .await?;
+        let claimed = async {
+            let (due, claim) = tokio::try_join!(
+                session.prepare(statements::DUE_TENANTS),
+                session.prepare(statements::CLAIM_EVENTS),
+            )?;
+            let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
+            session.mark_dirty();
+            let (_, tenants) = tokio::try_join!(
+                biased;
+                session.batch_execute(BEGIN),
+                session.query_prepared(&due, &limit),
+            )?;
+            // The events are locked one tenant at a time (one shard on Citus).
+            let mut rows = Vec::new();
+            for tenant in &tenants {
+                let tenant: &str = tenant.get(0);
+                let left = self.batch_size - rows.len() as i64;
+                if left <= 0 {
+                    break;
+                }
+                let params: [&(dyn ToSql + Sync); 2] = [&tenant, &left];
+                rows.extend(session.query_prepared(&claim, &params).await?);
             }
-            let params: [&(dyn ToSql + Sync); 2] = [&tenant, &left];
-            rows.extend(session.query_prepared(&claim, &params).await?);
-        }
+            Ok::<_, StoreError>(rows)
+        };
+        let rows = answered_within(BACKGROUND_DEADLINE, claimed, "claiming a batch").await?;
         let mut report = BatchReport {
             claimed: rows.len(),
             ..BatchReport::default()
@@ -249,22 +268,28 @@ impl<K: Sink> Relay<K> {
         report.delivered = delivered.len();
         report.retried = retry_ids.len();
         report.parked = park_ids.len();
-        let (mark_delivered, mark_failed, mark_parked) = tokio::try_join!(
-            session.prepare(statements::MARK_DELIVERED),
-            session.prepare(statements::MARK_FAILED),
-            session.prepare(statements::MARK_PARKED),
-        )?;
-        let delivered_params: [&(dyn ToSql + Sync); 2] = [&delivered_tenants, &delivered];
-        let failed_params: [&(dyn ToSql + Sync); 4] =
-            [&retry_tenants, &retry_ids, &retry_errors, &retry_delays];
-        let parked_params: [&(dyn ToSql + Sync); 3] = [&park_tenants, &park_ids, &park_errors];
-        let (.., committed) = tokio::try_join!(
-            biased;
-            session.execute_prepared(&mark_delivered, &delivered_params),
-            session.execute_prepared(&mark_failed, &failed_params),
-            session.execute_prepared(&mark_parked, &parked_params),
-            session.commit(),
-        )?;
+        let recorded = async {
+            let (mark_delivered, mark_failed, mark_parked) = tokio::try_join!(
+                session.prepare(statements::MARK_DELIVERED),
+                session.prepare(statements::MARK_FAILED),
+                session.prepare(statements::MARK_PARKED),
+            )?;
+            let delivered_params: [&(dyn ToSql + Sync); 2] = [&delivered_tenants, &delivered];
+            let failed_params: [&(dyn ToSql + Sync); 4] =
+                [&retry_tenants, &retry_ids, &retry_errors, &retry_delays];
+            let parked_params: [&(dyn ToSql + Sync); 3] = [&park_tenants, &park_ids, &park_errors];
+            let (.., committed) = tokio::try_join!(
+                biased;
+                session.execute_prepared(&mark_delivered, &delivered_params),
+                session.execute_prepared(&mark_failed, &failed_params),
+                session.execute_prepared(&mark_parked, &parked_params),
+                session.commit(),
+            )?;
+            Ok::<_, StoreError>(committed)
+        };
+        // Not answered in time: the deliveries stand, unrecorded; the
+        // events are due again and delivered again under their keys.
+        let committed = answered_within(BACKGROUND_DEADLINE, recorded, "recording a batch").await?;
         session.mark_clean(committed);
         Ok(report)
     }
@@ -272,8 +297,11 @@ impl<K: Sink> Relay<K> {
     /// Counts undelivered events and the age of the oldest, and publishes
     /// them as the backlog and lag gauges.
     pub async fn refresh_backlog(&self) -> Result<OutboxStatus, StoreError> {
-        let session = self.store.session().await?;
-        let row = session.query_one(statements::OUTBOX_BACKLOG, &[]).await?;
+        let read = async {
+            let session = self.store.session().await?;
+            session.query_one(statements::OUTBOX_BACKLOG, &[]).await
+        };
+        let row = answered_within(BACKGROUND_DEADLINE, read, "counting the backlog").await?;
         let (count, lag): (i64, f64) = (row.get(0), row.get(1));
         metrics::outbox_backlog(count as f64, lag);
         Ok(OutboxStatus {

@@ -19,7 +19,9 @@ use crate::{
         complete_params, fenced_check_params, COMMIT, COMPLETE, COMPLETE_AND_RESET, FENCED_CHECK,
         ROLLBACK,
     },
-    protocol::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
+    protocol::waits::{
+        commit_gave_up, CANCEL_DEADLINE, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE,
+    },
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},
 };
@@ -127,10 +129,11 @@ pub(super) async fn abort(tx: PgTx) -> Result<(), StoreError> {
     let mut rollback = std::pin::pin!(end(conn, None, ROLLBACK));
     let ended = match tokio::time::timeout(ROLLBACK_PATIENCE, &mut rollback).await {
         Ok(ended) => Some(ended),
-        Err(_) => {
-            cancel_running(&tx).await;
+        Err(_) if cancel_running(&tx).await => {
             tokio::time::timeout(CANCEL_GRACE, rollback).await.ok()
         }
+        // The cancel went unanswered: so would the rollback.
+        Err(_) => None,
     };
     match ended {
         Some(Ok(())) => Ok(()),
@@ -200,9 +203,22 @@ pub(super) async fn commit_resetting(
 /// Cancels whatever statement runs on the connection of `tx` (a handler
 /// cut off at its deadline, a task it spawned), so that its locks and
 /// its connection come back now rather than when the statement ends.
-async fn cancel_running(tx: &PgTx) {
-    if let Err(e) = tx.canceller().cancel().await {
-        tracing::warn!(error = %e, "could not cancel the statement still running for an abandoned owner");
+/// Whether the cancel request was delivered: one that could not be (the
+/// server unreachable within [`CANCEL_DEADLINE`]) says the database is not
+/// answering, and nothing is gained by waiting for the statement.
+async fn cancel_running(tx: &PgTx) -> bool {
+    match tokio::time::timeout(CANCEL_DEADLINE, tx.canceller().cancel()).await {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not cancel the statement still running for an abandoned owner");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(
+                "cancelling the statement still running for an abandoned owner took too long; its connection is closed instead"
+            );
+            false
+        }
     }
 }
 

@@ -178,9 +178,15 @@ impl PgStoreBuilder {
     /// probes check that the server is still there (default 15 s; probes
     /// every 5 s, 3 of them). A database host that vanished without closing
     /// its sockets is then noticed in about 30 s instead of hours, and a
-    /// request waiting on it gets an error instead of hanging. Replaces the
-    /// connection configuration's keepalive settings; no effect on Unix
-    /// sockets.
+    /// request waiting on it gets an error instead of hanging. The same
+    /// bound applies to data sent and not acknowledged (the TCP user
+    /// timeout, `tcp_user_timeout`, set to this plus 15 s): a connection
+    /// whose statement crossed into a network partition is given up by the
+    /// kernel then, not after its retransmissions run out (many minutes).
+    /// A request never waits that long anyway: the layer keeps deadlines of
+    /// its own on every round trip and closes a connection that missed one.
+    /// Replaces the connection configuration's keepalive settings; no effect
+    /// on Unix sockets.
     pub fn keepalive_idle(self, idle: Duration) -> Self {
         crate::setter::with(self, |b| b.keepalive_idle = idle)
     }
@@ -255,7 +261,8 @@ impl PgStoreBuilder {
             .keepalives(true)
             .keepalives_idle(self.keepalive_idle)
             .keepalives_interval(Duration::from_secs(5))
-            .keepalives_retries(3);
+            .keepalives_retries(3)
+            .tcp_user_timeout(self.keepalive_idle.saturating_add(Duration::from_secs(15)));
         // The wire mode always follows the parsed `sslmode`, whoever makes
         // the TLS: a caller's connector left with tokio-postgres's default
         // (`prefer`) would fall back to plaintext, and send a cleartext

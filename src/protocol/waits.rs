@@ -18,6 +18,12 @@ pub(crate) const MIN_WAIT: Duration = Duration::from_millis(100);
 pub(crate) const ROLLBACK_PATIENCE: Duration = Duration::from_millis(500);
 pub(crate) const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
+/// How long a cancel request may take. It travels on a connection of its
+/// own, over the same network as the statement it cancels: across a
+/// partition it would wait as long as the partition lasts, so it is given
+/// up after this and the connection it was for is closed instead.
+pub(crate) const CANCEL_DEADLINE: Duration = Duration::from_secs(2);
+
 /// How long ending an owner's transaction (the completion, the one-commit
 /// mode's commit, a fenced commit) waits for a statement that a task of the
 /// handler still runs through a clone of the handle, or a connection such a
@@ -25,6 +31,33 @@ pub(crate) const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// statement is cancelled and the transaction rolled back (`503`): the
 /// handler's deadline does not cover its tasks, and nothing else bounds them.
 pub(crate) const COMMIT_PATIENCE: Duration = Duration::from_secs(5);
+
+/// How long a background task's database phase (an outbox batch's claim
+/// or record, a cleanup batch, a gauge's read) may take before the task
+/// gives up on the database for this round and closes the connection: a
+/// network path that stopped moving bytes answers nothing, and nothing on
+/// the server's side can end the wait.
+pub(crate) const BACKGROUND_DEADLINE: Duration = Duration::from_secs(10);
+
+/// `call`, answered within `limit`, or an `Unavailable` error saying what
+/// was cut off (`what`); the call is dropped, and with it its connection
+/// (never pooled again: it may be inside a transaction).
+pub(crate) async fn answered_within<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,
+    what: &str,
+) -> Result<T, crate::store::StoreError> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(answered) => answered,
+        Err(_) => Err(crate::store::StoreError::new(
+            crate::store::StoreErrorKind::Unavailable,
+            format!(
+                "the database did not answer ({what}) within {} s; the connection was closed",
+                limit.as_secs()
+            ),
+        )),
+    }
+}
 
 /// The answer when [`COMMIT_PATIENCE`] ran out.
 pub(crate) fn commit_gave_up() -> crate::store::StoreError {

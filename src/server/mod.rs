@@ -26,6 +26,7 @@ mod admit;
 mod body;
 mod cache;
 mod coalesce;
+mod deadline;
 mod drain;
 mod endpoint;
 #[cfg(feature = "axum")]

@@ -13,6 +13,7 @@ use super::{
     admit::Admitted,
     body::RequestBody,
     coalesce::{coalesce, Coalesced, Proceed},
+    deadline::{self, Deadlines},
     endpoint::Setup,
     inner::{Inner, InnerBody},
     mode::{ClaimAtCommit, ClaimFirst, HOLD_MARGIN},
@@ -21,7 +22,7 @@ use super::{
 };
 use crate::{
     record::{Record, StoredResponse},
-    store::{Claim, ClaimRequest, CommitStore, Committed, Store, StoreError},
+    store::{Claim, ClaimRequest, CommitStore, Committed, Store, StoreError, StoreErrorKind},
 };
 
 /// How a one-transaction mode opens the owner's transaction and ends it.
@@ -51,6 +52,7 @@ pub(crate) trait OneTransaction<St: Store>: Send + Sync + 'static {
     fn decided_elsewhere(
         store: &St,
         claim: &ClaimRequest,
+        deadlines: Deadlines,
     ) -> impl Future<Output = Option<Record>> + Send;
 }
 
@@ -74,7 +76,7 @@ impl<St: Store> OneTransaction<St> for ClaimFirst {
     }
 
     /// The claim read the key: this request held it, so no other record.
-    async fn decided_elsewhere(_: &St, _: &ClaimRequest) -> Option<Record> {
+    async fn decided_elsewhere(_: &St, _: &ClaimRequest, _: Deadlines) -> Option<Record> {
         None
     }
 }
@@ -100,13 +102,20 @@ impl<St: CommitStore> OneTransaction<St> for ClaimAtCommit {
     /// what the first commit wrote (a unique key of the domain). The key
     /// is read now, by a claim that is let go at once if the key is free:
     /// two round trips more, on failures only.
-    async fn decided_elsewhere(store: &St, claim: &ClaimRequest) -> Option<Record> {
-        match store.claim(claim).await {
+    async fn decided_elsewhere(
+        store: &St,
+        claim: &ClaimRequest,
+        deadlines: Deadlines,
+    ) -> Option<Record> {
+        let claimed = deadline::within(
+            deadlines.end(),
+            store.claim(claim),
+            deadline::claim_unanswered,
+        );
+        match claimed.await {
             Ok(Claim::Completed(record)) => Some(record),
             Ok(Claim::Owned(tx)) => {
-                if let Err(e) = store.abort(tx).await {
-                    tracing::warn!(error = %e, "rollback failed; the connection was discarded");
-                }
+                let _ = abort(store, tx, deadlines).await;
                 None
             }
             Ok(Claim::InProgress) => None,
@@ -143,6 +152,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     let config = &setup.config;
     let mut timings = Timings::start();
     let deadline = tokio::time::Instant::now() + config.wait;
+    let deadlines = Deadlines::new(deadline, config.handler_timeout);
     #[cfg(feature = "failpoints")]
     let faults: Faults = parts
         .extensions
@@ -190,7 +200,12 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
         // `expires`.
         claim.wait = deadline.saturating_duration_since(tokio::time::Instant::now());
         claim.hold_limit = Some(config.handler_timeout.saturating_add(HOLD_MARGIN));
-        let claimed = M::open(&setup.store, &claim).await;
+        let claimed = deadline::within(
+            deadlines.claim(),
+            M::open(&setup.store, &claim),
+            deadline::claim_unanswered,
+        )
+        .await;
         let claimed_at = *timings.claimed.get_or_insert(timings.since_arrival());
         if followed || matches!(claimed, Ok(Claim::InProgress)) {
             timings.waited = Some(claimed_at);
@@ -225,7 +240,8 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
         }
 
         // 5. Remember, or roll back.
-        let ended = match remember::<M, _, _, _, _, _>(&setup, tx, &claim, ran, faults).await {
+        let remembered = remember::<M, _, _, _, _, _>(&setup, tx, &claim, ran, deadlines, faults);
+        let ended = match remembered.await {
             Remembered::Committed(parts, stored) => {
                 fault_point!(faults, AfterCommit);
                 // The response as committed is the record this process now
@@ -300,6 +316,7 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
     tx: St::Tx,
     claim: &ClaimRequest,
     ran: Result<(http::response::Parts, Bytes), Rollback<ResB, E>>,
+    deadlines: Deadlines,
     #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))] faults: Faults,
 ) -> Remembered<ResB, E> {
     let failed = match ran {
@@ -307,27 +324,65 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
             let replayed = &setup.config.replay_headers;
             let stored = StoredResponse::remember(&parts, replayed, body);
             fault_point!(faults, BeforeCommit);
-            match M::commit(&setup.store, tx, claim, &stored).await {
+            let committed = deadline::within(
+                deadlines.end(),
+                M::commit(&setup.store, tx, claim, &stored),
+                deadline::commit_unanswered,
+            );
+            match committed.await {
                 Ok(Committed::Won) => return Remembered::Committed(parts, stored),
                 Ok(Committed::Lost(record)) => return Remembered::Lost(record),
                 Ok(Committed::Held) => {
                     return Remembered::Settled(Settled::InProgress { retry_after: 1 })
                 }
                 Ok(Committed::Freed) => return Remembered::Freed,
+                // The database did not answer the commit: reading the key
+                // now would go unanswered too, and the retry learns the
+                // outcome.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        StoreErrorKind::OutcomeUnknown | StoreErrorKind::Unavailable
+                    ) =>
+                {
+                    return Remembered::Settled(Settled::CompletionFailed(e))
+                }
                 Err(e) => Settled::CompletionFailed(e),
             }
         }
         Err(rollback) => {
-            if let Err(e) = setup.store.abort(tx).await {
-                tracing::warn!(error = %e, "rollback failed; the connection was discarded");
+            let aborted = abort(&setup.store, tx, deadlines).await;
+            match (rollback, aborted) {
+                // The handler's statements went unanswered, and so did the
+                // rollback: the database, not the handler, stopped. Reading
+                // the key now would go unanswered too.
+                (Rollback::TimedOut, Err(e)) if e.kind() == StoreErrorKind::Unavailable => {
+                    return Remembered::Settled(Settled::StoreLost(e))
+                }
+                (rollback, _) => Settled::RolledBack(rollback),
             }
-            Settled::RolledBack(rollback)
         }
     };
-    match M::decided_elsewhere(&setup.store, claim).await {
+    match M::decided_elsewhere(&setup.store, claim, deadlines).await {
         Some(record) => Remembered::Lost(record),
         None => Remembered::Settled(failed),
     }
+}
+
+/// Rolls the owner's work back, by the end's deadline; a rollback that
+/// fails or is not answered in time leaves the connection closed, and the
+/// server rolls back when it learns so.
+async fn abort<St: Store>(store: &St, tx: St::Tx, deadlines: Deadlines) -> Result<(), StoreError> {
+    let aborted = deadline::within(
+        deadlines.end(),
+        store.abort(tx),
+        deadline::rollback_unanswered,
+    )
+    .await;
+    if let Err(e) = &aborted {
+        tracing::warn!(error = %e, "rollback failed; the connection was discarded");
+    }
+    aborted
 }
 
 /// The fault injected into this request, if any (feature `failpoints`).

@@ -76,6 +76,11 @@ pub enum Settled<B, E> {
     RolledBack(Rollback<B, E>),
     /// The owner's response was ready, but the commit failed (see the kind).
     CompletionFailed(StoreError),
+    /// The database stopped answering while the owner held its key: its
+    /// statements and then its rollback went unanswered (a network
+    /// partition). The connection was closed; nothing was committed, and
+    /// the server rolls the work back once it learns so.
+    StoreLost(StoreError),
     /// The runtime shut down under the owned work.
     Cancelled,
     /// A long-running operation was started (or taken over) and did not
@@ -147,7 +152,9 @@ impl<B, E> Settled<B, E> {
             Settled::Replayed(_) => Outcome::Replayed,
             Settled::KeyReused => Outcome::KeyReused,
             Settled::InProgress { .. } => Outcome::InProgress,
-            Settled::ClaimFailed(_) | Settled::Cancelled => Outcome::StoreUnavailable,
+            Settled::ClaimFailed(_) | Settled::StoreLost(_) | Settled::Cancelled => {
+                Outcome::StoreUnavailable
+            }
             Settled::Committed(..) | Settled::Accepted(..) => Outcome::New,
             Settled::StillRunning(..) => Outcome::Replayed,
             Settled::Rebuilt(_) => Outcome::Rebuilt,
@@ -170,6 +177,7 @@ impl<B, E> Settled<B, E> {
             | Settled::RolledBack(_)
             | Settled::AttemptFailed(..)
             | Settled::CompletionFailed(_)
+            | Settled::StoreLost(_)
             | Settled::Accepted(..) => Outcome::New,
             // The claim found a completed record; only the answer was rebuilt.
             Settled::Rebuilt(_) | Settled::ResourceGone(_) | Settled::RebuildFailed(_) => {
@@ -203,6 +211,13 @@ impl<B, E> Settled<B, E> {
             Settled::KeyReused => tracing::info!("key reused with a different request; refused"),
             Settled::InProgress { .. } => tracing::info!("key still in progress after the wait"),
             Settled::ClaimFailed(e) => tracing::error!(error = %e, "claim failed"),
+            Settled::StoreLost(e) => {
+                metrics::handler_timeout(endpoint);
+                tracing::error!(
+                    error = %e,
+                    "the database stopped answering the owner's transaction; its connection was closed, nothing was committed"
+                )
+            }
             Settled::Committed(parts, _) => tracing::info!(
                 status = parts.status.as_u16(),
                 "committed the response to remember with the handler's writes"
@@ -316,6 +331,9 @@ impl<B, E> Settled<B, E> {
             Settled::KeyReused => key_reused(config),
             Settled::InProgress { retry_after } => in_progress(retry_after),
             Settled::ClaimFailed(_) => store_unavailable("the idempotency store is unavailable"),
+            Settled::StoreLost(_) => store_unavailable(
+                "the database stopped answering; nothing was committed, retry with the same key",
+            ),
             Settled::RolledBack(Rollback::Unstorable(_)) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 codes::RESPONSE_NOT_STORABLE,

@@ -108,7 +108,13 @@ pub(super) async fn abort(tx: SqlxTx) -> Result<(), StoreError> {
         match tokio::time::timeout(ROLLBACK_PATIENCE, &mut drain).await {
             Ok(drained) => drained,
             Err(_) => {
-                tx.cancel_running().await;
+                if !tx.cancel_running().await {
+                    // The cancel went unanswered: so would the statement.
+                    return Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the database did not answer; the connection was closed",
+                    ));
+                }
                 match tokio::time::timeout(CANCEL_GRACE, drain).await {
                     Ok(drained) => drained,
                     // Dropped, the connection is closed; the server rolls

@@ -230,11 +230,27 @@ impl SqlxTx {
     /// statement), so the pooler still lends this client that server
     /// connection. The statement is a simple query (the id is a number of
     /// ours, not client data): one round trip, nothing prepared.
-    pub(super) async fn cancel_running(&self) {
+    ///
+    /// Whether the cancel was delivered: one that could not be (within
+    /// [`CANCEL_DEADLINE`](crate::protocol::waits::CANCEL_DEADLINE)) says
+    /// the database is not answering.
+    pub(super) async fn cancel_running(&self) -> bool {
         let cancel = cancel_backend(self.inner.pid);
-        let cancelled = (&self.inner.pool).execute(cancel.as_str()).await;
-        if let Err(e) = cancelled {
-            tracing::debug!(error = %e, "cancelling a statement left running failed");
+        let cancelled = tokio::time::timeout(
+            crate::protocol::waits::CANCEL_DEADLINE,
+            (&self.inner.pool).execute(cancel.as_str()),
+        )
+        .await;
+        match cancelled {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "cancelling a statement left running failed");
+                false
+            }
+            Err(_) => {
+                tracing::debug!("cancelling a statement left running took too long");
+                false
+            }
         }
     }
 }

@@ -5,6 +5,7 @@
 pub(crate) mod citus;
 pub(crate) mod example_binary;
 pub(crate) mod fault_proxy;
+pub(crate) mod partition;
 pub(crate) mod patroni;
 pub(crate) mod pgbouncer;
 pub(crate) mod proxy;

@@ -39,12 +39,18 @@ pub(crate) struct Server {
 
 impl Server {
     pub(crate) async fn start(database_url: &str, mode: Mode) -> Server {
+        Self::start_with(database_url, mode, &[]).await
+    }
+
+    /// As [`start`](Self::start), with `env` on top of the defaults.
+    pub(crate) async fn start_with(database_url: &str, mode: Mode, env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(example_binary())
             .env("DATABASE_URL", database_url)
             .envs([mode.env()])
             .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .env("FULFILMENT_DELAY", "2s")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
