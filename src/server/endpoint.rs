@@ -98,7 +98,7 @@ impl Config {
             key_reuse: KeyReuseStatus::Conflict,
             tenant_label: false,
             rebuild: None,
-            classifier: Arc::new(crate::classify::ServerErrorsAsFailures),
+            classifier: Arc::new(crate::classify::ServerOrGrpcErrorsAsFailures),
             key_from_body: None,
         }
     }

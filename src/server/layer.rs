@@ -245,10 +245,23 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     }
 
     /// What counts as success: which responses are remembered with the
-    /// handler's writes and which roll back and free the key (default
-    /// [`ServerErrorsAsFailures`](crate::classify::ServerErrorsAsFailures),
-    /// HTTP's rule; [`GrpcErrorsAsFailures`](crate::classify::GrpcErrorsAsFailures)
-    /// for a gRPC service). See [`classify`](crate::classify).
+    /// handler's writes and which roll back and free the key. See
+    /// [`classify`](crate::classify).
+    ///
+    /// The default,
+    /// [`ServerOrGrpcErrorsAsFailures`](crate::classify::ServerOrGrpcErrorsAsFailures),
+    /// judges each answer by its protocol, told by its `content-type`: an
+    /// `application/grpc` or `application/grpc+<codec>` answer by its
+    /// `grpc-status`, in the trailers or in a trailers-only head
+    /// ([`GrpcErrorsAsFailures`](crate::classify::GrpcErrorsAsFailures)),
+    /// so that a gRPC `UNAVAILABLE`, HTTP 200 like every gRPC answer, rolls
+    /// back; any other answer by its HTTP status
+    /// ([`ServerErrorsAsFailures`](crate::classify::ServerErrorsAsFailures)).
+    ///
+    /// A classifier set here judges every answer, whatever its content
+    /// type: `classify(ServerErrorsAsFailures)` remembers a gRPC error as
+    /// the HTTP 200 it is, and `classify(GrpcErrorsAsFailures)` rolls back
+    /// any HTTP 200 without a `grpc-status`.
     pub fn classify(self, classifier: impl crate::classify::Classifier) -> Self {
         let classifier: Arc<dyn crate::classify::Classifier> = Arc::new(classifier);
         self.configure(|c| c.classifier = classifier)

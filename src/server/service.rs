@@ -200,14 +200,7 @@ where
 /// A gRPC request (`application/grpc`, `application/grpc+proto`, …): the
 /// layer's own answers go back as gRPC statuses.
 fn is_grpc(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v == "application/grpc"
-                || v.starts_with("application/grpc+")
-                || v.starts_with("application/grpc;")
-        })
+    crate::classify::grpc_content(headers) == Some(crate::classify::GrpcContent::Grpc)
 }
 
 /// A replay of a record that names its resource, rebuilt by the

@@ -2,7 +2,8 @@
 //! answer with `grpc-status`) passed on with the first answer, remembered
 //! with the response in the same transaction and replayed from the replay
 //! cache and from the database, in both modes of a short transaction;
-//! `grpc-status` deciding what is remembered; the layer's own answers as
+//! `grpc-status` deciding what is remembered, by default for an answer
+//! whose content type is gRPC; the layer's own answers as
 //! gRPC statuses; the key read from the message (AIP-155's `request_id`).
 
 use std::sync::{
@@ -168,12 +169,23 @@ async fn a_response_without_trailers_replays_without_them() {
     assert_eq!(replay.trailers, None);
 }
 
-/// A handler answering as a gRPC service does: an order written, then the
-/// status `codes[n]` for its `n`th call, in the trailers or (`in_head`) in
-/// the headers of a trailers-only answer; `final_codes` marked
-/// `FinalResponse`.
+/// A handler answering as a gRPC service does: an order written, then an
+/// `application/grpc` answer with the status `codes[n]` for its `n`th call,
+/// in the trailers or (`in_head`) in the headers of a trailers-only answer;
+/// `final_codes` marked `FinalResponse`.
 fn grpc_service(
     calls: Arc<AtomicU64>,
+    codes: &'static [&'static str],
+    in_head: bool,
+    final_codes: &'static [&'static str],
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Body>, BoxError> {
+    answering::<Postgres>(calls, "application/grpc", codes, in_head, final_codes)
+}
+
+/// [`grpc_service`] on any backend, with the answer's `content_type`.
+fn answering<B: Backend>(
+    calls: Arc<AtomicU64>,
+    content_type: &'static str,
     codes: &'static [&'static str],
     in_head: bool,
     final_codes: &'static [&'static str],
@@ -183,8 +195,8 @@ fn grpc_service(
         async move {
             let n = calls.fetch_add(1, Ordering::SeqCst) as usize;
             let code = codes[n.min(codes.len() - 1)];
-            let tx = tx_of::<Postgres>(&request).expect("the layer's transaction");
-            Postgres::insert_order(&tx, &format!("order-{n}"), "tenant-a").await?;
+            let tx = tx_of::<B>(&request).expect("the layer's transaction");
+            B::insert_order(&tx, &format!("order-{n}"), "tenant-a").await?;
             let mut trailers = HeaderMap::new();
             trailers.insert("grpc-status", HeaderValue::from_static(code));
             let mut response = if in_head {
@@ -203,6 +215,9 @@ fn grpc_service(
                         .boxed(),
                 )
             };
+            response
+                .headers_mut()
+                .insert("content-type", HeaderValue::from_static(content_type));
             if final_codes.contains(&code) {
                 response
                     .extensions_mut()
@@ -285,6 +300,189 @@ async fn a_grpc_rejection_marked_final_is_remembered() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(key_rows(&pg, "k1").await, 1);
+}
+
+/// The `grpc-status` a client reads: in the trailers, or in the headers of
+/// a trailers-only answer.
+fn grpc_status_of(read: &Read) -> HeaderValue {
+    match &read.trailers {
+        Some(trailers) => trailers["grpc-status"].clone(),
+        None => read.headers["grpc-status"].clone(),
+    }
+}
+
+/// With no classifier chosen, an answer whose content type says gRPC is
+/// judged by its `grpc-status`: an `UNAVAILABLE` in the trailers, or in the
+/// headers of a trailers-only answer, commits none of the handler's writes
+/// and remembers nothing, and the retry runs the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_grpc_error_commits_nothing_and_the_retry_runs_again() {
+    let cases = [
+        ("application/grpc", false),
+        ("application/grpc", true),
+        ("application/grpc+proto", false),
+    ];
+    for (content_type, in_head) in cases {
+        let case = format!("{content_type}, in_head {in_head}");
+        let pg = Postgres::new().await;
+        let calls = Arc::new(AtomicU64::new(0));
+        let service = layer(pg.store.clone()).layer(answering::<Postgres>(
+            calls.clone(),
+            content_type,
+            &["14", "0"],
+            in_head,
+            &[],
+        ));
+
+        let failed = read(service.clone(), tenant_a_post("k1")).await;
+        assert_eq!(failed.status, StatusCode::OK);
+        assert_eq!(
+            grpc_status_of(&failed),
+            "14",
+            "UNAVAILABLE reaches the client ({case})"
+        );
+        assert_eq!(pg.orders().await.len(), 0, "nothing committed ({case})");
+        assert_eq!(key_rows(&pg, "k1").await, 0, "nothing remembered ({case})");
+
+        let retried = read(service.clone(), tenant_a_post("k1")).await;
+        assert!(
+            !retried.headers.contains_key("idempotent-replayed"),
+            "{case}"
+        );
+        assert_eq!(grpc_status_of(&retried), "0", "{case}");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            2,
+            "the retry ran the handler ({case})"
+        );
+        assert_eq!(pg.orders().await.len(), 1, "the retry's order ({case})");
+        assert_eq!(key_rows(&pg, "k1").await, 1, "{case}");
+    }
+}
+
+/// The same default on the in-memory store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_grpc_error_commits_nothing_in_memory_either() {
+    for in_head in [false, true] {
+        let memory = Memory::new().await;
+        let calls = Arc::new(AtomicU64::new(0));
+        let service = layer(memory.store()).layer(answering::<Memory>(
+            calls.clone(),
+            "application/grpc",
+            &["14", "0"],
+            in_head,
+            &[],
+        ));
+
+        let failed = read(service.clone(), tenant_a_post("k1")).await;
+        assert_eq!(grpc_status_of(&failed), "14", "in_head {in_head}");
+        assert_eq!(
+            memory.orders().await.len(),
+            0,
+            "nothing committed (in_head {in_head})"
+        );
+        assert_eq!(
+            memory.remembered().await,
+            0,
+            "nothing remembered (in_head {in_head})"
+        );
+
+        let retried = read(service, tenant_a_post("k1")).await;
+        assert!(!retried.headers.contains_key("idempotent-replayed"));
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            2,
+            "the retry ran the handler (in_head {in_head})"
+        );
+        assert_eq!(memory.orders().await.len(), 1);
+        assert_eq!(memory.remembered().await, 1);
+    }
+}
+
+/// With no classifier chosen, a gRPC `OK` (in the trailers or in a
+/// trailers-only head) commits with its writes and is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_grpc_ok_commits_and_is_replayed() {
+    for in_head in [false, true] {
+        let pg = Postgres::new().await;
+        let calls = Arc::new(AtomicU64::new(0));
+        let service = layer(pg.store.clone())
+            .without_replay_cache()
+            .layer(grpc_service(calls.clone(), &["0"], in_head, &[]));
+
+        let first = read(service.clone(), tenant_a_post("k1")).await;
+        assert_eq!(grpc_status_of(&first), "0");
+        assert_eq!(pg.orders().await.len(), 1, "committed (in_head {in_head})");
+        assert_eq!(
+            key_rows(&pg, "k1").await,
+            1,
+            "remembered (in_head {in_head})"
+        );
+
+        let replay = read(service, tenant_a_post("k1")).await;
+        assert_eq!(replay.headers["idempotent-replayed"], "true");
+        assert_eq!(grpc_status_of(&replay), "0");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "replayed (in_head {in_head})"
+        );
+        assert_eq!(pg.orders().await.len(), 1);
+    }
+}
+
+/// With no classifier chosen, an answer that is not gRPC is judged by
+/// HTTP's rule: a 200 is remembered, whatever `grpc-status` it carries (the
+/// content type decides, not the header).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_non_grpc_200_is_remembered() {
+    for in_head in [false, true] {
+        let pg = Postgres::new().await;
+        let calls = Arc::new(AtomicU64::new(0));
+        let service = layer(pg.store.clone())
+            .without_replay_cache()
+            .layer(answering::<Postgres>(
+                calls.clone(),
+                "application/json",
+                &["14"],
+                in_head,
+                &[],
+            ));
+
+        let first = read(service.clone(), tenant_a_post("k1")).await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert_eq!(pg.orders().await.len(), 1, "committed (in_head {in_head})");
+        assert_eq!(
+            key_rows(&pg, "k1").await,
+            1,
+            "remembered (in_head {in_head})"
+        );
+        let replay = read(service, tenant_a_post("k1")).await;
+        assert_eq!(replay.headers["idempotent-replayed"], "true");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// An explicit choice wins over the default: `classify(ServerErrorsAsFailures)`
+/// judges a gRPC answer by HTTP's rule too, so its `UNAVAILABLE` (HTTP 200)
+/// is remembered with its writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_explicit_http_rule_applies_to_grpc_answers_too() {
+    let pg = Postgres::new().await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let service = layer(pg.store.clone())
+        .classify(tower_idempotency::classify::ServerErrorsAsFailures)
+        .without_replay_cache()
+        .layer(grpc_service(calls.clone(), &["14"], false, &[]));
+
+    let first = read(service.clone(), tenant_a_post("k1")).await;
+    assert_eq!(grpc_status_of(&first), "14");
+    assert_eq!(pg.orders().await.len(), 1, "committed");
+    assert_eq!(key_rows(&pg, "k1").await, 1, "remembered");
+    let replay = read(service, tenant_a_post("k1")).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(grpc_status_of(&replay), "14");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 /// A request as a gRPC client sends it (the message here is JSON for the

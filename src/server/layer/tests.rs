@@ -209,7 +209,7 @@ fn a_raised_retention_is_said_once_and_exposed() {
                 http_body_util::Full::new(Bytes::new()),
             ))
         });
-        let _first = layer.layer(inner.clone());
+        let _first = layer.layer(inner);
         let _second = layer.clone().layer(inner);
     });
     assert_eq!(log.matches("WARN").count(), 1, "{log}");
