@@ -102,6 +102,12 @@ impl<K: Sink> Relay<K> {
 
     /// Events claimed per batch (and held locked while they are delivered):
     /// 32 by default, from 1 to 10,000.
+    ///
+    /// The relay holds a batch's rows in memory while it delivers them, so
+    /// a batch costs up to this many times the largest payload your
+    /// handlers write (an event's payload is yours to bound; one built from
+    /// the request is under the layer's request body limit, 1 MiB by
+    /// default). A relay holds one batch at a time, whatever the backlog.
     pub fn batch_size(self, n: usize) -> Self {
         crate::setter::with(self, |r| r.batch_size = n.clamp(1, 10_000) as i64)
     }

@@ -7,24 +7,128 @@
 //! TTL), and a miss costs only the normal claim. The one thing a cache
 //! cannot see is a record removed by an operator (`remove_key`) or by
 //! another process: an entry already cached answers until its TTL ends.
+//!
+//! Bounded by the bytes it holds, not by a count of entries: one remembered
+//! response may be up to 256 MiB, so a count bounds nothing a tenant cannot
+//! fill.
 
 use std::{
     hash::{Hash, Hasher},
+    mem::size_of,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use quick_cache::{sync::Cache, Equivalent};
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
+use quick_cache::{
+    sync::{Cache, DefaultLifecycle},
+    DefaultHashBuilder, Equivalent, OptionsBuilder, Weighter,
+};
 
 use crate::{key::IdempotencyKey, record::Record, scope::Scope};
 
 type Key = (Scope, IdempotencyKey);
 
+/// The replay cache's settings, for
+/// [`IdempotencyLayer::replay_cache`](crate::IdempotencyLayer::replay_cache):
+/// how many bytes it may hold, and how long an entry answers.
+///
+/// The budget counts what an entry keeps alive: the response body, its
+/// remembered headers and trailers, the resource id, the tenant and the
+/// key, plus a fixed allowance for the entry's own structures. One entry
+/// may take at most a 64th of the budget
+/// ([`max_entry_bytes`](Self::max_entry_bytes): 1 MiB of the default
+/// 64 MiB); a heavier answer is not cached, and its retries replay from
+/// the store. As the key, headers and allowance count too, an answer of
+/// exactly the default
+/// [`response_body_limit`](crate::IdempotencyLayer::response_body_limit)
+/// (1 MiB) is just over it with the default budget.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::ReplayCache;
+///
+/// let cache = ReplayCache::new(16 * 1024 * 1024).ttl(Duration::from_secs(30));
+/// assert_eq!(cache.max_entry_bytes(), 256 * 1024);
+/// assert_eq!(ReplayCache::default().max_bytes(), 64 * 1024 * 1024);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayCache {
+    max_bytes: u64,
+    ttl: Duration,
+}
+
+impl ReplayCache {
+    /// The default budget: 64 MiB per layer.
+    pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
+    /// The default time an entry answers: 60 s.
+    pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+    /// The share of the budget one entry may take. Small enough that a few
+    /// large answers cannot push out everything else (a shard holds four
+    /// of the largest), large enough that the default budget keeps answers
+    /// up to about the default response limit.
+    const ENTRY_SHARE: u64 = 64;
+
+    /// A cache of at most `max_bytes` (0 turns it off), whose entries answer
+    /// for 60 s.
+    pub fn new(max_bytes: u64) -> Self {
+        ReplayCache {
+            max_bytes,
+            ttl: Self::DEFAULT_TTL,
+        }
+    }
+
+    /// How long an entry answers at most (default 60 s; zero turns the
+    /// cache off). An entry never outlives its record's retention either,
+    /// so a `ttl` above 100 years (the longest retention) is clamped to it.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl.min(crate::store::MAX_RETENTION);
+        self
+    }
+
+    /// The budget, in bytes.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// The largest entry kept, in bytes: a 64th of the budget.
+    pub fn max_entry_bytes(&self) -> u64 {
+        self.max_bytes / Self::ENTRY_SHARE
+    }
+}
+
+impl Default for ReplayCache {
+    /// 64 MiB for at most 60 s.
+    fn default() -> Self {
+        ReplayCache::new(Self::DEFAULT_MAX_BYTES)
+    }
+}
+
+/// The shards the cache is split into, whatever the machine. quick_cache
+/// refuses an item heavier than about its shard's capacity and defaults to
+/// four shards per core: on 64 cores a 64 MiB cache would refuse every
+/// answer above 256 KiB. With 16, a shard holds four of the largest
+/// entries.
+const SHARDS: u64 = 16;
+
+/// What an entry costs beyond the bytes it counts one by one: the entry,
+/// its key and record, the `Arc`'s counts, and the cache's slot and index
+/// for it.
+const ENTRY_OVERHEAD: u64 =
+    (size_of::<Key>() + size_of::<Entry>() + size_of::<Record>() + 64) as u64;
+
+/// The entry sizes the cache's bookkeeping is planned for (it only sizes
+/// the record of recently evicted keys, which lives outside the budget:
+/// half this many hashes).
+const TYPICAL_ENTRY: u64 = 4096;
+
 /// The cache of one layer (shared by every service it makes).
 #[derive(Clone)]
 pub(crate) struct RecordCache {
-    entries: Arc<Cache<Key, Entry>>,
+    entries: Arc<Cache<Key, Entry, ByWeight>>,
     ttl: Duration,
+    max_entry: u64,
 }
 
 #[derive(Clone)]
@@ -34,6 +138,60 @@ struct Entry {
     /// process's clock: the instant taken before its commit, so never later
     /// than the database's), or the TTL after it was cached, the sooner.
     until: Instant,
+    /// Weighed once, as it goes in: the cache asks again while it evicts.
+    weight: u64,
+}
+
+/// Weighs an entry by the bytes it keeps alive.
+#[derive(Clone, Copy)]
+struct ByWeight;
+
+impl Weighter<Key, Entry> for ByWeight {
+    fn weight(&self, _key: &Key, entry: &Entry) -> u64 {
+        entry.weight
+    }
+}
+
+/// The bytes an entry for `record` under `key` keeps alive.
+fn weigh(scope: &Scope, key: &IdempotencyKey, record: &Record) -> u64 {
+    let pairs = |pairs: &[(HeaderName, HeaderValue)]| -> u64 {
+        pairs
+            .iter()
+            .map(|(name, value)| {
+                (size_of::<(HeaderName, HeaderValue)>() + name.as_str().len() + value.len()) as u64
+            })
+            .sum()
+    };
+    let response = &record.response;
+    let resource = response
+        .resource_id
+        .as_ref()
+        .map_or(0, |id| id.as_str().len());
+    ENTRY_OVERHEAD
+        + (scope.tenant().as_str().len() + key.as_str().len() + resource) as u64
+        + response.body.len() as u64
+        + pairs(&response.headers)
+        + pairs(&response.trailers)
+}
+
+/// `pairs` in buffers of their own. A header value may be a view into a
+/// larger buffer (a client's read buffer, when the handler proxies), which
+/// the entry would keep alive without counting it.
+fn own_pairs(pairs: &[(HeaderName, HeaderValue)]) -> Vec<(HeaderName, HeaderValue)> {
+    pairs
+        .iter()
+        .map(|(name, value)| {
+            let owned = HeaderValue::from_maybe_shared(Bytes::copy_from_slice(value.as_bytes()))
+                .map(|mut owned| {
+                    owned.set_sensitive(value.is_sensitive());
+                    owned
+                })
+                // Cannot fail (the bytes are a valid value's); the original
+                // is as good, only not weighed exactly.
+                .unwrap_or_else(|_| value.clone());
+            (name.clone(), owned)
+        })
+        .collect()
 }
 
 /// A key looked up by reference: hashes as the owned `(Scope, IdempotencyKey)`
@@ -54,13 +212,33 @@ impl Equivalent<Key> for Lookup<'_> {
 }
 
 impl RecordCache {
-    /// A cache of at most about `capacity` records, each kept at most `ttl`.
-    pub(crate) fn new(capacity: u64, ttl: Duration) -> Self {
-        let capacity = usize::try_from(capacity).unwrap_or(usize::MAX);
-        RecordCache {
-            entries: Arc::new(Cache::new(capacity)),
-            ttl,
+    /// A cache as `settings` say, or none when they turn it off.
+    pub(crate) fn new(settings: ReplayCache) -> Option<Self> {
+        if settings.max_bytes == 0 || settings.ttl.is_zero() {
+            return None;
         }
+        // Each shard gets an equal part: rounded down so that the parts add
+        // up to no more than the budget.
+        let max_bytes = settings.max_bytes - settings.max_bytes % SHARDS;
+        let typical = usize::try_from(max_bytes / TYPICAL_ENTRY).unwrap_or(usize::MAX);
+        let options = OptionsBuilder::new()
+            .shards(SHARDS as usize)
+            .weight_capacity(max_bytes)
+            .estimated_items_capacity(typical.clamp(1, 1 << 18))
+            .build()
+            // Fails only on a setting left out, and all are set above.
+            .ok()?;
+        let entries = Cache::with_options(
+            options,
+            ByWeight,
+            DefaultHashBuilder::default(),
+            DefaultLifecycle::default(),
+        );
+        Some(RecordCache {
+            entries: Arc::new(entries),
+            ttl: settings.ttl,
+            max_entry: settings.max_entry_bytes(),
+        })
     }
 
     /// The cached record of `key`, if any and still answering.
@@ -74,19 +252,66 @@ impl RecordCache {
         None
     }
 
-    /// Keeps `record` until `expires` (or the TTL, or until evicted).
+    /// Keeps a copy of `record` until `expires` (or the TTL, or until
+    /// evicted), unless it weighs more than an entry may.
     pub(crate) fn insert(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
-        record: Arc<Record>,
+        record: &Record,
         expires: Instant,
     ) {
+        let weight = weigh(scope, key, record);
+        if weight > self.max_entry {
+            // Its retries read the store. An entry left under the key is
+            // an expired record's (or it would have answered): gone too.
+            self.entries.remove(&Lookup(scope, key));
+            return;
+        }
         let until = Instant::now()
             .checked_add(self.ttl)
             .map_or(expires, |ttl_end| ttl_end.min(expires));
+        let response = &record.response;
+        // The body in a buffer of its own, so that the entry keeps alive
+        // what it is weighed by: the handler's `Bytes` may be a view into a
+        // larger allocation (a `Vec` grown past its length, a read buffer).
+        let copy = Record {
+            fingerprint: record.fingerprint,
+            response: crate::record::StoredResponse {
+                status: response.status,
+                headers: own_pairs(&response.headers),
+                body: Bytes::copy_from_slice(&response.body),
+                resource_id: response.resource_id.clone(),
+                trailers: own_pairs(&response.trailers),
+            },
+        };
+        let entry = Entry {
+            record: Arc::new(copy),
+            until,
+            weight,
+        };
+        self.entries.insert((scope.clone(), key.clone()), entry);
+    }
+}
+
+#[cfg(test)]
+impl RecordCache {
+    /// How many entries the cache holds now.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// What the cache holds now, by its weigher, in bytes.
+    pub(crate) fn weight(&self) -> u64 {
+        self.entries.weight()
+    }
+
+    /// The bytes the cached records' bodies hold now.
+    pub(crate) fn held_bytes(&self) -> u64 {
         self.entries
-            .insert((scope.clone(), key.clone()), Entry { record, until });
+            .iter()
+            .map(|(_, entry)| entry.record.response.body.len() as u64)
+            .sum()
     }
 }
 
@@ -94,13 +319,14 @@ impl std::fmt::Debug for RecordCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RecordCache")
             .field("entries", &self.entries.len())
+            .field("bytes", &self.entries.weight())
             .finish()
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::{sync::Arc, time::Duration};
+    use std::time::Duration;
 
     use bytes::Bytes;
     use http::{HeaderMap, StatusCode};
@@ -108,16 +334,22 @@ mod tests {
     use super::*;
     use crate::{fingerprint::Fingerprint, record::StoredResponse, scope::TenantId};
 
-    fn record(body: &'static str) -> Arc<Record> {
-        Arc::new(Record {
+    const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * KIB;
+
+    fn record_of(body: Bytes) -> Record {
+        Record {
             fingerprint: Fingerprint::from_bytes([7; 32]),
-            response: StoredResponse::new(
-                StatusCode::CREATED,
-                &HeaderMap::new(),
-                &[],
-                Bytes::from_static(body.as_bytes()),
-            ),
-        })
+            response: StoredResponse::new(StatusCode::CREATED, &HeaderMap::new(), &[], body),
+        }
+    }
+
+    fn record(body: &'static str) -> Record {
+        record_of(Bytes::from_static(body.as_bytes()))
+    }
+
+    fn cache(max_bytes: u64, ttl: Duration) -> RecordCache {
+        RecordCache::new(ReplayCache::new(max_bytes).ttl(ttl)).expect("on")
     }
 
     fn scope(tenant: &str) -> Scope {
@@ -136,10 +368,10 @@ mod tests {
     /// and only under the same tenant, endpoint and key.
     #[test]
     fn a_borrowed_lookup_finds_the_owned_key() {
-        let cache = RecordCache::new(100, Duration::from_secs(60));
+        let cache = cache(MIB, Duration::from_secs(60));
         let hour = later(Duration::from_secs(3600));
-        cache.insert(&scope("a"), &key("k1"), record("first"), hour);
-        cache.insert(&scope("b"), &key("k1"), record("other tenant"), hour);
+        cache.insert(&scope("a"), &key("k1"), &record("first"), hour);
+        cache.insert(&scope("b"), &key("k1"), &record("other tenant"), hour);
         let found = cache.get(&scope("a"), &key("k1")).expect("cached");
         assert_eq!(found.response.body, Bytes::from_static(b"first"));
         let found = cache.get(&scope("b"), &key("k1")).expect("cached");
@@ -153,17 +385,17 @@ mod tests {
     /// the sooner, and is dropped when found past it.
     #[test]
     fn an_entry_stops_answering_at_its_retention_or_its_ttl() {
-        let cache = RecordCache::new(100, Duration::from_secs(60));
+        let cache = cache(MIB, Duration::from_secs(60));
         let s = scope("a");
-        cache.insert(&s, &key("past"), record("x"), Instant::now());
+        cache.insert(&s, &key("past"), &record("x"), Instant::now());
         assert!(cache.get(&s, &key("past")).is_none(), "retention over");
-        assert_eq!(cache.entries.len(), 0, "dropped when found expired");
+        assert_eq!(cache.len(), 0, "dropped when found expired");
 
-        let short = RecordCache::new(100, Duration::ZERO);
+        let short = self::cache(MIB, Duration::from_nanos(1));
         short.insert(
             &s,
             &key("ttl"),
-            record("x"),
+            &record("x"),
             later(Duration::from_secs(3600)),
         );
         assert!(short.get(&s, &key("ttl")).is_none(), "ttl over");
@@ -171,7 +403,7 @@ mod tests {
         cache.insert(
             &s,
             &key("live"),
-            record("x"),
+            &record("x"),
             later(Duration::from_secs(3600)),
         );
         assert!(cache.get(&s, &key("live")).is_some());
@@ -180,33 +412,106 @@ mod tests {
     /// The longest TTL does not overflow the clock: the retention bounds it.
     #[test]
     fn the_longest_ttl_is_bounded_by_the_retention() {
-        let cache = RecordCache::new(10, Duration::MAX);
+        let cache = cache(MIB, Duration::MAX);
         let s = scope("a");
-        cache.insert(&s, &key("k"), record("x"), later(Duration::from_secs(60)));
+        cache.insert(&s, &key("k"), &record("x"), later(Duration::from_secs(60)));
         assert!(cache.get(&s, &key("k")).is_some());
-        cache.insert(&s, &key("gone"), record("x"), Instant::now());
+        cache.insert(&s, &key("gone"), &record("x"), Instant::now());
         assert!(cache.get(&s, &key("gone")).is_none());
     }
 
-    /// The cache holds about its capacity, whatever is inserted.
+    /// A zero budget or TTL turns the cache off.
     #[test]
-    fn the_cache_holds_about_its_capacity() {
-        let cache = RecordCache::new(50, Duration::from_secs(60));
+    fn a_zero_budget_or_ttl_is_no_cache() {
+        assert!(RecordCache::new(ReplayCache::new(0)).is_none());
+        assert!(RecordCache::new(ReplayCache::default().ttl(Duration::ZERO)).is_none());
+    }
+
+    /// The cache holds at most its budget in bytes, whatever is inserted,
+    /// and uses it: it is not bounded by a count.
+    #[test]
+    fn the_cache_holds_at_most_its_budget() {
+        let budget = MIB;
+        let cache = cache(budget, Duration::from_secs(60));
         let s = scope("a");
         let hour = later(Duration::from_secs(3600));
         for i in 0..1000 {
-            cache.insert(&s, &key(&format!("k{i}")), record("x"), hour);
+            let body = Bytes::from(vec![b'x'; 10 * KIB as usize]);
+            cache.insert(&s, &key(&format!("k{i}")), &record_of(body), hour);
+            assert!(cache.weight() <= budget, "{} over {budget}", cache.weight());
         }
-        let held = cache.entries.len();
-        assert!((1..=60).contains(&held), "held {held} of capacity 50");
+        let (held, weight) = (cache.held_bytes(), cache.weight());
+        assert!(held <= weight, "the weight counts every body byte");
+        assert!(
+            weight >= budget / 2,
+            "it keeps what fits: {weight} of {budget}"
+        );
+        let small = self::cache(budget, Duration::from_secs(60));
+        for i in 0..1000 {
+            small.insert(&s, &key(&format!("k{i}")), &record("x"), hour);
+        }
+        assert!(small.len() > 1000 / 2, "small entries: {}", small.len());
     }
 
-    /// The largest capacity a caller can give allocates nothing up front.
+    /// An answer that weighs more than a 64th of the budget is not cached,
+    /// and one at the limit is, in every shard: the cache crate's own limit
+    /// (about a shard's capacity) is never the one that decides.
     #[test]
-    fn the_largest_capacity_allocates_lazily() {
-        let cache = RecordCache::new(u64::MAX, Duration::from_secs(60));
+    fn an_answer_above_the_entry_limit_is_not_cached() {
+        let settings = ReplayCache::new(4 * MIB);
+        assert_eq!(settings.max_entry_bytes(), 64 * KIB);
+        let cache = RecordCache::new(settings).expect("on");
         let s = scope("a");
-        cache.insert(&s, &key("k"), record("x"), later(Duration::from_secs(60)));
+        let hour = later(Duration::from_secs(3600));
+        let large = record_of(Bytes::from(vec![b'x'; 64 * KIB as usize]));
+        cache.insert(&s, &key("large"), &large, hour);
+        assert!(cache.get(&s, &key("large")).is_none(), "not cached");
+        assert_eq!(cache.weight(), 0);
+
+        for i in 0..64 {
+            let k = key(&format!("at-the-limit-{i}"));
+            let fixed = weigh(&s, &k, &record(""));
+            let body = vec![b'x'; (settings.max_entry_bytes() - fixed) as usize];
+            let at_limit = record_of(Bytes::from(body));
+            assert_eq!(weigh(&s, &k, &at_limit), settings.max_entry_bytes());
+            cache.insert(&s, &k, &at_limit, hour);
+            assert!(cache.get(&s, &k).is_some(), "cached at the limit");
+        }
+
+        // A larger answer under a key whose entry is still there (an
+        // expired record's) takes that entry away too.
+        let k = key("replaced");
+        cache.insert(&s, &k, &record("old"), hour);
+        cache.insert(&s, &k, &large, hour);
+        assert!(cache.get(&s, &k).is_none());
+    }
+
+    /// A body that is a view into a larger buffer is kept as a copy of its
+    /// own bytes: the entry does not keep the larger buffer alive.
+    #[test]
+    fn an_entry_keeps_only_its_own_bytes() {
+        let cache = cache(MIB, Duration::from_secs(60));
+        let s = scope("a");
+        let large = Bytes::from(vec![b'x'; 512 * KIB as usize]);
+        let view = large.slice(..10);
+        cache.insert(
+            &s,
+            &key("k"),
+            &record_of(view.clone()),
+            later(Duration::from_secs(60)),
+        );
+        let found = cache.get(&s, &key("k")).expect("cached");
+        assert_eq!(found.response.body, view);
+        assert_ne!(found.response.body.as_ptr(), view.as_ptr(), "a copy");
+        assert!(cache.weight() < 1024, "weighed by its own bytes");
+    }
+
+    /// The largest budget a caller can give allocates nothing up front.
+    #[test]
+    fn the_largest_budget_allocates_lazily() {
+        let cache = cache(u64::MAX, Duration::from_secs(60));
+        let s = scope("a");
+        cache.insert(&s, &key("k"), &record("x"), later(Duration::from_secs(60)));
         assert!(cache.get(&s, &key("k")).is_some());
     }
 }

@@ -7,7 +7,7 @@ use std::{sync::Arc, time::Duration};
 use http::{header, HeaderName, StatusCode};
 
 use super::{
-    cache::RecordCache,
+    cache::{RecordCache, ReplayCache},
     drain::Drain,
     in_flight::InFlight,
     mode::{ClaimFirst, Covers},
@@ -115,16 +115,12 @@ pub(crate) struct Shared {
     pub(crate) retention_said: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// The replay cache's defaults, as [`IdempotencyLayer::replay_cache`](super::IdempotencyLayer::replay_cache) states them.
-pub(crate) const CACHE_CAPACITY: u64 = 10_000;
-pub(crate) const CACHE_TTL: Duration = Duration::from_secs(60);
-
 impl Default for Shared {
     fn default() -> Self {
         Shared {
             in_flight: Arc::default(),
             drain: Arc::default(),
-            cache: Some(RecordCache::new(CACHE_CAPACITY, CACHE_TTL)),
+            cache: RecordCache::new(ReplayCache::default()),
             retention_said: Arc::default(),
         }
     }

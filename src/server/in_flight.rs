@@ -22,6 +22,10 @@ enum LeadState {
     /// The key has a record in the store.
     Recorded,
     /// The key's completed record, as the leader committed or read it.
+    /// One `Arc` for all its followers, and each replay shares the body's
+    /// `Bytes`: however many wait, the answer is held once. What a follower
+    /// holds of its own is its buffered request (under the request body
+    /// limit), as every request in flight does.
     Answer(Arc<Record>),
 }
 

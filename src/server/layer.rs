@@ -7,7 +7,7 @@ use http::HeaderName;
 use tower_layer::Layer;
 
 use super::{
-    cache::RecordCache,
+    cache::{RecordCache, ReplayCache},
     endpoint::{Config, KeyReuseStatus, Setup, Shared},
     lease_config::LeaseConfig,
     mode::{ClaimAtCommit, ClaimFirst, LongRunning},
@@ -293,27 +293,43 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
         self.configure(|c| c.handler_timeout = timeout.min(MAX_WAIT))
     }
 
-    /// The replay cache, on by default with a `capacity` of 10,000 records
-    /// and a `ttl` of 60 s: the completed records this layer committed, kept in memory so
-    /// that a retry coming back to this process is answered without the
-    /// database. It is never the source of truth: an entry is a copy of a
-    /// committed record, never outlives the record's retention nor `ttl`, a
-    /// different request under the key is still refused, and a miss costs
-    /// only the normal claim.
+    /// The replay cache, on by default with a budget of 64 MiB per layer and
+    /// a TTL of 60 s ([`ReplayCache::default`]): the completed records this
+    /// layer committed, kept in memory so that a retry coming back to this
+    /// process is answered without the database. It is never the source of
+    /// truth: an entry is a copy of a committed record, never outlives the
+    /// record's retention nor the TTL, a different request under the key is
+    /// still refused, and a miss costs only the normal claim.
+    ///
+    /// **Memory.** The cache is bounded by the bytes it holds, not by a
+    /// count: each entry is weighed by its body, remembered headers and
+    /// trailers, resource id, tenant and key, plus a fixed allowance for its
+    /// own structures, and the least useful entries are evicted to keep the
+    /// total within [`ReplayCache::max_bytes`]. An answer weighing more than
+    /// [`ReplayCache::max_entry_bytes`] (a 64th of the budget: 1 MiB of the
+    /// default 64 MiB) is not cached; its retries replay from the store. An
+    /// entry keeps its bytes in buffers of its own, so what it weighs is
+    /// what it keeps alive. Budget the sum over the process's layers: each
+    /// layer has its own cache.
     ///
     /// What it cannot see: a record removed by
     /// [`PgStore::remove_key`](crate::postgres::PgStore::remove_key) (or by
     /// another process) is still replayed by a process that cached it, for
-    /// at most `ttl`. An operator who removes a key so that its client may
-    /// run the operation again should wait `ttl` first, or run with the
-    /// cache off ([`without_replay_cache`](Self::without_replay_cache)).
-    /// `capacity` 0 turns it off too. A `ttl` above 100 years (the longest
-    /// retention, which no entry outlives anyway) is clamped to it.
-    pub fn replay_cache(mut self, capacity: u64, ttl: Duration) -> Self {
-        // No entry outlives the longest retention anyway.
-        let ttl = ttl.min(MAX_RETENTION);
-        self.setup.shared.cache =
-            (capacity > 0 && !ttl.is_zero()).then(|| RecordCache::new(capacity, ttl));
+    /// at most the TTL. An operator who removes a key so that its client may
+    /// run the operation again should wait the TTL first, or run with the
+    /// cache off ([`without_replay_cache`](Self::without_replay_cache)). A
+    /// budget or a TTL of 0 turns it off too.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, ReplayCache, fingerprint::JsonFingerprinter, memory::MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), "POST /orders v1", JsonFingerprinter::new("orders.v1"))
+    ///     .replay_cache(ReplayCache::new(16 * 1024 * 1024).ttl(Duration::from_secs(30)));
+    /// # let _ = layer;
+    /// ```
+    pub fn replay_cache(mut self, cache: ReplayCache) -> Self {
+        self.setup.shared.cache = RecordCache::new(cache);
         self
     }
 

@@ -50,6 +50,7 @@ mod settled;
 mod status;
 
 pub use body::{RequestBody, ResponseBody};
+pub use cache::ReplayCache;
 pub use endpoint::KeyReuseStatus;
 #[cfg(feature = "axum")]
 pub use extract::MissingFromLayer;

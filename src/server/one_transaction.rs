@@ -252,7 +252,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
                     response: stored,
                 });
                 if let Some(cache) = cache {
-                    cache.insert(&claim.scope, &claim.key, record.clone(), expires);
+                    cache.insert(&claim.scope, &claim.key, &record, expires);
                 }
                 answered(record);
                 Settled::Committed(parts, body)

@@ -773,7 +773,7 @@ async fn replay_cache_never_outlives_the_retention() {
     let service = layer(pg.store.clone())
         .handler_timeout(deadline)
         .retention(Duration::from_millis(600))
-        .replay_cache(100, Duration::from_secs(3600))
+        .replay_cache(tower_idempotency::ReplayCache::default().ttl(Duration::from_secs(3600)))
         .layer(order_handler::<Postgres>(Default::default()));
     send(service.clone(), tenant_a_post("k1")).await;
     assert!(send(service.clone(), tenant_a_post("k1")).await.replayed());
@@ -791,7 +791,7 @@ async fn replay_cache_never_outlives_the_retention() {
 async fn a_removed_key_leaves_a_caching_process_after_the_ttl() {
     let pg = Postgres::new().await;
     let service = layer(pg.store.clone())
-        .replay_cache(100, Duration::from_millis(400))
+        .replay_cache(tower_idempotency::ReplayCache::default().ttl(Duration::from_millis(400)))
         .layer(order_handler::<Postgres>(Default::default()));
     send(service.clone(), tenant_a_post("k1")).await;
     let scope = tower_idempotency::scope::Scope::new(

@@ -149,7 +149,7 @@ async fn replay_cache_with_the_longest_ttl_serves_replays() {
         "POST /orders v1",
         JsonFingerprinter::new("v1"),
     )
-    .replay_cache(10, Duration::MAX);
+    .replay_cache(ReplayCache::default().ttl(Duration::MAX));
     let mut service = layer.layer(tower::service_fn(
         |request: Request<RequestBody>| async move {
             let tx = request.extensions().get::<MemoryTx>().cloned().unwrap();
@@ -235,4 +235,113 @@ fn a_raised_retention_is_said_once_and_exposed() {
         let _service = at_commit.layer(inner);
     });
     assert!(!log.contains("WARN"), "{log}");
+}
+
+/// A store that counts claims and remembers responses without their
+/// bodies, so that what a test measures of the process is the layer's
+/// memory, not a copy the store keeps. A replay it answered would come back
+/// empty.
+#[derive(Clone, Default)]
+struct Bodiless {
+    inner: MemoryStore,
+    claims: Arc<AtomicUsize>,
+}
+
+impl Store for Bodiless {
+    type Tx = MemoryTx;
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim<MemoryTx>, StoreError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(request).await
+    }
+    async fn complete(&self, tx: MemoryTx, response: &StoredResponse) -> Result<(), StoreError> {
+        let mut bodiless = response.clone();
+        bodiless.body = Bytes::new();
+        self.inner.complete(tx, &bodiless).await
+    }
+    async fn abort(&self, tx: MemoryTx) -> Result<(), StoreError> {
+        self.inner.abort(tx).await
+    }
+}
+
+/// The process's resident memory, in bytes (Linux; 0 elsewhere).
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+const MIB: u64 = 1024 * 1024;
+
+/// 1,000 creates whose answers are 512 KiB each, every one its own buffer
+/// (as a serialised document is), through a layer with the default cache:
+/// the cache holds at most its byte budget, the process grows by about
+/// that and not by the 500 MiB answered, and a recent key still replays
+/// from memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_replay_cache_holds_at_most_its_byte_budget() {
+    const ANSWER: usize = 512 * 1024;
+    const BUDGET: u64 = ReplayCache::DEFAULT_MAX_BYTES;
+    let store = Bodiless::default();
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        "POST /orders v1",
+        JsonFingerprinter::new("v1"),
+    );
+    let mut service = layer.layer(tower::service_fn(|_: Request<RequestBody>| async {
+        // Not zeroed: a zeroed buffer's pages are not resident until written.
+        let body = Bytes::from(vec![b'x'; ANSWER]);
+        let mut response = Response::new(http_body_util::Full::new(body));
+        *response.status_mut() = StatusCode::CREATED;
+        Ok::<_, std::convert::Infallible>(response)
+    }));
+    let create = |key: String| {
+        let mut request = Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(http_body_util::Full::new(Bytes::from_static(b"{\"a\":1}")))
+            .unwrap();
+        request.extensions_mut().insert(TenantId::new("t"));
+        request
+    };
+    let before = resident_bytes();
+    for i in 0..1000 {
+        let (status, replayed, body) =
+            answer(service.call(create(format!("k{i}"))).await.unwrap()).await;
+        assert_eq!(
+            (status, replayed, body.len()),
+            (StatusCode::CREATED, false, ANSWER)
+        );
+    }
+    let grown = resident_bytes().saturating_sub(before);
+    let cache = layer.setup.shared.cache.as_ref().expect("on by default");
+    let (held, weight) = (cache.held_bytes(), cache.weight());
+    eprintln!(
+        "replay cache: {} entries, {} MiB of bodies, {} MiB weighed; process grew {} MiB",
+        cache.len(),
+        held / MIB,
+        weight / MIB,
+        grown / MIB
+    );
+    assert!(held <= weight, "the weight counts every body byte");
+    assert!(
+        weight <= BUDGET,
+        "the cache holds {weight} bytes, over its budget of {BUDGET}"
+    );
+    assert!(
+        grown <= BUDGET + 64 * MIB,
+        "the process grew by {} MiB",
+        grown / MIB
+    );
+
+    let claims = store.claims.load(Ordering::SeqCst);
+    let (status, replayed, body) = answer(service.call(create("k999".into())).await.unwrap()).await;
+    assert_eq!(
+        (status, replayed, body.len()),
+        (StatusCode::CREATED, true, ANSWER)
+    );
+    assert_eq!(
+        store.claims.load(Ordering::SeqCst),
+        claims,
+        "a replay of a recent key comes from memory"
+    );
 }
