@@ -37,11 +37,13 @@ pub(crate) const COMMIT_PATIENCE: Duration = Duration::from_secs(5);
 /// gives up on the database for this round and closes the connection: a
 /// network path that stopped moving bytes answers nothing, and nothing on
 /// the server's side can end the wait.
+#[cfg(feature = "postgres")]
 pub(crate) const BACKGROUND_DEADLINE: Duration = Duration::from_secs(10);
 
 /// `call`, answered within `limit`, or an `Unavailable` error saying what
 /// was cut off (`what`); the call is dropped, and with it its connection
 /// (never pooled again: it may be inside a transaction).
+#[cfg(feature = "postgres")]
 pub(crate) async fn answered_within<T>(
     limit: Duration,
     call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,

@@ -195,6 +195,12 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// How long a concurrent duplicate waits for the first request to finish
     /// before it is answered `409 idempotency_in_progress` (default 5 s).
     ///
+    /// The claim, taking a pooled connection included, is answered within
+    /// this wait plus 5 s whatever the database or the network does: past it
+    /// the claim's connection is closed and the request answered `503
+    /// store_unavailable` (see the [deploying guide](crate::guide::deploying)
+    /// on network partitions).
+    ///
     /// Values above `i32::MAX` milliseconds (about 24.8 days), PostgreSQL's
     /// limit, are clamped to it.
     pub fn wait(self, wait: Duration) -> Self {

@@ -713,7 +713,9 @@ fn certificate_files_beside_a_callers_connector_are_refused_at_build() {
 fn socket_dir(server: &tls_server::TlsServer) -> String {
     match &server.cluster.config().get_hosts()[0] {
         tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
-        other => panic!("the cluster listens on a Unix socket, not {other:?}"),
+        other @ tokio_postgres::config::Host::Tcp(_) => {
+            panic!("the cluster listens on a Unix socket, not {other:?}")
+        }
     }
 }
 
