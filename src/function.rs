@@ -61,6 +61,7 @@ use crate::{
     key::{IdempotencyKey, KeyError},
     record::StoredResponse,
     scope::{Scope, TenantId},
+    server::deadline::{self, Deadlines},
     store::{Claim, ClaimRequest, Store, StoreError, MAX_RETENTION, MAX_WAIT},
 };
 
@@ -161,6 +162,16 @@ impl<St> Idempotent<St> {
 }
 
 impl<St: Store> Idempotent<St> {
+    /// Rolls the work back, by the end's deadline.
+    async fn abort(&self, tx: St::Tx, deadlines: Deadlines) -> Result<(), StoreError> {
+        deadline::within(
+            deadlines.end(),
+            self.store.abort(tx),
+            deadline::rollback_unanswered,
+        )
+        .await
+    }
+
     /// Work named `name` (a stable name with a version, as an endpoint's:
     /// it scopes the keys and the input's fingerprint), on `store`;
     /// results remembered 24 h, a concurrent call waiting at most 5 s, the
@@ -266,7 +277,19 @@ impl<St: Store> Idempotent<St> {
         .with_retention(retention)
         .with_wait(self.wait)
         .with_hold_limit(self.hold_limit());
-        let tx = match self.store.claim(&claim).await.map_err(RunError::Store)? {
+        // The store calls have the layer's deadlines: a database that stops
+        // answering (a network partition) ends the call with an error, and
+        // its connection is closed.
+        let deadlines = Deadlines::new(
+            tokio::time::Instant::now() + self.wait,
+            self.work_timeout,
+        );
+        let claimed = deadline::within(
+            deadlines.claim(),
+            self.store.claim(&claim),
+            deadline::claim_unanswered,
+        );
+        let tx = match claimed.await.map_err(RunError::Store)? {
             Claim::Owned(tx) => tx,
             Claim::Completed(record) if record.fingerprint != claim.fingerprint => {
                 return Err(RunError::KeyReused)
@@ -284,14 +307,18 @@ impl<St: Store> Idempotent<St> {
             Ok(Err(e)) => {
                 // The work's error is the answer; a failed rollback ends the
                 // transaction on the store's side all the same.
-                if let Err(abort) = self.store.abort(tx).await {
+                if let Err(abort) = self.abort(tx, deadlines).await {
                     tracing::warn!(error = %abort, "rolling back failed work failed");
                 }
                 return Err(RunError::Work(e));
             }
             Err(_) => {
-                if let Err(abort) = self.store.abort(tx).await {
+                if let Err(abort) = self.abort(tx, deadlines).await {
                     tracing::warn!(error = %abort, "rolling back timed-out work failed");
+                    // The database, not the work, stopped answering.
+                    if abort.kind() == crate::store::StoreErrorKind::Unavailable {
+                        return Err(RunError::Store(abort));
+                    }
                 }
                 return Err(RunError::TimedOut(self.work_timeout));
             }
@@ -299,15 +326,18 @@ impl<St: Store> Idempotent<St> {
         let body = match serde_json::to_vec(&output) {
             Ok(body) => Bytes::from(body),
             Err(e) => {
-                let _ = self.store.abort(tx).await;
+                let _ = self.abort(tx, deadlines).await;
                 return Err(RunError::Serde(e));
             }
         };
         let result = StoredResponse::new(StatusCode::OK, &HeaderMap::new(), &[], body);
-        self.store
-            .complete(tx, &result)
-            .await
-            .map_err(RunError::Store)?;
+        deadline::within(
+            deadlines.end(),
+            self.store.complete(tx, &result),
+            deadline::commit_unanswered,
+        )
+        .await
+        .map_err(RunError::Store)?;
         Ok(output)
     }
 }

@@ -26,7 +26,7 @@ mod admit;
 mod body;
 mod cache;
 mod coalesce;
-mod deadline;
+pub(crate) mod deadline;
 mod drain;
 mod endpoint;
 #[cfg(feature = "axum")]
