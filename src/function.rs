@@ -280,10 +280,7 @@ impl<St: Store> Idempotent<St> {
         // The store calls have the layer's deadlines: a database that stops
         // answering (a network partition) ends the call with an error, and
         // its connection is closed.
-        let deadlines = Deadlines::new(
-            tokio::time::Instant::now() + self.wait,
-            self.work_timeout,
-        );
+        let deadlines = Deadlines::new(tokio::time::Instant::now() + self.wait, self.work_timeout);
         let claimed = deadline::within(
             deadlines.claim(),
             self.store.claim(&claim),

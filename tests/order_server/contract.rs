@@ -855,14 +855,15 @@ async fn every_route_but_health_and_metrics_needs_a_token(mode: Mode) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unknown_idempotency_mode_stops_the_start_in_one_line() {
-    // Refused before the database is reached: this one is never connected to.
+/// Starts the server with `env` and a database it never reaches (refused
+/// before connecting); it must exit 1 without listening, having said why
+/// in one line, returned.
+async fn refused_at_start(env: &[(&str, &str)]) -> String {
     let out = Command::new(example_binary())
         .env("DATABASE_URL", "postgres://nobody@127.0.0.1:9/nothing")
         .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
-        .env("IDEMPOTENCY_MODE", "claim-later")
         .env("RUST_LOG", "off")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .kill_on_drop(true)
         .output()
@@ -870,14 +871,20 @@ async fn an_unknown_idempotency_mode_stops_the_start_in_one_line() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(out.stdout.is_empty(), "it never listened");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "{stderr}");
+    stderr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_idempotency_mode_stops_the_start_in_one_line() {
+    let line = refused_at_start(&[("IDEMPOTENCY_MODE", "claim-later")]).await;
     assert!(
-        lines[0].contains("IDEMPOTENCY_MODE=\"claim-later\"")
-            && lines[0].contains("claim-first")
-            && lines[0].contains("one-commit"),
-        "names the variable, the value and the modes: {stderr}"
+        line.contains("IDEMPOTENCY_MODE=\"claim-later\"")
+            && line.contains("claim-first")
+            && line.contains("one-commit"),
+        "names the variable, the value and the modes: {line}"
     );
 }
 
@@ -887,25 +894,11 @@ async fn an_unknown_idempotency_mode_stops_the_start_in_one_line() {
 /// takes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retention_shorter_than_the_work_is_refused_at_start_in_the_claim_first_mode() {
-    let out = Command::new(example_binary())
-        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:9/nothing")
-        .env("ORDER_SERVER_ADDR", "127.0.0.1:0")
-        .env("IDEMPOTENCY_RETENTION", "2s")
-        .env("RUST_LOG", "off")
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(out.stdout.is_empty(), "it never listened");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "{stderr}");
+    let line = refused_at_start(&[("IDEMPOTENCY_RETENTION", "2s")]).await;
     assert!(
-        lines[0].contains("IDEMPOTENCY_RETENTION=2s")
-            && lines[0].contains("IDEMPOTENCY_HANDLER_TIMEOUT=30s"),
-        "names both values: {stderr}"
+        line.contains("IDEMPOTENCY_RETENTION=2s")
+            && line.contains("IDEMPOTENCY_HANDLER_TIMEOUT=30s"),
+        "names both values: {line}"
     );
     let server = Server::start(Mode::OneCommit, &[("IDEMPOTENCY_RETENTION", "2s")]).await;
     assert_eq!(
