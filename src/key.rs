@@ -330,7 +330,9 @@ mod tests {
 /// any `Fn(&Parts, &Bytes) -> Result<Option<String>, String>` is one.
 ///
 /// It sees the request's head and its buffered body (for gRPC, the framed
-/// message: [`grpc_message`] takes the frame off). `Ok(None)`: no key in
+/// message: [`grpc_message`] takes the frame off; a compressed message is
+/// handed over decompressed, in an uncompressed frame, as the fingerprinter
+/// sees it: [`decode_grpc_message`]). `Ok(None)`: no key in
 /// this request; `Err`: the message cannot be read, answered as
 /// `400 idempotency_key_invalid` with the reason.
 pub trait KeyFromBody: Send + Sync + 'static {
@@ -360,21 +362,304 @@ where
 
 /// The message of a unary gRPC request body: its one length-prefixed frame
 /// without the 5-byte prefix; `None` if the body is not exactly one
-/// uncompressed frame (a compressed message is for the extractor to
-/// decompress: the flag byte is 1 and this gives `None`).
+/// uncompressed frame (the flag byte is 1 for a compressed message, and
+/// this gives `None`: [`decode_grpc_message`] decompresses it).
+///
+/// Behind the layer a fingerprinter or a [`KeyFromBody`] may use this on
+/// a compressed call too: for a gRPC request the layer hands them the
+/// message decompressed, in an uncompressed frame (see
+/// [`decode_grpc_message`]).
 pub fn grpc_message(body: &[u8]) -> Option<&[u8]> {
+    match grpc_frame(body)? {
+        (0, message) => Some(message),
+        _ => None,
+    }
+}
+
+/// The flag byte and the message of a body that is exactly one
+/// length-prefixed gRPC frame.
+fn grpc_frame(body: &[u8]) -> Option<(u8, &[u8])> {
     let (&flag, rest) = body.split_first()?;
-    if flag != 0 || rest.len() < 4 {
+    if rest.len() < 4 {
         return None;
     }
     let (len, message) = rest.split_at(4);
     let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
-    (message.len() == len).then_some(message)
+    (message.len() == len).then_some((flag, message))
+}
+
+/// The message encodings [`decode_grpc_message`] reads, as a server
+/// announces them in `grpc-accept-encoding`. `zstd` is not among them: the
+/// only implementation tonic offers is the C library.
+pub const GRPC_ACCEPT_ENCODING: &str = "identity,gzip,deflate";
+
+/// Why [`decode_grpc_message`] could not give the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GrpcMessageError {
+    /// The body is not exactly one length-prefixed frame (with the flag
+    /// byte 0 or 1).
+    NotOneFrame,
+    /// The frame is compressed with an encoding not in
+    /// [`GRPC_ACCEPT_ENCODING`] (its name as the request gave it); gRPC
+    /// answers this `UNIMPLEMENTED`.
+    UnsupportedEncoding(String),
+    /// The frame's flag says compressed, but the request names no
+    /// `grpc-encoding` (or `identity`).
+    NoEncoding,
+    /// Decompressed, the message is longer than the limit given.
+    TooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The bytes do not decompress in the encoding the request names.
+    Corrupt(String),
+}
+
+impl fmt::Display for GrpcMessageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GrpcMessageError::NotOneFrame => f.write_str("the body is not one gRPC frame"),
+            GrpcMessageError::UnsupportedEncoding(name) => write!(
+                f,
+                "the message is compressed with {name:?}, which is not read here (read: {GRPC_ACCEPT_ENCODING})"
+            ),
+            GrpcMessageError::NoEncoding => {
+                f.write_str("the message is flagged compressed but the request names no grpc-encoding")
+            }
+            GrpcMessageError::TooLarge { limit } => {
+                write!(f, "the message decompressed is over the limit of {limit} bytes")
+            }
+            GrpcMessageError::Corrupt(reason) => {
+                write!(f, "the message does not decompress: {reason}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for GrpcMessageError {}
+
+/// The message of a unary gRPC request body, decompressed: the frame taken
+/// off as [`grpc_message`] does, and a compressed frame (flag byte 1)
+/// decompressed in the encoding its request's `grpc-encoding` header names,
+/// `gzip` or `deflate` (the zlib format, as gRPC means it), the name's case
+/// aside. An uncompressed frame is its message whatever the header says
+/// (gRPC lets a client send any message of a call uncompressed).
+///
+/// No more than `limit` bytes are ever decompressed: a message longer than
+/// that is [`TooLarge`](GrpcMessageError::TooLarge), however small its
+/// compressed form (a compression bomb stops at `limit + 1` bytes).
+///
+/// The layer does this itself for a gRPC request before the fingerprint and
+/// the key are read, with the endpoint's
+/// [`request_body_limit`](crate::IdempotencyLayer::request_body_limit):
+/// they see the message in an uncompressed frame, so a call and its retry
+/// are the same operation whether or not either was compressed.
+///
+/// ```
+/// use std::io::Write;
+/// use tower_idempotency::key::{decode_grpc_message, GrpcMessageError};
+///
+/// let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+/// gzip.write_all(b"hello").unwrap();
+/// let compressed = gzip.finish().unwrap();
+/// let mut body = vec![1];
+/// body.extend_from_slice(&(compressed.len() as u32).to_be_bytes());
+/// body.extend_from_slice(&compressed);
+///
+/// let mut headers = http::HeaderMap::new();
+/// headers.insert("grpc-encoding", "gzip".parse().unwrap());
+/// assert_eq!(&*decode_grpc_message(&headers, &body, 1024).unwrap(), b"hello");
+/// assert_eq!(
+///     decode_grpc_message(&headers, &body, 4),
+///     Err(GrpcMessageError::TooLarge { limit: 4 }),
+/// );
+/// headers.insert("grpc-encoding", "snappy".parse().unwrap());
+/// assert_eq!(
+///     decode_grpc_message(&headers, &body, 1024),
+///     Err(GrpcMessageError::UnsupportedEncoding("snappy".into())),
+/// );
+/// # assert_eq!(&*decode_grpc_message(&headers, b"\0\0\0\0\x02hi", 1024).unwrap(), b"hi");
+/// ```
+pub fn decode_grpc_message<'a>(
+    headers: &http::HeaderMap,
+    body: &'a [u8],
+    limit: usize,
+) -> Result<std::borrow::Cow<'a, [u8]>, GrpcMessageError> {
+    use std::io::Read;
+
+    let message = match grpc_frame(body) {
+        Some((0, message)) if message.len() > limit => {
+            return Err(GrpcMessageError::TooLarge { limit })
+        }
+        Some((0, message)) => return Ok(std::borrow::Cow::Borrowed(message)),
+        Some((1, message)) => message,
+        // gRPC defines the flags 0 and 1 only.
+        _ => return Err(GrpcMessageError::NotOneFrame),
+    };
+    let name = match headers.get("grpc-encoding") {
+        None => return Err(GrpcMessageError::NoEncoding),
+        Some(value) => String::from_utf8_lossy(value.as_bytes()).trim().to_owned(),
+    };
+    let reader: Box<dyn Read + '_> = if name.eq_ignore_ascii_case("gzip") {
+        Box::new(flate2::read::GzDecoder::new(message))
+    } else if name.eq_ignore_ascii_case("deflate") {
+        Box::new(flate2::read::ZlibDecoder::new(message))
+    } else if name.eq_ignore_ascii_case("identity") {
+        return Err(GrpcMessageError::NoEncoding);
+    } else {
+        return Err(GrpcMessageError::UnsupportedEncoding(name));
+    };
+    // One byte past the limit is enough to know the message is over it;
+    // nothing past that is ever inflated.
+    let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
+    let mut decoded = Vec::with_capacity(message.len().saturating_mul(2).min(limit));
+    reader
+        .take(cap)
+        .read_to_end(&mut decoded)
+        .map_err(|e| GrpcMessageError::Corrupt(e.to_string()))?;
+    if decoded.len() > limit {
+        return Err(GrpcMessageError::TooLarge { limit });
+    }
+    Ok(std::borrow::Cow::Owned(decoded))
 }
 
 #[cfg(test)]
 mod grpc_tests {
-    use super::grpc_message;
+    use std::io::Write;
+
+    use proptest::prelude::*;
+
+    use super::{decode_grpc_message, grpc_message, GrpcMessageError};
+
+    fn frame(flag: u8, message: &[u8]) -> Vec<u8> {
+        let mut body = vec![flag];
+        body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        body.extend_from_slice(message);
+        body
+    }
+
+    fn gzip(message: &[u8]) -> Vec<u8> {
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        encoder.write_all(message).unwrap();
+        encoder.finish().unwrap()
+    }
+
+    fn deflate(message: &[u8]) -> Vec<u8> {
+        let mut encoder =
+            flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        encoder.write_all(message).unwrap();
+        encoder.finish().unwrap()
+    }
+
+    fn encoding(name: Option<&str>) -> http::HeaderMap {
+        let mut headers = http::HeaderMap::new();
+        if let Some(name) = name {
+            headers.insert("grpc-encoding", name.parse().unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn the_same_message_decodes_the_same_in_every_encoding() {
+        let message = b"\x0a\x05rid-1\x12\x03tea\x18\x02";
+        for (case, body, name) in [
+            ("identity", frame(0, message), None),
+            ("identity, named", frame(0, message), Some("identity")),
+            ("uncompressed under gzip", frame(0, message), Some("gzip")),
+            ("gzip", frame(1, &gzip(message)), Some("gzip")),
+            ("Gzip", frame(1, &gzip(message)), Some("Gzip")),
+            ("deflate", frame(1, &deflate(message)), Some("deflate")),
+        ] {
+            let decoded = decode_grpc_message(&encoding(name), &body, 1024);
+            assert_eq!(decoded.as_deref(), Ok(&message[..]), "{case}");
+        }
+    }
+
+    #[test]
+    fn what_cannot_be_decoded_says_why() {
+        let message = b"hello";
+        let refused = |body: &[u8], name| {
+            decode_grpc_message(&encoding(name), body, 1024).map(|m| m.into_owned())
+        };
+        assert_eq!(
+            refused(&frame(1, &gzip(message)), Some("snappy")),
+            Err(GrpcMessageError::UnsupportedEncoding("snappy".into()))
+        );
+        assert_eq!(
+            refused(&frame(1, &gzip(message)), Some("zstd")),
+            Err(GrpcMessageError::UnsupportedEncoding("zstd".into()))
+        );
+        assert_eq!(
+            refused(&frame(1, &gzip(message)), None),
+            Err(GrpcMessageError::NoEncoding)
+        );
+        assert_eq!(
+            refused(&frame(1, &gzip(message)), Some("identity")),
+            Err(GrpcMessageError::NoEncoding)
+        );
+        assert!(matches!(
+            refused(&frame(1, message), Some("gzip")),
+            Err(GrpcMessageError::Corrupt(_))
+        ));
+        let mut truncated = gzip(message);
+        truncated.truncate(truncated.len() - 4);
+        assert!(matches!(
+            refused(&frame(1, &truncated), Some("gzip")),
+            Err(GrpcMessageError::Corrupt(_))
+        ));
+        assert_eq!(
+            refused(&frame(2, message), Some("gzip")),
+            Err(GrpcMessageError::NotOneFrame)
+        );
+        assert_eq!(
+            refused(b"\x01\0\0", Some("gzip")),
+            Err(GrpcMessageError::NotOneFrame)
+        );
+    }
+
+    /// 10 MiB of zeros gzips to about 10 KiB: decoded under a 1 MiB limit,
+    /// it is refused, and the limit itself is read.
+    #[test]
+    fn a_compression_bomb_stops_at_the_limit() {
+        let limit = 1024 * 1024;
+        let bomb = frame(1, &gzip(&vec![0; 10 * 1024 * 1024]));
+        assert!(bomb.len() < 64 * 1024);
+        assert_eq!(
+            decode_grpc_message(&encoding(Some("gzip")), &bomb, limit),
+            Err(GrpcMessageError::TooLarge { limit })
+        );
+        let at_limit = frame(1, &deflate(&vec![0; limit]));
+        let decoded = decode_grpc_message(&encoding(Some("deflate")), &at_limit, limit).unwrap();
+        assert_eq!(decoded.len(), limit);
+        assert_eq!(
+            decode_grpc_message(&encoding(None), &frame(0, b"12345"), 4),
+            Err(GrpcMessageError::TooLarge { limit: 4 })
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn any_message_round_trips_through_gzip_and_deflate(
+            message in proptest::collection::vec(any::<u8>(), 0..2048),
+        ) {
+            for (name, compressed) in [("gzip", gzip(&message)), ("deflate", deflate(&message))] {
+                let body = frame(1, &compressed);
+                let decoded = decode_grpc_message(&encoding(Some(name)), &body, 2048);
+                prop_assert_eq!(decoded.as_deref(), Ok(&message[..]));
+            }
+        }
+
+        #[test]
+        fn any_body_decodes_or_says_why_never_past_the_limit(
+            body in proptest::collection::vec(any::<u8>(), 0..256),
+            name in prop_oneof![Just("gzip"), Just("deflate"), Just("x")],
+        ) {
+            if let Ok(message) = decode_grpc_message(&encoding(Some(name)), &body, 64) {
+                prop_assert!(message.len() <= 64);
+            }
+        }
+    }
 
     #[test]
     fn grpc_message_takes_one_uncompressed_frame_off() {

@@ -142,8 +142,9 @@ impl Problem {
     /// knows it (a missing or malformed key `INVALID_ARGUMENT`, a reused
     /// key `FAILED_PRECONDITION`, a key still in progress `ABORTED`, an
     /// unavailable store or a handler timeout `UNAVAILABLE`, an answer that
-    /// could not be stored `INTERNAL`), otherwise by its HTTP status as
-    /// gRPC maps HTTP.
+    /// could not be stored `INTERNAL`, a message compressed in an encoding
+    /// the layer does not read `UNIMPLEMENTED`), otherwise by its HTTP
+    /// status as gRPC maps HTTP.
     pub fn grpc_status(&self) -> u32 {
         use grpc_code::*;
         match self.code {
@@ -158,7 +159,7 @@ impl Problem {
             }
             codes::RESPONSE_NOT_STORABLE | codes::OPERATION_FAILED => INTERNAL,
             codes::NOT_FOUND | codes::RESOURCE_GONE => NOT_FOUND,
-            codes::METHOD_NOT_ALLOWED => UNIMPLEMENTED,
+            codes::METHOD_NOT_ALLOWED | codes::ENCODING_UNSUPPORTED => UNIMPLEMENTED,
             _ => match self.status.as_u16() {
                 400 => INVALID_ARGUMENT,
                 401 => UNAUTHENTICATED,
@@ -178,7 +179,8 @@ impl Problem {
     /// `grpc-status` ([`grpc_status`](Self::grpc_status)), `grpc-message`
     /// (the title, then the detail, percent-encoded as gRPC requires), and
     /// where HTTP says `Retry-After`, `grpc-retry-pushback-ms` (the delay
-    /// gRPC's retry policy honours) and `retry-after` too.
+    /// gRPC's retry policy honours) and `retry-after` too; for a refused
+    /// message encoding, `grpc-accept-encoding` with those that are read.
     pub fn to_grpc_response(&self) -> Response<Bytes> {
         let mut response = Response::new(Bytes::new());
         let headers = response.headers_mut();
@@ -200,6 +202,14 @@ impl Problem {
                 HeaderValue::from(seconds.saturating_mul(1000)),
             );
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if self.code == codes::ENCODING_UNSUPPORTED {
+            // gRPC's compression spec: a refused encoding is answered with
+            // the encodings that are read.
+            headers.insert(
+                "grpc-accept-encoding",
+                HeaderValue::from_static(crate::key::GRPC_ACCEPT_ENCODING),
+            );
         }
         response
     }
@@ -243,8 +253,12 @@ pub mod codes {
     pub const IN_PROGRESS: &str = "idempotency_in_progress";
     /// The request body is over the configured limit (413).
     pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
-    /// The request body could not be read (400).
+    /// The request body could not be read (400): for gRPC, also a
+    /// compressed message that does not decompress.
     pub const BODY_UNREADABLE: &str = "request_body_unreadable";
+    /// A gRPC message compressed in an encoding the layer does not read
+    /// (415; gRPC `UNIMPLEMENTED`, with `grpc-accept-encoding`).
+    pub const ENCODING_UNSUPPORTED: &str = "message_encoding_unsupported";
     /// No authenticated tenant could be resolved for the request (401).
     pub const UNAUTHORIZED: &str = "unauthorized";
     /// The store could not be reached or the transaction was rolled back (503 with `Retry-After`).

@@ -21,7 +21,10 @@
 //! locked for a second) and `FAILED_PRECONDITION` (out of stock) roll back
 //! and free the key. The layer's own answers are gRPC statuses: a reused
 //! `request_id` is `FAILED_PRECONDITION`, one still running `ABORTED` with
-//! `grpc-retry-pushback-ms`. Try it with grpcurl:
+//! `grpc-retry-pushback-ms`. Calls may be gzip-compressed (the layer reads
+//! the key and the fingerprint from the decompressed message, so a
+//! compressed retry of an uncompressed call replays it), and a client that
+//! accepts gzip gets its answer compressed. Try it with grpcurl:
 //!
 //! ```text
 //! grpcurl -plaintext -proto examples/grpc_orders/orders.proto \

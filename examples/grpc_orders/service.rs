@@ -17,6 +17,7 @@ use bytes::Bytes;
 use prost::Message;
 use tonic::{
     body::Body,
+    codec::CompressionEncoding,
     server::{Grpc, NamedService},
     Code, Status,
 };
@@ -150,9 +151,7 @@ impl Service<http::Request<Body>> for OrdersServer {
             proto::GET_ORDER => {
                 let store = self.store.clone();
                 let get = tower::service_fn(move |request| get_order(store.clone(), request));
-                Box::pin(
-                    async move { Ok(Grpc::new(ProstCodec::default()).unary(get, request).await) },
-                )
+                Box::pin(async move { Ok(grpc().unary(get, request).await) })
             }
             _ => Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) }),
         }
@@ -193,20 +192,30 @@ fn request_id(_: &http::request::Parts, body: &Bytes) -> Result<Option<String>, 
     Ok(Some(order.request_id).filter(|id| !id.is_empty()))
 }
 
+/// The message off its frame. A compressed call is read here too: the
+/// layer hands the fingerprint and the key the message decompressed, in an
+/// uncompressed frame.
 fn decode(body: &Bytes) -> Result<CreateOrderRequest, String> {
-    let message = grpc_message(body).ok_or("not one uncompressed gRPC message")?;
+    let message = grpc_message(body).ok_or("not one gRPC message")?;
     CreateOrderRequest::decode(message).map_err(|e| format!("not a CreateOrderRequest: {e}"))
 }
 
-/// `CreateOrder` under the layer: tonic decodes the message, runs the
-/// handler and encodes its answer; the deterministic rejection is marked to
-/// be remembered.
+/// tonic's unary server for one method: messages gzip-compressed or not
+/// are read, and an answer is compressed when the client accepts gzip.
+fn grpc<M: Message + Default + 'static>() -> Grpc<ProstCodec<Order, M>> {
+    Grpc::new(ProstCodec::default())
+        .accept_compressed(CompressionEncoding::Gzip)
+        .send_compressed(CompressionEncoding::Gzip)
+}
+
+/// `CreateOrder` under the layer: tonic decodes the message (decompressing
+/// it: the layer hands on the body as the client sent it), runs the handler
+/// and encodes its answer; the deterministic rejection is marked to be
+/// remembered.
 async fn create_order_call(
     request: http::Request<RequestBody>,
 ) -> Result<http::Response<Body>, Infallible> {
-    let mut response = Grpc::new(ProstCodec::default())
-        .unary(tower::service_fn(create_order), request)
-        .await;
+    let mut response = grpc().unary(tower::service_fn(create_order), request).await;
     // tonic answers an `Err(Status)` with the status in the response's
     // extensions. INVALID_ARGUMENT says the request itself is wrong: the
     // same on every retry, so it is the operation's answer, remembered and

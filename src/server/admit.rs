@@ -9,7 +9,7 @@ use http_body_util::BodyExt;
 
 use crate::{
     fingerprint::Fingerprinter,
-    key::{IdempotencyKey, KeyError},
+    key::{decode_grpc_message, GrpcMessageError, IdempotencyKey, KeyError},
     problem::{codes, Problem},
     scope::{ResolveTenant, Scope},
     server::body::BoxError,
@@ -72,9 +72,15 @@ where
         Ok(body) => body,
         Err(problem) => return Admission::Refused(problem),
     };
+    // The key and the fingerprint are read from the message whatever its
+    // compression; the handler is handed the body as it came.
+    let message = match message_view(config.request_body_limit, &parts.headers, &body) {
+        Ok(message) => message,
+        Err(problem) => return Admission::Refused(problem),
+    };
     let key = match key {
         Some(key) => key,
-        None => match key_in_body(config, &parts, &body) {
+        None => match key_in_body(config, &parts, &message) {
             Ok(key) => {
                 record_key_hash(&key);
                 key
@@ -82,7 +88,7 @@ where
             Err(problem) => return Admission::Refused(problem),
         },
     };
-    let fingerprint = match setup.fingerprinter.fingerprint(&mut parts, &body) {
+    let fingerprint = match setup.fingerprinter.fingerprint(&mut parts, &message) {
         // The same body sent to another path or query is another request.
         Ok(fingerprint) => {
             let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
@@ -98,6 +104,69 @@ where
     .with_retention(setup.retention())
     .with_wait(config.wait);
     Admission::Admitted(Admitted { parts, body, claim })
+}
+
+/// The body the fingerprinter and the key extractor read. For a gRPC
+/// request whose body is one compressed frame: its message decompressed
+/// (never past `limit` bytes) in an uncompressed frame, exactly the body
+/// the same call sends uncompressed, so that compressing a retry or not
+/// changes neither its key nor its fingerprint. Any other body as it is:
+/// an uncompressed frame, several frames, or not gRPC.
+///
+/// Refused: an encoding not read here (`UNIMPLEMENTED` for gRPC, with the
+/// encodings that are read in `grpc-accept-encoding`), a message over the
+/// limit once decompressed (as a body over the limit), bytes that do not
+/// decompress (as an unreadable body).
+pub(crate) fn message_view(
+    limit: usize,
+    headers: &http::HeaderMap,
+    body: &Bytes,
+) -> Result<Bytes, Problem> {
+    if body.first() != Some(&1)
+        || crate::classify::grpc_content(headers) != Some(crate::classify::GrpcContent::Grpc)
+    {
+        return Ok(body.clone());
+    }
+    match decode_grpc_message(headers, body, limit) {
+        Ok(std::borrow::Cow::Borrowed(_)) | Err(GrpcMessageError::NotOneFrame) => Ok(body.clone()),
+        Ok(std::borrow::Cow::Owned(message)) => {
+            // At most `limit` bytes, and the limit is at most 256 MiB; a
+            // larger one is refused rather than framed wrong.
+            let len = u32::try_from(message.len()).map_err(|_| too_large(limit))?;
+            let mut framed = bytes::BytesMut::with_capacity(5 + message.len());
+            framed.extend_from_slice(&[0]);
+            framed.extend_from_slice(&len.to_be_bytes());
+            framed.extend_from_slice(&message);
+            Ok(framed.freeze())
+        }
+        Err(GrpcMessageError::TooLarge { limit }) => Err(too_large(limit).with_detail(format!(
+            "the limit is {limit} bytes, and the message is over it decompressed"
+        ))),
+        Err(e @ GrpcMessageError::UnsupportedEncoding(_)) => Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            codes::ENCODING_UNSUPPORTED,
+            "The message's encoding is not supported",
+        )
+        .with_detail(e.to_string())),
+        Err(e) => Err(unreadable().with_detail(e.to_string())),
+    }
+}
+
+fn too_large(limit: usize) -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        codes::PAYLOAD_TOO_LARGE,
+        "The request body is too large",
+    )
+    .with_detail(format!("the limit is {limit} bytes"))
+}
+
+fn unreadable() -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        codes::BODY_UNREADABLE,
+        "The request body could not be read",
+    )
 }
 
 fn invalid_key(detail: String) -> Problem {
@@ -170,21 +239,6 @@ where
     B::Error: Into<BoxError>,
 {
     let limit = config.request_body_limit;
-    let too_large = || {
-        Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            codes::PAYLOAD_TOO_LARGE,
-            "The request body is too large",
-        )
-        .with_detail(format!("the limit is {limit} bytes"))
-    };
-    let unreadable = || {
-        Problem::new(
-            StatusCode::BAD_REQUEST,
-            codes::BODY_UNREADABLE,
-            "The request body could not be read",
-        )
-    };
     let drain_limit = limit.saturating_add(DRAIN_LIMIT) as u64;
     let declared = parts
         .headers
@@ -192,7 +246,7 @@ where
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > drain_limit) {
-        return Err(too_large());
+        return Err(too_large(limit));
     }
     let mut body = std::pin::pin!(body);
     let mut buffered = bytes::BytesMut::new();
@@ -211,7 +265,7 @@ where
         }
     }
     if seen > limit as u64 {
-        return Err(too_large());
+        return Err(too_large(limit));
     }
     Ok(buffered.freeze())
 }
@@ -226,5 +280,84 @@ fn record_key_hash(key: &IdempotencyKey) {
     let span = tracing::Span::current();
     if !span.is_disabled() {
         span.record("key_hash", key.short_hash());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use bytes::Bytes;
+    use http::HeaderMap;
+
+    use super::message_view;
+    use crate::{
+        fingerprint::Fingerprint,
+        key::{grpc_message, GRPC_ACCEPT_ENCODING},
+        problem::codes,
+    };
+
+    fn frame(flag: u8, message: &[u8]) -> Bytes {
+        let mut body = vec![flag];
+        body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        body.extend_from_slice(message);
+        body.into()
+    }
+
+    fn headers(content_type: &str, encoding: Option<&str>) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", content_type.parse().unwrap());
+        if let Some(encoding) = encoding {
+            headers.insert("grpc-encoding", encoding.parse().unwrap());
+        }
+        headers
+    }
+
+    /// What a fingerprinter that hashes the message computes.
+    fn fingerprint(headers: &HeaderMap, body: &Bytes) -> Fingerprint {
+        let message = message_view(1024, headers, body).unwrap();
+        Fingerprint::digest("v1", grpc_message(&message).unwrap())
+    }
+
+    /// The same message, identity, gzip or deflate, has one fingerprint:
+    /// the fingerprinter is handed the uncompressed frame each time.
+    #[test]
+    fn the_same_message_has_one_fingerprint_whatever_its_encoding() {
+        let message = b"\x0a\x05rid-1\x12\x03tea";
+        let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gzip.write_all(message).unwrap();
+        let mut deflate = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+        deflate.write_all(message).unwrap();
+        let identity = frame(0, message);
+        let plain = fingerprint(&headers("application/grpc", None), &identity);
+        let gzipped = frame(1, &gzip.finish().unwrap());
+        let deflated = frame(1, &deflate.finish().unwrap());
+        for (body, encoding) in [(&gzipped, "gzip"), (&deflated, "deflate")] {
+            let grpc = headers("application/grpc+proto", Some(encoding));
+            assert_eq!(fingerprint(&grpc, body), plain, "{encoding}");
+            assert_eq!(message_view(1024, &grpc, body).unwrap(), identity);
+        }
+        // Not gRPC: the body as it is, never decoded.
+        let json = headers("application/json", Some("gzip"));
+        assert_eq!(message_view(1024, &json, &gzipped).unwrap(), gzipped);
+    }
+
+    #[test]
+    fn an_unknown_encoding_is_unimplemented_with_the_encodings_read() {
+        let problem = message_view(
+            1024,
+            &headers("application/grpc", Some("br")),
+            &frame(1, b"x"),
+        )
+        .unwrap_err();
+        assert_eq!(problem.code(), codes::ENCODING_UNSUPPORTED);
+        assert_eq!(problem.grpc_status(), 12);
+        let answer = problem.to_grpc_response();
+        assert_eq!(answer.headers()["grpc-status"], "12");
+        assert_eq!(
+            answer.headers()["grpc-accept-encoding"],
+            GRPC_ACCEPT_ENCODING
+        );
+        assert_eq!(problem.to_response().status(), 415);
     }
 }

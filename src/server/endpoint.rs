@@ -94,6 +94,10 @@ impl Config {
                 HeaderName::from_static("grpc-status"),
                 HeaderName::from_static("grpc-message"),
                 HeaderName::from_static("grpc-status-details-bin"),
+                // A gRPC message the service compressed (tonic's
+                // `send_compressed`) is stored compressed; a replay without
+                // its encoding could not be read.
+                HeaderName::from_static("grpc-encoding"),
             ],
             key_reuse: KeyReuseStatus::Conflict,
             tenant_label: false,

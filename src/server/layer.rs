@@ -151,7 +151,9 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// Reads the key from the request's message when the key header has
     /// none: a field of the body, as AIP-155's `request_id` (see
     /// [`KeyFromBody`](crate::key::KeyFromBody); for gRPC,
-    /// [`grpc_message`](crate::key::grpc_message) takes the frame off).
+    /// [`grpc_message`](crate::key::grpc_message) takes the frame off, and
+    /// a compressed message is handed over decompressed: see
+    /// [`decode_grpc_message`](crate::key::decode_grpc_message)).
     /// The header wins when both are there. The body is read (under the
     /// request limit) before the key is known, and a request that has no
     /// key in either place is refused with `400 idempotency_key_missing`
@@ -177,7 +179,9 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     }
 
     /// The largest request body buffered (default 1 MiB); larger ones are
-    /// answered `413 payload_too_large`. At most 256 MiB.
+    /// answered `413 payload_too_large`. At most 256 MiB. A compressed gRPC
+    /// message is held to it decompressed too (`RESOURCE_EXHAUSTED`),
+    /// and never inflated past it.
     pub fn request_body_limit(self, bytes: usize) -> Self {
         self.configure(|c| c.request_body_limit = bytes.min(MAX_BODY))
     }
@@ -234,8 +238,9 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// replayed headers are `Content-Type`, `Content-Encoding`, `Vary`,
     /// `Content-Language`, `Location`, `ETag`, `Last-Modified`, `Link`, and
     /// gRPC's `grpc-status`, `grpc-message` and `grpc-status-details-bin`
-    /// (in the headers of a trailers-only answer). `Set-Cookie` is never
-    /// replayed, whatever the list says. Trailers are always replayed.
+    /// (in the headers of a trailers-only answer) and `grpc-encoding` (the
+    /// message's compression). `Set-Cookie` is never replayed, whatever the
+    /// list says. Trailers are always replayed.
     pub fn replay_header(self, name: HeaderName) -> Self {
         self.configure(|c| {
             if !c.replay_headers.contains(&name) {

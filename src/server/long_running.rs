@@ -388,11 +388,20 @@ async fn keep_alive<St: LeaseStore>(store: &St, lease: &St::Lease, config: &Leas
 /// and body (never credentials).
 fn stored_request(parts: &Parts, body: &Bytes) -> StoredRequest {
     let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
-    let headers = parts
-        .headers
-        .get_all(header::CONTENT_TYPE)
-        .iter()
-        .map(|value| (header::CONTENT_TYPE, value.clone()))
+    // The content type, and a gRPC message's encoding: without it neither
+    // the re-driven handler nor the fingerprint could read a compressed
+    // message again.
+    let grpc_encoding = header::HeaderName::from_static("grpc-encoding");
+    let headers = [header::CONTENT_TYPE, grpc_encoding]
+        .into_iter()
+        .flat_map(|name| {
+            parts
+                .headers
+                .get_all(&name)
+                .iter()
+                .map(move |value| (name.clone(), value.clone()))
+                .collect::<Vec<_>>()
+        })
         .collect();
     StoredRequest::new(parts.method.clone(), target, headers, body.clone())
 }

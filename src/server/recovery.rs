@@ -173,10 +173,14 @@ where
             .and_then(|rebuilt| {
                 let (mut parts, body) = rebuilt.into_parts();
                 parts.extensions.insert(scope.tenant().clone());
-                match self
-                    .setup
-                    .fingerprinter
-                    .fingerprint(&mut parts, &request.body)
+                // Validated as at admission: from the message, decompressed.
+                let message = super::admit::message_view(
+                    config.request_body_limit,
+                    &parts.headers,
+                    &request.body,
+                );
+                match message
+                    .and_then(|message| self.setup.fingerprinter.fingerprint(&mut parts, &message))
                 {
                     Ok(_) => Ok(Request::from_parts(parts, body)),
                     Err(problem) => Err(format!(

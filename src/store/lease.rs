@@ -43,8 +43,9 @@ impl LeaseRequest {
 /// The validated request of a long-running operation, as stored with its
 /// record: what a recovery worker needs to run it again without its client.
 ///
-/// Only the headers the layer keeps (`Content-Type`) are stored; credentials
-/// never are. The tenant is part of the record's scope.
+/// Only the headers the layer keeps (`Content-Type`, and a gRPC message's
+/// `grpc-encoding`) are stored; credentials never are. The tenant is part
+/// of the record's scope.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StoredRequest {

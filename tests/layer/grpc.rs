@@ -631,3 +631,300 @@ async fn the_key_is_read_from_the_message_when_the_metadata_has_none() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     assert_eq!(pg.orders().await.len(), 2);
 }
+
+/// A gRPC request whose body is `body` as it is (a frame, compressed or
+/// not), with `grpc-encoding: encoding` if given.
+fn grpc_post_bytes(
+    key: Option<&str>,
+    body: Vec<u8>,
+    encoding: Option<&str>,
+) -> Request<Full<Bytes>> {
+    let mut request = grpc_post(key, "");
+    *request.body_mut() = Full::new(Bytes::from(body));
+    if let Some(encoding) = encoding {
+        request
+            .headers_mut()
+            .insert("grpc-encoding", HeaderValue::from_str(encoding).unwrap());
+    }
+    request
+}
+
+/// `message` in one frame whose flag byte is `flag`.
+fn frame(flag: u8, message: &[u8]) -> Vec<u8> {
+    let mut body = vec![flag];
+    body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    body.extend_from_slice(message);
+    body
+}
+
+fn gzip(message: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    encoder.write_all(message).unwrap();
+    encoder.finish().unwrap()
+}
+
+/// gRPC's `deflate`: the zlib format (RFC 1950), as tonic and gRPC core send it.
+fn deflate(message: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut encoder = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+    encoder.write_all(message).unwrap();
+    encoder.finish().unwrap()
+}
+
+/// A gRPC handler that keeps the body it was handed, writes an order and
+/// answers `OK`.
+fn recording(
+    bodies: Arc<std::sync::Mutex<Vec<Bytes>>>,
+) -> tower::util::BoxCloneService<Request<RequestBody>, Response<Body>, BoxError> {
+    tower::util::BoxCloneService::new(tower::service_fn(move |request: Request<RequestBody>| {
+        let bodies = bodies.clone();
+        async move {
+            let tx = tx_of::<Postgres>(&request).expect("the layer's transaction");
+            let n = bodies.lock().unwrap().len();
+            Postgres::insert_order(&tx, &format!("order-{n}"), "tenant-a").await?;
+            let body = request.into_body().collect().await?.to_bytes();
+            bodies.lock().unwrap().push(body);
+            let mut response = Response::new(
+                Full::new(Bytes::from_static(b"\0\0\0\0\x00"))
+                    .map_err(|never| match never {})
+                    .with_trailers(async { Some(Ok(grpc_trailers())) })
+                    .boxed(),
+            );
+            response
+                .headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/grpc"));
+            Ok::<_, BoxError>(response)
+        }
+    }))
+}
+
+/// The fingerprinter of [`aip155_layer`], as a nameable type.
+type MessageFingerprint =
+    fn(
+        &mut http::request::Parts,
+        &Bytes,
+    )
+        -> Result<tower_idempotency::fingerprint::Fingerprint, tower_idempotency::problem::Problem>;
+
+/// A gRPC method's layer: the key from the message's `request_id`, the
+/// fingerprint of the message's bytes.
+fn aip155_layer(
+    pg: &Postgres,
+) -> tower_idempotency::IdempotencyLayer<tower_idempotency::postgres::PgStore, MessageFingerprint> {
+    tower_idempotency::IdempotencyLayer::new(
+        pg.store.clone(),
+        "orders.v1.Orders/CreateOrder",
+        message_fingerprint as MessageFingerprint,
+    )
+    .key_from_body(request_id)
+}
+
+/// The same message, uncompressed, gzip-compressed, deflate-compressed, or
+/// uncompressed under a `grpc-encoding` header, is the same operation: the
+/// key read from its `request_id` and the fingerprint of its bytes are the
+/// same, so every retry replays the first answer. The handler is handed
+/// the body as the client sent it, compressed or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_message_is_the_same_operation_as_the_uncompressed_one() {
+    let pg = Postgres::new().await;
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let service = aip155_layer(&pg).layer(recording(bodies.clone()));
+
+    let message = br#"{"request_id":"rid-1","checkout_id":"chk_1"}"#;
+    let first = read(
+        service.clone(),
+        grpc_post_bytes(None, frame(0, message), None),
+    )
+    .await;
+    assert_eq!(first.trailers.unwrap()["grpc-status"], "0");
+    assert!(!first.headers.contains_key("idempotent-replayed"));
+    let retries = [
+        ("gzip", frame(1, &gzip(message)), Some("gzip")),
+        ("deflate", frame(1, &deflate(message)), Some("deflate")),
+        (
+            "GZIP, the name's case aside",
+            frame(1, &gzip(message)),
+            Some("GZIP"),
+        ),
+        (
+            "uncompressed under grpc-encoding",
+            frame(0, message),
+            Some("gzip"),
+        ),
+        (
+            "an unknown encoding, uncompressed",
+            frame(0, message),
+            Some("snappy"),
+        ),
+    ];
+    for (case, body, encoding) in retries {
+        let retry = read(service.clone(), grpc_post_bytes(None, body, encoding)).await;
+        assert_eq!(retry.status, StatusCode::OK, "{case}");
+        assert_eq!(retry.headers["idempotent-replayed"], "true", "{case}");
+        assert_eq!(retry.trailers.unwrap()["grpc-status"], "0", "{case}");
+    }
+    assert_eq!(bodies.lock().unwrap().len(), 1, "the handler ran once");
+    assert_eq!(pg.orders().await.len(), 1, "one order");
+    assert_eq!(key_rows(&pg, "rid-1").await, 1);
+
+    // Another message compressed: its own key and fingerprint (a new
+    // operation, not a reuse of rid-1), and the handler reads the body the
+    // client sent, compressed.
+    let other = br#"{"request_id":"rid-2","checkout_id":"chk_2"}"#;
+    let compressed = frame(1, &deflate(other));
+    let created = read(
+        service.clone(),
+        grpc_post_bytes(None, compressed.clone(), Some("deflate")),
+    )
+    .await;
+    assert_eq!(created.trailers.unwrap()["grpc-status"], "0");
+    assert!(!created.headers.contains_key("idempotent-replayed"));
+    assert_eq!(bodies.lock().unwrap()[1], Bytes::from(compressed));
+    // The same request_id with another message, compressed: a reused key.
+    let reused = framed_reuse(&service).await;
+    assert_eq!(reused.headers["grpc-status"], "9", "FAILED_PRECONDITION");
+    assert_eq!(pg.orders().await.len(), 2);
+    assert_eq!(key_rows(&pg, "rid-2").await, 1);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests").await,
+        2
+    );
+}
+
+async fn framed_reuse<S, B>(service: &S) -> Read
+where
+    S: tower::Service<Request<Full<Bytes>>, Response = Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    let message = br#"{"request_id":"rid-2","checkout_id":"chk_other"}"#;
+    read(
+        service.clone(),
+        grpc_post_bytes(None, frame(1, &gzip(message)), Some("gzip")),
+    )
+    .await
+}
+
+/// A compressed message in an encoding the layer does not read is refused
+/// as gRPC says, `UNIMPLEMENTED` with the encodings it reads in
+/// `grpc-accept-encoding`, before a key is claimed; a compressed flag
+/// without an encoding, or bytes that do not decompress, are an unreadable
+/// message. The handler never runs and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_encoding_is_unimplemented_and_nothing_is_written() {
+    let pg = Postgres::new().await;
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let service = aip155_layer(&pg).layer(recording(bodies.clone()));
+    let message = br#"{"request_id":"rid-1","checkout_id":"chk_1"}"#;
+
+    let unknown = read(
+        service.clone(),
+        grpc_post_bytes(None, frame(1, &gzip(message)), Some("snappy")),
+    )
+    .await;
+    assert_eq!(unknown.status, StatusCode::OK);
+    assert_eq!(unknown.headers["content-type"], "application/grpc");
+    assert_eq!(unknown.headers["grpc-status"], "12", "UNIMPLEMENTED");
+    assert_eq!(
+        unknown.headers["grpc-accept-encoding"],
+        "identity,gzip,deflate"
+    );
+    assert!(
+        unknown.headers["grpc-message"]
+            .to_str()
+            .unwrap()
+            .contains("snappy"),
+        "{:?}",
+        unknown.headers["grpc-message"]
+    );
+    assert!(unknown.body.is_empty(), "trailers-only");
+
+    for (case, body, encoding) in [
+        ("no grpc-encoding", frame(1, &gzip(message)), None),
+        ("identity", frame(1, &gzip(message)), Some("identity")),
+        ("not gzip", frame(1, message), Some("gzip")),
+        (
+            "deflate sent as gzip",
+            frame(1, &deflate(message)),
+            Some("gzip"),
+        ),
+    ] {
+        let refused = read(service.clone(), grpc_post_bytes(None, body, encoding)).await;
+        assert_eq!(
+            refused.headers["grpc-status"], "3",
+            "INVALID_ARGUMENT: {case}"
+        );
+    }
+
+    assert!(bodies.lock().unwrap().is_empty(), "the handler never ran");
+    assert_eq!(pg.orders().await.len(), 0);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests").await,
+        0,
+        "no key claimed"
+    );
+}
+
+/// A compression bomb: 10 MiB of zeros is about 10 KiB gzipped, well under
+/// the body limit, and 10 times over it decompressed. The layer stops
+/// reading at the limit and answers `RESOURCE_EXHAUSTED`, as for a body
+/// over the limit; a message of exactly the limit is read. Nothing is
+/// written for the refused ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compression_bomb_is_refused_at_the_body_limit_and_nothing_is_written() {
+    let pg = Postgres::new().await;
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let limit = 64 * 1024;
+    let service = tower_idempotency::IdempotencyLayer::new(
+        pg.store.clone(),
+        "orders.v1.Orders/CreateOrder",
+        message_fingerprint,
+    )
+    .request_body_limit(limit)
+    .layer(recording(bodies.clone()));
+
+    let bomb = frame(1, &gzip(&vec![0u8; 10 * 1024 * 1024]));
+    assert!(bomb.len() < limit, "the compressed bomb is under the limit");
+    let refused = read(
+        service.clone(),
+        grpc_post_bytes(Some("bomb"), bomb, Some("gzip")),
+    )
+    .await;
+    assert_eq!(refused.headers["grpc-status"], "8", "RESOURCE_EXHAUSTED");
+    assert!(refused.headers["grpc-message"]
+        .to_str()
+        .unwrap()
+        .contains(&limit.to_string()));
+    let one_over = frame(1, &deflate(&vec![b'x'; limit + 1]));
+    let refused = read(
+        service.clone(),
+        grpc_post_bytes(Some("one-over"), one_over, Some("deflate")),
+    )
+    .await;
+    assert_eq!(
+        refused.headers["grpc-status"], "8",
+        "one byte over the limit"
+    );
+    assert!(bodies.lock().unwrap().is_empty(), "the handler never ran");
+    assert_eq!(pg.orders().await.len(), 0);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests").await,
+        0
+    );
+
+    let at_limit = frame(1, &gzip(&vec![b'x'; limit]));
+    let created = read(
+        service.clone(),
+        grpc_post_bytes(Some("at-limit"), at_limit, Some("gzip")),
+    )
+    .await;
+    assert_eq!(
+        created.trailers.unwrap()["grpc-status"],
+        "0",
+        "at the limit"
+    );
+    assert_eq!(pg.orders().await.len(), 1);
+    assert_eq!(key_rows(&pg, "at-limit").await, 1);
+}

@@ -2,7 +2,8 @@
 //! tonic client over HTTP/2: a create and its replay (the same message and
 //! trailers), a retry after the connection was cut mid-call, a reused
 //! `request_id`, an `UNAVAILABLE` that rolls back and its retry,
-//! concurrent duplicates, and the answers that are not the handler's. Each
+//! concurrent duplicates, gzip-compressed calls and their replays, and the
+//! answers that are not the handler's. Each
 //! test has its own database and checks its rows: orders, outbox events,
 //! stock and the key's record.
 
@@ -20,6 +21,7 @@ use tokio::{
 use tonic::{
     body::Body,
     client::Grpc,
+    codec::CompressionEncoding,
     metadata::MetadataValue,
     transport::{Channel, Endpoint},
     Code, Status,
@@ -158,6 +160,25 @@ async fn create(
     request: tonic::Request<CreateOrderRequest>,
 ) -> Result<tonic::Response<Order>, Status> {
     let mut grpc = Grpc::new(channel.clone());
+    grpc.ready().await.expect("the channel is ready");
+    grpc.unary(
+        request,
+        PathAndQuery::from_static(proto::CREATE_ORDER),
+        ProstCodec::default(),
+    )
+    .await
+}
+
+/// `CreateOrder` with gzip on, as a tonic client configured with
+/// `send_compressed(Gzip)` and `accept_compressed(Gzip)` calls it: the
+/// message goes compressed, and the answer may come back compressed.
+async fn create_gzip(
+    channel: &Channel,
+    request: tonic::Request<CreateOrderRequest>,
+) -> Result<tonic::Response<Order>, Status> {
+    let mut grpc = Grpc::new(channel.clone())
+        .send_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Gzip);
     grpc.ready().await.expect("the channel is ready");
     grpc.unary(
         request,
@@ -545,4 +566,118 @@ async fn refusals_are_grpc_statuses_and_only_the_deterministic_one_is_remembered
         1,
         "only the greedy one"
     );
+}
+
+/// A gzip-compressed call: the layer reads the key (`request_id`) and the
+/// fingerprint from the decompressed message, the handler creates one
+/// order, and the server answers compressed; the compressed retry replays
+/// it without writing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gzip_call_creates_one_order_and_its_retry_replays_it() {
+    let server = Server::start().await;
+    let channel = server.channel().await;
+
+    let first = create_gzip(&channel, create_request("gz-1", "tea", 2))
+        .await
+        .expect("a compressed call is created");
+    assert!(!replayed(first.metadata()));
+    assert_eq!(
+        first
+            .metadata()
+            .get("grpc-encoding")
+            .map(|v| v.to_str().unwrap()),
+        Some("gzip"),
+        "the example answers compressed to a client that accepts gzip"
+    );
+    let order = first.get_ref().clone();
+    assert_eq!((order.quantity, order.total), (2, 900));
+    assert_eq!(server.count("SELECT count(*) FROM grpc_orders").await, 1);
+    assert_eq!(server.count("SELECT count(*) FROM outbox_events").await, 1);
+    assert_eq!(
+        server
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        1
+    );
+    assert_eq!(
+        server.key_record("gz-1").await,
+        Some(("completed".into(), Some(order.id.clone())))
+    );
+    assert_eq!(server.stock("tea").await, 998);
+
+    let again = create_gzip(&server.channel().await, create_request("gz-1", "tea", 2))
+        .await
+        .expect("replayed");
+    assert!(replayed(again.metadata()));
+    assert_eq!(again.get_ref(), &order);
+    assert_eq!(server.count("SELECT count(*) FROM grpc_orders").await, 1);
+    assert_eq!(server.count("SELECT count(*) FROM outbox_events").await, 1);
+    assert_eq!(
+        server
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        1
+    );
+    assert_eq!(server.stock("tea").await, 998);
+
+    // Another order under the same request_id, compressed: the fingerprint
+    // is the decompressed message's, so the reuse is seen.
+    let reused = create_gzip(&channel, create_request("gz-1", "tea", 3))
+        .await
+        .expect_err("another order under the same request_id");
+    assert_eq!(reused.code(), Code::FailedPrecondition, "{reused:?}");
+    assert_eq!(server.count("SELECT count(*) FROM grpc_orders").await, 1);
+}
+
+/// Compression is a per-call client option: an uncompressed call retried
+/// compressed, and a compressed call retried uncompressed, are the same
+/// operation (the same key, the same fingerprint) and replay the first
+/// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_compressed_otherwise_than_the_first_call_replays_it() {
+    let server = Server::start().await;
+    let channel = server.channel().await;
+
+    let plain = create(&channel, create_request("mixed-1", "coffee", 1))
+        .await
+        .expect("created uncompressed");
+    let gzip_retry = create_gzip(&channel, create_request("mixed-1", "coffee", 1))
+        .await
+        .expect("the compressed retry is answered");
+    assert!(replayed(gzip_retry.metadata()));
+    assert_eq!(gzip_retry.get_ref(), plain.get_ref());
+    assert_eq!(server.count("SELECT count(*) FROM grpc_orders").await, 1);
+    assert_eq!(
+        server
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        1
+    );
+
+    // The other way round; the first call sends gzip but reads only
+    // uncompressed answers, as the plain retry does.
+    let mut send_only = Grpc::new(channel.clone()).send_compressed(CompressionEncoding::Gzip);
+    send_only.ready().await.expect("the channel is ready");
+    let compressed = send_only
+        .unary(
+            create_request("mixed-2", "coffee", 2),
+            PathAndQuery::from_static(proto::CREATE_ORDER),
+            ProstCodec::default(),
+        )
+        .await
+        .expect("created compressed");
+    assert!(!replayed(compressed.metadata()));
+    let plain_retry = create(&channel, create_request("mixed-2", "coffee", 2))
+        .await
+        .expect("the uncompressed retry is answered");
+    assert!(replayed(plain_retry.metadata()));
+    assert_eq!(plain_retry.get_ref(), compressed.get_ref());
+    assert_eq!(server.count("SELECT count(*) FROM grpc_orders").await, 2);
+    assert_eq!(
+        server
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        2
+    );
+    assert_eq!(server.stock("coffee").await, 997);
 }
