@@ -91,7 +91,7 @@ impl Cleanup {
     /// oldest expired rows, one `DELETE` per tenant); returns how many rows
     /// went.
     pub async fn delete_batch(&self) -> Result<u64, StoreError> {
-        let session = self.store.session().await?;
+        let mut session = self.store.session().await?;
         let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
         let tenants = session.query(statements::EXPIRED_TENANTS, &limit).await?;
         let mut removed = 0;
@@ -104,6 +104,7 @@ impl Cleanup {
             let params: [&(dyn ToSql + Sync); 2] = [&tenant, &left];
             removed += session.execute(statements::DELETE_BATCH, &params).await?;
         }
+        session.answered();
         metrics::expired_removed(removed);
         Ok(removed)
     }

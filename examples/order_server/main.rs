@@ -131,9 +131,6 @@ async fn run() -> Result<(), String> {
     // the replay).
     .transaction_pooling(settings.transaction_pooling)
     .max_connections(32)
-    // The sessions carry POST /orders' hold limit, so that its owners send
-    // no `SET LOCAL` of their own.
-    .hold_limit(settings.handler_timeout.saturating_add(Duration::from_secs(5)))
     .build()
     .map_err(|e| format!("DATABASE_URL is not usable: {e}"))?;
     schema::migrate(&store).await?;

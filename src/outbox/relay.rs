@@ -13,8 +13,8 @@ use super::{
 use crate::{
     metrics,
     postgres::PgStore,
+    protocol::claim::begin_with_waits,
     protocol::outbox as statements,
-    protocol::statements::BEGIN,
     protocol::waits::{answered_within, BACKGROUND_DEADLINE},
     store::StoreError,
 };
@@ -177,10 +177,18 @@ impl<K: Sink> Relay<K> {
                 session.prepare(statements::CLAIM_EVENTS),
             )?;
             let limit: [&(dyn ToSql + Sync); 1] = [&self.batch_size];
-            session.mark_dirty();
+            // The batch's transaction sits idle while it delivers (about two
+            // delivery timeouts at most): it carries an idle limit of its own
+            // past that, whatever hold limit the store's sessions carry for
+            // the layer's owners, which may be shorter.
+            let idle = self
+                .delivery_timeout
+                .saturating_mul(2)
+                .saturating_add(BACKGROUND_DEADLINE);
+            let begin = begin_with_waits(None, Some(idle));
             let (_, tenants) = tokio::try_join!(
                 biased;
-                session.batch_execute(BEGIN),
+                session.batch_execute(&begin),
                 session.query_prepared(&due, &limit),
             )?;
             // The events are locked one tenant at a time (one shard on Citus).
@@ -304,8 +312,10 @@ impl<K: Sink> Relay<K> {
     /// them as the backlog and lag gauges.
     pub async fn refresh_backlog(&self) -> Result<OutboxStatus, StoreError> {
         let read = async {
-            let session = self.store.session().await?;
-            session.query_one(statements::OUTBOX_BACKLOG, &[]).await
+            let mut session = self.store.session().await?;
+            let row = session.query_one(statements::OUTBOX_BACKLOG, &[]).await?;
+            session.answered();
+            Ok(row)
         };
         let row = answered_within(BACKGROUND_DEADLINE, read, "counting the backlog").await?;
         let (count, lag): (i64, f64) = (row.get(0), row.get(1));

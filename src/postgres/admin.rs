@@ -30,9 +30,10 @@ impl PgStore {
         scope: &Scope,
         key: &IdempotencyKey,
     ) -> Result<Option<KeyRecord>, StoreError> {
-        let session = self.session().await?;
+        let mut session = self.session().await?;
         let params = params(scope, key);
         let row = session.query_opt(INSPECT_KEY, &dyn_params(&params)).await?;
+        session.answered();
         row.as_ref().map(key_record).transpose()
     }
 
@@ -49,10 +50,11 @@ impl PgStore {
         key: &IdempotencyKey,
         reason: &str,
     ) -> Result<bool, StoreError> {
-        let session = self.session().await?;
+        let mut session = self.session().await?;
         let (tenant, endpoint) = (scope.tenant().as_str(), scope.endpoint());
         let params = params(scope, key);
         let removed = session.execute(REMOVE_KEY, &dyn_params(&params)).await?;
+        session.answered();
         tracing::warn!(
             target: "tower_idempotency::audit",
             tenant,

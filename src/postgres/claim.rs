@@ -75,6 +75,9 @@ async fn claim_once(
     // PostgreSQL rolls back once the statement ends.
     // Unanswered, the claim takes the one statement that is correct on
     // both (and the store asks again next time).
+    // From here on a statement may be owed an answer: cut off (the layer's
+    // deadline), the connection is closed rather than pooled.
+    conn.mark_dirty();
     let split = store.learn_citus(&mut conn).await.unwrap_or(false);
     let claimed = tokio::time::timeout_at(
         deadline + CLAIM_GRACE,

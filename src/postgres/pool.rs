@@ -79,17 +79,21 @@ impl PgStoreBuilder {
     /// | `sslrootcert=system` | the platform's trusted roots; implies `verify-full` and refuses a weaker `sslmode`, as libpq 16 does |
     /// | `sslcert=FILE`, `sslkey=FILE` | a client certificate (PEM chain) and its private key, for `hostssl … cert` authentication |
     ///
-    /// `verify-ca` and `verify-full` without `sslrootcert` are refused here
+    /// `verify-ca` and `verify-full` without `sslrootcert` are refused by
+    /// [`build`](Self::build), unless a connector of your own
+    /// ([`tls`](Self::tls)) does the verifying
     /// (libpq would look for `~/.postgresql/root.crt`; nothing is read from
     /// the home directory or from `PGSSL*` variables). `sslmode=allow` is
     /// refused. A certificate that does not verify fails the connection, with
     /// the reason ("invalid peer certificate: UnknownIssuer", "… certificate
     /// not valid for name …"); nothing falls back to a connection the `sslmode`
-    /// excludes. Over a Unix socket, which carries no TLS, `prefer` and
-    /// `require` connect without it and `verify-*` are refused; `hostaddr`
+    /// excludes. Over Unix sockets only (every host a socket), which carry
+    /// no TLS, `prefer` and `require` connect without it and `verify-*` are
+    /// refused; `hostaddr`
     /// without `host` serves as the TLS name below `verify-full`, which needs
     /// `host`. TLS is rustls with ring (feature `tls-rustls`, on by default),
-    /// which offers ALPN `postgresql` (`sslnegotiation=direct` works) and is
+    /// which offers ALPN `postgresql` (`sslnegotiation=direct` works, with
+    /// `require` or stronger) and is
     /// stricter than OpenSSL in what it verifies (no version 1 or SHA-1
     /// certificates, names from the subject alternative names only): see the
     /// [deploying guide](crate::guide::deploying). [`tls`](Self::tls)
@@ -105,7 +109,6 @@ impl PgStoreBuilder {
     /// ```
     pub fn from_conninfo(conninfo: &str) -> Result<Self, StoreError> {
         let (rest, tls_params) = conninfo::split(conninfo).map_err(config_error)?;
-        tls_params.effective_mode().map_err(config_error)?;
         let config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
             StoreError::new(StoreErrorKind::Backend, "invalid connection string").with_source(e)
         })?;
@@ -267,8 +270,25 @@ impl PgStoreBuilder {
         // the TLS: a caller's connector left with tokio-postgres's default
         // (`prefer`) would fall back to plaintext, and send a cleartext
         // password, to a server (or anyone on the path) that answers "no TLS".
-        let mode = self.tls_params.effective_mode().map_err(config_error)?;
+        // With a connector of the caller's, verifying is the connector's:
+        // `verify-*` need no `sslrootcert` of ours (and may not name one).
+        let mode = match self.tls {
+            Some(_) => Ok(self.tls_params.mode.unwrap_or(SslMode::Prefer)),
+            None => self.tls_params.effective_mode(),
+        }
+        .map_err(config_error)?;
         let mode = conninfo::settle_hosts(&mut self.config, mode).map_err(config_error)?;
+        // As libpq: a direct TLS connection cannot fall back to plain text,
+        // so `prefer` (which would) is refused with it.
+        if mode == SslMode::Prefer
+            && self.config.get_ssl_negotiation() == tokio_postgres::config::SslNegotiation::Direct
+        {
+            return Err(config_error(
+                "sslnegotiation=direct needs sslmode=require, verify-ca or verify-full \
+                 (prefer could fall back to plain text)"
+                    .into(),
+            ));
+        }
         let (connector, wire) = match self.tls {
             Some(tls) => (tls, Connector::wire_mode_for_own(&self.tls_params, mode)?),
             None => Connector::from_params(&self.tls_params, mode)?,

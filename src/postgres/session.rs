@@ -4,11 +4,13 @@
 //!
 //! It exists so that those users neither map driver errors themselves (every
 //! method answers [`StoreError`], sorted as the store sorts them) nor touch
-//! the connection guard's state: a session returns to the pool after plain
-//! statements, and one that may be inside a transaction returns only once its
-//! `COMMIT` was acknowledged ([`Session::mark_dirty`], [`Session::commit`],
-//! [`Session::mark_clean`]); otherwise it is closed, and PostgreSQL rolls
-//! back.
+//! the connection guard's state: a session returns to the pool only once
+//! its last statement was answered outside any transaction
+//! ([`Session::answered`]) or its `COMMIT` was acknowledged
+//! ([`Session::commit`], [`Session::mark_clean`]); otherwise it is closed,
+//! and PostgreSQL rolls back. A session starts that way: a statement cut off
+//! mid-flight (a deadline, a dropped future) leaves an answer owed on the
+//! connection, which no one else may receive.
 //!
 //! The methods are thin: each sends the crate's [`Sql`] as the store sends
 //! its statements (prepared and cached per connection, or unnamed behind a
@@ -40,9 +42,9 @@ impl PgStore {
     /// A pooled connection for the crate's own statements, outside any
     /// transaction; waits up to the acquire timeout.
     pub(crate) async fn session(&self) -> Result<Session, StoreError> {
-        Ok(Session {
-            conn: self.conn().await?,
-        })
+        let mut conn = self.conn().await?;
+        conn.mark_dirty();
+        Ok(Session { conn })
     }
 }
 
@@ -104,6 +106,12 @@ impl Session {
     /// with `tokio::try_join!` (`biased`) to save a round trip.
     pub(crate) async fn commit(&self) -> Result<Committed, StoreError> {
         self.batch_execute(COMMIT).await.map(|()| Committed(()))
+    }
+
+    /// Every statement sent outside a transaction was answered: the session
+    /// may go back to the pool.
+    pub(crate) fn answered(&mut self) {
+        self.conn.mark_clean();
     }
 
     /// The `COMMIT` was acknowledged: the session may go back to the pool.

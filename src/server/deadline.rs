@@ -58,6 +58,17 @@ impl Deadlines {
         self.wait.max(Instant::now()) + CLAIM_MARGIN
     }
 
+    /// How long a second run of the owner (the one-commit mode's, on a key
+    /// freed of an expired record) may take: the handler timeout, or what
+    /// is left of the request's budget once its end is set aside, if less.
+    pub(crate) fn rerun(&self, handler_timeout: Duration) -> Duration {
+        let left = self
+            .request
+            .saturating_duration_since(Instant::now())
+            .saturating_sub(END_FLOOR);
+        handler_timeout.min(left)
+    }
+
     /// When ending the owner's transaction (its commit, or its rollback),
     /// starting now, must have been answered.
     pub(crate) fn end(&self) -> Instant {

@@ -115,8 +115,10 @@ pub(crate) struct Shared {
     pub(crate) in_flight: Arc<InFlight>,
     pub(crate) drain: Arc<Drain>,
     pub(crate) cache: Option<RecordCache>,
-    /// Set once a raised retention has been said (`Setup::say_raised_retention`).
-    pub(crate) retention_said: Arc<std::sync::atomic::AtomicBool>,
+    /// The raised retention last said, configured and effective
+    /// (`Setup::say_raised_retention`): a clone reconfigured to another
+    /// pair says its own once.
+    pub(crate) retention_said: Arc<std::sync::Mutex<Option<(Duration, Duration)>>>,
 }
 
 impl Default for Shared {
@@ -188,9 +190,16 @@ impl<St, F, R, M: Covers> Setup<St, F, R, M> {
     /// retention in force is longer than the one configured: an operator
     /// who set a retention must be able to see that keys live longer.
     pub(crate) fn say_raised_retention(&self) {
-        use std::sync::atomic::Ordering;
         let (configured, effective) = (self.config.retention, self.retention());
-        if effective > configured && !self.shared.retention_said.swap(true, Ordering::Relaxed) {
+        if effective <= configured {
+            return;
+        }
+        let mut said = self
+            .shared
+            .retention_said
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if said.replace((configured, effective)) != Some((configured, effective)) {
             tracing::warn!(
                 endpoint = %self.config.endpoint,
                 configured_retention = ?configured,

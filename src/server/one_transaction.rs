@@ -192,6 +192,8 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     let expires = std::time::Instant::now() + claim.retention;
     // The key is held from the first run's claim to the end of the last.
     let mut held_since = None;
+    // A second run gets what is left of the request's budget, if less.
+    let mut handler_timeout = config.handler_timeout;
     loop {
         // 3. Claim (or only open the transaction), with what is left of
         // the wait. Should this process freeze past the handler's deadline,
@@ -232,7 +234,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
             config.response_body_limit,
             &*config.classifier,
         );
-        let ran = tokio::time::timeout(config.handler_timeout, owner)
+        let ran = tokio::time::timeout(handler_timeout, owner)
             .await
             .unwrap_or(Err(Rollback::TimedOut));
         if ran.is_ok() {
@@ -271,13 +273,16 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
             // (under a handler timeout of its own). The discarded run is
             // counted as a lost commit's is.
             Remembered::Freed => match again.take() {
-                Some((copied, service)) => {
+                Some((copied, service)) if !deadlines.rerun(config.handler_timeout).is_zero() => {
+                    handler_timeout = deadlines.rerun(config.handler_timeout);
                     crate::metrics::commit_lost(&config.endpoint);
                     tracing::debug!("the key's expired record was removed; running the work again");
                     (parts, inner) = (copied, service);
                     continue;
                 }
-                None => Settled::InProgress { retry_after: 1 },
+                // Nothing left to run it again in: the key is free, and the
+                // retry runs it.
+                _ => Settled::InProgress { retry_after: 1 },
             },
         };
         timings.held = Some(held_since.elapsed());

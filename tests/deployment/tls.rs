@@ -298,6 +298,11 @@ fn tls_settings_that_cannot_work_are_refused_at_build() {
             "/nonexistent/ca.pem",
         ),
         ("sslmode=allow", "not supported"),
+        // prefer (the default) could fall back to plain text: libpq refuses it.
+        (
+            "sslnegotiation=direct",
+            "sslnegotiation=direct needs sslmode=require",
+        ),
         ("sslcert=/tmp/c.pem", "without sslkey"),
     ] {
         let error = PgStoreBuilder::from_conninfo(&format!("{server_less}?{query}"))
@@ -701,12 +706,18 @@ fn certificate_files_beside_a_callers_connector_are_refused_at_build() {
             .expect_err(query);
         assert!(error.to_string().contains(expected), "{query}: {error}");
     }
-    // Without them the same builder is fine.
-    PgStoreBuilder::from_conninfo(base)
-        .unwrap()
-        .tls(callers_connector())
-        .build()
-        .unwrap();
+    // Without them the same builder is fine, and so is verify-full, which
+    // a connector of one's own verifies (no sslrootcert of ours needed).
+    for url in [
+        base.to_owned(),
+        "postgres://app@127.0.0.1:1/db?sslmode=verify-full".to_owned(),
+    ] {
+        PgStoreBuilder::from_conninfo(&url)
+            .unwrap()
+            .tls(callers_connector())
+            .build()
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+    }
 }
 
 /// The TLS test server's Unix socket directory, for libpq's `host=/dir`.

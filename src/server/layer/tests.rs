@@ -211,8 +211,13 @@ fn a_raised_retention_is_said_once_and_exposed() {
         });
         let _first = layer.layer(inner);
         let _second = layer.clone().layer(inner);
+        // A clone configured to another floor says its own, once.
+        let longer = layer.clone().handler_timeout(Duration::from_secs(4));
+        let _third = longer.layer(inner);
+        let _fourth = longer.layer(inner);
     });
-    assert_eq!(log.matches("WARN").count(), 1, "{log}");
+    assert_eq!(log.matches("WARN").count(), 2, "{log}");
+    assert!(log.contains("effective_retention=9s"), "{log}");
     assert!(
         log.contains("configured_retention=3s") && log.contains("effective_retention=7s"),
         "{log}"
