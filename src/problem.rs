@@ -154,10 +154,13 @@ impl Problem {
             codes::IN_PROGRESS => ABORTED,
             codes::PAYLOAD_TOO_LARGE => RESOURCE_EXHAUSTED,
             codes::UNAUTHORIZED => UNAUTHENTICATED,
-            codes::STORE_UNAVAILABLE | codes::HANDLER_TIMEOUT | codes::REPLAY_UNAVAILABLE => {
-                UNAVAILABLE
+            codes::STORE_UNAVAILABLE
+            | codes::HANDLER_TIMEOUT
+            | codes::REPLAY_UNAVAILABLE
+            | codes::OPERATION_TAKEN_OVER => UNAVAILABLE,
+            codes::RESPONSE_NOT_STORABLE | codes::OPERATION_FAILED | codes::STATEMENT_FAILED => {
+                INTERNAL
             }
-            codes::RESPONSE_NOT_STORABLE | codes::OPERATION_FAILED => INTERNAL,
             codes::NOT_FOUND | codes::RESOURCE_GONE => NOT_FOUND,
             codes::METHOD_NOT_ALLOWED | codes::ENCODING_UNSUPPORTED => UNIMPLEMENTED,
             _ => match self.status.as_u16() {
@@ -289,6 +292,59 @@ pub mod codes {
     /// allowed attempt ([`LeaseConfig::max_attempts`](crate::lease::LeaseConfig::max_attempts));
     /// remembered and replayed to every retry under its key (500).
     pub const OPERATION_FAILED: &str = "operation_failed";
+    /// A statement the handler sent through the layer's transaction failed
+    /// in a way a retry repeats: the database refused it (a constraint, a
+    /// missing table, a type mismatch), the handle refused it (transaction
+    /// control, session state), or the transaction had already ended. Sent
+    /// by a handler that returns a [`TxError`](crate::postgres::TxError) or a
+    /// [`StoreError`](crate::store::StoreError) as its answer; the layer
+    /// rolls its work back (500).
+    pub const STATEMENT_FAILED: &str = "statement_failed";
+    /// A long-running operation's attempt was taken over by a newer owner
+    /// (its fenced transaction was refused); this attempt changed nothing
+    /// and stopped, and a retry with the same key resumes the operation
+    /// (503 with `Retry-After`).
+    pub const OPERATION_TAKEN_OVER: &str = "operation_taken_over";
+}
+
+/// The answer for a handler's statement that failed with an error of
+/// `kind`, whichever driver met it: the database gone or a transaction
+/// that lost to a concurrent one is worth a retry (503 with `Retry-After`),
+/// anything else fails the same way again (500). The body says what a
+/// client can act on and nothing of the statement or its values.
+pub(crate) fn statement_failed(kind: crate::store::StoreErrorKind) -> Problem {
+    use crate::store::StoreErrorKind as Kind;
+    let unavailable = |detail: &str| {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            codes::STORE_UNAVAILABLE,
+            "The database is unavailable; retry with the same key",
+        )
+        .with_detail(detail)
+        .with_retry_after(1)
+    };
+    match kind {
+        Kind::Unavailable => unavailable("the database could not be reached or ended the session"),
+        Kind::Conflict => {
+            unavailable("the transaction conflicted with a concurrent one and was rolled back")
+        }
+        Kind::OutcomeUnknown => {
+            unavailable("the commit's outcome is unknown; retry with the same key to learn it")
+        }
+        Kind::Fenced => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            codes::OPERATION_TAKEN_OVER,
+            "Another attempt took this operation over; this one stopped",
+        )
+        .with_detail("a retry with the same key resumes the operation")
+        .with_retry_after(1),
+        Kind::TransactionAborted | Kind::Corrupt | Kind::Schema | Kind::Backend => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            codes::STATEMENT_FAILED,
+            "A database statement of this request failed",
+        )
+        .with_detail("retrying the same request fails the same way"),
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,13 @@
-//! The layer's request flow against a real PostgreSQL: the one-commit mode,
+//! The layer's request flow against a real PostgreSQL: axum handlers that
+//! answer `TxError` and take `Option<PgTx>`, the hyper and `ServiceBuilder`
+//! examples as processes, the one-commit mode,
 //! hardening against what a handler or an application does, hostile input,
 //! replays rebuilt from a resource id, gRPC (trailers, `grpc-status`, the
 //! key in the message; the tonic example called over HTTP/2), and the
 //! completion's HOT update.
 
+#[path = "layer/axum_answers.rs"]
+mod axum_answers;
 #[path = "layer/claim_at_commit.rs"]
 mod claim_at_commit;
 mod common;
@@ -19,5 +23,7 @@ mod hardening;
 mod hostile_input;
 #[path = "layer/hot_completion.rs"]
 mod hot_completion;
+#[path = "layer/http_examples.rs"]
+mod http_examples;
 #[path = "layer/resource_replay.rs"]
 mod resource_replay;

@@ -30,16 +30,40 @@ impl IntoResponse for MissingFromLayer {
             "idempotency_layer_missing",
             "The server is misconfigured",
         )
-        .to_response()
-        .map(axum_core::body::Body::from)
+        .into_response()
     }
 }
 
 /// Extracts each handle `$handle` from the request extensions, where the
-/// layer puts it.
+/// layer puts it; `Option<$handle>` is `None` where the layer put none (a
+/// request without a key on a route with `require_key(false)`, passed
+/// through without idempotency).
 macro_rules! from_extensions {
     ($($(#[$cfg:meta])* $handle:ident,)*) => {$(
         $(#[$cfg])*
+        #[doc = concat!(
+            "`Option<", stringify!($handle), ">`: `None` when the layer put no handle in the ",
+            "request (a request without a key where the layer has `require_key(false)`), ",
+            "for handlers that serve both."
+        )]
+        impl<S: Send + Sync> axum_core::extract::OptionalFromRequestParts<S> for $handle {
+            // No handle is an answer, not a failure: the request runs
+            // without idempotency, as the layer let it through.
+            type Rejection = std::convert::Infallible;
+
+            async fn from_request_parts(
+                parts: &mut Parts,
+                _state: &S,
+            ) -> Result<Option<Self>, Self::Rejection> {
+                Ok(parts.extensions.get::<$handle>().cloned())
+            }
+        }
+
+        $(#[$cfg])*
+        #[doc = concat!(
+            "The layer's `", stringify!($handle), "`; `500 idempotency_layer_missing` ",
+            "([`MissingFromLayer`]) when the route is not behind it."
+        )]
         impl<S: Send + Sync> FromRequestParts<S> for $handle {
             type Rejection = MissingFromLayer;
 

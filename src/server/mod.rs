@@ -19,7 +19,8 @@
 //! 5. **Services.** `service`, the one `Service` impl (admission, then the
 //!    mode's flow on a task of its own, then the answer) with its `future`;
 //!    `recovery` and `status`, the long-running mode's two services;
-//!    `extract`, the axum extractors.
+//!    `extract`, the axum extractors, and `respond`, the axum answers
+//!    (problems and a handler's statement errors as `IntoResponse`).
 //! 6. **The builder.** `layer`.
 
 mod admit;
@@ -45,6 +46,8 @@ mod one_transaction;
 mod owner;
 mod recovery;
 pub mod replay;
+#[cfg(feature = "axum")]
+mod respond;
 mod service;
 mod settled;
 mod status;

@@ -51,6 +51,16 @@ pub(super) fn map_error(e: ::sqlx::Error) -> StoreError {
         .with_source(e)
 }
 
+/// A statement's error as the store sorts it, so that a
+/// [`SqlxTx`](super::SqlxTx) handler can `?` its queries into a
+/// `Result<_, StoreError>` (an answer with the `axum` feature, see
+/// [`StoreError::to_problem`]).
+impl From<::sqlx::Error> for StoreError {
+    fn from(e: ::sqlx::Error) -> Self {
+        map_error(e)
+    }
+}
+
 /// Sorts an error of the `COMMIT` itself: a connection lost there leaves the
 /// outcome unknown.
 pub(super) fn map_commit_error(e: ::sqlx::Error) -> StoreError {

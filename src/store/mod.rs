@@ -374,6 +374,25 @@ impl StoreError {
     pub fn sql_state(&self) -> Option<&str> {
         self.sql_state.as_deref()
     }
+
+    /// The answer for a handler that gives up on this error (a
+    /// [`SqlxTx`](crate::sqlx::SqlxTx) handler's statement, a fenced
+    /// commit), by its [`kind`](Self::kind): `503 store_unavailable` with
+    /// `Retry-After` for [`Unavailable`](StoreErrorKind::Unavailable),
+    /// [`Conflict`](StoreErrorKind::Conflict) and
+    /// [`OutcomeUnknown`](StoreErrorKind::OutcomeUnknown), `503
+    /// operation_taken_over` for [`Fenced`](StoreErrorKind::Fenced), `500
+    /// statement_failed` for the rest. The same answers as
+    /// `TxError::to_problem` gives `PgTx` handlers; the body carries neither
+    /// the message nor the SQLSTATE.
+    ///
+    /// With the `axum` feature `StoreError` is an `IntoResponse` built from
+    /// this; with `sqlx`, a `sqlx::Error` converts into a `StoreError`
+    /// (sorted by SQLSTATE), so a `SqlxTx` handler returns
+    /// `Result<_, StoreError>` and uses `?` on its queries.
+    pub fn to_problem(&self) -> crate::problem::Problem {
+        crate::problem::statement_failed(self.kind)
+    }
 }
 
 impl fmt::Display for StoreError {

@@ -97,6 +97,48 @@ impl TxError {
         })
     }
 
+    /// The answer for a handler that gives up on this error: `503
+    /// store_unavailable` with `Retry-After` when the database is gone or
+    /// unavailable (the connection lost, the server shutting down, too many
+    /// connections, a statement cancelled by a timeout) or the transaction
+    /// lost to a concurrent one (a serialization failure, a deadlock); `503
+    /// operation_taken_over` when a long-running attempt was fenced; `500
+    /// statement_failed` for a statement the database or the handle refused
+    /// (a constraint, a missing table, transaction control) or a handle that
+    /// had already finished. SQLSTATEs are sorted by the table both stores
+    /// share, so `SqlxTx` handlers get the same answers
+    /// ([`StoreError::to_problem`](crate::store::StoreError::to_problem)).
+    ///
+    /// The body names neither the statement nor the database's message
+    /// (which may quote the request's values); the layer rolls the handler's
+    /// work back, as for any 5xx. A failure the client can act on (a unique
+    /// violation meaning "already exists") deserves an answer of its own:
+    /// match [`code`](Self::code) before giving up.
+    ///
+    /// With the `axum` feature `TxError` is an `IntoResponse` built from
+    /// this, so a handler returns `Result<_, TxError>` and uses `?`.
+    pub fn to_problem(&self) -> crate::problem::Problem {
+        crate::problem::statement_failed(self.store_kind())
+    }
+
+    /// The failure sorted as the stores sort theirs.
+    fn store_kind(&self) -> crate::store::StoreErrorKind {
+        use crate::store::StoreErrorKind as Kind;
+        match self.kind {
+            TxErrorKind::Finished => Kind::TransactionAborted,
+            TxErrorKind::TransactionControl | TxErrorKind::SessionState => Kind::Backend,
+            TxErrorKind::Fenced => Kind::Fenced,
+            TxErrorKind::Store => self.store_error().map_or(Kind::Backend, |e| e.kind()),
+            TxErrorKind::Database => match self.code() {
+                Some(code) => crate::protocol::errors::kind_of(code.code()),
+                None if self.lost_connection() => Kind::Unavailable,
+                // The driver refused before sending (a parameter that does
+                // not convert, a wrong count): the same request fails again.
+                None => Kind::Backend,
+            },
+        }
+    }
+
     /// The category.
     pub fn kind(&self) -> TxErrorKind {
         self.kind
