@@ -5,7 +5,8 @@
 //! metric name the rules, their tests and the dashboard use is one the crate
 //! exports. And what a packager reads next to them: Cargo.toml's
 //! `rust-version` is no older than any dependency in Cargo.lock needs, and
-//! its dependency floors are no lower than the APIs the code uses.
+//! its dependency floors are no lower than the APIs the code uses, and
+//! README's MSRV badge says it.
 //!
 //! Needs `promtool` (Debian/Ubuntu: `apt-get install prometheus`), or its
 //! path in `PROMTOOL`; without it the promtool tests fail and say so.
@@ -866,4 +867,19 @@ fn dependency_floors_are_no_lower_than_the_apis_the_code_uses() {
             "Cargo.toml requires {name} {req}, but the code uses {why}, which needs {floor}"
         );
     }
+}
+
+#[test]
+fn the_readme_msrv_badge_is_rust_version() {
+    let resolved = Resolved::load();
+    let ours = resolved.packages()[resolved.root()]["rust_version"]
+        .as_str()
+        .expect("Cargo.toml sets rust-version")
+        .to_owned();
+    let readme = read("README.md");
+    let badge = format!("[![MSRV {ours}](https://img.shields.io/badge/MSRV-{ours}-blue.svg)]");
+    assert!(
+        readme.lines().take(6).any(|line| line.starts_with(&badge)),
+        "README.md's MSRV badge at the top must say rust-version {ours}: {badge}"
+    );
 }
