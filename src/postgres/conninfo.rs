@@ -155,14 +155,22 @@ pub(crate) fn settle_hosts(
     Ok(mode)
 }
 
+/// libpq's TLS parameters, the names [`split`] takes out.
+const TLS_KEYS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
+
 /// Splits libpq's TLS parameters (`sslmode`, `sslrootcert`, `sslcert`,
 /// `sslkey`) off `conninfo`: returns the rest, in the same form, and the
 /// parameters. The last occurrence of a parameter wins, as in libpq.
+///
+/// The string is cut where tokio-postgres's own parser cuts it, and every
+/// other parameter is copied as it was written, so the rest means to
+/// tokio-postgres what `conninfo` meant without the TLS parameters (a
+/// property test holds both forms to it).
 pub(crate) fn split(conninfo: &str) -> Result<(String, TlsParams), String> {
     let mut params = TlsParams::default();
     let mut cert = None;
     let mut key = None;
-    let mut take = |name: &str, value: String| -> Result<bool, String> {
+    let mut take = |name: &str, value: String| -> Result<(), String> {
         match name {
             "sslmode" => params.mode = Some(SslMode::parse(&value)?),
             "sslrootcert" => {
@@ -172,13 +180,15 @@ pub(crate) fn split(conninfo: &str) -> Result<(String, TlsParams), String> {
                 })
             }
             "sslcert" => cert = Some(PathBuf::from(value)),
-            "sslkey" => key = Some(PathBuf::from(value)),
-            _ => return Ok(false),
+            _ => key = Some(PathBuf::from(value)),
         }
-        Ok(true)
+        Ok(())
     };
-    let rest = if conninfo.starts_with("postgres://") || conninfo.starts_with("postgresql://") {
-        split_url(conninfo, &mut take)?
+    let rest = if let Some(after) = ["postgres://", "postgresql://"]
+        .into_iter()
+        .find_map(|prefix| conninfo.strip_prefix(prefix))
+    {
+        split_url(conninfo, conninfo.len() - after.len(), &mut take)?
     } else {
         split_pairs(conninfo, &mut take)?
     };
@@ -191,109 +201,120 @@ pub(crate) fn split(conninfo: &str) -> Result<(String, TlsParams), String> {
     Ok((rest, params))
 }
 
-type Take<'a> = dyn FnMut(&str, String) -> Result<bool, String> + 'a;
+/// Called with each TLS parameter's name and value.
+type Take<'a> = dyn FnMut(&str, String) -> Result<(), String> + 'a;
 
-fn split_url(url: &str, take: &mut Take<'_>) -> Result<String, String> {
-    let Some((base, query)) = url.split_once('?') else {
+/// A URL's query, cut as tokio-postgres cuts it: the credentials end at the
+/// first `@` (which may hide a `?`), the query starts at the next `?`, and
+/// each parameter is a name up to the next `=` and a value up to the next
+/// `&`. Names and values are percent-decoded (only the TLS parameters'
+/// values here: tokio-postgres reads a `host` as bytes).
+fn split_url(url: &str, prefix: usize, take: &mut Take<'_>) -> Result<String, String> {
+    let after_credentials = url[prefix..].find('@').map_or(prefix, |at| prefix + at + 1);
+    let Some(query) = url[after_credentials..].find('?') else {
         return Ok(url.to_owned());
     };
+    let (base, query) = url.split_at(after_credentials + query + 1);
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .map(|decoded| decoded.into_owned())
+            .map_err(|_| "a connection URL parameter is not UTF-8 once percent-decoded".to_owned())
+    };
     let mut kept = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if !take(&percent_decode(name)?, percent_decode(value)?)? {
+    let mut taken = false;
+    let mut rest = query;
+    while !rest.is_empty() {
+        // A name without `=` is tokio-postgres's error to report: the rest
+        // is passed on as it is.
+        let Some(eq) = rest.find('=') else {
+            kept.push(rest);
+            break;
+        };
+        let end = rest[eq + 1..]
+            .find('&')
+            .map_or(rest.len(), |amp| eq + 1 + amp);
+        let (pair, name, value) = (&rest[..end], &rest[..eq], &rest[eq + 1..end]);
+        rest = rest.get(end + 1..).unwrap_or("");
+        let name = decode(name)?;
+        if TLS_KEYS.contains(&name.as_str()) {
+            take(&name, decode(value)?)?;
+            taken = true;
+        } else {
             kept.push(pair);
         }
     }
-    Ok(match kept.is_empty() {
-        true => base.to_owned(),
-        false => format!("{base}?{}", kept.join("&")),
+    Ok(match (taken, kept.is_empty()) {
+        (false, _) => url.to_owned(),
+        (true, true) => base[..base.len() - 1].to_owned(),
+        (true, false) => format!("{base}{}", kept.join("&")),
     })
 }
 
-fn percent_decode(s: &str) -> Result<String, String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| {
-                    format!("invalid percent-encoding in the connection URL at {s:?}")
-                })?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| "a connection URL parameter is not UTF-8".to_owned())
-}
-
 /// `key = value` pairs, values bare or single-quoted with backslash
-/// escapes, as libpq reads them. Pairs that are not taken are copied as
-/// they were written.
+/// escapes, cut as tokio-postgres (and libpq) cut them: whitespace is
+/// Unicode's, and an empty name ends the string. Pairs that are not taken
+/// are copied as they were written.
 fn split_pairs(conninfo: &str, take: &mut Take<'_>) -> Result<String, String> {
-    let s = conninfo.as_bytes();
+    let mut chars = conninfo.char_indices().peekable();
     let mut kept = Vec::new();
-    let mut i = 0;
-    let skip_space = |mut i: usize| {
-        while i < s.len() && s[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        i
+    let skip_space = |chars: &mut std::iter::Peekable<std::str::CharIndices<'_>>| {
+        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
+    };
+    let at = |chars: &mut std::iter::Peekable<std::str::CharIndices<'_>>| {
+        chars.peek().map_or(conninfo.len(), |&(i, _)| i)
     };
     loop {
-        i = skip_space(i);
-        if i == s.len() {
+        skip_space(&mut chars);
+        let start = at(&mut chars);
+        while chars
+            .next_if(|&(_, c)| c != '=' && !c.is_whitespace())
+            .is_some()
+        {}
+        let name = &conninfo[start..at(&mut chars)];
+        if name.is_empty() {
+            // The end, or what tokio-postgres ignores (a pair with no name).
+            if start < conninfo.len() {
+                kept.push(&conninfo[start..]);
+            }
             break;
         }
-        let start = i;
-        while i < s.len() && s[i] != b'=' && !s[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        let name = &conninfo[start..i];
-        i = skip_space(i);
-        if s.get(i) != Some(&b'=') {
+        skip_space(&mut chars);
+        if chars.next_if(|&(_, c)| c == '=').is_none() {
             return Err(format!(
                 "missing \"=\" after {name:?} in the connection string"
             ));
         }
-        i = skip_space(i + 1);
-        let mut value = Vec::new();
-        if s.get(i) == Some(&b'\'') {
-            i += 1;
+        skip_space(&mut chars);
+        let mut value = String::new();
+        if chars.next_if(|&(_, c)| c == '\'').is_some() {
             loop {
-                match s.get(i) {
+                match chars.next() {
                     None => {
                         return Err("unterminated quoted string in the connection string".into())
                     }
-                    Some(b'\'') => break i += 1,
-                    Some(b'\\') if i + 1 < s.len() => {
-                        value.push(s[i + 1]);
-                        i += 2;
-                    }
-                    Some(&c) => {
-                        value.push(c);
-                        i += 1;
-                    }
+                    Some((_, '\'')) => break,
+                    Some((_, '\\')) => value.extend(chars.next().map(|(_, c)| c)),
+                    Some((_, c)) => value.push(c),
                 }
             }
         } else {
-            while i < s.len() && !s[i].is_ascii_whitespace() {
-                if s[i] == b'\\' && i + 1 < s.len() {
-                    i += 1;
+            while let Some((_, c)) = chars.next_if(|(_, c)| !c.is_whitespace()) {
+                match c {
+                    '\\' => value.extend(chars.next().map(|(_, c)| c)),
+                    c => value.push(c),
                 }
-                value.push(s[i]);
-                i += 1;
+            }
+            if value.is_empty() {
+                return Err(format!(
+                    "missing value for {name:?} in the connection string"
+                ));
             }
         }
-        let value = String::from_utf8(value)
-            .map_err(|_| "a connection string value is not UTF-8".to_owned())?;
-        if !take(name, value)? {
-            kept.push(&conninfo[start..i]);
+        if TLS_KEYS.contains(&name) {
+            take(name, value)?;
+        } else {
+            kept.push(&conninfo[start..at(&mut chars)]);
         }
     }
     Ok(kept.join(" "))
@@ -360,8 +381,179 @@ mod tests {
             "host=h sslmode",
             "host=h sslrootcert='open",
             "postgres://h/d?sslmode=%zz",
+            "postgres://h/d?sslrootcert=%ff",
+            "host=h sslrootcert=",
         ] {
             assert!(split(bad).is_err(), "{bad} was accepted");
+        }
+    }
+
+    #[test]
+    fn cuts_where_tokio_postgres_cuts() {
+        // The credentials end at the first `@`: a `?` in a password is no query.
+        let url = "postgres://u:p?sslmode=x@h/db?sslmode=require&application_name=a";
+        let (rest, params) = tls(url);
+        assert_eq!(rest, "postgres://u:p?sslmode=x@h/db?application_name=a");
+        assert_eq!(params.mode, Some(SslMode::Require));
+        // Unicode whitespace separates pairs, a backslash escapes one, and a
+        // trailing backslash escapes nothing.
+        let (rest, params) = tls("host=h\u{a0}sslrootcert=ca.pem\\  port=1");
+        assert_eq!(rest, "host=h port=1");
+        assert_eq!(params.root, Some(RootCert::File("ca.pem ".into())));
+        let (_, params) = tls("sslrootcert=ca\\");
+        assert_eq!(params.root, Some(RootCert::File("ca".into())));
+        // Only the TLS parameters' values are decoded: a host is bytes.
+        let url = "postgres://h/db?host=/tmp/%ff&sslmode=disable";
+        assert_eq!(tls(url).0, "postgres://h/db?host=/tmp/%ff");
+    }
+
+    use proptest::prelude::*;
+
+    /// What tokio-postgres makes of a connection string (its error, as text).
+    fn parsed(conninfo: &str) -> Result<tokio_postgres::Config, String> {
+        conninfo
+            .parse::<tokio_postgres::Config>()
+            .map_err(|e| e.to_string())
+    }
+
+    /// Text made of the characters either parser treats specially, and a few others.
+    fn tricky(max: usize) -> impl Strategy<Value = String> {
+        proptest::collection::vec(
+            prop_oneof![
+                4 => proptest::char::range('a', 'e'),
+                1 => proptest::char::range('0', '9'),
+                6 => proptest::sample::select(vec![
+                    '=', '&', '?', '@', '/', ':', '%', '\'', '\\', ' ', '\t', '\u{a0}', ',', '[', ']', 'é',
+                ]),
+            ],
+            0..max,
+        )
+        .prop_map(|chars| chars.into_iter().collect())
+    }
+
+    /// A parameter name: one tokio-postgres knows, an unknown one, or noise.
+    fn name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            proptest::sample::select(vec![
+                "host",
+                "hostaddr",
+                "port",
+                "user",
+                "password",
+                "dbname",
+                "options",
+                "application_name",
+                "connect_timeout",
+                "target_session_attrs",
+                "keepalives",
+            ])
+            .prop_map(str::to_owned),
+            "[a-z_]{1,6}",
+            tricky(6),
+        ]
+    }
+
+    /// A value as written: bare, quoted, percent-encoded or noise.
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z0-9/._-]{0,8}",
+            "[a-z0-9/. ]{0,8}".prop_map(|v| format!("'{}'", v.replace(' ', "\\ "))),
+            "(%[0-9a-fA-F]{2}|[a-z/]){0,4}",
+            tricky(8),
+        ]
+    }
+
+    /// A connection string of either form with no TLS parameter in it.
+    fn conninfo() -> impl Strategy<Value = String> {
+        let pairs = || proptest::collection::vec((name(), value()), 0..5);
+        prop_oneof![
+            // key=value pairs, separated by some whitespace.
+            (
+                pairs(),
+                proptest::sample::select(vec![" ", "  ", "\t", "\u{a0}", " \n "])
+            )
+                .prop_map(|(pairs, sep)| pairs
+                    .iter()
+                    .map(|(n, v)| format!("{n}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(sep)),
+            // A URL with a query.
+            (
+                proptest::sample::select(vec!["postgres://", "postgresql://"]),
+                tricky(12),
+                pairs(),
+            )
+                .prop_map(|(scheme, base, pairs)| {
+                    let query: Vec<_> = pairs.iter().map(|(n, v)| format!("{n}={v}")).collect();
+                    format!("{scheme}{base}?{}", query.join("&"))
+                }),
+            // Anything at all.
+            tricky(24),
+            tricky(24).prop_map(|s| format!("postgres://{s}")),
+        ]
+        .prop_filter("no TLS parameter", |s| !s.contains("ssl"))
+    }
+
+    proptest! {
+        /// With no TLS parameter, the rest means to tokio-postgres exactly
+        /// what the connection string meant (or fails as it fails).
+        #[test]
+        fn without_tls_parameters_the_rest_parses_as_the_original(conninfo in conninfo()) {
+            let original = parsed(&conninfo);
+            match split(&conninfo) {
+                Ok((rest, params)) => {
+                    prop_assert_eq!(&params, &TlsParams::default());
+                    match (&original, parsed(&rest)) {
+                        (Ok(original), Ok(rest)) => prop_assert_eq!(original, &rest),
+                        (Err(_), Err(_)) => {}
+                        (original, rest) => prop_assert!(
+                            false,
+                            "{conninfo:?} parsed {original:?}, its rest {rest:?}"
+                        ),
+                    }
+                }
+                Err(e) => prop_assert!(original.is_err(), "{conninfo:?} refused: {e}"),
+            }
+        }
+
+        /// TLS parameters put between the others come out with their
+        /// values, and the rest parses as the string without them.
+        #[test]
+        fn tls_parameters_come_out_and_leave_the_rest_as_it_was(
+            pairs in proptest::collection::vec(("[a-z_]{1,8}", "[a-z0-9/._-]{1,8}"), 0..4),
+            url in any::<bool>(),
+            mode in proptest::sample::select(vec!["disable", "prefer", "require", "verify-ca", "verify-full"]),
+            root in "[a-z0-9/._ -]{1,12}",
+            at in any::<proptest::sample::Index>(),
+        ) {
+            let (mode_pair, root_pair) = match url {
+                true => (
+                    format!("sslmode={mode}"),
+                    format!("sslrootcert={}", root.replace(' ', "%20")),
+                ),
+                false => (
+                    format!("sslmode = {mode}"),
+                    format!("sslrootcert='{root}'"),
+                ),
+            };
+            let mut plain: Vec<String> = pairs.iter().map(|(n, v)| format!("{n}={v}")).collect();
+            let mut with = plain.clone();
+            let i = at.index(with.len() + 1);
+            with.insert(i, mode_pair);
+            with.insert(i, root_pair);
+            let (sep, base) = match url {
+                true => ("&", "postgres://u:p%40w@h:5432/db?"),
+                false => (" ", ""),
+            };
+            if url && plain.is_empty() {
+                plain.push(String::new());
+            }
+            let without = format!("{base}{}", plain.join(sep));
+            let with = format!("{base}{}", with.join(sep));
+            let (rest, params) = split(&with).map_err(TestCaseError::fail)?;
+            prop_assert_eq!(params.mode.map(SslMode::name), Some(mode));
+            prop_assert_eq!(params.root, Some(RootCert::File(root.into())));
+            prop_assert_eq!(parsed(&rest), parsed(&without), "{:?} left {:?}", with, rest);
         }
     }
 }

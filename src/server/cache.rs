@@ -13,6 +13,7 @@
 //! fill.
 
 use std::{
+    collections::hash_map::RandomState,
     hash::{Hash, Hasher},
     mem::size_of,
     sync::Arc,
@@ -23,7 +24,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use quick_cache::{
     sync::{Cache, DefaultLifecycle},
-    DefaultHashBuilder, Equivalent, OptionsBuilder, Weighter,
+    Equivalent, OptionsBuilder, Weighter,
 };
 
 use crate::{key::IdempotencyKey, record::Record, scope::Scope};
@@ -126,7 +127,10 @@ const TYPICAL_ENTRY: u64 = 4096;
 /// The cache of one layer (shared by every service it makes).
 #[derive(Clone)]
 pub(crate) struct RecordCache {
-    entries: Arc<Cache<Key, Entry, ByWeight>>,
+    // std's keyed SipHash, random per cache (tenants choose the keys), named
+    // rather than quick_cache's default hasher, which turns into ahash when
+    // any crate in the build turns on quick_cache's `ahash` feature.
+    entries: Arc<Cache<Key, Entry, ByWeight, RandomState>>,
     ttl: Duration,
     max_entry: u64,
 }
@@ -231,7 +235,7 @@ impl RecordCache {
         let entries = Cache::with_options(
             options,
             ByWeight,
-            DefaultHashBuilder::default(),
+            RandomState::new(),
             DefaultLifecycle::default(),
         );
         Some(RecordCache {

@@ -102,8 +102,8 @@
 //!
 //! The pool is yours, and so is its TLS: sqlx reads libpq's `sslmode`,
 //! `sslrootcert`, `sslcert` and `sslkey` from the URL, once sqlx is built
-//! with a TLS feature (this crate's `tls-rustls` turns on sqlx's
-//! `tls-rustls`; `tls-native-tls` on your own `sqlx` dependency works too).
+//! with a TLS feature: turn on `tls-rustls` or `tls-native-tls` in your own
+//! `sqlx` dependency (this crate's `tls-rustls` is `PgStore`'s only).
 //! For a managed database use `sslmode=verify-full` with the provider's
 //! root certificate; without `sslrootcert` sqlx trusts the webpki roots
 //! (sqlx has no `sslrootcert=system`). A certificate that does not verify

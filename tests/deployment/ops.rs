@@ -4,7 +4,9 @@
 //! the Grafana dashboard is well-formed JSON whose queries parse, and every
 //! metric name the rules, their tests and the dashboard use is one the crate
 //! exports. And what a packager reads next to them: Cargo.toml's
-//! `rust-version` is no older than any dependency in Cargo.lock needs.
+//! `rust-version` is no older than any dependency in Cargo.lock needs, and
+//! its dependency floors are no lower than the APIs the code uses, and
+//! README's MSRV badge says it.
 //!
 //! Needs `promtool` (Debian/Ubuntu: `apt-get install prometheus`), or its
 //! path in `PROMTOOL`; without it the promtool tests fail and say so.
@@ -831,5 +833,53 @@ fn no_dependency_needs_a_newer_rust_than_rust_version() {
         "Cargo.toml says rust-version = \"{ours_text}\", but Cargo.lock resolves \
          dependencies that need a newer Rust; raise rust-version to the highest:\n  {}",
         newer.join("\n  ")
+    );
+}
+
+/// The lowest version of a dependency that has every API the library uses,
+/// and the newest of those APIs: Cargo.toml's requirement must not go below
+/// it, or a build resolved to the floor (`-Z minimal-versions`, an old
+/// lock file) would not compile.
+const FLOORS: &[(&str, &str, &str)] = &[
+    ("tokio", "1.33", "watch::Sender::new"),
+    ("tokio-postgres", "0.7.17", "Client::execute_typed"),
+];
+
+#[test]
+fn dependency_floors_are_no_lower_than_the_apis_the_code_uses() {
+    let resolved = Resolved::load();
+    let packages = resolved.packages();
+    let ours = packages[resolved.root()]["dependencies"]
+        .as_array()
+        .expect("the crate's dependencies");
+    for &(name, floor, why) in FLOORS {
+        // The library's own requirement, not a dev-dependency's.
+        let req = ours
+            .iter()
+            .find(|d| d["name"] == name && d["kind"].is_null())
+            .and_then(|d| d["req"].as_str())
+            .unwrap_or_else(|| panic!("{name} is not a dependency of the library"));
+        let version = req
+            .strip_prefix('^')
+            .unwrap_or_else(|| panic!("{name}'s requirement {req:?} is not a caret requirement"));
+        assert!(
+            rust_version(version) >= rust_version(floor),
+            "Cargo.toml requires {name} {req}, but the code uses {why}, which needs {floor}"
+        );
+    }
+}
+
+#[test]
+fn the_readme_msrv_badge_is_rust_version() {
+    let resolved = Resolved::load();
+    let ours = resolved.packages()[resolved.root()]["rust_version"]
+        .as_str()
+        .expect("Cargo.toml sets rust-version")
+        .to_owned();
+    let readme = read("README.md");
+    let badge = format!("[![MSRV {ours}](https://img.shields.io/badge/MSRV-{ours}-blue.svg)]");
+    assert!(
+        readme.lines().take(6).any(|line| line.starts_with(&badge)),
+        "README.md's MSRV badge at the top must say rust-version {ours}: {badge}"
     );
 }
