@@ -57,6 +57,9 @@ pub mod record;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod retention;
+#[cfg(any(feature = "postgres", feature = "sqlx"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlx"))))]
+pub mod schema;
 pub mod scope;
 mod server;
 mod setter;

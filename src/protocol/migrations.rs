@@ -256,7 +256,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 pub(crate) const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// The migration table, created by the first migrator.
-const MIGRATION_TABLE: &str = "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
+pub(crate) const MIGRATION_TABLE: &str = "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
     version    integer PRIMARY KEY,
     name       text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
