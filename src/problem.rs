@@ -41,8 +41,9 @@ pub struct Problem {
     members: Map<String, Value>,
     retry_after: Option<u64>,
     /// Set: `type` is this and the code, and answers link it as their
-    /// documentation.
-    type_base: Option<Arc<str>>,
+    /// documentation. An `Arc<String>` (one pointer, where `Arc<str>` is
+    /// two) keeps `Problem` small enough to return by value in `Result`s.
+    type_base: Option<Arc<String>>,
 }
 
 impl Problem {
@@ -110,13 +111,13 @@ impl Problem {
     ///     r#"<https://docs.example.com/errors/idempotency_key_missing>; rel="describedby""#
     /// );
     /// ```
-    pub fn with_type_base(self, base: impl Into<Arc<str>>) -> Self {
-        crate::setter::with(self, |s| s.type_base = Some(base.into()))
+    pub fn with_type_base(self, base: impl Into<String>) -> Self {
+        crate::setter::with(self, |s| s.type_base = Some(Arc::new(base.into())))
     }
 
     /// The problem with `base` as its type base unless it has its own (a
     /// fingerprinter's problem may name its own documentation).
-    pub(crate) fn or_type_base(mut self, base: Option<&Arc<str>>) -> Self {
+    pub(crate) fn or_type_base(mut self, base: Option<&Arc<String>>) -> Self {
         if self.type_base.is_none() {
             self.type_base = base.cloned();
         }
@@ -136,7 +137,10 @@ impl Problem {
     /// The problem's `type` URI: `urn:tower-idempotency:problem:<code>`,
     /// or the [type base](Self::with_type_base) followed by the code.
     pub fn type_uri(&self) -> String {
-        let base = self.type_base.as_deref().unwrap_or(DEFAULT_TYPE_BASE);
+        let base = self
+            .type_base
+            .as_deref()
+            .map_or(DEFAULT_TYPE_BASE, String::as_str);
         format!("{base}{}", self.code)
     }
 

@@ -67,8 +67,13 @@ impl RetryBudget {
     /// the default floor (10 a second) and window (10 s). Clamped to
     /// 0–1000; not a number counts as 0 (only the floor's retries).
     pub fn ratio(ratio: f32) -> Self {
-        // `max` maps NaN to 0: a nonsense ratio allows only the floor.
-        let ratio = ratio.max(0.0).min(LARGEST_RATIO);
+        // `clamp` keeps NaN, which tower's budget refuses: a nonsense
+        // ratio allows only the floor.
+        let ratio = if ratio.is_nan() {
+            0.0
+        } else {
+            ratio.clamp(0.0, LARGEST_RATIO)
+        };
         RetryBudget {
             limit: Some(Limit {
                 ratio,

@@ -264,7 +264,11 @@ mod tests {
             r#"{"x":{"b":1}}"#,
             r#"[{"a":{"b":1}}]"#,
         ] {
-            assert_eq!(fp(&json, body).unwrap(), fp(&plain, body).unwrap(), "{body}");
+            assert_eq!(
+                fp(&json, body).unwrap(),
+                fp(&plain, body).unwrap(),
+                "{body}"
+            );
         }
         // A path names members, never array positions.
         let numbered = JsonFingerprinter::new("v1").ignore_path("a.0");

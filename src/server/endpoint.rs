@@ -56,7 +56,7 @@ pub(crate) struct Config {
     pub(crate) key_from_body: Option<KeyFromBodyFn>,
     /// The documentation URL prefix of the layer's own problems
     /// (`problem_type_base`).
-    pub(crate) problem_type_base: Option<Arc<str>>,
+    pub(crate) problem_type_base: Option<Arc<String>>,
 }
 
 /// A [`KeyFromBody`](crate::key::KeyFromBody), shared by the layer's clones.

@@ -413,8 +413,8 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     /// ([`Problem::with_type_base`](crate::problem::Problem::with_type_base)).
     /// A fingerprinter's problem with a base of its own keeps it. gRPC
     /// answers carry neither. Default: none.
-    pub fn problem_type_base(self, base: impl Into<Arc<str>>) -> Self {
-        let base = base.into();
+    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
+        let base = Arc::new(base.into());
         self.configure(|c| c.problem_type_base = Some(base))
     }
 }
