@@ -87,7 +87,7 @@ pub const CLIENT_ATTEMPTS_TOTAL: &str = "idempotency_client_attempts_total";
 pub const CLIENT_RETRIES_TOTAL: &str = "idempotency_client_retries_total";
 /// Counter: calls whose last outcome was worth a retry but the client layer
 /// stopped, by `client` and `reason` (`attempts_exhausted`, `deadline`,
-/// `body_not_replayable`).
+/// `body_not_replayable`, `retry_budget`).
 pub const CLIENT_GIVE_UPS_TOTAL: &str = "idempotency_client_give_ups_total";
 /// Counter: answers marked `Idempotent-Replayed: true` that the client layer
 /// received, by `client`.

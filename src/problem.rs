@@ -3,12 +3,18 @@
 //! Each problem carries a stable machine-readable `code` that clients can
 //! branch on; titles and details are for humans and may change.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{Map, Value};
 
 /// The `Content-Type` of every problem answer.
 pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The `type` of a problem without a [type base](Problem::with_type_base):
+/// this prefix and the code.
+pub const DEFAULT_TYPE_BASE: &str = "urn:tower-idempotency:problem:";
 
 /// A problem-details answer (`application/problem+json`) with a stable `code`.
 ///
@@ -34,6 +40,10 @@ pub struct Problem {
     detail: Option<String>,
     members: Map<String, Value>,
     retry_after: Option<u64>,
+    /// Set: `type` is this and the code, and answers link it as their
+    /// documentation. An `Arc<String>` (one pointer, where `Arc<str>` is
+    /// two) keeps `Problem` small enough to return by value in `Result`s.
+    type_base: Option<Arc<String>>,
 }
 
 impl Problem {
@@ -46,6 +56,7 @@ impl Problem {
             detail: None,
             members: Map::new(),
             retry_after: None,
+            type_base: None,
         }
     }
 
@@ -74,6 +85,45 @@ impl Problem {
         crate::setter::with(self, |s| s.retry_after = Some(seconds))
     }
 
+    /// Where the problem is documented: its `type` becomes `base` followed
+    /// by the code (`https://docs.example.com/errors/` gives
+    /// `https://docs.example.com/errors/idempotency_key_missing`) instead
+    /// of `urn:tower-idempotency:problem:<code>`, and
+    /// [`to_response`](Self::to_response) adds
+    /// `Link: <that URL>; rel="describedby"`, as the IETF Idempotency-Key
+    /// draft asks of error answers. The server layer sets it on its own
+    /// answers with `IdempotencyLayer::problem_type_base`.
+    ///
+    /// `base` should be an absolute URL in ASCII (percent-encoded): one
+    /// that cannot go in a header still names the `type`, without the
+    /// `Link`.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_idempotency::problem::Problem;
+    ///
+    /// let problem = Problem::new(StatusCode::BAD_REQUEST, "idempotency_key_missing", "No key")
+    ///     .with_type_base("https://docs.example.com/errors/");
+    /// assert_eq!(problem.type_uri(), "https://docs.example.com/errors/idempotency_key_missing");
+    /// let response = problem.to_response();
+    /// assert_eq!(
+    ///     response.headers()["link"],
+    ///     r#"<https://docs.example.com/errors/idempotency_key_missing>; rel="describedby""#
+    /// );
+    /// ```
+    pub fn with_type_base(self, base: impl Into<String>) -> Self {
+        crate::setter::with(self, |s| s.type_base = Some(Arc::new(base.into())))
+    }
+
+    /// The problem with `base` as its type base unless it has its own (a
+    /// fingerprinter's problem may name its own documentation).
+    pub(crate) fn or_type_base(mut self, base: Option<&Arc<String>>) -> Self {
+        if self.type_base.is_none() {
+            self.type_base = base.cloned();
+        }
+        self
+    }
+
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         self.status
@@ -84,9 +134,14 @@ impl Problem {
         self.code
     }
 
-    /// The problem's `type` URI: `urn:tower-idempotency:problem:<code>`.
+    /// The problem's `type` URI: `urn:tower-idempotency:problem:<code>`,
+    /// or the [type base](Self::with_type_base) followed by the code.
     pub fn type_uri(&self) -> String {
-        format!("urn:tower-idempotency:problem:{}", self.code)
+        let base = self
+            .type_base
+            .as_deref()
+            .map_or(DEFAULT_TYPE_BASE, String::as_str);
+        format!("{base}{}", self.code)
     }
 
     /// The JSON body.
@@ -105,7 +160,9 @@ impl Problem {
         Value::Object(body)
     }
 
-    /// Renders the problem as an HTTP response with a `Bytes` body.
+    /// Renders the problem as an HTTP response with a `Bytes` body (and a
+    /// `Link` to its documentation when it has a
+    /// [type base](Self::with_type_base)).
     pub fn to_response(&self) -> Response<Bytes> {
         let body = Bytes::from(self.to_json().to_string());
         let mut response = Response::new(body);
@@ -117,6 +174,14 @@ impl Problem {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if self.type_base.is_some() {
+            // A base that is no header value (not visible ASCII) still
+            // names the `type`; the link is what is left out.
+            let link = format!("<{}>; rel=\"describedby\"", self.type_uri());
+            if let Ok(link) = HeaderValue::try_from(link) {
+                response.headers_mut().insert(header::LINK, link);
+            }
         }
         response
     }
@@ -361,6 +426,27 @@ mod tests {
         assert_eq!(json["order_id"], "o1");
         assert_eq!(json["status"], 409);
         assert_eq!(json["type"], "urn:tower-idempotency:problem:x");
+    }
+
+    #[test]
+    fn a_type_base_names_the_type_and_links_it() {
+        let plain = Problem::new(StatusCode::CONFLICT, codes::KEY_REUSED, "t");
+        assert!(!plain.to_response().headers().contains_key(header::LINK));
+        let based = plain.with_type_base("https://docs.example.com/problems#");
+        let json = based.to_json();
+        assert_eq!(
+            json["type"],
+            "https://docs.example.com/problems#idempotency_key_reused"
+        );
+        let response = based.to_response();
+        assert_eq!(
+            response.headers()[header::LINK],
+            "<https://docs.example.com/problems#idempotency_key_reused>; rel=\"describedby\""
+        );
+        // Not a header value: the type still, no link, no panic.
+        let odd = Problem::new(StatusCode::CONFLICT, "x", "t").with_type_base("https://d\n/é/");
+        assert_eq!(odd.type_uri(), "https://d\n/é/x");
+        assert!(!odd.to_response().headers().contains_key(header::LINK));
     }
 
     #[test]

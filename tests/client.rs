@@ -19,8 +19,8 @@ use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::{
     client::{
-        CallReport, ClientError, ClientErrorKind, GiveUp, IdempotentClient, IdempotentClientLayer,
-        RetryReason,
+        CallReport, ClientError, ClientErrorKind, ConflictProblem, GiveUp, IdempotentClient,
+        IdempotentClientLayer, RetryBudget, RetryReason,
     },
     outbox::derive_key,
 };
@@ -542,7 +542,11 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
     ]);
     send(client(&script, layer.clone()), post()).await.unwrap();
     let script = Script::new(vec![answer(503)]);
-    send(client(&script, layer), post()).await.unwrap();
+    send(client(&script, layer.clone()), post()).await.unwrap();
+    // A budget that allows no retry at all: one attempt, one give-up.
+    let script = Script::new(vec![answer(503)]);
+    let none = layer.retry_budget(RetryBudget::ratio(0.0).min_per_sec(0));
+    send(client(&script, none), post()).await.unwrap();
 
     let counters: std::collections::HashMap<(String, Vec<(String, String)>), u64> = snapshotter
         .snapshot()
@@ -573,7 +577,7 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
             .unwrap_or(0)
     };
     use tower_idempotency::metrics::*;
-    assert_eq!(count(CLIENT_ATTEMPTS_TOTAL, None), 6);
+    assert_eq!(count(CLIENT_ATTEMPTS_TOTAL, None), 7);
     assert_eq!(
         count(CLIENT_RETRIES_TOTAL, Some(("reason", "unavailable"))),
         3
@@ -587,6 +591,10 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
             CLIENT_GIVE_UPS_TOTAL,
             Some(("reason", "attempts_exhausted"))
         ),
+        1
+    );
+    assert_eq!(
+        count(CLIENT_GIVE_UPS_TOTAL, Some(("reason", "retry_budget"))),
         1
     );
     assert_eq!(count(CLIENT_REPLAYED_TOTAL, None), 1);
@@ -812,4 +820,179 @@ async fn an_unannounced_409_over_the_limit_is_passed_on_whole() {
     assert_eq!(body.len(), sent.len());
     assert!(body[..] == sent[..], "every byte, in order");
     assert_eq!(*attempts.lock().unwrap(), 1);
+}
+
+/// Sends `calls` POSTs at once through clones of one service (one budget)
+/// to an upstream that always answers `503`; their reports.
+async fn storm(script: &Script, layer: IdempotentClientLayer, calls: usize) -> Vec<CallReport> {
+    let service = client(script, layer);
+    let answers =
+        futures_util::future::join_all((0..calls).map(|_| send(service.clone(), post()))).await;
+    answers
+        .into_iter()
+        .map(|answer| {
+            let (status, report, _) = answer.expect("an answer");
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "the last outcome");
+            report
+        })
+        .collect()
+}
+
+/// With the upstream down, `N` calls make at most `N × (1 + ratio) + floor`
+/// attempts (counted where they arrive), not `N × max_attempts`; the calls
+/// refused a retry get their last answer, marked as a budget give-up.
+#[tokio::test(start_paused = true)]
+async fn a_retry_budget_bounds_the_load_on_a_failing_upstream() {
+    const CALLS: usize = 200;
+    // Backoffs of at most 250 ms + 500 ms + 1 s + 2 s: every call ends
+    // within the 10 s window, so no deposit or withdrawal expires.
+    let layer = IdempotentClientLayer::new().max_attempts(5).retry_budget(
+        RetryBudget::ratio(0.2)
+            .min_per_sec(1)
+            .window(Duration::from_secs(10)),
+    );
+    let script = Script::new(vec![answer(503)]);
+    let reports = storm(&script, layer, CALLS).await;
+    let attempts = script.seen().len();
+    let floor = 10; // 1 a second over 10 s
+    assert!(
+        attempts <= CALLS * 12 / 10 + floor,
+        "{attempts} attempts for {CALLS} calls"
+    );
+    assert!(attempts > CALLS, "the budget still allows some retries");
+    let refused = reports
+        .iter()
+        .filter(|r| r.gave_up() == Some(GiveUp::RetryBudget))
+        .count();
+    assert!(refused > 0);
+    assert_eq!(
+        reports.iter().map(|r| r.attempts() as usize).sum::<usize>(),
+        attempts,
+        "every attempt is some call's"
+    );
+
+    // Without a budget, the same storm is five times the load.
+    let script = Script::new(vec![answer(503)]);
+    let layer = IdempotentClientLayer::new()
+        .max_attempts(5)
+        .retry_budget(RetryBudget::unlimited());
+    storm(&script, layer, CALLS).await;
+    assert_eq!(script.seen().len(), CALLS * 5);
+}
+
+/// A failure without an answer whose retry the budget refuses ends in
+/// `retry_budget_exhausted`, with the key to retry later; each service the
+/// layer makes has its own budget.
+#[tokio::test(start_paused = true)]
+async fn a_refused_retry_without_an_answer_is_a_budget_error() {
+    // A floor of 1 a second over the 10 s default window: 10 retries, all
+    // spent well within the window (10 ms waits).
+    let layer = IdempotentClientLayer::new()
+        .backoff(Duration::from_millis(10), Duration::from_millis(10))
+        .retry_budget(RetryBudget::ratio(0.0).min_per_sec(1));
+    let script = Script::new(vec![Step::Fail]);
+    let service = client(&script, layer.clone());
+    let mut errors = Vec::new();
+    for _ in 0..4 {
+        errors.push(send(service.clone(), post()).await.unwrap_err());
+    }
+    // 5 attempts (4 retries), 5 more (8), 3 (10: the floor is spent), 1.
+    assert_eq!(script.seen().len(), 4 + 10);
+    assert_eq!(errors[2].kind(), ClientErrorKind::RetryBudgetExhausted);
+    assert_eq!(errors[2].attempts(), 3);
+    let last = errors.last().unwrap();
+    assert_eq!(last.kind(), ClientErrorKind::RetryBudgetExhausted);
+    assert_eq!(last.code(), "retry_budget_exhausted");
+    assert_eq!(last.attempts(), 1);
+    assert!(last.key().is_some());
+
+    // Another service from the same layer starts with a full budget.
+    let other = Script::new(vec![Step::Fail]);
+    let error = send(client(&other, layer), post()).await.unwrap_err();
+    assert_eq!(error.kind(), ClientErrorKind::AttemptsExhausted);
+    assert_eq!(other.seen().len(), 5);
+}
+
+/// `quote_keys(true)` sends keys as RFC 8941 strings, the generated one and
+/// the caller's alike; the key (and the report's) is the same.
+#[tokio::test(start_paused = true)]
+async fn quoted_keys_are_sent_as_sf_strings() {
+    let script = Script::new(vec![answer(503), answer(201)]);
+    let layer = IdempotentClientLayer::new().quote_keys(true);
+    let (_, report, _) = send(client(&script, layer.clone()), post()).await.unwrap();
+    let sent = script.keys();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(sent[0], sent[1]);
+    assert_eq!(sent[0], format!("\"{}\"", report.key().as_str()));
+    let parsed = tower_idempotency::key::IdempotencyKey::parse(sent[0].as_bytes()).unwrap();
+    assert_eq!(&parsed, report.key());
+
+    // The caller's bare key, quoted; a quote inside it escaped.
+    let script = Script::new(vec![answer(201)]);
+    let (_, report, _) = send(client(&script, layer.clone()), post_with_key(r#"a"b\c"#))
+        .await
+        .unwrap();
+    assert_eq!(script.keys(), [r#""a\"b\\c""#]);
+    assert_eq!(report.key().as_str(), r#"a"b\c"#);
+    // Already quoted: the same.
+    let script = Script::new(vec![answer(201)]);
+    send(client(&script, layer), post_with_key(r#""k1""#))
+        .await
+        .unwrap();
+    assert_eq!(script.keys(), [r#""k1""#]);
+    // By default, bare.
+    let script = Script::new(vec![answer(201)]);
+    send(
+        client(&script, IdempotentClientLayer::new()),
+        post_with_key("k1"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(script.keys(), ["k1"]);
+}
+
+/// Another server's in-progress answer, told by a predicate: a draft
+/// server's plain `409`, or a `425` with a header; our own `409` code is
+/// then an ordinary conflict.
+#[tokio::test(start_paused = true)]
+async fn a_custom_in_progress_predicate_decides_what_is_waited_for() {
+    let draft = IdempotentClientLayer::new().in_progress_when(|answer| {
+        answer.status == StatusCode::CONFLICT
+            && answer
+                .extensions
+                .get::<ConflictProblem>()
+                .and_then(ConflictProblem::type_uri)
+                == Some("https://developer.example.com/idempotency")
+    });
+    let busy = Step::Answer(
+        409,
+        vec![("retry-after", "1")],
+        r#"{"type":"https://developer.example.com/idempotency","title":"in flight"}"#,
+    );
+    let script = Script::new(vec![busy, answer(201)]);
+    let (status, report, _) = send(client(&script, draft.clone()), post()).await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(report.retries(), [RetryReason::InProgress]);
+    assert_eq!(
+        script.times()[1] - script.times()[0],
+        Duration::from_secs(1)
+    );
+
+    // Our server's code no longer matches: returned at once.
+    let script = Script::new(vec![problem(409, "idempotency_in_progress", Some("0"))]);
+    let (status, report, _) = send(client(&script, draft), post()).await.unwrap();
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!((report.attempts(), report.gave_up()), (1, None));
+
+    // A head-only rule: 425 with a header.
+    let early = IdempotentClientLayer::new().in_progress_when(|answer| {
+        answer.status == StatusCode::TOO_EARLY && answer.headers.contains_key("x-in-flight")
+    });
+    let script = Script::new(vec![
+        Step::Answer(425, vec![("x-in-flight", "1"), ("retry-after", "0")], ""),
+        answer(201),
+    ]);
+    let (status, report, _) = send(client(&script, early), post()).await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(report.retries(), [RetryReason::InProgress]);
 }

@@ -1,5 +1,6 @@
 //! One attempt: the wrapped service's call under the attempt's time bound,
-//! its failure boxed, and the problem `code` of a `409` read.
+//! its failure boxed, the problem fields of a `409` read, and the
+//! in-progress predicate asked.
 
 use std::{
     future::Future,
@@ -17,17 +18,32 @@ use super::{
     body::ResponseBody,
     call::Shared,
     error::{AttemptError, BoxError},
+    in_progress::ConflictProblem,
     layer::Config,
 };
 
-/// The largest `409` body read for its `code`; the contract's problems are
+/// The largest `409` body read for its problem fields; the contract's problems are
 /// far smaller. A larger one is passed on as it is.
 const PROBLEM_LIMIT: u64 = 64 * 1024;
 
-/// An answer to one attempt, with the problem `code` of a `409`.
+/// An answer to one attempt, and whether it says the first attempt with
+/// this key still runs (the layer's in-progress predicate).
 pub(crate) struct Answer<RB> {
     pub(crate) response: Response<ResponseBody<RB>>,
-    pub(crate) code: Option<String>,
+    pub(crate) in_progress: bool,
+}
+
+impl<RB> Answer<RB> {
+    /// The answer, judged by the predicate on its head (with a `409`'s
+    /// problem fields in its extensions).
+    fn judged(response: Response<ResponseBody<RB>>, config: &Config) -> Self {
+        let (parts, body) = response.into_parts();
+        let in_progress = config.in_progress.matches(&parts);
+        Answer {
+            response: Response::from_parts(parts, body),
+            in_progress,
+        }
+    }
 }
 
 pub(crate) type Outcome<RB> = Result<Answer<RB>, AttemptError>;
@@ -64,41 +80,39 @@ where
         tracing::debug!(attempt, method = %request.method(), "sending attempt");
         let future = self.inner.call(request);
         let deadline = tokio::time::Instant::now() + self.config.attempt_timeout;
+        let config = self.config.clone();
         Box::pin(async move {
             let response = match tokio::time::timeout_at(deadline, future).await {
                 Err(_) => return Err(AttemptError::Timeout),
                 Ok(Err(e)) => return Err(AttemptError::Inner(e.into())),
                 Ok(Ok(response)) => response,
             };
-            if response.status() != StatusCode::CONFLICT {
-                return Ok(Answer {
-                    response: response.map(ResponseBody::inner),
-                    code: None,
-                });
-            }
-            read_problem_code(response, deadline).await
+            let response = if response.status() == StatusCode::CONFLICT {
+                read_problem(response, deadline).await?
+            } else {
+                response.map(ResponseBody::inner)
+            };
+            Ok(Answer::judged(response, &config))
         })
     }
 }
 
 /// Reads a `409` of at most [`PROBLEM_LIMIT`] bytes, whether its length is
-/// announced or not (a chunked answer), to tell `idempotency_in_progress`
-/// (retried) from every other conflict (not). One announced larger is
-/// passed on unread; one that turns out larger while being read is passed
-/// on whole, the bytes read first and then the rest.
-async fn read_problem_code<RB>(
+/// announced or not (a chunked answer), and puts its [`ConflictProblem`] in
+/// its extensions, so that the in-progress predicate can tell
+/// `idempotency_in_progress` (retried) from every other conflict (not). One
+/// announced larger is passed on unread; one that turns out larger while
+/// being read is passed on whole, the bytes read first and then the rest.
+async fn read_problem<RB>(
     response: Response<RB>,
     deadline: tokio::time::Instant,
-) -> Outcome<RB>
+) -> Result<Response<ResponseBody<RB>>, AttemptError>
 where
     RB: Body<Data = Bytes>,
     RB::Error: Into<BoxError>,
 {
     if response.body().size_hint().lower() > PROBLEM_LIMIT {
-        return Ok(Answer {
-            response: response.map(ResponseBody::inner),
-            code: None,
-        });
+        return Ok(response.map(ResponseBody::inner));
     }
     let (parts, body) = response.into_parts();
     // Boxed: should the body be too large, what is left of it is passed on,
@@ -122,10 +136,7 @@ where
                 read.extend_from_slice(&data);
                 if read.len() as u64 > PROBLEM_LIMIT {
                     let body = ResponseBody::prefixed(read.freeze(), body);
-                    return Ok(Answer {
-                        response: Response::from_parts(parts, body),
-                        code: None,
-                    });
+                    return Ok(Response::from_parts(parts, body));
                 }
             }
             Err(frame) => {
@@ -136,11 +147,12 @@ where
         }
     }
     let bytes = read.freeze();
-    let code = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .ok()
-        .and_then(|v| v.get("code")?.as_str().map(str::to_owned));
-    Ok(Answer {
-        response: Response::from_parts(parts, ResponseBody::buffered(bytes, trailers)),
-        code,
-    })
+    let mut parts = parts;
+    if let Some(problem) = ConflictProblem::read(&bytes) {
+        parts.extensions.insert(problem);
+    }
+    Ok(Response::from_parts(
+        parts,
+        ResponseBody::buffered(bytes, trailers),
+    ))
 }

@@ -32,12 +32,17 @@ pub enum ClientErrorKind {
     /// The wrapped service failed outside the retry loop: its `poll_ready`,
     /// or the call of a safe method (`GET`, …), which passes through once.
     ServiceFailed,
+    /// An attempt failed without an answer and the client's
+    /// [retry budget](super::RetryBudget) refused its retry (too many
+    /// recent calls were retried already); the failure is the
+    /// [`source`](std::error::Error::source).
+    RetryBudgetExhausted,
 }
 
 impl ClientErrorKind {
     /// The stable machine-readable code: `idempotency_key_invalid`,
-    /// `body_not_replayable`, `attempts_exhausted`, `deadline_exceeded` or
-    /// `service_failed`.
+    /// `body_not_replayable`, `attempts_exhausted`, `deadline_exceeded`,
+    /// `service_failed` or `retry_budget_exhausted`.
     pub fn code(self) -> &'static str {
         match self {
             ClientErrorKind::KeyInvalid => "idempotency_key_invalid",
@@ -45,6 +50,7 @@ impl ClientErrorKind {
             ClientErrorKind::AttemptsExhausted => "attempts_exhausted",
             ClientErrorKind::DeadlineExceeded => "deadline_exceeded",
             ClientErrorKind::ServiceFailed => "service_failed",
+            ClientErrorKind::RetryBudgetExhausted => "retry_budget_exhausted",
         }
     }
 }
@@ -114,6 +120,9 @@ impl fmt::Display for ClientError {
             ClientErrorKind::AttemptsExhausted => "every allowed attempt failed without an answer",
             ClientErrorKind::DeadlineExceeded => "no answer within the call's total time bound",
             ClientErrorKind::ServiceFailed => "the wrapped service failed outside the retry loop",
+            ClientErrorKind::RetryBudgetExhausted => {
+                "the attempt failed and the retry budget refused another"
+            }
         };
         write!(f, "{what} ({}; {} attempt(s)", self.code(), self.attempts)?;
         if let Some(key) = &self.key {

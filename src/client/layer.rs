@@ -2,10 +2,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use http::HeaderName;
+use http::{response::Parts, HeaderName};
 use tower_layer::Layer;
 
-use super::IdempotentClient;
+use super::{in_progress::InProgressWhen, IdempotentClient, RetryBudget};
 
 /// No duration in the configuration goes past this: deadlines stay far from
 /// the clock's limits, whatever a caller passes.
@@ -22,6 +22,9 @@ pub(crate) struct Config {
     pub(crate) total_timeout: Duration,
     pub(crate) backoff_base: Duration,
     pub(crate) backoff_max: Duration,
+    pub(crate) budget: RetryBudget,
+    pub(crate) quote_keys: bool,
+    pub(crate) in_progress: InProgressWhen,
 }
 
 /// Makes outgoing unsafe requests (`POST`, `PUT`, `PATCH`, `DELETE`, …)
@@ -34,11 +37,15 @@ pub(crate) struct Config {
 /// use std::time::Duration;
 /// use tower_idempotency::client::IdempotentClientLayer;
 ///
+/// use tower_idempotency::client::RetryBudget;
+///
 /// let layer = IdempotentClientLayer::new()
 ///     .name("payments")
 ///     .max_attempts(4)
 ///     .attempt_timeout(Duration::from_secs(5))
-///     .total_timeout(Duration::from_secs(20));
+///     .total_timeout(Duration::from_secs(20))
+///     .retry_budget(RetryBudget::ratio(0.1))
+///     .quote_keys(true);
 /// # let _ = layer;
 /// ```
 #[derive(Debug, Clone)]
@@ -53,9 +60,12 @@ impl Default for IdempotentClientLayer {
 }
 
 impl IdempotentClientLayer {
-    /// The defaults: header `Idempotency-Key`, 5 attempts, 15 s per attempt,
-    /// 60 s in total, backoff from 250 ms doubling to at most 10 s (with
-    /// jitter), metrics label `client="default"`.
+    /// The defaults: header `Idempotency-Key` with bare keys, 5 attempts,
+    /// 15 s per attempt, 60 s in total, backoff from 250 ms doubling to at
+    /// most 10 s (with jitter), a retry budget of 20 % extra load with a
+    /// floor of 10 retries a second ([`RetryBudget::default`]), this crate's
+    /// in-progress answer (`409 idempotency_in_progress`), metrics label
+    /// `client="default"`.
     pub fn new() -> Self {
         IdempotentClientLayer {
             config: Arc::new(Config {
@@ -66,6 +76,9 @@ impl IdempotentClientLayer {
                 total_timeout: Duration::from_secs(60),
                 backoff_base: Duration::from_millis(250),
                 backoff_max: Duration::from_secs(10),
+                budget: RetryBudget::default(),
+                quote_keys: false,
+                in_progress: InProgressWhen::default(),
             }),
         }
     }
@@ -116,6 +129,54 @@ impl IdempotentClientLayer {
             c.backoff_base = base;
             c.backoff_max = max.min(LONGEST).max(base);
         })
+    }
+
+    /// Bounds retries to a share of the calls made (default
+    /// [`RetryBudget::default`]: 20 % extra load, at least 10 retries a
+    /// second), so that when the upstream is down a fleet of clients adds a
+    /// fifth to its load rather than multiplying it by `max_attempts`. A
+    /// retry the budget refuses is not sent: the last outcome is returned,
+    /// with [`GiveUp::RetryBudget`](super::GiveUp::RetryBudget) in its
+    /// report (or the [`retry_budget_exhausted`](super::ClientErrorKind::RetryBudgetExhausted)
+    /// error without an answer). Each service this layer makes has its own
+    /// budget, shared by its clones.
+    pub fn retry_budget(self, budget: RetryBudget) -> Self {
+        self.configure(|c| c.budget = budget)
+    }
+
+    /// Sends the key as an RFC 8941 string, `Idempotency-Key: "abc"`, the
+    /// form the IETF draft writes, for servers that accept only it (default
+    /// `false`: the bare key, `Idempotency-Key: abc`; this crate's server
+    /// reads both). When set, a key the request already carries bare is
+    /// sent quoted too; the key itself is the same.
+    pub fn quote_keys(self, quote: bool) -> Self {
+        self.configure(|c| c.quote_keys = quote)
+    }
+
+    /// Which answers mean "the first attempt with this key still runs;
+    /// retry after `Retry-After`" ([`RetryReason::InProgress`](super::RetryReason::InProgress)),
+    /// for servers other than this crate's (default: `409` whose problem
+    /// `code` is `idempotency_in_progress`). The predicate sees the
+    /// answer's head; for a `409` the layer has read the body's
+    /// [`ConflictProblem`](super::ConflictProblem) fields into its
+    /// extensions. `503`, `502`, `504`, timeouts and transport failures
+    /// are retried whatever it says.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_idempotency::client::IdempotentClientLayer;
+    ///
+    /// // A server following the IETF draft: every 409 is a concurrent
+    /// // request (a reused key is its 422).
+    /// let layer = IdempotentClientLayer::new()
+    ///     .in_progress_when(|answer| answer.status == StatusCode::CONFLICT);
+    /// # let _ = layer;
+    /// ```
+    pub fn in_progress_when<F>(self, predicate: F) -> Self
+    where
+        F: Fn(&Parts) -> bool + Send + Sync + 'static,
+    {
+        self.configure(|c| c.in_progress = InProgressWhen::new(predicate))
     }
 }
 

@@ -50,17 +50,21 @@
 
 mod attempt;
 mod body;
+mod budget;
 mod call;
 mod error;
 mod future;
+mod in_progress;
 mod layer;
 mod policy;
 mod report;
 mod service;
 
 pub use body::{ReplayBody, ResponseBody};
+pub use budget::RetryBudget;
 pub use error::{ClientError, ClientErrorKind};
 pub use future::ResponseFuture;
+pub use in_progress::ConflictProblem;
 pub use layer::IdempotentClientLayer;
 pub use report::{CallReport, GiveUp, RetryReason};
 pub use service::IdempotentClient;

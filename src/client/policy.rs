@@ -10,24 +10,24 @@ use tower::retry::Policy;
 use super::{
     attempt::{Answer, Outcome},
     body::ReplayBody,
+    budget::SharedBudget,
     call::{CallState, Shared},
     error::AttemptError,
     layer::Config,
     report::{GiveUp, RetryReason},
 };
-use crate::problem::codes;
-
 /// Would the contract have this outcome retried, and why?
 pub(crate) fn verdict<RB>(outcome: &Outcome<RB>) -> Option<RetryReason> {
     match outcome {
         Err(AttemptError::Timeout) => Some(RetryReason::Timeout),
         Err(AttemptError::Inner(_) | AttemptError::NotReady(_)) => Some(RetryReason::Transport),
-        Ok(Answer { response, code }) => match response.status() {
+        Ok(Answer {
+            response,
+            in_progress,
+        }) => match response.status() {
             StatusCode::SERVICE_UNAVAILABLE => Some(RetryReason::Unavailable),
             StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => Some(RetryReason::Gateway),
-            StatusCode::CONFLICT if code.as_deref() == Some(codes::IN_PROGRESS) => {
-                Some(RetryReason::InProgress)
-            }
+            _ if *in_progress => Some(RetryReason::InProgress),
             _ => None,
         },
     }
@@ -59,6 +59,8 @@ pub(crate) struct ClientPolicy {
     pub(crate) config: Arc<Config>,
     pub(crate) shared: Shared,
     pub(crate) deadline: Instant,
+    /// The service's budget, shared with its other calls (`None`: unlimited).
+    pub(crate) budget: Option<SharedBudget>,
 }
 
 impl ClientPolicy {
@@ -109,6 +111,12 @@ where
             give_up(&self.config, &mut state, GiveUp::Deadline);
             return None;
         };
+        // Asked last: a retry that another bound stops must not spend the
+        // budget other calls could use.
+        if self.budget.as_ref().is_some_and(|b| !b.withdraw()) {
+            give_up(&self.config, &mut state, GiveUp::RetryBudget);
+            return None;
+        }
         state.retries.push(reason);
         crate::metrics::client_retry(&self.config.name, reason.as_str());
         tracing::info!(

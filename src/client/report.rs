@@ -16,7 +16,9 @@ pub enum RetryReason {
     Unavailable,
     /// `502 Bad Gateway` or `504 Gateway Timeout` from a proxy on the way.
     Gateway,
-    /// `409` with code `idempotency_in_progress`: the first attempt still runs.
+    /// `409` with code `idempotency_in_progress` (or what the layer's
+    /// [`in_progress_when`](super::IdempotentClientLayer::in_progress_when)
+    /// predicate matches): the first attempt still runs.
     InProgress,
 }
 
@@ -46,15 +48,20 @@ pub enum GiveUp {
     Deadline,
     /// The request body cannot be sent again.
     BodyNotReplayable,
+    /// The client's [retry budget](super::RetryBudget) refused the retry:
+    /// too many of its recent calls were retried already.
+    RetryBudget,
 }
 
 impl GiveUp {
-    /// The label value: `attempts_exhausted`, `deadline`, `body_not_replayable`.
+    /// The label value: `attempts_exhausted`, `deadline`,
+    /// `body_not_replayable`, `retry_budget`.
     pub fn as_str(self) -> &'static str {
         match self {
             GiveUp::AttemptsExhausted => "attempts_exhausted",
             GiveUp::Deadline => "deadline",
             GiveUp::BodyNotReplayable => "body_not_replayable",
+            GiveUp::RetryBudget => "retry_budget",
         }
     }
 }

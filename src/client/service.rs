@@ -17,6 +17,7 @@ use tracing::Instrument;
 use super::{
     attempt::{Attempt, Outcome},
     body::{ReplayBody, ResponseBody},
+    budget::SharedBudget,
     call::Shared,
     error::{BoxError, ClientError, ClientErrorKind},
     future::ResponseFuture,
@@ -37,15 +38,24 @@ use crate::{
 /// new random one (UUIDv4), then sends the request until the answer is final
 /// under the contract, every attempt with that key. Safe methods (`GET`,
 /// `HEAD`, `OPTIONS`, `TRACE`) pass through once, untouched.
+///
+/// Its [retry budget](super::RetryBudget) is made with it and shared by its
+/// clones.
 #[derive(Clone)]
 pub struct IdempotentClient<S> {
     inner: S,
     config: Arc<Config>,
+    budget: Option<SharedBudget>,
 }
 
 impl<S> IdempotentClient<S> {
     pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
-        IdempotentClient { inner, config }
+        let budget = config.budget.build();
+        IdempotentClient {
+            inner,
+            config,
+            budget,
+        }
     }
 
     /// A layer with the defaults, to configure: [`IdempotentClientLayer::new`].
@@ -61,6 +71,7 @@ impl<S: fmt::Debug> fmt::Debug for IdempotentClient<S> {
         f.debug_struct("IdempotentClient")
             .field("inner", &self.inner)
             .field("config", &self.config)
+            .field("budget", &self.budget)
             .finish()
     }
 }
@@ -124,19 +135,23 @@ where
         }
         let config = self.config.clone();
         let key = match own_key(&request, &config) {
-            Ok(Some(key)) => key,
+            Ok(Some(key)) if !config.quote_keys => key,
+            Ok(Some(key)) => match set_key(&mut request, &key, &config) {
+                Ok(()) => key,
+                Err(e) => return refused(Box::new(e)),
+            },
             Ok(None) => {
                 let key = IdempotencyKey::new_v4();
-                match HeaderValue::from_str(key.as_str()) {
-                    Ok(value) => {
-                        request.headers_mut().insert(config.header.clone(), value);
-                    }
+                match set_key(&mut request, &key, &config) {
+                    Ok(()) => key,
                     Err(e) => return refused(Box::new(e)),
                 }
-                key
             }
             Err(e) => return refused(Box::new(e)),
         };
+        if let Some(budget) = &self.budget {
+            budget.deposit();
+        }
         let span = tracing::info_span!(
             "idempotent_client",
             client = %config.name,
@@ -149,6 +164,7 @@ where
             config: config.clone(),
             shared: shared.clone(),
             deadline,
+            budget: self.budget.clone(),
         };
         let attempt = Attempt {
             inner,
@@ -164,6 +180,25 @@ where
             .instrument(span),
         )
     }
+}
+
+/// Sets the key header: the key as it is, or as an RFC 8941 string when
+/// the layer quotes keys.
+fn set_key<B>(
+    request: &mut Request<B>,
+    key: &IdempotencyKey,
+    config: &Config,
+) -> Result<(), http::header::InvalidHeaderValue> {
+    let value = if config.quote_keys {
+        // RFC 8941 §3.3.3: `\` and `"` are the only escapes; the rest of a
+        // key (visible ASCII) stands for itself.
+        let escaped = key.as_str().replace('\\', "\\\\").replace('"', "\\\"");
+        HeaderValue::try_from(format!("\"{escaped}\""))?
+    } else {
+        HeaderValue::from_str(&key.header_value())?
+    };
+    request.headers_mut().insert(config.header.clone(), value);
+    Ok(())
 }
 
 /// A call refused before anything was sent.
@@ -225,6 +260,7 @@ fn finish<RB>(
                 Some(GiveUp::AttemptsExhausted) => ClientErrorKind::AttemptsExhausted,
                 Some(GiveUp::Deadline) => ClientErrorKind::DeadlineExceeded,
                 Some(GiveUp::BodyNotReplayable) => ClientErrorKind::BodyNotReplayable,
+                Some(GiveUp::RetryBudget) => ClientErrorKind::RetryBudgetExhausted,
                 // Only a failed `poll_ready` before a retry ends a call
                 // without the policy's say.
                 None => ClientErrorKind::ServiceFailed,

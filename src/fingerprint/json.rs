@@ -17,8 +17,10 @@ use crate::problem::Problem;
 ///
 /// Object key order, white space and number spelling (`1`, `1.0`, `1e0`) make
 /// no difference; array order does. Top-level fields named with
-/// [`ignore_field`](Self::ignore_field) (tracing ids, client timestamps) are
-/// dropped before hashing.
+/// [`ignore_field`](Self::ignore_field) (tracing ids, client timestamps),
+/// and nested ones named by a dotted path with
+/// [`ignore_path`](Self::ignore_path) (`meta.trace_id`), are dropped before
+/// hashing.
 ///
 /// Answered with `422 validation_failed`, never claiming the key:
 ///
@@ -54,7 +56,8 @@ use crate::problem::Problem;
 #[derive(Debug, Clone)]
 pub struct JsonFingerprinter {
     version: Arc<str>,
-    ignored: Arc<[String]>,
+    /// Each a path of member names from the top-level object.
+    ignored: Arc<[Vec<String>]>,
 }
 
 impl JsonFingerprinter {
@@ -67,11 +70,65 @@ impl JsonFingerprinter {
     }
 
     /// Drops a top-level field that is not part of the business request.
-    pub fn ignore_field(mut self, name: impl Into<String>) -> Self {
+    /// The name is taken whole: `"a.b"` is the member named `a.b`.
+    pub fn ignore_field(self, name: impl Into<String>) -> Self {
+        self.ignore(vec![name.into()])
+    }
+
+    /// Drops a nested field that is not part of the business request,
+    /// named by the member names that lead to it from the top-level
+    /// object, joined with `.`: `"meta.trace_id"` drops `trace_id` inside
+    /// the object `meta`, and nothing else changes.
+    ///
+    /// Only objects are walked. A path that meets anything else before its
+    /// last name (an array, a string, a missing member) drops nothing: no
+    /// member inside an array can be ignored, and `*` or a number is a
+    /// member name like any other (`"items.0"` is the member `0` of the
+    /// object `items`). A path cannot name a member whose name holds a
+    /// `.`; [`ignore_field`](Self::ignore_field) names a top-level one.
+    ///
+    /// ```
+    /// use tower_idempotency::fingerprint::{Fingerprinter, JsonFingerprinter};
+    ///
+    /// let fp = JsonFingerprinter::new("orders.v1").ignore_path("meta.trace.id");
+    /// let (mut parts, _) = http::Request::new(()).into_parts();
+    /// let mut fingerprint = |body: &'static str| fp.fingerprint(&mut parts, &body.into()).unwrap();
+    /// let a = fingerprint(r#"{"sku": "A", "meta": {"trace": {"id": "t1", "span": 1}}}"#);
+    /// let b = fingerprint(r#"{"sku": "A", "meta": {"trace": {"id": "t2", "span": 1}}}"#);
+    /// assert_eq!(a, b);
+    /// let other_span = fingerprint(r#"{"sku": "A", "meta": {"trace": {"id": "t1", "span": 2}}}"#);
+    /// assert_ne!(a, other_span);
+    /// ```
+    pub fn ignore_path(self, path: &str) -> Self {
+        self.ignore(path.split('.').map(str::to_owned).collect())
+    }
+
+    fn ignore(mut self, path: Vec<String>) -> Self {
         let mut ignored = self.ignored.to_vec();
-        ignored.push(name.into());
+        ignored.push(path);
         self.ignored = ignored.into();
         self
+    }
+}
+
+/// Removes the member at `path` (member names from `value`), if every
+/// name before the last leads into an object.
+fn remove_path(value: &mut Value, path: &[String]) {
+    let Some((last, parents)) = path.split_last() else {
+        return;
+    };
+    let mut current = value;
+    for name in parents {
+        match current {
+            Value::Object(map) => match map.get_mut(name) {
+                Some(inner) => current = inner,
+                None => return,
+            },
+            _ => return,
+        }
+    }
+    if let Value::Object(map) = current {
+        map.remove(last);
     }
 }
 
@@ -79,10 +136,8 @@ impl Fingerprinter for JsonFingerprinter {
     fn fingerprint(&self, _parts: &mut Parts, body: &Bytes) -> Result<Fingerprint, Problem> {
         let mut value = parse_value(body).map_err(|e| validation_problem(&[e]))?;
         refuse_inexact_numbers(body).map_err(|e| validation_problem(&[e]))?;
-        if let Value::Object(map) = &mut value {
-            for name in self.ignored.iter() {
-                map.remove(name);
-            }
+        for path in self.ignored.iter() {
+            remove_path(&mut value, path);
         }
         Ok(Fingerprint::digest(&self.version, &canonical_json(&value)))
     }
@@ -193,7 +248,109 @@ mod tests {
         assert_eq!(problem.code(), codes::VALIDATION_FAILED);
     }
 
+    #[test]
+    fn ignored_paths_walk_objects_only() {
+        let json = JsonFingerprinter::new("v1").ignore_path("a.b");
+        let plain = JsonFingerprinter::new("v1");
+        // Dropped inside the object `a`, and only there.
+        assert_eq!(
+            fp(&json, r#"{"a":{"b":1,"c":2},"b":3}"#).unwrap(),
+            fp(&plain, r#"{"a":{"c":2},"b":3}"#).unwrap()
+        );
+        // Through an array, a string or a missing member: nothing dropped.
+        for body in [
+            r#"{"a":[{"b":1}]}"#,
+            r#"{"a":"b"}"#,
+            r#"{"x":{"b":1}}"#,
+            r#"[{"a":{"b":1}}]"#,
+        ] {
+            assert_eq!(
+                fp(&json, body).unwrap(),
+                fp(&plain, body).unwrap(),
+                "{body}"
+            );
+        }
+        // A path names members, never array positions.
+        let numbered = JsonFingerprinter::new("v1").ignore_path("a.0");
+        assert_eq!(
+            fp(&numbered, r#"{"a":{"0":1}}"#).unwrap(),
+            fp(&plain, r#"{"a":{}}"#).unwrap()
+        );
+        assert_eq!(
+            fp(&numbered, r#"{"a":[1]}"#).unwrap(),
+            fp(&plain, r#"{"a":[1]}"#).unwrap()
+        );
+        // `ignore_field` takes its name whole.
+        let dotted = JsonFingerprinter::new("v1").ignore_field("a.b");
+        assert_eq!(
+            fp(&dotted, r#"{"a.b":1,"a":{"b":1}}"#).unwrap(),
+            fp(&plain, r#"{"a":{"b":1}}"#).unwrap()
+        );
+    }
+
+    /// A path of one to three names from `[a-d]{1,2}`, the names
+    /// `arb_json` gives object members.
+    fn arb_path() -> impl Strategy<Value = Vec<String>> {
+        proptest::collection::vec("[a-d]{1,2}", 1..4)
+    }
+
+    /// `value` with `leaf` at `path`, objects made or replaced on the way.
+    fn set_path(value: &mut Value, path: &[String], leaf: Value) {
+        let mut current = value;
+        for name in path {
+            if !current.is_object() {
+                *current = Value::Object(serde_json::Map::new());
+            }
+            let Value::Object(map) = current else {
+                unreachable!("made an object above")
+            };
+            current = map.entry(name.clone()).or_insert(Value::Null);
+        }
+        *current = leaf;
+    }
+
     proptest! {
+        /// Ignoring a path is removing that member and nothing else.
+        #[test]
+        fn ignoring_a_path_is_removing_only_that_member(value in arb_json(), path in arb_path()) {
+            let body = serde_json::to_string(&value).unwrap();
+            let mut removed = value.clone();
+            remove_path(&mut removed, &path);
+            let ignoring = JsonFingerprinter::new("v1").ignore_path(&path.join("."));
+            let plain = JsonFingerprinter::new("v1");
+            prop_assert_eq!(
+                fp(&ignoring, &body).unwrap(),
+                fp(&plain, &serde_json::to_string(&removed).unwrap()).unwrap()
+            );
+            // Only the member at the path went: it is all that differs.
+            let mut restored = removed.clone();
+            if let Some(member) = path.iter().try_fold(&value, |v, name| v.get(name)) {
+                set_path(&mut restored, &path, member.clone());
+            }
+            prop_assert_eq!(restored, value);
+        }
+
+        /// Two bodies that differ only at the ignored path share a
+        /// fingerprint; a difference elsewhere still tells them apart.
+        #[test]
+        fn bodies_differing_only_at_the_path_agree(
+            value in arb_json(),
+            path in arb_path(),
+            a in arb_json(),
+            b in arb_json(),
+        ) {
+            let mut first = value.clone();
+            set_path(&mut first, &path, a);
+            let mut second = first.clone();
+            set_path(&mut second, &path, b);
+            let ignoring = JsonFingerprinter::new("v1").ignore_path(&path.join("."));
+            let fingerprint = |v: &Value| fp(&ignoring, &serde_json::to_string(v).unwrap()).unwrap();
+            prop_assert_eq!(fingerprint(&first), fingerprint(&second));
+            let mut elsewhere = second.clone();
+            set_path(&mut elsewhere, &[format!("{}x", path[0])], Value::Bool(true));
+            prop_assert_ne!(fingerprint(&first), fingerprint(&elsewhere));
+        }
+
         #[test]
         fn pretty_and_compact_spellings_agree(value in arb_json()) {
             let json = JsonFingerprinter::new("v1");

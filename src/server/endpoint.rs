@@ -54,6 +54,9 @@ pub(crate) struct Config {
     pub(crate) classifier: Arc<dyn crate::classify::Classifier>,
     /// Where the key is read when the header has none (`key_from_body`).
     pub(crate) key_from_body: Option<KeyFromBodyFn>,
+    /// The documentation URL prefix of the layer's own problems
+    /// (`problem_type_base`).
+    pub(crate) problem_type_base: Option<Arc<String>>,
 }
 
 /// A [`KeyFromBody`](crate::key::KeyFromBody), shared by the layer's clones.
@@ -104,6 +107,7 @@ impl Config {
             rebuild: None,
             classifier: Arc::new(crate::classify::ServerOrGrpcErrorsAsFailures),
             key_from_body: None,
+            problem_type_base: None,
         }
     }
 }

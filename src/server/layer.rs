@@ -403,6 +403,20 @@ impl<St, F, R, M> IdempotencyLayer<St, F, R, M> {
     pub fn key_reuse_status(self, status: KeyReuseStatus) -> Self {
         self.configure(|c| c.key_reuse = status)
     }
+
+    /// Where the layer's problems are documented: each of its own error
+    /// answers gets the `type` `base` followed by its code (e.g.
+    /// `https://docs.example.com/errors/idempotency_key_missing`) instead
+    /// of `urn:tower-idempotency:problem:<code>`, and a
+    /// `Link: <that URL>; rel="describedby"` header, as the IETF
+    /// Idempotency-Key draft asks of error answers
+    /// ([`Problem::with_type_base`](crate::problem::Problem::with_type_base)).
+    /// A fingerprinter's problem with a base of its own keeps it. gRPC
+    /// answers carry neither. Default: none.
+    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
+        let base = Arc::new(base.into());
+        self.configure(|c| c.problem_type_base = Some(base))
+    }
 }
 
 // The switches from the claim-first mode to another, and what only a

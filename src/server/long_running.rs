@@ -325,7 +325,9 @@ pub(crate) async fn fail_for_good<St: LeaseStore, B, E>(
     config: &Config,
     attempts: u32,
 ) -> Driven<B, E> {
-    let problem = operation_failed(attempts).to_response();
+    let problem = operation_failed(attempts)
+        .or_type_base(config.problem_type_base.as_ref())
+        .to_response();
     let (parts, body) = problem.into_parts();
     let stored = StoredResponse::new(parts.status, &parts.headers, &[header::CONTENT_TYPE], body);
     match store.fail(lease, &stored, attempts).await {

@@ -361,6 +361,7 @@ impl<B, E> Settled<B, E> {
             .with_detail("the operation ran once; nothing was changed now")
             .with_retry_after(1),
         };
+        let problem = problem.or_type_base(config.problem_type_base.as_ref());
         let response = if grpc {
             problem.to_grpc_response()
         } else {

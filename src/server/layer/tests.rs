@@ -175,6 +175,57 @@ async fn replay_cache_with_the_longest_ttl_serves_replays() {
     assert_eq!(store.inner.rows("orders").len(), 1);
 }
 
+/// With a problem type base, the layer's own error answers name their
+/// `type` under it and link it (`rel="describedby"`); a key reused with
+/// another body, a missing key and a fingerprinter's refusal alike. No
+/// claim is made for the refused ones.
+#[tokio::test]
+async fn a_problem_type_base_names_and_links_the_layers_own_problems() {
+    let store = Counting::default();
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        "POST /orders v1",
+        JsonFingerprinter::new("v1"),
+    )
+    .problem_type_base("https://docs.example.com/errors/");
+    let mut service = layer.layer(tower::service_fn(|_: Request<RequestBody>| async move {
+        Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(
+            Bytes::from_static(b"{}"),
+        )))
+    }));
+    let mut missing = post(r#"{"a":1}"#);
+    missing.headers_mut().remove("idempotency-key");
+    let cases = [
+        (missing, StatusCode::BAD_REQUEST, "idempotency_key_missing"),
+        (
+            post("{nope"),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+        ),
+    ];
+    for (request, status, code) in cases {
+        let response = service.call(request).await.unwrap();
+        let link = response.headers()[http::header::LINK].clone();
+        let (got, _, body) = answer(response).await;
+        assert_eq!(got, status);
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let uri = format!("https://docs.example.com/errors/{code}");
+        assert_eq!(body["type"], uri.as_str());
+        assert_eq!(link, format!("<{uri}>; rel=\"describedby\"").as_str());
+    }
+    assert_eq!(store.claims.load(Ordering::SeqCst), 0);
+    let first = service.call(post(r#"{"a":1}"#)).await.unwrap();
+    assert!(
+        !first.headers().contains_key(http::header::LINK),
+        "not an error"
+    );
+    let reused = service.call(post(r#"{"a":2}"#)).await.unwrap();
+    assert!(reused.headers()[http::header::LINK]
+        .to_str()
+        .unwrap()
+        .contains("/errors/idempotency_key_reused>"));
+}
+
 #[test]
 fn limits_are_clamped_to_what_the_database_takes() {
     let layer = IdempotencyLayer::new(MemoryStore::new(), "e", JsonFingerprinter::new("v1"))
