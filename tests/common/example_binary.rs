@@ -182,3 +182,19 @@ impl Answer {
         (self.status, self.json()["code"].clone())
     }
 }
+
+/// The base URL a started example announces on its first line of standard
+/// output (`listening on http://HOST:PORT`), read from `child`'s piped
+/// stdout.
+pub(crate) async fn listening_base(child: &mut tokio::process::Child) -> String {
+    use tokio::io::AsyncBufReadExt;
+    let mut line = String::new();
+    tokio::io::BufReader::new(child.stdout.take().expect("stdout is piped"))
+        .read_line(&mut line)
+        .await
+        .expect("reads stdout");
+    line.trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .to_owned()
+}

@@ -9,10 +9,7 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-use tokio::{
-    io::{AsyncBufReadExt, BufReader},
-    process::Command,
-};
+use tokio::process::Command;
 use tower_idempotency::testing::TestDatabase;
 
 /// Starts example `name` (its address in `addr_var`), runs a create, its
@@ -30,16 +27,7 @@ async fn create_replay_and_stop(name: &str, source: &str, addr_var: &str, table:
         .kill_on_drop(true)
         .spawn()
         .expect("the example starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .await
-        .expect("reads stdout");
-    let base = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
-        .to_owned();
+    let base = crate::common::example_binary::listening_base(&mut child).await;
 
     let client = Client::builder(TokioExecutor::new()).build_http();
     let send = |token: &'static str| {
