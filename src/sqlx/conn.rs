@@ -15,9 +15,10 @@ use std::{
 };
 
 use ::sqlx::{
+    error::BoxDynError,
     pool::PoolConnection,
-    postgres::{PgQueryResult, PgRow, PgStatement, PgTypeInfo},
-    Describe, Either, Execute, Executor, PgConnection, PgPool, Postgres,
+    postgres::{PgArguments, PgQueryResult, PgRow, PgStatement, PgTypeInfo},
+    Describe, Either, Execute, Executor, PgConnection, PgPool, Postgres, SqlStr,
 };
 
 use crate::protocol::{
@@ -152,6 +153,48 @@ impl futures_core::Stream for Refused {
     }
 }
 
+/// A statement taken apart so that its text can be read before it runs
+/// (`Execute::sql` consumes the statement): the same statement, put back
+/// together for the connection underneath.
+struct Checked {
+    sql: SqlStr,
+    statement: Option<PgStatement>,
+    arguments: Option<Result<Option<PgArguments>, BoxDynError>>,
+    persistent: bool,
+}
+
+impl Checked {
+    fn new<'q, E: Execute<'q, Postgres>>(mut query: E) -> Self {
+        let statement = query.statement().cloned();
+        let arguments = Some(query.take_arguments());
+        let persistent = query.persistent();
+        Checked {
+            sql: query.sql(),
+            statement,
+            arguments,
+            persistent,
+        }
+    }
+}
+
+impl Execute<'_, Postgres> for Checked {
+    fn sql(self) -> SqlStr {
+        self.sql
+    }
+
+    fn statement(&self) -> Option<&PgStatement> {
+        self.statement.as_ref()
+    }
+
+    fn take_arguments(&mut self) -> Result<Option<PgArguments>, BoxDynError> {
+        self.arguments.take().unwrap_or(Ok(None))
+    }
+
+    fn persistent(&self) -> bool {
+        self.persistent
+    }
+}
+
 impl<'c> Executor<'c> for &'c mut GuardedConnection {
     type Database = Postgres;
 
@@ -163,7 +206,8 @@ impl<'c> Executor<'c> for &'c mut GuardedConnection {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
-        match refused(query.sql()) {
+        let query = Checked::new(query);
+        match refused(query.sql.as_str()) {
             Some(error) => Box::pin(Refused(Some(error))),
             None => self.raw().fetch_many(query),
         }
@@ -177,7 +221,8 @@ impl<'c> Executor<'c> for &'c mut GuardedConnection {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
-        match refused(query.sql()) {
+        let query = Checked::new(query);
+        match refused(query.sql.as_str()) {
             Some(error) => Box::pin(std::future::ready(Err(error))),
             None => self.raw().fetch_optional(query),
         }
@@ -185,25 +230,25 @@ impl<'c> Executor<'c> for &'c mut GuardedConnection {
 
     // A prepared statement runs through `fetch_*` with its text, where it
     // is checked again; refusing it here already says so sooner.
-    fn prepare_with<'e, 'q: 'e>(
+    fn prepare_with<'e>(
         self,
-        sql: &'q str,
+        sql: SqlStr,
         parameters: &'e [PgTypeInfo],
-    ) -> BoxFuture<'e, Result<PgStatement<'q>, ::sqlx::Error>>
+    ) -> BoxFuture<'e, Result<PgStatement, ::sqlx::Error>>
     where
         'c: 'e,
     {
-        match refused(sql) {
+        match refused(sql.as_str()) {
             Some(error) => Box::pin(std::future::ready(Err(error))),
             None => self.raw().prepare_with(sql, parameters),
         }
     }
 
-    // Describing runs nothing.
-    fn describe<'e, 'q: 'e>(
-        self,
-        sql: &'q str,
-    ) -> BoxFuture<'e, Result<Describe<Postgres>, ::sqlx::Error>>
+    // Describing runs nothing. (sqlx declares it only with its `offline`
+    // feature, which the `sqlx` feature turns on through `sqlx-postgres`,
+    // so that this impl compiles whether or not an application's `sqlx`
+    // turns on `macros`.)
+    fn describe<'e>(self, sql: SqlStr) -> BoxFuture<'e, Result<Describe<Postgres>, ::sqlx::Error>>
     where
         'c: 'e,
     {

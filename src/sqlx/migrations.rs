@@ -94,7 +94,7 @@ impl Transport for ConnTransport {
         // A string without arguments goes out as a simple query: several
         // statements in one.
         (&mut *self.conn)
-            .execute(sql)
+            .execute(::sqlx::AssertSqlSafe(sql))
             .await
             .map(drop)
             .map_err(map_error)

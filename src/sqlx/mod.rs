@@ -189,9 +189,8 @@ impl SqlxStore {
     /// The handler's own statements through [`SqlxTx::conn`] run inside the
     /// claim's transaction; give each `.persistent(false)` (a persistent
     /// statement stays on the pooler's server connection, where another
-    /// client's statement of the same name then fails). Turning the pool's
-    /// statement cache off is not enough: sqlx 0.8 still names the
-    /// statement and then never closes it. See the
+    /// client's statement of the same name then fails), whatever the
+    /// pool's statement cache. See the
     /// [deploying guide](crate::guide::deploying).
     pub fn transaction_pooling(self, on: bool) -> Self {
         crate::setter::with(self, |s| s.transaction_pooling = on)

@@ -31,7 +31,7 @@ crate::protocol::sql::columns!(PgRow);
 /// `sql` with `params` bound, prepared and cached by sqlx or, behind a
 /// transaction pooler, unnamed.
 pub(super) fn query<'q>(
-    sql: Sql<'q>,
+    sql: Sql<'static>,
     params: &[Param<'q>],
     transaction_pooling: bool,
 ) -> Query<'q, Postgres, PgArguments> {
@@ -82,7 +82,7 @@ impl SqlxLink<'_> {
     ) -> Result<i32, StoreError> {
         let batch = set_waits_then_pid(lock_wait, idle);
         // A query without arguments goes out as one simple-query message.
-        let rows = ::sqlx::Executor::fetch_all(&mut *self.conn, batch.as_str())
+        let rows = ::sqlx::Executor::fetch_all(&mut *self.conn, ::sqlx::AssertSqlSafe(batch))
             .await
             .map_err(map_error)?;
         let row = rows.last().ok_or_else(|| {

@@ -238,7 +238,7 @@ impl SqlxTx {
         let cancel = cancel_backend(self.inner.pid);
         let cancelled = tokio::time::timeout(
             crate::protocol::waits::CANCEL_DEADLINE,
-            (&self.inner.pool).execute(cancel.as_str()),
+            (&self.inner.pool).execute(::sqlx::AssertSqlSafe(cancel)),
         )
         .await;
         match cancelled {

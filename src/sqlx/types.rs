@@ -2,7 +2,7 @@
 
 use std::{future::Future, pin::Pin};
 
-use ::sqlx::{postgres::PgConnection, Connection as _, Executor as _};
+use ::sqlx::{postgres::PgConnection, Connection as _, Executor as _, SqlSafeStr as _};
 
 use crate::protocol::statements::{describe_types, DEALLOCATE_ALL, USER_TYPES};
 
@@ -47,7 +47,9 @@ pub fn load_types(
         for chunk in names.chunks(CHUNK) {
             let select = describe_types(chunk);
             // Describing it makes sqlx look each column's type up.
-            connection.describe(select.as_str()).await?;
+            connection
+                .describe(::sqlx::AssertSqlSafe(select).into_sql_str())
+                .await?;
         }
         // sqlx's lookup statements, on this server connection only, and
         // then out of its cache, before the transaction ends.

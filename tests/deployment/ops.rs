@@ -843,6 +843,7 @@ fn no_dependency_needs_a_newer_rust_than_rust_version() {
 const FLOORS: &[(&str, &str, &str)] = &[
     ("tokio", "1.33", "watch::Sender::new"),
     ("tokio-postgres", "0.7.17", "Client::execute_typed"),
+    ("sqlx", "0.9", "SqlStr and AssertSqlSafe"),
 ];
 
 #[test]

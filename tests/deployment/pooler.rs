@@ -798,7 +798,7 @@ async fn custom_types_in_sqlx_handler_statements_work_through_the_pooler() {
                         .bind(tx.tenant())
                         .execute(&mut *conn)
                         .await?;
-                    sqlx::query(&typed_read(&reads))
+                    sqlx::query(sqlx::AssertSqlSafe(typed_read(&reads)))
                         .persistent(false)
                         .bind(&id)
                         .fetch_one(&mut *conn)

@@ -907,11 +907,12 @@ async fn unnamed_address(server: &tls_server::TlsServer) -> std::net::SocketAddr
 }
 
 /// `SqlxStore` takes the application's `sqlx::PgPool`, whose TLS is
-/// sqlx 0.8's own; the deploying guide's table states where it departs from
+/// sqlx 0.9's own; the deploying guide's table states where it departs from
 /// libpq, and these pin each such row (a sqlx that changes fails here, and
 /// the table with it):
-/// - `verify-ca` checks the host name too, so a certificate that does not
-///   name the host dialled is refused (`PgStore` takes it);
+/// - `verify-ca` checks the chain, not the name, as libpq: a certificate
+///   that does not name the host dialled is taken, one from another CA is
+///   refused (sqlx 0.8 checked the name too);
 /// - `require` never checks the certificate, even with `sslrootcert`
 ///   (`PgStore` checks the chain then, as libpq);
 /// - `require` over a Unix socket fails (`PgStore` connects without TLS).
@@ -924,14 +925,23 @@ async fn sqlx_tls_departs_from_libpq_where_the_guide_says() {
         "postgres://app:{PASSWORD}@{unnamed}/{db}?sslmode=verify-ca&sslrootcert={}",
         server.ca()
     );
-    let error = sqlx::PgPool::connect(&verify_ca)
+    let pool = sqlx::PgPool::connect(&verify_ca)
         .await
-        .expect_err("sqlx checks the name under verify-ca");
-    assert!(
-        chain(&error).contains("certificate not valid for name \"127.0.0.2\""),
-        "{}",
-        chain(&error)
+        .expect("sqlx: verify-ca checks the chain only");
+    let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ssl);
+    pool.close().await;
+    let verify_ca_other_ca = format!(
+        "postgres://app:{PASSWORD}@{unnamed}/{db}?sslmode=verify-ca&sslrootcert={}",
+        server.other_ca()
     );
+    let error = sqlx::PgPool::connect(&verify_ca_other_ca)
+        .await
+        .expect_err("sqlx: verify-ca checks the chain");
+    assert!(chain(&error).contains("UnknownIssuer"), "{}", chain(&error));
     let store = PgStore::connect(&verify_ca).unwrap();
     assert!(
         encrypted(&store.client().await.unwrap()).await,

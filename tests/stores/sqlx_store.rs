@@ -449,8 +449,10 @@ async fn leave_session_state(
         .fetch_one(&mut *conn)
         .await?;
     let mut answers = Vec::new();
-    for sql in &plain {
-        answers.push(refused((&mut *conn).execute(sql.as_str()).await));
+    for sql in plain {
+        answers.push(refused(
+            (&mut *conn).execute(sqlx::AssertSqlSafe(sql)).await,
+        ));
     }
     sqlx::query("SELECT leak_session()")
         .execute(&mut *conn)
