@@ -93,6 +93,207 @@ pub const CLIENT_GIVE_UPS_TOTAL: &str = "idempotency_client_give_ups_total";
 /// received, by `client`.
 pub const CLIENT_REPLAYED_TOTAL: &str = "idempotency_client_replayed_total";
 
+/// What kind of metric a name is, for [`describe`].
+#[derive(Clone, Copy)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Every metric name with its kind, unit and one-line description.
+const DESCRIPTIONS: &[(&str, Kind, metrics::Unit, &str)] = {
+    use metrics::Unit::{Count, Seconds};
+    use Kind::{Counter, Gauge, Histogram};
+    &[
+        (
+            REQUESTS_TOTAL,
+            Counter,
+            Count,
+            "Idempotent requests by endpoint and outcome.",
+        ),
+        (
+            CLAIM_DURATION_SECONDS,
+            Histogram,
+            Seconds,
+            "Time from a request's arrival to the store's answer to its claim.",
+        ),
+        (
+            KEY_HELD_SECONDS,
+            Histogram,
+            Seconds,
+            "How long an owner held its key, claim to commit or rollback.",
+        ),
+        (
+            EXPIRED_REMOVED_TOTAL,
+            Counter,
+            Count,
+            "Expired idempotency records removed by cleanup.",
+        ),
+        (
+            CLEANUP_BACKLOG,
+            Gauge,
+            Count,
+            "Expired idempotency records not yet removed (cleanup backlog).",
+        ),
+        (
+            OLDEST_IN_PROGRESS_SECONDS,
+            Gauge,
+            Seconds,
+            "Age of the oldest operation still holding its key; 0 when none.",
+        ),
+        (
+            DUPLICATE_WAIT_SECONDS,
+            Histogram,
+            Seconds,
+            "How long a concurrent duplicate waited for the request holding its key.",
+        ),
+        (
+            HANDLER_TIMEOUTS_TOTAL,
+            Counter,
+            Count,
+            "Owners stopped and rolled back at the layer's handler timeout.",
+        ),
+        (
+            COMMITS_LOST_TOTAL,
+            Counter,
+            Count,
+            "One-commit mode handler runs whose work was discarded at commit.",
+        ),
+        (
+            OPERATIONS_RUNNING,
+            Gauge,
+            Count,
+            "Long-running operations whose work runs in this process now.",
+        ),
+        (
+            LEASE_TAKEOVERS_TOTAL,
+            Counter,
+            Count,
+            "Long-running operations taken over after their lease expired.",
+        ),
+        (
+            FENCED_TOTAL,
+            Counter,
+            Count,
+            "Writes, completions and heartbeats of a stale owner refused.",
+        ),
+        (
+            RECOVERIES_TOTAL,
+            Counter,
+            Count,
+            "Operations the recovery worker re-drove with nobody retrying.",
+        ),
+        (
+            OPERATION_ATTEMPTS_TOTAL,
+            Counter,
+            Count,
+            "Attempts of long-running operations (first runs, takeovers, recoveries).",
+        ),
+        (
+            OPERATIONS_FAILED_TOTAL,
+            Counter,
+            Count,
+            "Long-running operations that ended failed after their last attempt.",
+        ),
+        (
+            OLDEST_LEASE_SECONDS,
+            Gauge,
+            Seconds,
+            "Age of the oldest long-running operation in progress; 0 when none.",
+        ),
+        (
+            EXPIRED_LEASES,
+            Gauge,
+            Count,
+            "Long-running operations whose lease expired, not yet taken over.",
+        ),
+        (
+            OUTBOX_BACKLOG,
+            Gauge,
+            Count,
+            "Undelivered, unparked outbox events.",
+        ),
+        (
+            OUTBOX_LAG_SECONDS,
+            Gauge,
+            Seconds,
+            "Age of the oldest undelivered outbox event; 0 when none.",
+        ),
+        (
+            OUTBOX_DELIVERED_TOTAL,
+            Counter,
+            Count,
+            "Outbox deliveries that succeeded, by event type.",
+        ),
+        (
+            OUTBOX_FAILED_TOTAL,
+            Counter,
+            Count,
+            "Outbox deliveries that failed (retried or parked), by event type.",
+        ),
+        (
+            OUTBOX_PARKED_TOTAL,
+            Counter,
+            Count,
+            "Outbox events parked after their last allowed attempt, by event type.",
+        ),
+        (
+            OUTBOX_RELAY_RESTARTS_TOTAL,
+            Counter,
+            Count,
+            "Restarts of an outbox relay task that ended before shutdown.",
+        ),
+        (
+            CLIENT_ATTEMPTS_TOTAL,
+            Counter,
+            Count,
+            "Attempts sent by the client layer.",
+        ),
+        (
+            CLIENT_RETRIES_TOTAL,
+            Counter,
+            Count,
+            "Retries made by the client layer, by reason.",
+        ),
+        (
+            CLIENT_GIVE_UPS_TOTAL,
+            Counter,
+            Count,
+            "Calls the client layer stopped retrying although worth a retry, by reason.",
+        ),
+        (
+            CLIENT_REPLAYED_TOTAL,
+            Counter,
+            Count,
+            "Answers marked Idempotent-Replayed: true that the client layer received.",
+        ),
+    ]
+};
+
+/// Describes every metric of this module (its kind, unit and a one-line
+/// description) to the installed recorder, so that a Prometheus exporter
+/// renders `# HELP` lines.
+///
+/// [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) calls it, so an
+/// application that installs its recorder before building its layers needs
+/// nothing more. Call it yourself right after installing the recorder if
+/// the process builds no layer (a relay or cleanup worker, a client only)
+/// or builds its layers first. Describing again is harmless: a recorder
+/// keeps the last description of a name. Units are
+/// [`Seconds`](metrics::Unit::Seconds) for the `_seconds` metrics and
+/// [`Count`](metrics::Unit::Count) for the rest; every name already ends
+/// in its unit, so an exporter that appends units to names renames none.
+pub fn describe() {
+    for &(name, kind, unit, description) in DESCRIPTIONS {
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, unit, description),
+            Kind::Gauge => metrics::describe_gauge!(name, unit, description),
+            Kind::Histogram => metrics::describe_histogram!(name, unit, description),
+        }
+    }
+}
+
 #[cfg(feature = "client")]
 pub(crate) fn client_attempt(client: &str) {
     metrics::counter!(CLIENT_ATTEMPTS_TOTAL, "client" => client.to_owned()).increment(1);
@@ -357,5 +558,80 @@ pub(crate) fn register_endpoint(endpoint: &str) {
     for outcome in Outcome::ALL {
         metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
             .increment(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrics_util::debugging::DebuggingRecorder;
+    use metrics_util::MetricKind;
+
+    /// Every `pub const NAME: &str = "…";` of this file, with the kind its
+    /// doc comment starts with (`Counter:`, `Gauge`, `Histogram`).
+    fn constants() -> Vec<(String, MetricKind)> {
+        let mut found = Vec::new();
+        let mut doc = String::new();
+        for line in include_str!("metrics.rs").lines().map(str::trim) {
+            if let Some(text) = line.strip_prefix("///") {
+                doc.push_str(text.trim());
+                doc.push(' ');
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("pub const ") {
+                if rest.contains(": &str = ") {
+                    let name = rest.split('"').nth(1).expect("a quoted name").to_owned();
+                    let kind = if doc.starts_with("Counter") {
+                        MetricKind::Counter
+                    } else if doc.starts_with("Gauge") {
+                        MetricKind::Gauge
+                    } else if doc.starts_with("Histogram") {
+                        MetricKind::Histogram
+                    } else {
+                        panic!("{name}: its doc comment names no kind: {doc}");
+                    };
+                    found.push((name, kind));
+                }
+            }
+            doc.clear();
+        }
+        found
+    }
+
+    #[test]
+    fn describe_covers_every_metric_name() {
+        let constants = constants();
+        assert_eq!(constants.len(), super::DESCRIPTIONS.len(), "{constants:?}");
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            super::describe();
+            // The recorder shows only registered metrics.
+            for (name, kind) in &constants {
+                let name = name.clone();
+                match kind {
+                    MetricKind::Counter => metrics::counter!(name).increment(0),
+                    MetricKind::Gauge => metrics::gauge!(name).set(0.0),
+                    MetricKind::Histogram => metrics::histogram!(name).record(0.0),
+                }
+            }
+        });
+        let snapshot = snapshotter.snapshot().into_vec();
+        for (name, kind) in &constants {
+            let (_, unit, description, _) = snapshot
+                .iter()
+                .find(|(key, ..)| key.kind() == *kind && key.key().name() == name)
+                .unwrap_or_else(|| panic!("{name} ({kind:?}) not recorded"));
+            let description = description
+                .as_ref()
+                .unwrap_or_else(|| panic!("{name} ({kind:?}) has no description"));
+            assert!(!description.is_empty(), "{name}");
+            assert!(!description.contains('\n'), "{name}: one line");
+            let expected = if name.ends_with("_seconds") {
+                metrics::Unit::Seconds
+            } else {
+                metrics::Unit::Count
+            };
+            assert_eq!(*unit, Some(expected), "{name}");
+        }
     }
 }

@@ -102,6 +102,9 @@ async fn run() -> Result<(), String> {
         .map_err(|e| format!("cannot set the histogram buckets: {e}"))?
         .install_recorder()
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    // `# HELP` lines and units for every metric, including those of the
+    // relay and cleanup, which build no layer (the layers describe them too).
+    tower_idempotency::metrics::describe();
 
     // Kept alive until the server stops; dropping it stops and removes the cluster.
     let mut _private_cluster = None;

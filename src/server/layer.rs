@@ -86,9 +86,12 @@ where
     /// says otherwise.
     ///
     /// Creates the endpoint's `idempotency_requests_total` series at zero in
-    /// the installed metrics recorder, so install the recorder first.
+    /// the installed metrics recorder, and describes every metric of
+    /// [`metrics`](crate::metrics) to it ([`describe`](crate::metrics::describe)),
+    /// so install the recorder first.
     pub fn new(store: St, endpoint: impl Into<Arc<str>>, fingerprinter: F) -> Self {
         let endpoint = endpoint.into();
+        crate::metrics::describe();
         crate::metrics::register_endpoint(&endpoint);
         IdempotencyLayer {
             setup: Setup {

@@ -384,6 +384,18 @@ async fn serves_the_contract_table(mode: Mode) {
         );
     }
     assert!(!metrics.contains("quantile="), "no summaries:\n{metrics}");
+    // Every metric is described: `# HELP` lines, the names unchanged by units.
+    for help in [
+        "# HELP idempotency_requests_total Idempotent requests by endpoint and outcome.",
+        "# HELP idempotency_claim_duration_seconds ",
+        "# HELP outbox_delivered_total ",
+        "# HELP outbox_relay_restarts_total ",
+    ] {
+        assert!(
+            metrics.lines().any(|line| line.starts_with(help)),
+            "{help} missing from:\n{metrics}"
+        );
+    }
     for outcome in ["new", "replayed", "key_reused", "rejected"] {
         assert!(
             metrics.contains(&format!(
