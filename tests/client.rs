@@ -545,7 +545,10 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
     send(client(&script, layer.clone()), post()).await.unwrap();
     // A budget that allows no retry at all: one attempt, one give-up.
     let script = Script::new(vec![answer(503)]);
-    let none = layer.retry_budget(RetryBudget::ratio(0.0).min_per_sec(0));
+    // Under a label of its own: the counts above stay the first scenario's.
+    let none = layer
+        .name("metrics-test-budget")
+        .retry_budget(RetryBudget::ratio(0.0).min_per_sec(0));
     send(client(&script, none), post()).await.unwrap();
 
     let counters: std::collections::HashMap<(String, Vec<(String, String)>), u64> = snapshotter
@@ -565,8 +568,8 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
             Some(((key.name().to_owned(), labels), n))
         })
         .collect();
-    let count = |name: &str, extra: Option<(&str, &str)>| {
-        let mut labels = vec![("client".to_owned(), "metrics-test".to_owned())];
+    let count_for = |client: &str, name: &str, extra: Option<(&str, &str)>| {
+        let mut labels = vec![("client".to_owned(), client.to_owned())];
         if let Some((k, v)) = extra {
             labels.push((k.to_owned(), v.to_owned()));
         }
@@ -576,8 +579,9 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
             .copied()
             .unwrap_or(0)
     };
+    let count = |name: &str, extra: Option<(&str, &str)>| count_for("metrics-test", name, extra);
     use tower_idempotency::metrics::*;
-    assert_eq!(count(CLIENT_ATTEMPTS_TOTAL, None), 7);
+    assert_eq!(count(CLIENT_ATTEMPTS_TOTAL, None), 6);
     assert_eq!(
         count(CLIENT_RETRIES_TOTAL, Some(("reason", "unavailable"))),
         3
@@ -594,7 +598,15 @@ async fn metrics_count_attempts_retries_give_ups_and_replays() {
         1
     );
     assert_eq!(
-        count(CLIENT_GIVE_UPS_TOTAL, Some(("reason", "retry_budget"))),
+        count_for(
+            "metrics-test-budget",
+            CLIENT_GIVE_UPS_TOTAL,
+            Some(("reason", "retry_budget"))
+        ),
+        1
+    );
+    assert_eq!(
+        count_for("metrics-test-budget", CLIENT_ATTEMPTS_TOTAL, None),
         1
     );
     assert_eq!(count(CLIENT_REPLAYED_TOTAL, None), 1);
