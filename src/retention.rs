@@ -163,7 +163,6 @@ impl Cleanup {
         // One transaction, one round trip: the three read one instant
         // (`now()` is the transaction's), so the gauges agree with each
         // other (the oldest lease is never older than the oldest operation).
-        session.mark_dirty();
         let (_, backlog, oldest, leases, committed) = tokio::try_join!(
             biased;
             session.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"),

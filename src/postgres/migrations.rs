@@ -49,7 +49,6 @@ pub(crate) async fn run_on(
     settings: &migrations::Settings,
 ) -> Result<migrations::Summary, StoreError> {
     let mut session = store.session().await?;
-    session.mark_dirty();
     let mut transport = SessionTransport::new(&session);
     let summary = migrations::run_list(&mut transport, list, settings).await?;
     let committed = transport.committed()?;

@@ -114,7 +114,6 @@ impl PgStore {
     /// concurrent callers serialise on an advisory lock.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut session = self.session().await?;
-        session.mark_dirty();
         let (committed, citus) = migrations::run(&session).await?;
         self.found_citus(citus);
         // Left dirty, a session is closed rather than pooled again.
@@ -136,7 +135,6 @@ impl PgStore {
     /// guide (`docs/deploying.md`, Citus).
     pub async fn distribute_by_tenant(&self, tables: &[&str]) -> Result<bool, StoreError> {
         let mut session = self.session().await?;
-        session.mark_dirty();
         let (committed, citus) = migrations::distribute(&session, tables).await?;
         self.found_citus(citus);
         if let Some(committed) = committed {

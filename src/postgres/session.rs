@@ -95,13 +95,6 @@ impl Session {
         self.conn.batch_execute(sql).await.map_err(map_error)
     }
 
-    /// Call before sending `BEGIN`: from now on the session is closed when
-    /// dropped (PostgreSQL rolls back) unless [`mark_clean`](Self::mark_clean)
-    /// says the transaction was committed.
-    pub(crate) fn mark_dirty(&mut self) {
-        self.conn.mark_dirty();
-    }
-
     /// Sends `COMMIT`; pipeline it behind the transaction's last statements
     /// with `tokio::try_join!` (`biased`) to save a round trip.
     pub(crate) async fn commit(&self) -> Result<Committed, StoreError> {
