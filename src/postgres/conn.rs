@@ -24,7 +24,7 @@ use crate::store::{StoreError, StoreErrorKind};
 /// closes the connection instead of returning it to the pool; PostgreSQL then
 /// rolls the transaction back. Nothing else can put an open transaction back
 /// into the pool.
-pub(super) struct Conn {
+pub(crate) struct Conn {
     object: Option<Object>,
     /// Known to be outside any transaction, with nothing running on it: only
     /// then does it go back to the pool.

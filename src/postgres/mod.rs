@@ -29,11 +29,9 @@ use deadpool_postgres::Pool;
 use crate::store::StoreError;
 
 mod admin;
-mod claim;
-mod commit;
 pub(crate) mod conn;
 mod conninfo;
-pub(crate) mod end;
+mod driver;
 mod error;
 mod key_record;
 pub(crate) mod lease;
@@ -42,7 +40,6 @@ mod pool;
 pub(crate) mod prepared;
 mod session;
 pub(crate) mod tls;
-mod transport;
 mod tx;
 mod types;
 

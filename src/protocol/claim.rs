@@ -8,14 +8,14 @@
 use std::time::Duration;
 
 use super::{
+    driver::Connection,
     record::{key_params, may_take_over, record_at},
     sql::{Columns, Param, Sql},
     statements::BEGIN,
-    transport::Link,
 };
 use crate::{
     record::Record,
-    store::{ClaimRequest, Committed, StoreError},
+    store::{ClaimRequest, StoreError},
 };
 
 /// The record columns the claim's statements return, in this order, as
@@ -84,7 +84,6 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
 // is the record that holds the key (committed before or while the insert
 // waited), read as CLAIM's second part reads it.
 /// [`CLAIM`]'s insert alone: the token, if the key was free.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const CLAIM_INSERT: Sql<'static> = Sql::new(
     "INSERT INTO idempotency_requests AS r \
          (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
@@ -95,7 +94,6 @@ pub(crate) const CLAIM_INSERT: Sql<'static> = Sql::new(
 );
 
 /// The key's row after [`CLAIM_INSERT`], in [`CLAIM`]'s columns.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const CLAIM_READ: Sql<'static> = Sql::new(concat!(
     "SELECT false, NULL::int8, NULL::text, ",
     record_columns!(),
@@ -106,13 +104,11 @@ pub(crate) const CLAIM_READ: Sql<'static> = Sql::new(concat!(
 ));
 
 /// The transaction's id (on Citus, the coordinator's).
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) const CURRENT_XID: Sql<'static> = Sql::new("SELECT pg_current_xact_id()::text");
 
 /// What [`CLAIM_INSERT`], [`CLAIM_READ`] and [`CURRENT_XID`] returned:
 /// owned (the token and the transaction id), or the read, as [`CLAIM`]'s
 /// rows.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) fn split_claim_rows<R: Columns>(
     inserted: &[R],
     read: Vec<R>,
@@ -191,26 +187,23 @@ fn set_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
     batch
 }
 
-/// The waits ([`set_waits`]), then the session's process id, which a
-/// cancel request names: one simple-query message, for a driver that sends
-/// one statement at a time (sqlx), inside the transaction it began.
-#[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
-pub(crate) fn set_waits_then_pid(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
-    let waits = set_waits(lock_wait, idle);
-    format!(
-        "{}; SELECT pg_backend_pid()",
-        waits.trim_start_matches("; ")
-    )
-    .trim_start_matches("; ")
-    .to_owned()
-}
-
 /// `BEGIN ISOLATION LEVEL READ COMMITTED`, then [`set_waits`]: utility
 /// statements only, nothing to plan, for a driver that sends them
 /// pipelined, one message each, ahead of the claim.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
     format!("{BEGIN}{}", set_waits(lock_wait, idle))
+}
+
+/// [`begin_with_waits`], then the session's process id, which a cancel
+/// request names: one simple-query message, for a driver that sends one
+/// statement at a time (sqlx). In one message of several statements
+/// PostgreSQL runs them in turn, and the `BEGIN` leaves the transaction
+/// open behind the last.
+pub(crate) fn begin_then_pid(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
+    format!(
+        "{}; SELECT pg_backend_pid()",
+        begin_with_waits(lock_wait, idle)
+    )
 }
 
 /// [`CLAIM`]'s and [`TAKE_OVER`]'s parameters.
@@ -240,10 +233,10 @@ pub(crate) enum Claimed {
 /// claim's transaction: owned; someone else's record; a record that may be
 /// taken over, taken over with [`TAKE_OVER`]; or a record committed while
 /// the claim waited (no row), read with a fresh snapshot ([`LOOKUP`]).
-pub(crate) async fn settle<L: Link>(
-    link: &mut L,
+pub(crate) async fn settle<C: Connection>(
+    link: &mut C,
     request: &ClaimRequest,
-    rows: Vec<L::Row>,
+    rows: Vec<C::Row>,
 ) -> Result<Claimed, StoreError> {
     let Some(row) = rows.first() else {
         return unseen(link, request).await;
@@ -265,37 +258,15 @@ pub(crate) async fn settle<L: Link>(
 
 /// The key is taken by a row the claim's snapshot does not show (committed
 /// while it waited, or taken over by someone else first): read it anew.
-async fn unseen<L: Link>(link: &mut L, request: &ClaimRequest) -> Result<Claimed, StoreError> {
+async fn unseen<C: Connection>(
+    link: &mut C,
+    request: &ClaimRequest,
+) -> Result<Claimed, StoreError> {
     let rows = link.query(LOOKUP, &key_params(request)).await?;
     match rows.first() {
         Some(row) => Ok(found(record_at(row, 0)?)),
         None => Ok(Claimed::InProgress),
     }
-}
-
-/// What a commit of the one-commit mode that lost lost to, read with a
-/// fresh snapshot on `link`: the key's record; else, if the row that
-/// failed the commit may be taken over (or is gone), the key freed
-/// ([`FREE`]) for the work to run again; else (an operation of the
-/// long-running mode under its lease) held. The caller commits what this
-/// wrote (the statements run on their own, or in a transaction it ends).
-pub(crate) async fn winner<L: Link>(
-    link: &mut L,
-    request: &ClaimRequest,
-) -> Result<Committed, StoreError> {
-    let rows = link.query(LOOKUP, &key_params(request)).await?;
-    let found = rows.first().map(|row| record_at(row, 0)).transpose()?;
-    if let Some(Some(record)) = found {
-        return Ok(Committed::Lost(record));
-    }
-    let freed = link.write_alone(FREE, &key_params(request)).await?;
-    Ok(if found.is_none() || !freed.is_empty() {
-        // Expired, an orphan, or removed since (by cleanup or an
-        // operator): the key is free, though this transaction is over.
-        Committed::Freed
-    } else {
-        Committed::Held
-    })
 }
 
 // The row that failed a one-commit claim, deleted if it may be taken over

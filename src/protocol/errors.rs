@@ -11,9 +11,40 @@ pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// wait or a statement that ran out), leaving the session sound: roll back
 /// and pool the connection again. Every other [`StoreErrorKind::Unavailable`]
 /// error means the connection or the server is going away.
-#[cfg(any(feature = "postgres", test))]
 pub(crate) fn ends_only_the_statement(code: &str) -> bool {
     matches!(code, LOCK_NOT_AVAILABLE | "57014")
+}
+
+/// Whether `e` says the connection itself is at fault (closed by the
+/// server, or its session not what the store left), not only the
+/// statement: another connection may well succeed.
+pub(crate) fn connection_fault(e: &StoreError) -> bool {
+    (e.kind() == StoreErrorKind::Unavailable && !e.sql_state().is_some_and(ends_only_the_statement))
+        || is_session_fault(e)
+}
+
+/// Errors that say this connection's session is not what the store left
+/// (its prepared statements deallocated, its `search_path` or role changed,
+/// a transaction left open on it, a table changed under a cached plan):
+/// another connection is fine.
+fn is_session_fault(error: &StoreError) -> bool {
+    const CODES: [&str; 8] = [
+        "26000", // invalid_sql_statement_name: a cached statement is gone
+        "42P05", // duplicate_prepared_statement: a name the driver uses is taken
+        "25P02", // in_failed_sql_transaction
+        "25001", // active_sql_transaction
+        "42P01", // undefined_table: search_path changed
+        "3F000", // invalid_schema_name
+        "42501", // insufficient_privilege: role changed
+        "0A000", // feature_not_supported: cached plan must not change result type
+    ];
+    error.sql_state().is_some_and(|code| CODES.contains(&code))
+}
+
+/// Whether `e` is the connection failing (closed, broken), as a driver
+/// reports it: unavailable with no answer from the server.
+pub(crate) fn connection_lost(e: &StoreError) -> bool {
+    e.kind() == StoreErrorKind::Unavailable && e.sql_state().is_none()
 }
 
 /// The kind of a server error with SQLSTATE `code`.

@@ -9,9 +9,9 @@ use http::Method;
 use std::time::Duration;
 
 use super::{
+    driver::Driver,
     record::{fingerprint, key_params, record_at, response_at},
     sql::{Columns, Param, Sql},
-    transport::Transport,
     waits::{GRACE, MIN_WAIT, ROW_WAIT},
 };
 use crate::{
@@ -341,7 +341,7 @@ fn corrupt(message: &str) -> StoreError {
 /// `transport`: where the key stands, then (if it may be owned) [`ACQUIRE`]
 /// in a transaction of its own, within the claim's wait. `handle` makes the
 /// driver's lease of the owner's identity.
-pub(crate) async fn acquire<T: Transport, L>(
+pub(crate) async fn acquire<T: Driver, L>(
     transport: &T,
     claim: &ClaimRequest,
     request: &LeaseRequest,
@@ -392,7 +392,7 @@ pub(crate) async fn acquire<T: Transport, L>(
 /// Where the key stands, if that decides the acquire: completed, or
 /// running under a live lease (or under an expired one, for another
 /// request). `None`: the key is free or may be taken over.
-async fn lookup<T: Transport, L>(
+async fn lookup<T: Driver, L>(
     transport: &T,
     claim: &ClaimRequest,
     deadline: tokio::time::Instant,
@@ -413,7 +413,7 @@ async fn lookup<T: Transport, L>(
 }
 
 /// [`LeaseStore::heartbeat`](crate::store::LeaseStore::heartbeat).
-pub(crate) async fn heartbeat<T: Transport>(
+pub(crate) async fn heartbeat<T: Driver>(
     transport: &T,
     lease: &LeaseIdentity,
     extend: Duration,
@@ -431,7 +431,7 @@ pub(crate) async fn heartbeat<T: Transport>(
 }
 
 /// [`LeaseStore::finish`](crate::store::LeaseStore::finish).
-pub(crate) async fn finish<T: Transport>(
+pub(crate) async fn finish<T: Driver>(
     transport: &T,
     lease: &LeaseIdentity,
     response: &StoredResponse,
@@ -441,7 +441,7 @@ pub(crate) async fn finish<T: Transport>(
 }
 
 /// [`LeaseStore::fail`](crate::store::LeaseStore::fail).
-pub(crate) async fn fail<T: Transport>(
+pub(crate) async fn fail<T: Driver>(
     transport: &T,
     lease: &LeaseIdentity,
     response: &StoredResponse,
@@ -452,7 +452,7 @@ pub(crate) async fn fail<T: Transport>(
 }
 
 /// [`LeaseStore::release`](crate::store::LeaseStore::release).
-pub(crate) async fn release<T: Transport>(
+pub(crate) async fn release<T: Driver>(
     transport: &T,
     lease: &LeaseIdentity,
 ) -> Result<(), StoreError> {
@@ -473,7 +473,7 @@ pub(crate) fn token_params(lease: &LeaseIdentity) -> [Param<'_>; 4] {
 
 /// Finish or fail: the record ends with `response` (and `last`, the
 /// statement's own parameter), if the token is still the record's.
-async fn end_with<T: Transport>(
+async fn end_with<T: Driver>(
     transport: &T,
     lease: &LeaseIdentity,
     sql: Sql<'static>,
@@ -498,7 +498,7 @@ async fn end_with<T: Transport>(
 
 /// Runs a statement guarded by the lease's token (it returns a row for the
 /// row it changed); none changed: the owner is fenced.
-async fn guarded<T: Transport>(
+async fn guarded<T: Driver>(
     transport: &T,
     lease: &LeaseIdentity,
     sql: Sql<'static>,
@@ -516,7 +516,7 @@ async fn guarded<T: Transport>(
 }
 
 /// [`LeaseStore::operation`](crate::store::LeaseStore::operation).
-pub(crate) async fn operation<T: Transport>(
+pub(crate) async fn operation<T: Driver>(
     transport: &T,
     tenant: &TenantId,
     id: OperationId,
@@ -534,7 +534,7 @@ pub(crate) async fn operation<T: Transport>(
 }
 
 /// [`LeaseStore::recover`](crate::store::LeaseStore::recover).
-pub(crate) async fn recover<T: Transport, L>(
+pub(crate) async fn recover<T: Driver, L>(
     transport: &T,
     endpoint: &str,
     lease: Duration,

@@ -12,6 +12,7 @@ pub(crate) mod citus;
 #[cfg(all(test, feature = "test-util"))]
 mod citus_tests;
 pub(crate) mod claim;
+pub(crate) mod driver;
 pub(crate) mod errors;
 pub(crate) mod identity;
 pub(crate) mod lease;
@@ -19,6 +20,7 @@ pub(crate) mod lexer;
 pub(crate) mod migrations;
 #[cfg(feature = "postgres")]
 pub(crate) mod outbox;
+pub(crate) mod owner;
 pub(crate) mod record;
 #[cfg(feature = "postgres")]
 pub(crate) mod retention;
@@ -26,12 +28,13 @@ pub(crate) mod sql;
 pub(crate) mod statements;
 #[cfg(all(test, feature = "postgres"))]
 mod tests;
-pub(crate) mod transport;
 pub(crate) mod waits;
 
-/// [`Store`](crate::store::Store) for a store `$store` whose handle is
-/// `$tx`: the same forwarding for both drivers, to the `claim::claim`,
-/// `end::complete` and `end::abort` of the module that invokes it.
+/// [`Store`](crate::store::Store) and
+/// [`CommitStore`](crate::store::CommitStore) for a store `$store` (a
+/// [`Driver`](driver::Driver)) whose handle is `$tx` (a
+/// [`Handle`](owner::Handle) of the driver's connection): the owner's
+/// transaction of [`owner`], the same for every driver.
 macro_rules! forward_store {
     ($store:ty, $tx:ty) => {
         impl crate::store::Store for $store {
@@ -41,7 +44,7 @@ macro_rules! forward_store {
                 &self,
                 request: &crate::store::ClaimRequest,
             ) -> Result<crate::store::Claim<$tx>, crate::store::StoreError> {
-                claim::claim(self, request).await
+                crate::protocol::owner::claim(self, request).await
             }
 
             async fn complete(
@@ -49,11 +52,29 @@ macro_rules! forward_store {
                 tx: $tx,
                 response: &crate::record::StoredResponse,
             ) -> Result<(), crate::store::StoreError> {
-                end::complete(tx, response).await
+                crate::protocol::owner::complete(tx, response).await
             }
 
             async fn abort(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
-                end::abort(tx).await
+                crate::protocol::owner::abort(tx).await
+            }
+        }
+
+        impl crate::store::CommitStore for $store {
+            async fn begin(
+                &self,
+                request: &crate::store::ClaimRequest,
+            ) -> Result<$tx, crate::store::StoreError> {
+                crate::protocol::owner::begin_at_commit(self, request).await
+            }
+
+            async fn commit(
+                &self,
+                tx: $tx,
+                request: &crate::store::ClaimRequest,
+                response: &crate::record::StoredResponse,
+            ) -> Result<crate::store::Committed, crate::store::StoreError> {
+                crate::protocol::owner::commit_at_commit(self, tx, request, response).await
             }
         }
     };
@@ -62,11 +83,10 @@ macro_rules! forward_store {
 pub(crate) use forward_store;
 
 /// [`LeaseStore`](crate::store::LeaseStore) for a store `$store` (a
-/// [`Transport`](transport::Transport)) whose lease is `$lease` (made by
+/// [`Driver`](driver::Driver)) whose lease is `$lease` (made by
 /// `$lease::new(store, identity)`, answering `identity()`) and whose
-/// handle is `$tx`: the protocol's calls, and the fenced transaction of the
-/// invoking module's `lease::protocol::open_fenced` and
-/// `end::commit_fenced`.
+/// handle is `$tx`: the protocol's calls ([`lease`]) and the fenced
+/// transaction ([`owner`]).
 macro_rules! forward_lease_store {
     ($store:ty, $lease:ident, $tx:ty) => {
         impl crate::store::LeaseStore for $store {
@@ -92,11 +112,11 @@ macro_rules! forward_lease_store {
             }
 
             async fn fenced(&self, lease: &$lease) -> Result<$tx, crate::store::StoreError> {
-                lease::protocol::open_fenced(lease).await
+                crate::protocol::owner::open_fenced(self, lease.identity()).await
             }
 
             async fn commit_fenced(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
-                end::commit_fenced(tx).await
+                crate::protocol::owner::commit_fenced(tx).await
             }
 
             async fn finish(

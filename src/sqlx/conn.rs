@@ -23,7 +23,7 @@ use ::sqlx::{
 
 use crate::protocol::{
     lexer::{self, Refusal},
-    statements::{BEGIN, ROLLBACK, SESSION_RESET},
+    statements::SESSION_RESET,
 };
 
 /// What a [`SqlxConn`](super::SqlxConn) dereferences to: the claim's
@@ -55,25 +55,30 @@ pub struct GuardedConnection {
     /// due: only then does it go back to the pool.
     clean: bool,
     /// Behind a transaction pooler: the session is the pooler's, so no
-    /// reset is sent (it would reach another server connection).
+    /// reset is sent (it would reach another server connection), and
+    /// statements go out unnamed.
     transaction_pooling: bool,
+    /// The pool, for a cancel request from another of its connections.
+    pool: PgPool,
+    /// The session's process id, read when the transaction began: what a
+    /// cancel request names.
+    pid: Option<i32>,
 }
 
 impl GuardedConnection {
-    /// A pooled connection (waiting at most the pool's acquire timeout)
-    /// inside a new transaction.
-    pub(super) async fn begin(
+    /// A pooled connection (waiting at most the pool's acquire timeout),
+    /// outside any transaction.
+    pub(super) async fn acquire(
         pool: &PgPool,
         transaction_pooling: bool,
     ) -> Result<Self, ::sqlx::Error> {
-        let mut begun = GuardedConnection {
+        Ok(GuardedConnection {
             conn: pool.acquire().await?,
-            // From here on, dropped before `end` means closed.
-            clean: false,
+            clean: true,
             transaction_pooling,
-        };
-        begun.raw().execute(BEGIN).await?;
-        Ok(begun)
+            pool: pool.clone(),
+            pid: None,
+        })
     }
 
     /// The connection without the guard, for the store's own statements.
@@ -81,12 +86,36 @@ impl GuardedConnection {
         &mut self.conn
     }
 
+    /// Whether statements go out unnamed (behind a transaction pooler).
+    pub(super) fn transaction_pooling(&self) -> bool {
+        self.transaction_pooling
+    }
+
+    /// From here on, dropped before [`finish`](Self::finish) means closed.
+    pub(super) fn mark_dirty(&mut self) {
+        self.clean = false;
+    }
+
+    /// The session's process id, read inside the transaction.
+    pub(super) fn set_pid(&mut self, pid: i32) {
+        self.pid = Some(pid);
+    }
+
+    /// The pool and the session's process id, for a cancel request.
+    pub(super) fn cancel_target(&self) -> (PgPool, Option<i32>) {
+        (self.pool.clone(), self.pid)
+    }
+
     /// Ends the transaction with `end` (`COMMIT` or `ROLLBACK`) and, if
     /// `reset`, then undoes what the handler may have left on the session,
     /// in a message of its own so that its outcome never blurs the end's.
     /// The connection goes back to the pool only if all of it worked;
     /// otherwise it is closed (and PostgreSQL rolls back, if it had not).
-    pub(super) async fn end(mut self, end: &'static str, reset: bool) -> Result<(), ::sqlx::Error> {
+    pub(super) async fn finish(
+        mut self,
+        end: &'static str,
+        reset: bool,
+    ) -> Result<(), ::sqlx::Error> {
         self.raw().execute(end).await?;
         if reset && !self.transaction_pooling {
             if let Err(e) = self.raw().execute(SESSION_RESET).await {
@@ -96,15 +125,6 @@ impl GuardedConnection {
         }
         self.clean = true;
         Ok(())
-    }
-
-    /// Ends a transaction that wrote nothing of use on a session no handler
-    /// touched (a claim that did not win the key, a fenced transaction
-    /// refused before it was lent).
-    pub(super) async fn rollback_quietly(self) {
-        if let Err(e) = self.end(ROLLBACK, false).await {
-            tracing::debug!(error = %e, "rolling back an unused transaction failed");
-        }
     }
 }
 

@@ -60,22 +60,3 @@ impl From<::sqlx::Error> for StoreError {
         map_error(e)
     }
 }
-
-/// Sorts an error of the `COMMIT` itself: a connection lost there leaves the
-/// outcome unknown.
-pub(super) fn map_commit_error(e: ::sqlx::Error) -> StoreError {
-    let lost = matches!(
-        e,
-        ::sqlx::Error::Io(_) | ::sqlx::Error::Protocol(_) | ::sqlx::Error::WorkerCrashed
-    );
-    let error = map_error(e);
-    if lost {
-        StoreError::new(
-            StoreErrorKind::OutcomeUnknown,
-            "the connection was lost during COMMIT",
-        )
-        .with_source(error)
-    } else {
-        error
-    }
-}

@@ -3,13 +3,12 @@
 
 use ::sqlx::{pool::PoolConnection, postgres::PgRow, Executor as _, PgPool, Postgres};
 
-use super::{error::map_error, transport::SqlxLink};
+use super::{driver::query, error::map_error};
 use crate::{
     protocol::{
         citus,
         migrations::{self, Transport},
         sql::{Param, Sql},
-        transport::Link,
     },
     store::StoreError,
 };
@@ -105,10 +104,9 @@ impl Transport for ConnTransport {
         sql: Sql<'static>,
         params: &[Param<'_>],
     ) -> Result<Vec<PgRow>, StoreError> {
-        let mut link = SqlxLink {
-            conn: &mut self.conn,
-            transaction_pooling: self.transaction_pooling,
-        };
-        link.query(sql, params).await
+        query(sql, params, self.transaction_pooling)
+            .fetch_all(&mut *self.conn)
+            .await
+            .map_err(map_error)
     }
 }

@@ -125,14 +125,11 @@ use ::sqlx::PgPool;
 
 use crate::store::StoreError;
 
-mod claim;
-mod commit;
 mod conn;
-mod end;
+mod driver;
 mod error;
 mod lease;
 pub(crate) mod migrations;
-mod transport;
 mod tx;
 mod types;
 

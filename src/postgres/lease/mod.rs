@@ -1,13 +1,11 @@
 //! Long-running operations on PostgreSQL: [`PgLease`], the owner's proof of
 //! ownership, and [`FencedTx`], the transaction its writes go through.
-//! The protocol's statements are in `protocol.rs`.
+//! Its fenced transaction is the protocol's (`protocol::owner`).
 
 use std::{fmt, sync::Arc};
 
 use super::{PgStore, PgTx, TxError};
 use crate::protocol::identity::{lease_accessors, LeaseIdentity};
-
-pub(crate) mod protocol;
 
 /// The lease of a long-running operation's owner, in the handler's request
 /// extensions (with the `axum` feature also an extractor).
@@ -70,26 +68,12 @@ impl PgLease {
     /// [`TxErrorKind::Fenced`](super::TxErrorKind::Fenced) if another owner
     /// took the operation over.
     pub async fn transaction(&self) -> Result<FencedTx, TxError> {
-        let tx = protocol::open_fenced(self).await?;
+        let tx = crate::protocol::owner::open_fenced(&self.inner.store, &self.inner.id).await?;
         Ok(FencedTx { tx })
-    }
-
-    pub(super) fn store(&self) -> &PgStore {
-        &self.inner.store
     }
 
     pub(super) fn identity(&self) -> &LeaseIdentity {
         &self.inner.id
-    }
-
-    /// Remembers that the store refused this owner. A refused write is
-    /// counted here; heartbeats and completions are counted by the layer,
-    /// whatever the store.
-    pub(super) fn mark_fenced(&self, write: Option<crate::metrics::FencedAt>) {
-        self.inner.id.mark_fenced();
-        if let Some(at) = write {
-            crate::metrics::fenced(self.inner.id.endpoint(), at);
-        }
     }
 }
 
@@ -116,12 +100,12 @@ impl FencedTx {
     /// with [`StoreErrorKind::OutcomeUnknown`](crate::store::StoreErrorKind::OutcomeUnknown)
     /// if the connection was lost during the commit.
     pub async fn commit(self) -> Result<(), TxError> {
-        Ok(super::end::commit_fenced(self.tx).await?)
+        Ok(crate::protocol::owner::commit_fenced(self.tx).await?)
     }
 
     /// Rolls the writes back.
     pub async fn rollback(self) -> Result<(), TxError> {
-        Ok(super::end::abort(self.tx).await?)
+        Ok(crate::protocol::owner::abort(self.tx).await?)
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::{fmt, future::Future, sync::Arc};
 
-use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+use tokio::sync::MappedMutexGuard;
 use tokio_postgres::{
     types::{ToSql, Type},
     Row, Statement,
@@ -12,7 +12,10 @@ use super::{
     conn::{behind, Conn},
     prepared::{Prepared, Sql},
 };
-use crate::protocol::identity::{tx_accessors, Identity, Tx, TxIdentity};
+use crate::protocol::{
+    identity::{tx_accessors, TxIdentity},
+    owner::{Handle, Slot},
+};
 
 mod error;
 
@@ -172,81 +175,27 @@ async fn prepare_own<'a>(conn: &Conn, sql: Sql<'a>) -> Result<Prepared<'a>, toki
 /// ```
 #[derive(Clone)]
 pub struct PgTx {
-    inner: Arc<Shared>,
+    inner: Arc<Slot<Conn>>,
 }
 
-struct Shared {
-    conn: Mutex<Option<Conn>>,
-    // Outside the connection's mutex: a statement holding that mutex is
-    // what it cancels. Replaced with the connection (`replace_connection`).
-    cancel: std::sync::Mutex<crate::postgres::tls::Canceller>,
-    id: TxIdentity,
-    // A long-running owner's fenced transaction (`LeaseStore::fenced`),
-    // ended by `commit_fenced`; otherwise a claim's, ended by `complete`.
-    fenced: bool,
+impl Handle for PgTx {
+    type Conn = Conn;
+
+    fn of(slot: Arc<Slot<Conn>>) -> Self {
+        PgTx { inner: slot }
+    }
+
+    fn slot(&self) -> &Slot<Conn> {
+        &self.inner
+    }
 }
 
 impl PgTx {
-    /// The handle of a long-running owner's fenced transaction
-    /// (`LeaseStore::fenced`), which only `commit_fenced` commits.
-    pub(super) fn fenced(
-        conn: Conn,
-        owner: &crate::protocol::identity::LeaseIdentity,
-        xid: String,
-    ) -> Self {
-        let id = Identity::new(
-            owner.scope().clone(),
-            owner.key().clone(),
-            *owner.fingerprint(),
-            owner.attempt_token(),
-            owner.retention(),
-            Tx::new(xid),
-        );
-        Self::build(conn, id, true)
-    }
-
-    fn build(conn: Conn, id: TxIdentity, fenced: bool) -> Self {
-        PgTx {
-            inner: Arc::new(Shared {
-                cancel: std::sync::Mutex::new(conn.canceller()),
-                conn: Mutex::new(Some(conn)),
-                id,
-                fenced,
-            }),
-        }
-    }
-
-    /// The handle of a transaction that owns (or, in the one-commit mode,
-    /// will claim) `request`'s key.
-    pub(super) fn of_request(
-        conn: Conn,
-        request: &crate::store::ClaimRequest,
-        token: i64,
-        xid: String,
-    ) -> Self {
-        let (scope, key) = (request.scope.clone(), request.key.clone());
-        let id = Identity::new(
-            scope,
-            key,
-            request.fingerprint,
-            token,
-            request.retention,
-            Tx::new(xid),
-        );
-        Self::build(conn, id, false)
-    }
-
-    /// Whether this is a long-running owner's fenced transaction, which
-    /// only `commit_fenced` commits (a claim's only `complete`).
-    pub(super) fn is_fenced_transaction(&self) -> bool {
-        self.inner.fenced
-    }
-
     tx_accessors!();
 
-    /// Who owns the key, for the statements that end the transaction.
-    pub(super) fn identity(&self) -> &TxIdentity {
-        &self.inner.id
+    /// Who owns the key.
+    fn identity(&self) -> &TxIdentity {
+        self.inner.identity()
     }
 
     run_prepared! {
@@ -330,8 +279,7 @@ impl PgTx {
     /// transaction ([`TxErrorKind::Finished`]).
     async fn guarded(&self, sql: &str) -> Result<MappedMutexGuard<'_, Conn>, TxError> {
         refuse_transaction_control(sql)?;
-        MutexGuard::try_map(self.inner.conn.lock().await, Option::as_mut)
-            .map_err(|_| TxError::finished())
+        self.inner.lock().await.ok_or_else(TxError::finished)
     }
 
     /// Swaps `conn`, lost before its transaction's first statement was
@@ -348,63 +296,13 @@ impl PgTx {
         if conn.replace(begin).await.is_err() {
             return Err(lost);
         }
-        *self
-            .inner
-            .cancel
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = conn.canceller();
+        self.inner.replace_canceller(conn.canceller());
         Ok(())
-    }
-
-    /// Takes the connection out to end the transaction; `None` if it already ended.
-    pub(super) async fn take(&self) -> Option<Conn> {
-        self.inner.conn.lock().await.take()
-    }
-
-    /// [`take`](Self::take), without waiting for a statement that is
-    /// running through a clone right now.
-    pub(super) fn try_take(&self) -> Take {
-        match self.inner.conn.try_lock() {
-            Ok(mut conn) => conn
-                .take()
-                .map_or(Take::Finished, |c| Take::Taken(Box::new(c))),
-            Err(_) => Take::Busy,
-        }
-    }
-
-    /// Cancels the statement running on the connection, if any.
-    pub(super) fn canceller(&self) -> crate::postgres::tls::Canceller {
-        self.inner
-            .cancel
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-}
-
-/// What [`PgTx::try_take`] found.
-pub(super) enum Take {
-    /// The connection, taken out to end the transaction.
-    Taken(Box<Conn>),
-    /// The transaction already ended.
-    Finished,
-    /// A statement is running through a clone of the handle.
-    Busy,
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        if self.conn.get_mut().is_some() {
-            // The transaction never reached commit or rollback; the `Conn`
-            // closes its connection instead of returning it, and PostgreSQL
-            // rolls back.
-            self.id.warn_dropped_unfinished();
-        }
     }
 }
 
 impl fmt::Debug for PgTx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.inner.id.fmt_debug("PgTx", f)
+        self.inner.identity().fmt_debug("PgTx", f)
     }
 }

@@ -1,5 +1,5 @@
 //! Long-running operations on a `sqlx` pool: [`SqlxLease`], the owner's
-//! proof of ownership, and its fenced transaction (`protocol.rs`).
+//! proof of ownership, and its fenced transaction (`protocol::owner`).
 //! [`LeaseStore`](crate::store::LeaseStore) for [`SqlxStore`] is the
 //! protocol's (`protocol::lease`), as [`PgStore`](crate::postgres::PgStore)'s
 //! is: the same table, the same decisions, one statement on the key's row
@@ -7,14 +7,12 @@
 
 use std::{fmt, sync::Arc};
 
-use super::{end, SqlxStore, SqlxTx};
+use super::{SqlxStore, SqlxTx};
 use crate::{
     protocol::identity::{lease_accessors, LeaseIdentity},
-    protocol::lease::fenced,
+    protocol::owner,
     store::StoreError,
 };
-
-pub(super) mod protocol;
 
 /// The lease of a long-running operation's owner on a [`SqlxStore`], in the
 /// handler's request extensions.
@@ -73,27 +71,17 @@ impl SqlxLease {
     /// [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) if
     /// another owner took the operation over.
     pub async fn transaction(&self) -> Result<SqlxTx, StoreError> {
-        protocol::open_fenced(self).await
+        owner::open_fenced(&self.inner.store, &self.inner.id).await
     }
 
     /// Commits a fenced transaction of this lease (as
     /// [`LeaseStore::commit_fenced`](crate::store::LeaseStore::commit_fenced)).
     pub async fn commit(&self, tx: SqlxTx) -> Result<(), StoreError> {
-        end::commit_fenced(tx).await
-    }
-
-    pub(super) fn store(&self) -> &SqlxStore {
-        &self.inner.store
+        owner::commit_fenced(tx).await
     }
 
     pub(super) fn identity(&self) -> &LeaseIdentity {
         &self.inner.id
-    }
-
-    /// Remembers that the store refused this owner, and says so.
-    pub(super) fn fenced_error(&self) -> StoreError {
-        self.inner.id.mark_fenced();
-        fenced()
     }
 }
 
