@@ -261,6 +261,12 @@ impl fmt::Debug for SqlxTx {
     }
 }
 
+#[cfg(feature = "axum")]
+crate::macros::from_extensions! {
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "sqlx"))))]
+    SqlxTx,
+}
+
 impl Drop for Shared {
     fn drop(&mut self) {
         if self.tx.get_mut().is_some() {

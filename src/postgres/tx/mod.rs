@@ -408,3 +408,9 @@ impl fmt::Debug for PgTx {
         self.inner.id.fmt_debug("PgTx", f)
     }
 }
+
+#[cfg(feature = "axum")]
+crate::macros::from_extensions! {
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
+    PgTx,
+}
