@@ -16,9 +16,9 @@ use crate::{
     protocol::{
         claim::{begin_with_waits, winner},
         statements::{
-            at_commit_params, CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET, COMMIT, LOST_AT_COMMIT,
-            ROLLBACK,
+            at_commit_params, CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET, LOST_AT_COMMIT,
         },
+        transaction::{COMMIT, ROLLBACK},
     },
     record::StoredResponse,
     store::{ClaimRequest, CommitStore, Committed, StoreError, StoreErrorKind},

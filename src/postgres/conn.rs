@@ -12,9 +12,10 @@ use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
 use crate::protocol::{
-    claim::millis,
     sql::{Param, Sql},
-    statements::{session_reset_keeping, OUTSIDE_A_TRANSACTION, ROLLBACK},
+    statements::{session_reset_keeping, OUTSIDE_A_TRANSACTION},
+    transaction::ROLLBACK,
+    waits::millis,
 };
 use crate::store::{StoreError, StoreErrorKind};
 

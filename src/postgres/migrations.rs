@@ -9,7 +9,8 @@ use super::{
 };
 use crate::protocol::{
     citus,
-    migrations::{self, Transport},
+    migration_session::Transport,
+    migrations,
     sql::{Param, Sql},
 };
 use crate::store::{StoreError, StoreErrorKind};

@@ -15,7 +15,7 @@ use crate::{
         claim::begin_with_waits,
         errors::ends_only_the_statement,
         sql::{Param, Sql},
-        statements::{BEGIN, COMMIT, ROLLBACK},
+        transaction::{BEGIN, COMMIT, ROLLBACK},
         transport::{Link, Transport},
         waits::GRACE,
     },

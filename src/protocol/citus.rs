@@ -12,9 +12,9 @@
 //! then locks rows per tenant (see the deploying guide).
 
 use super::{
-    migrations::{Transport, MIGRATION_LOCK},
+    migration_session::{Transport, MIGRATION_LOCK},
     sql::{Columns, Param, Sql},
-    statements::BEGIN,
+    transaction::BEGIN,
 };
 use crate::store::{StoreError, StoreErrorKind};
 

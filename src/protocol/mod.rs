@@ -16,6 +16,7 @@ pub(crate) mod errors;
 pub(crate) mod identity;
 pub(crate) mod lease;
 pub(crate) mod lexer;
+pub(crate) mod migration_session;
 pub(crate) mod migrations;
 #[cfg(feature = "postgres")]
 pub(crate) mod outbox;
@@ -26,6 +27,7 @@ pub(crate) mod sql;
 pub(crate) mod statements;
 #[cfg(all(test, feature = "postgres"))]
 mod tests;
+pub(crate) mod transaction;
 pub(crate) mod transport;
 pub(crate) mod waits;
 

@@ -1,8 +1,15 @@
 //! How long the protocol waits, the same for both drivers: on a key's row
 //! in the long-running mode, and for a statement still running when the
-//! owner's transaction must end.
+//! owner's transaction must end; and a wait as PostgreSQL's settings take
+//! it ([`millis`]).
 
 use std::time::Duration;
+
+/// A wait as PostgreSQL's settings take it: whole milliseconds, at least
+/// 1 (`0` would mean "no limit") and at most `i32::MAX`.
+pub(crate) fn millis(d: Duration) -> u128 {
+    d.as_millis().clamp(1, i32::MAX as u128)
+}
 
 /// How long a heartbeat, finish, release or recovery waits for the row, and
 /// how long a fenced transaction waits to hold it (a takeover in flight).

@@ -11,7 +11,8 @@ use super::{
 use crate::{
     protocol::{
         claim::winner,
-        statements::{at_commit_params, CLAIM_AT_COMMIT, COMMIT, LOST_AT_COMMIT, ROLLBACK},
+        statements::{at_commit_params, CLAIM_AT_COMMIT, LOST_AT_COMMIT},
+        transaction::{COMMIT, ROLLBACK},
     },
     record::StoredResponse,
     store::{ClaimRequest, CommitStore, Committed, StoreError, StoreErrorKind},

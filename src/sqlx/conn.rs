@@ -23,7 +23,8 @@ use ::sqlx::{
 
 use crate::protocol::{
     lexer::{self, Refusal},
-    statements::{BEGIN, ROLLBACK, SESSION_RESET},
+    statements::SESSION_RESET,
+    transaction::{BEGIN, ROLLBACK},
 };
 
 /// What a [`SqlxConn`](super::SqlxConn) dereferences to: the claim's

@@ -13,9 +13,8 @@ use super::{
 };
 use crate::{
     protocol::errors::{claim_given_to_commit_fenced, fenced_given_to_complete},
-    protocol::statements::{
-        complete_params, fenced_check_params, COMMIT, COMPLETE, FENCED_CHECK, ROLLBACK,
-    },
+    protocol::statements::{complete_params, fenced_check_params, COMPLETE, FENCED_CHECK},
+    protocol::transaction::{COMMIT, ROLLBACK},
     protocol::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     record::StoredResponse,
     store::{StoreError, StoreErrorKind},

@@ -7,7 +7,8 @@ use super::{error::map_error, transport::SqlxLink};
 use crate::{
     protocol::{
         citus,
-        migrations::{self, Transport},
+        migration_session::Transport,
+        migrations,
         sql::{Param, Sql},
         transport::Link,
     },

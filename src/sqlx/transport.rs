@@ -19,7 +19,7 @@ use crate::{
     protocol::{
         claim::set_waits_then_pid,
         sql::{Param, Sql},
-        statements::BEGIN,
+        transaction::BEGIN,
         transport::{Link, Transport},
         waits::GRACE,
     },
