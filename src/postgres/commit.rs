@@ -14,10 +14,8 @@ use super::{
 };
 use crate::{
     protocol::{
+        at_commit::{at_commit_params, CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET, LOST_AT_COMMIT},
         claim::{begin_with_waits, winner},
-        statements::{
-            at_commit_params, CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET, LOST_AT_COMMIT,
-        },
         transaction::{COMMIT, ROLLBACK},
     },
     record::StoredResponse,

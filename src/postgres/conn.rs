@@ -12,8 +12,8 @@ use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
 use crate::protocol::{
+    session_reset::{session_reset_keeping, OUTSIDE_A_TRANSACTION},
     sql::{Param, Sql},
-    statements::{session_reset_keeping, OUTSIDE_A_TRANSACTION},
     transaction::ROLLBACK,
     waits::millis,
 };

@@ -12,12 +12,12 @@ use super::{
     PgTx,
 };
 use crate::{
+    protocol::complete::{
+        complete_params, fenced_check_params, COMPLETE, COMPLETE_AND_RESET, FENCED_CHECK,
+    },
     protocol::errors::ends_only_the_statement,
     protocol::errors::{claim_given_to_commit_fenced, fenced_given_to_complete},
     protocol::sql::Param,
-    protocol::statements::{
-        complete_params, fenced_check_params, COMPLETE, COMPLETE_AND_RESET, FENCED_CHECK,
-    },
     protocol::transaction::{COMMIT, ROLLBACK},
     protocol::waits::{
         commit_gave_up, CANCEL_DEADLINE, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE,

@@ -19,7 +19,7 @@ use super::{
     PgStore,
 };
 use crate::{
-    protocol::statements::set_hold_limit,
+    protocol::session_reset::set_hold_limit,
     store::{StoreError, StoreErrorKind},
 };
 

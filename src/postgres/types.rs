@@ -16,8 +16,8 @@
 use tokio_postgres::{Client, SimpleQueryMessage};
 
 use crate::protocol::{
-    statements::{describe_types, DEALLOCATE_ALL, USER_TYPES},
     transaction::{BEGIN, COMMIT, ROLLBACK},
+    user_types::{describe_types, DEALLOCATE_ALL, USER_TYPES},
 };
 
 /// Types per loading statement.

@@ -12,7 +12,7 @@
 //! then locks rows per tenant (see the deploying guide).
 
 use super::{
-    migration_session::{Transport, MIGRATION_LOCK},
+    migration_session::{MigrationSession, MIGRATION_LOCK},
     sql::{Columns, Param, Sql},
     transaction::BEGIN,
 };
@@ -85,7 +85,7 @@ pub(crate) struct Distribution {
 /// instead), so that a claim's `SET LOCAL lock_timeout` bounds its wait on
 /// the worker. Without Citus it does nothing. Each table must exist and have a `tenant_id`
 /// column in every primary key and unique constraint.
-pub(crate) async fn distribute<T: Transport>(
+pub(crate) async fn distribute<T: MigrationSession>(
     transport: &mut T,
     tables: &[&str],
 ) -> Result<Distribution, StoreError> {

@@ -1,8 +1,9 @@
 //! What the migration runner and Citus's distribution share: the
-//! [`Transport`] a driver sends their statements through, the statements
-//! on the migration table it runs for them, and the [`MIGRATION_LOCK`]
-//! both take. The runner (`migrations`) and `citus` each depend on this
-//! module, and the runner on `citus`, never the other way.
+//! [`MigrationSession`] a driver sends their statements through (one
+//! connection; not the store's `transport::Transport`), the statements on
+//! the migration table it runs for them, and the [`MIGRATION_LOCK`] both
+//! take. The runner (`migrations`) and `citus` each depend on this module,
+//! and the runner on `citus`, never the other way.
 
 use std::future::Future;
 
@@ -15,16 +16,16 @@ use crate::store::StoreError;
 /// Serialises concurrent migrators (any constant unique to this crate).
 pub(crate) const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 
-/// What [`Transport::applied`] runs: every recorded `(version, name)`.
+/// What [`MigrationSession::applied`] runs: every recorded `(version, name)`.
 pub(crate) const APPLIED: Sql<'static> =
     Sql::new("SELECT version, name FROM tower_idempotency_migrations");
 
-/// What [`Transport::record`] runs, with the version and the name.
+/// What [`MigrationSession::record`] runs, with the version and the name.
 pub(crate) const RECORD: Sql<'static> = Sql::new(
     "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)",
 );
 
-/// What [`Transport::index_valid`] runs, with the index's name: one row,
+/// What [`MigrationSession::index_valid`] runs, with the index's name: one row,
 /// whether the index is valid, or none if there is no such index.
 pub(crate) const INDEX_VALID: Sql<'static> =
     Sql::new("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)");
@@ -35,7 +36,7 @@ pub(crate) const INDEX_VALID: Sql<'static> =
 /// `async fn`. Every statement the runner sends with parameters runs inside
 /// a transaction it began (so a transaction pooler keeps it on one server
 /// connection); only [`batch`](Self::batch) runs outside one.
-pub(crate) trait Transport: Send {
+pub(crate) trait MigrationSession: Send {
     /// Sends `sql`, one or more statements without parameters, as one
     /// simple-query message.
     fn batch(&mut self, sql: &str) -> impl Future<Output = Result<(), StoreError>> + Send;

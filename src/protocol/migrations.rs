@@ -24,7 +24,8 @@
 //! later version took is dropped at the run's end
 //! (`Step::ConcurrentIndex::taken_by`).
 //!
-//! A driver adds only a [`Transport`]: how it sends the runner's statements.
+//! A driver adds only a [`MigrationSession`]: how it sends the runner's
+//! statements.
 
 use std::{
     fmt,
@@ -33,7 +34,7 @@ use std::{
 
 use super::{
     errors::LOCK_NOT_AVAILABLE,
-    migration_session::{Transport, MIGRATION_LOCK},
+    migration_session::{MigrationSession, MIGRATION_LOCK},
     transaction::BEGIN,
 };
 use crate::store::{StoreError, StoreErrorKind};
@@ -324,7 +325,7 @@ pub(crate) struct Summary {
 ///
 /// On a Citus coordinator the crate's tables are then distributed by
 /// tenant (see [`super::citus`]).
-pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, StoreError> {
+pub(crate) async fn run<T: MigrationSession>(transport: &mut T) -> Result<Summary, StoreError> {
     let mut summary = run_list(transport, MIGRATIONS, &Settings::DEFAULT).await?;
     let distribution = super::citus::distribute(transport, &super::citus::OWN_TABLES).await?;
     summary.reconnect = distribution.reconnect;
@@ -334,7 +335,7 @@ pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, Stor
 
 /// Applies those of `list` the database lacks: [`run`] with a list and
 /// settings of the caller's.
-pub(crate) async fn run_list<T: Transport>(
+pub(crate) async fn run_list<T: MigrationSession>(
     transport: &mut T,
     list: &[Migration],
     settings: &Settings,
@@ -552,7 +553,7 @@ impl fmt::Display for Label<'_> {
     }
 }
 
-impl<T: Transport> Runner<'_, T> {
+impl<T: MigrationSession> Runner<'_, T> {
     /// Applies `migration` and records it, unless another migrator did.
     async fn apply(&mut self, migration: &Migration) -> Result<(), StoreError> {
         let label = Label::Migration(migration);

@@ -8,10 +8,13 @@
 
 #[cfg(feature = "postgres")]
 pub(crate) mod admin;
+pub(crate) mod at_commit;
+pub(crate) mod cancel;
 pub(crate) mod citus;
 #[cfg(all(test, feature = "test-util"))]
 mod citus_tests;
 pub(crate) mod claim;
+pub(crate) mod complete;
 pub(crate) mod errors;
 pub(crate) mod identity;
 pub(crate) mod lease;
@@ -23,12 +26,13 @@ pub(crate) mod outbox;
 pub(crate) mod record;
 #[cfg(feature = "postgres")]
 pub(crate) mod retention;
+pub(crate) mod session_reset;
 pub(crate) mod sql;
-pub(crate) mod statements;
 #[cfg(all(test, feature = "postgres"))]
 mod tests;
 pub(crate) mod transaction;
 pub(crate) mod transport;
+pub(crate) mod user_types;
 pub(crate) mod waits;
 
 /// [`Store`](crate::store::Store) for a store `$store` whose handle is
@@ -67,7 +71,7 @@ pub(crate) use forward_store;
 /// [`Transport`](transport::Transport)) whose lease is `$lease` (made by
 /// `$lease::new(store, identity)`, answering `identity()`) and whose
 /// handle is `$tx`: the protocol's calls, and the fenced transaction of the
-/// invoking module's `lease::protocol::open_fenced` and
+/// invoking module's `lease::fenced::open_fenced` and
 /// `end::commit_fenced`.
 macro_rules! forward_lease_store {
     ($store:ty, $lease:ident, $tx:ty) => {
@@ -94,7 +98,7 @@ macro_rules! forward_lease_store {
             }
 
             async fn fenced(&self, lease: &$lease) -> Result<$tx, crate::store::StoreError> {
-                lease::protocol::open_fenced(lease).await
+                lease::fenced::open_fenced(lease).await
             }
 
             async fn commit_fenced(&self, tx: $tx) -> Result<(), crate::store::StoreError> {

@@ -5,17 +5,17 @@ use super::sql::Sql;
 /// Every statement the store sends with parameters, by name (for the check
 /// that each declares the types its text casts to).
 pub(super) fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
-    use super::{admin, claim, lease as lp, migration_session, statements as st};
+    use super::{admin, at_commit, claim, complete, lease as lp, migration_session};
     vec![
         ("claim LOOKUP", claim::LOOKUP),
         ("CLAIM", claim::CLAIM),
         ("CLAIM_INSERT", claim::CLAIM_INSERT),
         ("CLAIM_READ", claim::CLAIM_READ),
         ("TAKE_OVER", claim::TAKE_OVER),
-        ("COMPLETE", st::COMPLETE),
-        ("CLAIM_AT_COMMIT", st::CLAIM_AT_COMMIT),
+        ("COMPLETE", complete::COMPLETE),
+        ("CLAIM_AT_COMMIT", at_commit::CLAIM_AT_COMMIT),
         ("FREE", claim::FREE),
-        ("FENCED_CHECK", st::FENCED_CHECK),
+        ("FENCED_CHECK", complete::FENCED_CHECK),
         ("INSPECT_KEY", admin::INSPECT_KEY),
         ("REMOVE_KEY", admin::REMOVE_KEY),
         ("migration RECORD", migration_session::RECORD),

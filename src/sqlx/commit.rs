@@ -10,8 +10,8 @@ use super::{
 };
 use crate::{
     protocol::{
+        at_commit::{at_commit_params, CLAIM_AT_COMMIT, LOST_AT_COMMIT},
         claim::winner,
-        statements::{at_commit_params, CLAIM_AT_COMMIT, LOST_AT_COMMIT},
         transaction::{COMMIT, ROLLBACK},
     },
     record::StoredResponse,

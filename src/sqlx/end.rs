@@ -12,8 +12,8 @@ use super::{
     SqlxTx,
 };
 use crate::{
+    protocol::complete::{complete_params, fenced_check_params, COMPLETE, FENCED_CHECK},
     protocol::errors::{claim_given_to_commit_fenced, fenced_given_to_complete},
-    protocol::statements::{complete_params, fenced_check_params, COMPLETE, FENCED_CHECK},
     protocol::transaction::{COMMIT, ROLLBACK},
     protocol::waits::{CANCEL_GRACE, ROLLBACK_PATIENCE},
     record::StoredResponse,

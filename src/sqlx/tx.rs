@@ -14,8 +14,8 @@ use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use super::{conn::GuardedConnection, end::finished};
 use crate::{
     key::IdempotencyKey,
+    protocol::cancel::cancel_backend,
     protocol::identity::{tx_accessors, Identity, Tx, TxIdentity},
-    protocol::statements::cancel_backend,
     protocol::waits::{commit_gave_up, CANCEL_GRACE, COMMIT_PATIENCE, ROLLBACK_PATIENCE},
     scope::Scope,
     store::{StoreError, StoreErrorKind},

@@ -1,13 +1,14 @@
 //! Long-running operations on PostgreSQL: [`PgLease`], the owner's proof of
 //! ownership, and [`FencedTx`], the transaction its writes go through.
-//! The protocol's statements are in `protocol.rs`.
+//! The fenced transaction opens in `fenced.rs`; the statements are the
+//! protocol's (`protocol::lease`).
 
 use std::{fmt, sync::Arc};
 
 use super::{PgStore, PgTx, TxError};
 use crate::protocol::identity::{lease_accessors, LeaseIdentity};
 
-pub(crate) mod protocol;
+pub(crate) mod fenced;
 
 /// The lease of a long-running operation's owner, in the handler's request
 /// extensions (with the `axum` feature also an extractor).
@@ -70,7 +71,7 @@ impl PgLease {
     /// [`TxErrorKind::Fenced`](super::TxErrorKind::Fenced) if another owner
     /// took the operation over.
     pub async fn transaction(&self) -> Result<FencedTx, TxError> {
-        let tx = protocol::open_fenced(self).await?;
+        let tx = fenced::open_fenced(self).await?;
         Ok(FencedTx { tx })
     }
 

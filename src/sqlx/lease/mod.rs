@@ -1,5 +1,5 @@
 //! Long-running operations on a `sqlx` pool: [`SqlxLease`], the owner's
-//! proof of ownership, and its fenced transaction (`protocol.rs`).
+//! proof of ownership, and its fenced transaction (`fenced.rs`).
 //! [`LeaseStore`](crate::store::LeaseStore) for [`SqlxStore`] is the
 //! protocol's (`protocol::lease`), as [`PgStore`](crate::postgres::PgStore)'s
 //! is: the same table, the same decisions, one statement on the key's row
@@ -14,7 +14,7 @@ use crate::{
     store::StoreError,
 };
 
-pub(super) mod protocol;
+pub(super) mod fenced;
 
 /// The lease of a long-running operation's owner on a [`SqlxStore`], in the
 /// handler's request extensions.
@@ -73,7 +73,7 @@ impl SqlxLease {
     /// [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) if
     /// another owner took the operation over.
     pub async fn transaction(&self) -> Result<SqlxTx, StoreError> {
-        protocol::open_fenced(self).await
+        fenced::open_fenced(self).await
     }
 
     /// Commits a fenced transaction of this lease (as

@@ -1,7 +1,8 @@
-//! The fenced transaction of the long-running mode on [`PgStore`]'s
-//! connections: `BEGIN`, the waits, and the record held at the lease's
-//! token, in one round trip. The mode's other calls are the protocol's
-//! (`protocol::lease`), sent through the store's
+//! The fenced transaction of the long-running mode on
+//! [`PgStore`](crate::postgres::PgStore)'s connections: `BEGIN`, the
+//! waits, and the record held at the lease's token, in one round trip.
+//! The mode's other calls are the protocol's (`protocol::lease`), sent
+//! through the store's
 //! [`Transport`](crate::protocol::transport::Transport).
 
 use super::PgLease;

@@ -1,7 +1,7 @@
-//! The fenced transaction of the long-running mode on [`SqlxStore`]'s
-//! connections: `BEGIN`, the waits, and the record held at the lease's
-//! token. The mode's other calls are the protocol's (`protocol::lease`),
-//! sent through the store's
+//! The fenced transaction of the long-running mode on
+//! [`SqlxStore`](crate::sqlx::SqlxStore)'s connections: `BEGIN`, the
+//! waits, and the record held at the lease's token. The mode's other calls
+//! are the protocol's (`protocol::lease`), sent through the store's
 //! [`Transport`](crate::protocol::transport::Transport).
 
 use super::SqlxLease;
