@@ -71,7 +71,7 @@ use crate::{
 // endpoint on one store are bounded alike, and an owner with the default
 // timeout sends no `SET LOCAL` of its own (the hold limit `PgStore`'s
 // sessions carry by default is the same sum).
-use crate::server::{DEFAULT_HANDLER_TIMEOUT as DEFAULT_WORK_TIMEOUT, HOLD_MARGIN};
+use crate::store::limits::{DEFAULT_HANDLER_TIMEOUT as DEFAULT_WORK_TIMEOUT, HOLD_MARGIN};
 
 /// Runs work once per key; see the [module](self) docs.
 #[derive(Clone)]

@@ -21,7 +21,7 @@ use std::{
 
 use tower_idempotency::{postgres::PgStore, retention::Cleanup};
 
-use crate::load::{Keys, Kind, Load, Run, Scenario, Stats, GROWTH_KEYS};
+use crate::load::{print_round, Keys, Kind, Load, Run, Scenario, Stats, GROWTH_KEYS};
 
 /// Key space the keys' first 12 hex digits spread over.
 const SPACE: u64 = 1 << 48;
@@ -243,7 +243,7 @@ pub(crate) async fn run(
         for round in 1..=rounds {
             for (i, s) in scenarios(targets).into_iter().enumerate() {
                 let run = load.run(s, duration).await;
-                crate::report::print_round(round, &format!("{keys} keys, {}", s.name), &run);
+                print_round(round, &format!("{keys} keys, {}", s.name), &run);
                 runs[i].push(run);
             }
         }
@@ -324,7 +324,7 @@ pub(crate) async fn cleanup(
     };
     for round in 1..=rounds {
         let alone = load.run(create, duration).await;
-        crate::report::print_round(round, "create, no cleanup", &alone);
+        print_round(round, "create, no cleanup", &alone);
         let stop = Arc::new(AtomicBool::new(false));
         let task = tokio::spawn({
             let (cleanup, stop) = (cleanup.clone(), stop.clone());
@@ -351,7 +351,7 @@ pub(crate) async fn cleanup(
         let during = load.run(create, duration).await;
         stop.store(true, Ordering::Relaxed);
         let (removed, seconds, exhausted) = task.await.expect("cleanup task");
-        crate::report::print_round(round, "create while cleanup runs", &during);
+        print_round(round, "create while cleanup runs", &during);
         println!(
             "round {round} cleanup removed {removed} rows in {seconds:.1} s ({:.0} rows/s)",
             removed as f64 / seconds

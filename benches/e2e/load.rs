@@ -114,6 +114,27 @@ impl Run {
     }
 }
 
+/// One round's line, as it finishes: closed loop.
+pub(crate) fn print_round(round: usize, name: &str, run: &Run) {
+    println!(
+        "round {round} {name:<30} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
+        run.throughput(),
+        run.percentile(0.5),
+        run.percentile(0.99),
+        run.unexpected
+    );
+}
+
+/// One round's line, as it finishes: open loop at `rate`.
+pub(crate) fn print_open_round(round: usize, name: &str, rate: f64, run: &Run) {
+    println!(
+        "round {round} {name:<30} at {rate:.0} req/s: p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
+        run.percentile(0.5),
+        run.percentile(0.99),
+        run.unexpected
+    );
+}
+
 /// Medians over rounds.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Stats {

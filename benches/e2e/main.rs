@@ -55,7 +55,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use tower_idempotency::{postgres::PgStore, testing::TempPostgres};
 
 use crate::{
-    load::{Body, Kind, Load, Scenario, Stats, MAIN_KEYS},
+    load::{print_open_round, print_round, Body, Kind, Load, Scenario, Stats, MAIN_KEYS},
     report::{Proxied, Report},
 };
 
@@ -146,7 +146,7 @@ async fn rounds(load: &Arc<Load>, scenarios: &[Scenario], s: &Settings) -> repor
     for round in 1..=s.rounds {
         for (i, scenario) in scenarios.iter().enumerate() {
             let run = load.run(*scenario, s.duration).await;
-            report::print_round(round, scenario.name, &run);
+            print_round(round, scenario.name, &run);
             results[i].1.push(run);
         }
     }
@@ -164,7 +164,7 @@ async fn open_rounds(
     for round in 1..=s.rounds {
         for (i, scenario) in scenarios.iter().enumerate() {
             let run = load.fixed_rate(*scenario, rate, s.duration).await;
-            report::print_open_round(round, scenario.name, rate, &run);
+            print_open_round(round, scenario.name, rate, &run);
             results[i].1.push(run);
         }
     }

@@ -18,25 +18,6 @@ pub(crate) const TYPED: &str = "8 layered create, typed unnamed statements";
 pub(crate) const BARE_FIVE: &str = "9 bare, five statements";
 pub(crate) const LAYERED_FIVE: &str = "10 layered create, five statements";
 
-pub(crate) fn print_round(round: usize, name: &str, run: &Run) {
-    println!(
-        "round {round} {name:<30} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
-        run.throughput(),
-        run.percentile(0.5),
-        run.percentile(0.99),
-        run.unexpected
-    );
-}
-
-pub(crate) fn print_open_round(round: usize, name: &str, rate: f64, run: &Run) {
-    println!(
-        "round {round} {name:<30} at {rate:.0} req/s: p50 {:>6.2} ms  p99 {:>6.2} ms  unexpected {}",
-        run.percentile(0.5),
-        run.percentile(0.99),
-        run.unexpected
-    );
-}
-
 /// The proxy section's results.
 pub(crate) struct Proxied {
     pub(crate) delay_ms: f64,

@@ -1,11 +1,11 @@
 //! The operator API: look at one key, or forget it deliberately.
 
-use super::{key_record::KeyRecord, prepared::dyn_params, PgStore};
+use super::{prepared::dyn_params, PgStore};
 use crate::{
     key::IdempotencyKey,
     protocol::admin::{key_record, params, INSPECT_KEY, REMOVE_KEY},
     scope::Scope,
-    store::StoreError,
+    store::{KeyRecord, StoreError},
 };
 
 impl PgStore {

@@ -12,9 +12,10 @@ use deadpool_postgres::Object;
 use tokio_postgres::error::SqlState;
 
 use crate::protocol::{
-    claim::millis,
+    session_reset::{session_reset_keeping, OUTSIDE_A_TRANSACTION},
     sql::{Param, Sql},
-    statements::{session_reset_keeping, OUTSIDE_A_TRANSACTION, ROLLBACK},
+    transaction::ROLLBACK,
+    waits::millis,
 };
 use crate::store::{StoreError, StoreErrorKind};
 

@@ -32,7 +32,7 @@ use crate::{
         driver::{Cancel, Connection, Deciding, Driver, End, Failed, Statement, Step, Waits},
         errors::{connection_fault, connection_lost},
         sql::{Param, Sql},
-        statements::{COMMIT, ROLLBACK},
+        transaction::{COMMIT, ROLLBACK},
         waits::GRACE,
     },
     store::{StoreError, StoreErrorKind},

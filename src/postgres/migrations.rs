@@ -1,4 +1,4 @@
-//! The migration runner's [`Transport`] on a [`Session`]; the runner and the
+//! The migration runner's [`MigrationSession`] on a [`Session`]; the runner and the
 //! migrations are in `crate::protocol::migrations`.
 
 use tokio_postgres::Row;
@@ -9,7 +9,8 @@ use super::{
 };
 use crate::protocol::{
     citus,
-    migrations::{self, Transport},
+    migration_session::MigrationSession,
+    migrations,
     sql::{Param, Sql},
 };
 use crate::store::{StoreError, StoreErrorKind};
@@ -84,7 +85,7 @@ impl<'a> SessionTransport<'a> {
     }
 }
 
-impl Transport for SessionTransport<'_> {
+impl MigrationSession for SessionTransport<'_> {
     type Row = Row;
 
     async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {

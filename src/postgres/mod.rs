@@ -33,7 +33,6 @@ pub(crate) mod conn;
 mod conninfo;
 mod driver;
 mod error;
-mod key_record;
 pub(crate) mod lease;
 pub(crate) mod migrations;
 mod pool;
@@ -44,7 +43,9 @@ mod tx;
 mod types;
 
 pub use conn::PooledClient;
-pub use key_record::{KeyRecord, KeyState};
+// Their home is `store`; the paths under `postgres` stay.
+#[doc(no_inline)]
+pub use crate::store::{KeyRecord, KeyState};
 pub use lease::{FencedTx, PgLease};
 pub use pool::PgStoreBuilder;
 pub use tx::{PgTx, TxError, TxErrorKind};

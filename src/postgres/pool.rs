@@ -19,7 +19,7 @@ use super::{
     PgStore,
 };
 use crate::{
-    protocol::statements::set_hold_limit,
+    protocol::session_reset::set_hold_limit,
     store::{StoreError, StoreErrorKind},
 };
 
@@ -60,7 +60,7 @@ impl PgStoreBuilder {
             connect_timeout: Duration::from_secs(5),
             keepalive_idle: Duration::from_secs(15),
             transaction_pooling: false,
-            hold_limit: crate::server::DEFAULT_HOLD_LIMIT,
+            hold_limit: crate::store::limits::DEFAULT_HOLD_LIMIT,
         }
     }
 

@@ -26,7 +26,7 @@ use super::{
     prepared::{Prepared, Sql},
     PgStore,
 };
-use crate::{protocol::statements::COMMIT, store::StoreError};
+use crate::{protocol::transaction::COMMIT, store::StoreError};
 
 /// A pooled connection for the crate's own statements; see the module docs.
 pub(crate) struct Session {

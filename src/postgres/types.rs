@@ -15,8 +15,9 @@
 
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-use crate::protocol::statements::{
-    describe_types, BEGIN, COMMIT, DEALLOCATE_ALL, ROLLBACK, USER_TYPES,
+use crate::protocol::{
+    transaction::{BEGIN, COMMIT, ROLLBACK},
+    user_types::{describe_types, DEALLOCATE_ALL, USER_TYPES},
 };
 
 /// Types per loading statement.

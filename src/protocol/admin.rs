@@ -7,10 +7,9 @@ use super::{
 };
 use crate::{
     key::IdempotencyKey,
-    postgres::{KeyRecord, KeyState},
     record::ResourceId,
     scope::Scope,
-    store::StoreError,
+    store::{KeyRecord, KeyState, StoreError},
 };
 
 /// One key's record without its body or headers, as [`key_record`] reads

@@ -12,9 +12,9 @@
 //! then locks rows per tenant (see the deploying guide).
 
 use super::{
-    migrations::{Transport, MIGRATION_LOCK},
+    migration_session::{MigrationSession, MIGRATION_LOCK},
     sql::{Columns, Param, Sql},
-    statements::BEGIN,
+    transaction::BEGIN,
 };
 use crate::store::{StoreError, StoreErrorKind};
 
@@ -85,7 +85,7 @@ pub(crate) struct Distribution {
 /// instead), so that a claim's `SET LOCAL lock_timeout` bounds its wait on
 /// the worker. Without Citus it does nothing. Each table must exist and have a `tenant_id`
 /// column in every primary key and unique constraint.
-pub(crate) async fn distribute<T: Transport>(
+pub(crate) async fn distribute<T: MigrationSession>(
     transport: &mut T,
     tables: &[&str],
 ) -> Result<Distribution, StoreError> {

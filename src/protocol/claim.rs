@@ -11,7 +11,8 @@ use super::{
     driver::Connection,
     record::{key_params, may_take_over, record_at},
     sql::{Columns, Param, Sql},
-    statements::BEGIN,
+    transaction::BEGIN,
+    waits::millis,
 };
 use crate::{
     record::Record,
@@ -161,12 +162,6 @@ pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(concat!(
      SELECT attempt_token, pg_current_xact_id()::text, set_config('lock_timeout', NULL, true) \
      FROM taken"
 ));
-
-/// A wait as PostgreSQL's settings take it: whole milliseconds, at least
-/// 1 (`0` would mean "no limit") and at most `i32::MAX`.
-pub(crate) fn millis(d: Duration) -> u128 {
-    d.as_millis().clamp(1, i32::MAX as u128)
-}
 
 /// `SET LOCAL` of the lock wait and the idle limit that are given, each
 /// statement after a `; `. `SET LOCAL`, not `set_config`: on Citus (with

@@ -24,18 +24,18 @@
 //! later version took is dropped at the run's end
 //! (`Step::ConcurrentIndex::taken_by`).
 //!
-//! A driver adds only a [`Transport`]: how it sends the runner's statements.
+//! A driver adds only a [`MigrationSession`]: how it sends the runner's
+//! statements.
 
 use std::{
     fmt,
-    future::Future,
     time::{Duration, Instant},
 };
 
 use super::{
     errors::LOCK_NOT_AVAILABLE,
-    sql::{Columns, Param, Sql},
-    statements::BEGIN,
+    migration_session::{MigrationSession, MIGRATION_LOCK},
+    transaction::BEGIN,
 };
 use crate::store::{StoreError, StoreErrorKind};
 
@@ -47,9 +47,6 @@ const DEADLOCK_DETECTED: &str = "40P01";
 /// concurrently updated"). A build step that ends so looks again, as after
 /// a lock timeout: the index's state decides what comes next.
 const INTERNAL_ERROR: &str = "XX000";
-
-/// Serialises concurrent migrators (any constant unique to this crate).
-pub(crate) const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 
 /// How long one statement of a migration waits for a lock before its
 /// transaction gives up and is tried again. While a DDL statement waits for
@@ -262,86 +259,6 @@ pub(crate) const MIGRATION_TABLE: &str = "CREATE TABLE IF NOT EXISTS tower_idemp
     applied_at timestamptz NOT NULL DEFAULT now()
 )";
 
-/// What [`Transport::applied`] runs: every recorded `(version, name)`.
-pub(crate) const APPLIED: Sql<'static> =
-    Sql::new("SELECT version, name FROM tower_idempotency_migrations");
-
-/// What [`Transport::record`] runs, with the version and the name.
-pub(crate) const RECORD: Sql<'static> = Sql::new(
-    "INSERT INTO tower_idempotency_migrations (version, name) VALUES ($1::int4, $2::text)",
-);
-
-/// What [`Transport::index_valid`] runs, with the index's name: one row,
-/// whether the index is valid, or none if there is no such index.
-pub(crate) const INDEX_VALID: Sql<'static> =
-    Sql::new("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)");
-
-/// How a driver sends the runner's statements, all on one connection.
-///
-/// Methods return `impl Future + Send`; implementations may write
-/// `async fn`. Every statement the runner sends with parameters runs inside
-/// a transaction it began (so a transaction pooler keeps it on one server
-/// connection); only [`batch`](Self::batch) runs outside one.
-pub(crate) trait Transport: Send {
-    /// Sends `sql`, one or more statements without parameters, as one
-    /// simple-query message.
-    fn batch(&mut self, sql: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
-
-    /// A row of this driver.
-    type Row: Columns + Send;
-
-    /// Runs `sql` with `params` and returns its rows.
-    fn query(
-        &mut self,
-        sql: Sql<'static>,
-        params: &[Param<'_>],
-    ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
-
-    /// Runs [`APPLIED`].
-    fn applied(&mut self) -> impl Future<Output = Result<Vec<(i32, String)>, StoreError>> + Send {
-        async {
-            let rows = self.query(APPLIED, &[]).await?;
-            rows.iter()
-                .map(|row| Ok((row.int4(0)?, row.text(1)?.to_owned())))
-                .collect()
-        }
-    }
-
-    /// Runs [`RECORD`].
-    fn record(
-        &mut self,
-        version: i32,
-        name: &'static str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            let params = [Param::Int4(version), Param::Text(name)];
-            self.query(RECORD, &params).await.map(drop)
-        }
-    }
-
-    /// Runs [`INDEX_VALID`].
-    fn index_valid(
-        &mut self,
-        name: &'static str,
-    ) -> impl Future<Output = Result<Option<bool>, StoreError>> + Send {
-        async move {
-            let rows = self.query(INDEX_VALID, &[Param::Text(name)]).await?;
-            rows.first().map(|row| row.bool(0)).transpose()
-        }
-    }
-
-    /// Commits the transaction the runner began.
-    fn commit(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.batch(super::statements::COMMIT)
-    }
-
-    /// Whether `error` is a lock wait that ran out (`55P03`): the
-    /// transaction is rolled back and tried again.
-    fn lock_timed_out(error: &StoreError) -> bool {
-        error.sql_state() == Some(LOCK_NOT_AVAILABLE)
-    }
-}
-
 /// How the runner waits and retries; [`Settings::DEFAULT`] but in tests.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settings {
@@ -408,7 +325,7 @@ pub(crate) struct Summary {
 ///
 /// On a Citus coordinator the crate's tables are then distributed by
 /// tenant (see [`super::citus`]).
-pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, StoreError> {
+pub(crate) async fn run<T: MigrationSession>(transport: &mut T) -> Result<Summary, StoreError> {
     let mut summary = run_list(transport, MIGRATIONS, &Settings::DEFAULT).await?;
     let distribution = super::citus::distribute(transport, &super::citus::OWN_TABLES).await?;
     summary.reconnect = distribution.reconnect;
@@ -418,7 +335,7 @@ pub(crate) async fn run<T: Transport>(transport: &mut T) -> Result<Summary, Stor
 
 /// Applies those of `list` the database lacks: [`run`] with a list and
 /// settings of the caller's.
-pub(crate) async fn run_list<T: Transport>(
+pub(crate) async fn run_list<T: MigrationSession>(
     transport: &mut T,
     list: &[Migration],
     settings: &Settings,
@@ -636,7 +553,7 @@ impl fmt::Display for Label<'_> {
     }
 }
 
-impl<T: Transport> Runner<'_, T> {
+impl<T: MigrationSession> Runner<'_, T> {
     /// Applies `migration` and records it, unless another migrator did.
     async fn apply(&mut self, migration: &Migration) -> Result<(), StoreError> {
         let label = Label::Migration(migration);

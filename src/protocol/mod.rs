@@ -6,28 +6,31 @@
 //! (tokio-postgres and deadpool) and `sqlx/` each use this module and never
 //! each other; nothing here depends on a driver.
 
-#[cfg(feature = "postgres")]
 pub(crate) mod admin;
+pub(crate) mod at_commit;
+pub(crate) mod cancel;
 pub(crate) mod citus;
 #[cfg(all(test, feature = "test-util"))]
 mod citus_tests;
 pub(crate) mod claim;
+pub(crate) mod complete;
 pub(crate) mod driver;
 pub(crate) mod errors;
 pub(crate) mod identity;
 pub(crate) mod lease;
 pub(crate) mod lexer;
+pub(crate) mod migration_session;
 pub(crate) mod migrations;
-#[cfg(feature = "postgres")]
 pub(crate) mod outbox;
 pub(crate) mod owner;
 pub(crate) mod record;
-#[cfg(feature = "postgres")]
 pub(crate) mod retention;
+pub(crate) mod session_reset;
 pub(crate) mod sql;
-pub(crate) mod statements;
-#[cfg(all(test, feature = "postgres"))]
+#[cfg(test)]
 mod tests;
+pub(crate) mod transaction;
+pub(crate) mod user_types;
 pub(crate) mod waits;
 
 /// [`Store`](crate::store::Store) and

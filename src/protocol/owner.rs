@@ -17,10 +17,12 @@ use tokio::{
 };
 
 use super::{
+    at_commit::{at_commit_params, CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET, LOST_AT_COMMIT},
     claim::{
         claim_params, settle, split_claim_rows, Claimed, CLAIM, CLAIM_INSERT, CLAIM_READ,
         CURRENT_XID,
     },
+    complete::{complete_params, fenced_check_params, COMPLETE, COMPLETE_AND_RESET, FENCED_CHECK},
     driver::{Cancel, Connection, Deciding, Driver, End, Failed, Statement, Waits},
     errors::{
         claim_given_to_commit_fenced, connection_fault, ends_only_the_statement,
@@ -29,10 +31,6 @@ use super::{
     identity::{Identity, LeaseIdentity, Tx, TxIdentity},
     lease::{fenced, token_params, HOLD},
     record::{key_params, record_at},
-    statements::{at_commit_params, CLAIM_AT_COMMIT, CLAIM_AT_COMMIT_AND_RESET, LOST_AT_COMMIT},
-    statements::{
-        complete_params, fenced_check_params, COMPLETE, COMPLETE_AND_RESET, FENCED_CHECK,
-    },
     waits::{
         commit_gave_up, CANCEL_DEADLINE, CANCEL_GRACE, COMMIT_PATIENCE, GRACE, MIN_WAIT,
         ROLLBACK_PATIENCE, ROW_WAIT,

@@ -4,9 +4,6 @@
 //! ([`Columns`]). A driver adds only how it sends the statement and how it
 //! reads one column.
 
-// A sqlx-only build reads fewer types than the tokio-postgres store's.
-#![cfg_attr(not(feature = "postgres"), allow(dead_code))]
-
 use std::time::{Duration, SystemTime};
 
 use crate::store::{StoreError, StoreErrorKind};

@@ -5,20 +5,20 @@ use super::sql::Sql;
 /// Every statement the store sends with parameters, by name (for the check
 /// that each declares the types its text casts to).
 pub(super) fn all_statements() -> Vec<(&'static str, Sql<'static>)> {
-    use super::{admin, claim, lease as lp, migrations, statements as st};
+    use super::{admin, at_commit, claim, complete, lease as lp, migration_session};
     vec![
         ("claim LOOKUP", claim::LOOKUP),
         ("CLAIM", claim::CLAIM),
         ("CLAIM_INSERT", claim::CLAIM_INSERT),
         ("CLAIM_READ", claim::CLAIM_READ),
         ("TAKE_OVER", claim::TAKE_OVER),
-        ("COMPLETE", st::COMPLETE),
-        ("CLAIM_AT_COMMIT", st::CLAIM_AT_COMMIT),
+        ("COMPLETE", complete::COMPLETE),
+        ("CLAIM_AT_COMMIT", at_commit::CLAIM_AT_COMMIT),
         ("FREE", claim::FREE),
-        ("FENCED_CHECK", st::FENCED_CHECK),
+        ("FENCED_CHECK", complete::FENCED_CHECK),
         ("INSPECT_KEY", admin::INSPECT_KEY),
         ("REMOVE_KEY", admin::REMOVE_KEY),
-        ("migration RECORD", migrations::RECORD),
+        ("migration RECORD", migration_session::RECORD),
         ("lease LOOKUP", lp::LOOKUP),
         ("ACQUIRE", lp::ACQUIRE),
         ("HEARTBEAT", lp::HEARTBEAT),
@@ -130,5 +130,5 @@ fn the_claim_takes_the_key_the_fingerprint_and_the_retention() {
         [Ty::Int4],
         "FAIL's last parameter, the attempts"
     );
-    assert!(super::migrations::APPLIED.types().is_empty());
+    assert!(super::migration_session::APPLIED.types().is_empty());
 }

@@ -1,8 +1,15 @@
 //! How long the protocol waits, the same for both drivers: on a key's row
 //! in the long-running mode, and for a statement still running when the
-//! owner's transaction must end.
+//! owner's transaction must end; and a wait as PostgreSQL's settings take
+//! it ([`millis`]).
 
 use std::time::Duration;
+
+/// A wait as PostgreSQL's settings take it: whole milliseconds, at least
+/// 1 (`0` would mean "no limit") and at most `i32::MAX`.
+pub(crate) fn millis(d: Duration) -> u128 {
+    d.as_millis().clamp(1, i32::MAX as u128)
+}
 
 /// How long a heartbeat, finish, release or recovery waits for the row, and
 /// how long a fenced transaction waits to hold it (a takeover in flight).
@@ -37,13 +44,11 @@ pub(crate) const COMMIT_PATIENCE: Duration = Duration::from_secs(5);
 /// gives up on the database for this round and closes the connection: a
 /// network path that stopped moving bytes answers nothing, and nothing on
 /// the server's side can end the wait.
-#[cfg(feature = "postgres")]
 pub(crate) const BACKGROUND_DEADLINE: Duration = Duration::from_secs(10);
 
 /// `call`, answered within `limit`, or an `Unavailable` error saying what
 /// was cut off (`what`); the call is dropped, and with it its connection
 /// (never pooled again: it may be inside a transaction).
-#[cfg(feature = "postgres")]
 pub(crate) async fn answered_within<T>(
     limit: Duration,
     call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,

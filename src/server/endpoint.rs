@@ -79,7 +79,7 @@ impl Config {
             request_body_limit: 1024 * 1024,
             response_body_limit: 1024 * 1024,
             wait: Duration::from_secs(5),
-            handler_timeout: super::mode::DEFAULT_HANDLER_TIMEOUT,
+            handler_timeout: crate::store::limits::DEFAULT_HANDLER_TIMEOUT,
             retention: Duration::from_secs(24 * 3600),
             replay_headers: vec![
                 header::CONTENT_TYPE,

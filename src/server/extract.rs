@@ -1,4 +1,7 @@
-//! axum extractors (feature `axum`) for what the layer leaves in the request.
+//! axum extractors (feature `axum`) for what the layer leaves in the request,
+//! and their rejection, [`MissingFromLayer`]. Each driver's handles (`PgTx`,
+//! `PgLease`, `SqlxTx`, `SqlxLease`) are extractors by
+//! `crate::macros::from_extensions!`, invoked beside their types.
 
 use axum_core::{
     extract::FromRequestParts,
@@ -6,10 +9,6 @@ use axum_core::{
 };
 use http::{request::Parts, StatusCode};
 
-#[cfg(feature = "postgres")]
-use crate::postgres::{PgLease, PgTx};
-#[cfg(feature = "sqlx")]
-use crate::sqlx::{SqlxLease, SqlxTx};
 use crate::{fingerprint::Validated, problem::Problem};
 
 /// The rejection when a handler asks for something the layer did not provide:
@@ -18,6 +17,13 @@ use crate::{fingerprint::Validated, problem::Problem};
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub struct MissingFromLayer(&'static str);
+
+impl MissingFromLayer {
+    /// The rejection for a request without `what` (a type's name).
+    pub(crate) const fn new(what: &'static str) -> Self {
+        MissingFromLayer(what)
+    }
+}
 
 impl IntoResponse for MissingFromLayer {
     fn into_response(self) -> Response {
@@ -34,68 +40,6 @@ impl IntoResponse for MissingFromLayer {
     }
 }
 
-/// Extracts each handle `$handle` from the request extensions, where the
-/// layer puts it; `Option<$handle>` is `None` where the layer put none (a
-/// request without a key on a route with `require_key(false)`, passed
-/// through without idempotency).
-macro_rules! from_extensions {
-    ($($(#[$cfg:meta])* $handle:ident,)*) => {$(
-        $(#[$cfg])*
-        #[doc = concat!(
-            "`Option<", stringify!($handle), ">`: `None` when the layer put no handle in the ",
-            "request (a request without a key where the layer has `require_key(false)`), ",
-            "for handlers that serve both."
-        )]
-        impl<S: Send + Sync> axum_core::extract::OptionalFromRequestParts<S> for $handle {
-            // No handle is an answer, not a failure: the request runs
-            // without idempotency, as the layer let it through.
-            type Rejection = std::convert::Infallible;
-
-            async fn from_request_parts(
-                parts: &mut Parts,
-                _state: &S,
-            ) -> Result<Option<Self>, Self::Rejection> {
-                Ok(parts.extensions.get::<$handle>().cloned())
-            }
-        }
-
-        $(#[$cfg])*
-        #[doc = concat!(
-            "The layer's `", stringify!($handle), "`; `500 idempotency_layer_missing` ",
-            "([`MissingFromLayer`]) when the route is not behind it."
-        )]
-        impl<S: Send + Sync> FromRequestParts<S> for $handle {
-            type Rejection = MissingFromLayer;
-
-            async fn from_request_parts(
-                parts: &mut Parts,
-                _state: &S,
-            ) -> Result<Self, Self::Rejection> {
-                parts
-                    .extensions
-                    .get::<$handle>()
-                    .cloned()
-                    .ok_or(MissingFromLayer(stringify!($handle)))
-            }
-        }
-    )*};
-}
-
-from_extensions! {
-    #[cfg(feature = "postgres")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
-    PgTx,
-    #[cfg(feature = "postgres")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
-    PgLease,
-    #[cfg(feature = "sqlx")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "sqlx"))))]
-    SqlxTx,
-    #[cfg(feature = "sqlx")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "sqlx"))))]
-    SqlxLease,
-}
-
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for Validated<T> {
     type Rejection = MissingFromLayer;
@@ -105,6 +49,6 @@ impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for Validated
             .extensions
             .get::<Validated<T>>()
             .cloned()
-            .ok_or(MissingFromLayer("Validated<T>"))
+            .ok_or(MissingFromLayer::new("Validated<T>"))
     }
 }

@@ -61,10 +61,7 @@ pub use flow::Mode;
 pub use future::ResponseFuture;
 pub use layer::IdempotencyLayer;
 pub use lease_config::LeaseConfig;
-#[cfg(feature = "postgres")]
-pub(crate) use mode::DEFAULT_HOLD_LIMIT;
 pub use mode::{ClaimAtCommit, ClaimFirst, LongRunning};
-pub(crate) use mode::{DEFAULT_HANDLER_TIMEOUT, HOLD_MARGIN};
 pub use recovery::Recovery;
 pub use service::Idempotency;
 pub use status::{StatusFuture, StatusService};

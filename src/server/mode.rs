@@ -6,19 +6,7 @@
 use std::time::Duration;
 
 use super::lease_config::LeaseConfig;
-
-/// How long past the handler's deadline the database itself ends an owner's
-/// transaction that went silent (its process frozen, its network gone).
-pub(crate) const HOLD_MARGIN: Duration = Duration::from_secs(5);
-
-/// An endpoint's handler timeout unless it sets one.
-pub(crate) const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The hold limit of an endpoint with the default handler timeout: what a
-/// store's sessions carry by default, so that such an owner sends no
-/// `SET LOCAL` of its own (`PgStoreBuilder::hold_limit`).
-#[cfg(feature = "postgres")]
-pub(crate) const DEFAULT_HOLD_LIMIT: Duration = DEFAULT_HANDLER_TIMEOUT.saturating_add(HOLD_MARGIN);
+use crate::store::limits::HOLD_MARGIN;
 
 /// The claim-first mode, the default: one short transaction per request, from the claim to
 /// the commit of the handler's writes with the remembered answer.

@@ -16,13 +16,16 @@ use super::{
     deadline::{self, Deadlines},
     endpoint::Setup,
     inner::{Inner, InnerBody},
-    mode::{ClaimAtCommit, ClaimFirst, HOLD_MARGIN},
+    mode::{ClaimAtCommit, ClaimFirst},
     owner::run_owner,
     settled::{Rollback, Settled, Timings},
 };
 use crate::{
     record::{Record, StoredResponse},
-    store::{Claim, ClaimRequest, CommitStore, Committed, Store, StoreError, StoreErrorKind},
+    store::{
+        limits::HOLD_MARGIN, Claim, ClaimRequest, CommitStore, Committed, Store, StoreError,
+        StoreErrorKind,
+    },
 };
 
 /// How a one-transaction mode opens the owner's transaction and ends it.

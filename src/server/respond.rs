@@ -1,15 +1,13 @@
-//! axum answers (feature `axum`): [`Problem`], and the errors a handler's
-//! statements fail with, as `IntoResponse`, so a handler returns
-//! `Result<_, TxError>` (or `Result<_, StoreError>` with `SqlxTx`) and uses
-//! `?`.
+//! axum answers (feature `axum`): [`Problem`], and [`StoreError`], which a
+//! handler's statements fail with, as `IntoResponse`, so a handler returns
+//! `Result<_, StoreError>` (with `SqlxTx`) and uses `?`. `PgTx`'s `TxError`
+//! answers the same way; its impl is beside it (`postgres/tx/error.rs`).
 
 use axum_core::{
     body::Body,
     response::{IntoResponse, Response},
 };
 
-#[cfg(feature = "postgres")]
-use crate::postgres::TxError;
 use crate::{problem::Problem, store::StoreError};
 
 /// The problem's status, `application/problem+json` and its `Retry-After`,
@@ -18,27 +16,6 @@ use crate::{problem::Problem, store::StoreError};
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         self.to_response().map(Body::from)
-    }
-}
-
-/// [`TxError::to_problem`]: `503 store_unavailable` (with `Retry-After`)
-/// when the database is lost or unavailable, `500 statement_failed` for a
-/// statement it refused. The body names neither the statement nor the
-/// database's message; the failure is logged at debug by kind and SQLSTATE
-/// only (inside the layer's span, which carries the key hashed). A 5xx
-/// answer rolls the handler's work back.
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
-impl IntoResponse for TxError {
-    fn into_response(self) -> Response {
-        // Not the error's text: the server's message may quote the
-        // request's values.
-        tracing::debug!(
-            kind = ?self.kind(),
-            sqlstate = self.code().map(|c| c.code()),
-            "the handler answered a failed statement"
-        );
-        self.to_problem().into_response()
     }
 }
 

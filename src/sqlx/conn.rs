@@ -23,7 +23,7 @@ use ::sqlx::{
 
 use crate::protocol::{
     lexer::{self, Refusal},
-    statements::SESSION_RESET,
+    session_reset::SESSION_RESET,
 };
 
 /// What a [`SqlxConn`](super::SqlxConn) dereferences to: the claim's

@@ -21,11 +21,12 @@ use tokio::time::Instant;
 use super::{conn::GuardedConnection, error::map_error, SqlxStore};
 use crate::{
     protocol::{
+        cancel::cancel_backend,
         claim::begin_then_pid,
         driver::{Cancel, Connection, Deciding, Driver, End, Failed, Statement, Step, Waits},
         owner::timed_out,
         sql::{Param, Sql},
-        statements::{cancel_backend, BEGIN, COMMIT, ROLLBACK},
+        transaction::{BEGIN, COMMIT, ROLLBACK},
         waits::GRACE,
     },
     store::{StoreError, StoreErrorKind},

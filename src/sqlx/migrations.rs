@@ -1,4 +1,4 @@
-//! The migration runner's [`Transport`] on one of the pool's connections;
+//! The migration runner's [`MigrationSession`] on one of the pool's connections;
 //! the runner and the migrations are in `crate::protocol::migrations`.
 
 use ::sqlx::{pool::PoolConnection, postgres::PgRow, Executor as _, PgPool, Postgres};
@@ -7,7 +7,8 @@ use super::{driver::query, error::map_error};
 use crate::{
     protocol::{
         citus,
-        migrations::{self, Transport},
+        migration_session::MigrationSession,
+        migrations,
         sql::{Param, Sql},
     },
     store::StoreError,
@@ -86,7 +87,7 @@ impl Drop for ConnTransport {
     }
 }
 
-impl Transport for ConnTransport {
+impl MigrationSession for ConnTransport {
     type Row = PgRow;
 
     async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {

@@ -114,3 +114,9 @@ impl fmt::Debug for SqlxTx {
         self.inner.identity().fmt_debug("SqlxTx", f)
     }
 }
+
+#[cfg(feature = "axum")]
+crate::macros::from_extensions! {
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "sqlx"))))]
+    SqlxTx,
+}

@@ -4,7 +4,7 @@ use std::{future::Future, pin::Pin};
 
 use ::sqlx::{postgres::PgConnection, Connection as _, Executor as _, SqlSafeStr as _};
 
-use crate::protocol::statements::{describe_types, DEALLOCATE_ALL, USER_TYPES};
+use crate::protocol::user_types::{describe_types, DEALLOCATE_ALL, USER_TYPES};
 
 /// Types per loading statement.
 const CHUNK: usize = 200;

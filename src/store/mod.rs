@@ -37,11 +37,14 @@ use std::{fmt, future::Future, time::Duration};
 
 mod commit;
 pub(crate) mod id;
+mod key_record;
 mod lease;
+pub(crate) mod limits;
 
 pub(crate) use id::OperationId;
 
 pub use commit::{CommitStore, Committed};
+pub use key_record::{KeyRecord, KeyState};
 pub use lease::{
     Acquired, Backoff, LeaseRequest, LeaseStore, Operation, OperationState, Owned, Recovered,
     StoredRequest,

@@ -24,13 +24,13 @@ const STATS_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The columns the completion's `SET` list assigns, read from the statement
 /// itself (the `completion!` text that `COMPLETE` and `COMPLETE_AND_RESET` share,
-/// in `src/protocol/statements.rs`), so that a column added to it later is
+/// in `src/protocol/complete.rs`), so that a column added to it later is
 /// checked too.
 fn completion_sets() -> BTreeSet<String> {
-    let source = include_str!("../../src/protocol/statements.rs");
+    let source = include_str!("../../src/protocol/complete.rs");
     let start = source
         .find("macro_rules! completion {")
-        .expect("the completion's text is in statements.rs");
+        .expect("the completion's text is in complete.rs");
     let text = &source[start..];
     let text = &text[text.find('"').expect("COMPLETE's text") + 1..];
     let text = &text[..text.find("\",").expect("COMPLETE's text ends")];

@@ -2,7 +2,7 @@
 //! crate's tables and of the example server's includes `tenant_id`, read
 //! from the catalog of a database both have migrated. (That every statement
 //! of a request names one tenant is checked on the statements themselves:
-//! `postgres::statements::tests`.)
+//! `protocol::tests`.)
 
 use crate::common::example_binary;
 

@@ -83,6 +83,12 @@ impl fmt::Debug for PgLease {
     }
 }
 
+#[cfg(feature = "axum")]
+crate::macros::from_extensions! {
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
+    PgLease,
+}
+
 /// A fenced transaction of a long-running operation's owner, from
 /// [`PgLease::transaction`]: a [`PgTx`] (it dereferences to one) that the
 /// handler commits itself.

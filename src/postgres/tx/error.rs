@@ -213,6 +213,27 @@ impl fmt::Display for TxError {
     }
 }
 
+/// [`TxError::to_problem`]: `503 store_unavailable` (with `Retry-After`)
+/// when the database is lost or unavailable, `500 statement_failed` for a
+/// statement it refused. The body names neither the statement nor the
+/// database's message; the failure is logged at debug by kind and SQLSTATE
+/// only (inside the layer's span, which carries the key hashed). A 5xx
+/// answer rolls the handler's work back.
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
+impl axum_core::response::IntoResponse for TxError {
+    fn into_response(self) -> axum_core::response::Response {
+        // Not the error's text: the server's message may quote the
+        // request's values.
+        tracing::debug!(
+            kind = ?self.kind(),
+            sqlstate = self.code().map(|c| c.code()),
+            "the handler answered a failed statement"
+        );
+        axum_core::response::IntoResponse::into_response(self.to_problem())
+    }
+}
+
 impl std::error::Error for TxError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match &self.source {

@@ -306,3 +306,9 @@ impl fmt::Debug for PgTx {
         self.inner.identity().fmt_debug("PgTx", f)
     }
 }
+
+#[cfg(feature = "axum")]
+crate::macros::from_extensions! {
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "postgres"))))]
+    PgTx,
+}

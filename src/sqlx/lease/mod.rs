@@ -90,3 +90,9 @@ impl fmt::Debug for SqlxLease {
         self.inner.id.fmt_debug("SqlxLease", f)
     }
 }
+
+#[cfg(feature = "axum")]
+crate::macros::from_extensions! {
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "axum", feature = "sqlx"))))]
+    SqlxLease,
+}

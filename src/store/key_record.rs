@@ -1,5 +1,5 @@
 //! What the operator API shows of one key: [`KeyRecord`] and its
-//! [`KeyState`] (no body, no headers).
+//! [`KeyState`] (no body, no headers), as `PgStore::inspect_key` reads it.
 
 use std::time::SystemTime;
 

@@ -1,0 +1,18 @@
+//! How the store's transactions begin and end: the three texts both
+//! drivers send for it.
+
+/// How every transaction of the store begins. The protocol is written for
+/// READ COMMITTED: a duplicate's `INSERT … ON CONFLICT` waits on the owner's
+/// row lock and then sees its commit, a loser's claim at commit fails on the
+/// winner's row, a takeover reads the row's latest version. Under the
+/// snapshot of REPEATABLE READ or SERIALIZABLE each of them would fail with
+/// a serialization error instead, and a migrator that waited for another's
+/// lock would not see its tables; so the level is named here, never left to
+/// the database's `default_transaction_isolation`.
+pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// Ends a transaction, keeping its writes.
+pub(crate) const COMMIT: &str = "COMMIT";
+
+/// Ends a transaction, undoing its writes.
+pub(crate) const ROLLBACK: &str = "ROLLBACK";
