@@ -9,9 +9,9 @@
 use std::{fmt, sync::Arc, time::Duration};
 
 use deadpool_postgres::Object;
-use tokio_postgres::error::SqlState;
 
 use crate::protocol::{
+    errors::in_failed_transaction,
     session_reset::{session_reset_keeping, OUTSIDE_A_TRANSACTION},
     sql::{Param, Sql},
     transaction::ROLLBACK,
@@ -403,7 +403,7 @@ async fn reset_borrowed(mut conn: Conn) {
             Ok(messages) => !messages.iter().any(|m| {
                 matches!(m, tokio_postgres::SimpleQueryMessage::Row(row) if row.get(0) == Some("t"))
             }),
-            Err(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => true,
+            Err(e) if e.code().is_some_and(|c| in_failed_transaction(c.code())) => true,
             Err(e) => return Err(e),
         };
         if in_transaction {

@@ -199,6 +199,15 @@ impl Connection for Conn {
             .map_err(map_error)
     }
 
+    async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {
+        self.mark_dirty();
+        self.batch_execute(sql).await.map_err(map_error)
+    }
+
+    fn settled(&mut self) {
+        self.mark_clean();
+    }
+
     async fn end(self, deciding: Option<Deciding<'_>>, end: End) -> Result<(), Failed> {
         match (deciding, end) {
             (Some(deciding), End::Commit) => commit_behind(self, deciding).await,

@@ -34,7 +34,6 @@ mod conninfo;
 mod driver;
 mod error;
 pub(crate) mod lease;
-pub(crate) mod migrations;
 mod pool;
 pub(crate) mod prepared;
 mod session;
@@ -111,13 +110,8 @@ impl PgStore {
     /// Creates or upgrades the schema (`idempotency_requests`). Idempotent;
     /// concurrent callers serialise on an advisory lock.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut session = self.session().await?;
-        let (committed, citus) = migrations::run(&session).await?;
-        self.found_citus(citus);
-        // Left dirty, a session is closed rather than pooled again.
-        if let Some(committed) = committed {
-            session.mark_clean(committed);
-        }
+        let summary = crate::protocol::migrations::migrate(self).await?;
+        self.found_citus(summary.citus);
         Ok(())
     }
 
@@ -132,12 +126,8 @@ impl PgStore {
     /// `tenant_id`, and Citus refuses triggers on them. See the deploying
     /// guide (`docs/deploying.md`, Citus).
     pub async fn distribute_by_tenant(&self, tables: &[&str]) -> Result<bool, StoreError> {
-        let mut session = self.session().await?;
-        let (committed, citus) = migrations::distribute(&session, tables).await?;
+        let citus = crate::protocol::citus::distribute_on(self, tables).await?;
         self.found_citus(citus);
-        if let Some(committed) = committed {
-            session.mark_clean(committed);
-        }
         Ok(citus)
     }
 

@@ -76,6 +76,18 @@ pub(crate) struct Distribution {
     pub(crate) reconnect: bool,
 }
 
+/// [`distribute`] on a connection of `driver`'s pool: whether the
+/// database is a Citus coordinator.
+pub(crate) async fn distribute_on<D: super::driver::Driver>(
+    driver: &D,
+    tables: &[&str],
+) -> Result<bool, StoreError> {
+    let mut session = super::migration_session::OnConnection::open(driver).await?;
+    let done = distribute(&mut session, tables).await?;
+    session.finish(done.reconnect);
+    Ok(done.citus)
+}
+
 /// On a Citus coordinator, distributes each of `tables` by `tenant_id`
 /// (co-located with [`ANCHOR`], or the anchor itself first), under the
 /// migration lock so that several processes may call it at once; tables

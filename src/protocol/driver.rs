@@ -4,7 +4,7 @@
 //! A driver implements two traits, in one file of its own: [`Driver`] for
 //! its pool (a connection; a statement run on its own) and [`Connection`]
 //! for one pooled connection (begin with the first statements, query, end,
-//! cancel). Everything above the seam (`owner.rs`: the claim, the
+//! cancel; and a batch, for the migration runner). Everything above the seam (`owner.rs`: the claim, the
 //! completion, the one-commit commit, the fenced transaction, what a failed
 //! end means; `lease.rs`; `migrations.rs`) is written once against these
 //! traits and never names a driver.
@@ -174,6 +174,18 @@ pub(crate) trait Connection: Send + Sized + 'static {
         sql: Sql<'static>,
         params: &[Param<'_>],
     ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
+
+    /// Sends `sql` (statements of the crate's own, without parameters) as
+    /// one simple-query message, inside or outside a transaction: the
+    /// migration runner's way to begin and commit. From here on the
+    /// connection is closed rather than pooled again, until
+    /// [`settled`](Self::settled).
+    fn batch(&mut self, sql: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Every statement sent with [`batch`](Self::batch) or
+    /// [`query`](Self::query) was answered, and the last transaction
+    /// committed: the connection may go back to the pool.
+    fn settled(&mut self);
 
     /// Ends the transaction: `deciding`, if any, then `end`, then the
     /// session reset where one is due (none behind a transaction pooler,

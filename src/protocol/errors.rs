@@ -41,6 +41,27 @@ fn is_session_fault(error: &StoreError) -> bool {
     error.sql_state().is_some_and(|code| CODES.contains(&code))
 }
 
+/// Whether SQLSTATE `code` says the server ended the session
+/// (`admin_shutdown`, `crash_shutdown`, `cannot_connect_now`): nothing sent
+/// on it can still commit.
+pub(crate) fn ended_the_session(code: &str) -> bool {
+    code.starts_with("57P")
+}
+
+/// Whether SQLSTATE `code` says the server knows no prepared statement of
+/// the name the driver used (`26000`), or has one of the name it meant to
+/// create (`42P05`): behind a transaction pooler, the driver's statement
+/// names reached another server connection.
+pub(crate) fn names_a_missing_statement(code: &str) -> bool {
+    matches!(code, "26000" | "42P05")
+}
+
+/// Whether SQLSTATE `code` is `in_failed_sql_transaction`: the session is
+/// inside a transaction that failed.
+pub(crate) fn in_failed_transaction(code: &str) -> bool {
+    code == "25P02"
+}
+
 /// Whether `e` is the connection failing (closed, broken), as a driver
 /// reports it: unavailable with no answer from the server.
 pub(crate) fn connection_lost(e: &StoreError) -> bool {

@@ -1,6 +1,6 @@
 //! What the migration runner and Citus's distribution share: the
-//! [`MigrationSession`] a driver sends their statements through (one
-//! connection; not the store's `transport::Transport`), the statements on
+//! [`MigrationSession`] their statements go through (one connection of a
+//! [`Driver`], [`OnConnection`]), the statements on
 //! the migration table it runs for them, and the [`MIGRATION_LOCK`] both
 //! take. The runner (`migrations`) and `citus` each depend on this module,
 //! and the runner on `citus`, never the other way.
@@ -8,6 +8,7 @@
 use std::future::Future;
 
 use super::{
+    driver::{Connection, Driver},
     errors::LOCK_NOT_AVAILABLE,
     sql::{Columns, Param, Sql},
 };
@@ -30,7 +31,8 @@ pub(crate) const RECORD: Sql<'static> = Sql::new(
 pub(crate) const INDEX_VALID: Sql<'static> =
     Sql::new("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)");
 
-/// How a driver sends the runner's statements, all on one connection.
+/// How the runner's statements are sent, all on one connection
+/// ([`OnConnection`]; a test may stand in another).
 ///
 /// Methods return `impl Future + Send`; implementations may write
 /// `async fn`. Every statement the runner sends with parameters runs inside
@@ -93,5 +95,58 @@ pub(crate) trait MigrationSession: Send {
     /// transaction is rolled back and tried again.
     fn lock_timed_out(error: &StoreError) -> bool {
         error.sql_state() == Some(LOCK_NOT_AVAILABLE)
+    }
+}
+
+/// One pooled connection of a [`Driver`] as the runner's session. It goes
+/// back to the pool only once the run ended with its `COMMIT` and asked for
+/// no new sessions ([`finish`](Self::finish)); otherwise it is closed, and
+/// the server rolls back whatever transaction it was in.
+pub(crate) struct OnConnection<C> {
+    conn: C,
+    /// The last message sent was an acknowledged `COMMIT`.
+    committed: bool,
+}
+
+impl<C: Connection> OnConnection<C> {
+    /// A connection of `driver`'s pool.
+    pub(crate) async fn open<D: Driver<Conn = C>>(driver: &D) -> Result<Self, StoreError> {
+        Ok(OnConnection {
+            conn: driver.connect().await?,
+            committed: false,
+        })
+    }
+
+    /// The run is over: pooled again if it ended with its `COMMIT` and
+    /// sessions need not start anew (`reconnect`: it changed a default that
+    /// sessions read when they start), else closed.
+    pub(crate) fn finish(mut self, reconnect: bool) {
+        if self.committed && !reconnect {
+            self.conn.settled();
+        }
+    }
+}
+
+impl<C: Connection> MigrationSession for OnConnection<C> {
+    type Row = C::Row;
+
+    async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {
+        self.committed = false;
+        self.conn.batch(sql).await
+    }
+
+    async fn query(
+        &mut self,
+        sql: Sql<'static>,
+        params: &[Param<'_>],
+    ) -> Result<Vec<C::Row>, StoreError> {
+        self.committed = false;
+        self.conn.query(sql, params).await
+    }
+
+    async fn commit(&mut self) -> Result<(), StoreError> {
+        self.batch(super::transaction::COMMIT).await?;
+        self.committed = true;
+        Ok(())
     }
 }

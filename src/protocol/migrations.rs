@@ -33,8 +33,9 @@ use std::{
 };
 
 use super::{
+    driver::Driver,
     errors::LOCK_NOT_AVAILABLE,
-    migration_session::{MigrationSession, MIGRATION_LOCK},
+    migration_session::{MigrationSession, OnConnection, MIGRATION_LOCK},
     transaction::BEGIN,
 };
 use crate::store::{StoreError, StoreErrorKind};
@@ -319,6 +320,27 @@ pub(crate) struct Summary {
     pub(crate) reconnect: bool,
     /// The database is a Citus coordinator.
     pub(crate) citus: bool,
+}
+
+/// [`run`] on a connection of `driver`'s pool.
+pub(crate) async fn migrate<D: Driver>(driver: &D) -> Result<Summary, StoreError> {
+    let mut session = OnConnection::open(driver).await?;
+    let summary = run(&mut session).await?;
+    session.finish(summary.reconnect);
+    Ok(summary)
+}
+
+/// [`run_list`] on a connection of `driver`'s pool.
+#[cfg(test)]
+pub(crate) async fn run_on<D: Driver>(
+    driver: &D,
+    list: &[Migration],
+    settings: &Settings,
+) -> Result<Summary, StoreError> {
+    let mut session = OnConnection::open(driver).await?;
+    let summary = run_list(&mut session, list, settings).await?;
+    session.finish(false);
+    Ok(summary)
 }
 
 /// Applies the migrations the database lacks.

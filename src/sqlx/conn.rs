@@ -96,6 +96,12 @@ impl GuardedConnection {
         self.clean = false;
     }
 
+    /// Outside any transaction again, every statement answered: pooled
+    /// again when dropped.
+    pub(super) fn mark_settled(&mut self) {
+        self.clean = true;
+    }
+
     /// The session's process id, read inside the transaction.
     pub(super) fn set_pid(&mut self, pid: i32) {
         self.pid = Some(pid);

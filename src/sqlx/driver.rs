@@ -175,6 +175,21 @@ impl Connection for GuardedConnection {
             .map_err(map_error)
     }
 
+    async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {
+        self.mark_dirty();
+        // A string without arguments goes out as a simple query: several
+        // statements in one.
+        self.raw()
+            .execute(::sqlx::AssertSqlSafe(sql.to_owned()))
+            .await
+            .map(drop)
+            .map_err(map_error)
+    }
+
+    fn settled(&mut self) {
+        self.mark_settled();
+    }
+
     async fn end(mut self, deciding: Option<Deciding<'_>>, end: End) -> Result<(), Failed> {
         let end = match end {
             End::Unused => {

@@ -129,7 +129,6 @@ mod conn;
 mod driver;
 mod error;
 mod lease;
-pub(crate) mod migrations;
 mod tx;
 mod types;
 
@@ -218,7 +217,7 @@ impl SqlxStore {
     /// [`StoreErrorKind::Unavailable`](crate::store::StoreErrorKind::Unavailable)
     /// if a migration could not get its locks.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        migrations::run(&self.pool, self.transaction_pooling).await
+        crate::protocol::migrations::migrate(self).await.map(drop)
     }
 
     /// On a Citus coordinator, distributes the application's `tables` by
@@ -226,7 +225,7 @@ impl SqlxStore {
     /// nothing, without Citus. As
     /// [`PgStore::distribute_by_tenant`](crate::postgres::PgStore::distribute_by_tenant).
     pub async fn distribute_by_tenant(&self, tables: &[&str]) -> Result<bool, StoreError> {
-        migrations::distribute(&self.pool, self.transaction_pooling, tables).await
+        crate::protocol::citus::distribute_on(self, tables).await
     }
 }
 

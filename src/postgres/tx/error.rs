@@ -81,7 +81,7 @@ impl TxError {
         match e.as_db_error() {
             // admin_shutdown, crash_shutdown, cannot_connect_now: the server
             // ended the session.
-            Some(db) => db.code().code().starts_with("57P"),
+            Some(db) => crate::protocol::errors::ended_the_session(db.code().code()),
             None => {
                 e.is_closed()
                     || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
@@ -92,9 +92,8 @@ impl TxError {
     /// The server knows no prepared statement of the name the driver used
     /// (`26000`), or has one of the name it meant to create (`42P05`).
     pub(super) fn names_a_missing_statement(&self) -> bool {
-        self.code().is_some_and(|code| {
-            *code == SqlState::INVALID_SQL_STATEMENT_NAME || *code == SqlState::DUPLICATE_PSTATEMENT
-        })
+        self.code()
+            .is_some_and(|code| crate::protocol::errors::names_a_missing_statement(code.code()))
     }
 
     /// The answer for a handler that gives up on this error: `503

@@ -13,11 +13,11 @@ use std::{
 use bytes::Bytes;
 use http::StatusCode;
 
-use super::{Migration, Settings, Step, Summary, MIGRATIONS};
+use super::{run_on, Migration, Settings, Step, Summary, MIGRATIONS};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
-    postgres::{migrations::run_on, PgStore},
+    postgres::PgStore,
     record::StoredResponse,
     scope::{Scope, TenantId},
     store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind},
@@ -509,15 +509,10 @@ async fn an_interrupted_index_build_is_rebuilt_by_pg_store() {
 #[cfg(feature = "sqlx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_index_build_is_rebuilt_by_sqlx_store() {
-    use crate::sqlx::migrations::run_with;
     let db = TestDatabase::create().await;
-    let pool = sqlx_pool(&db).await;
-    crate::sqlx::SqlxStore::new(pool.clone())
-        .migrate()
-        .await
-        .unwrap();
-    an_interrupted_index_build_is_rebuilt(&db, || run_with(&pool, false, UNIQUE_TARGET, &SETTINGS))
-        .await;
+    let store = crate::sqlx::SqlxStore::new(sqlx_pool(&db).await);
+    store.migrate().await.unwrap();
+    an_interrupted_index_build_is_rebuilt(&db, || run_on(&store, UNIQUE_TARGET, &SETTINGS)).await;
 }
 
 #[cfg(feature = "sqlx")]
@@ -1168,15 +1163,11 @@ async fn a_version_superseded_by_recorded_ones_is_not_built_again_by_pg_store() 
 #[cfg(feature = "sqlx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_superseded_by_recorded_ones_is_not_built_again_by_sqlx_store() {
-    use crate::sqlx::migrations::run_with;
     let db = TestDatabase::create().await;
-    let pool = sqlx_pool(&db).await;
-    crate::sqlx::SqlxStore::new(pool.clone())
-        .migrate()
-        .await
-        .unwrap();
+    let store = crate::sqlx::SqlxStore::new(sqlx_pool(&db).await);
+    store.migrate().await.unwrap();
     a_version_superseded_by_recorded_ones_is_not_built_again(&db, || {
-        run_with(&pool, false, MIGRATIONS, &SETTINGS)
+        run_on(&store, MIGRATIONS, &SETTINGS)
     })
     .await;
 }
