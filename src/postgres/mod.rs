@@ -8,19 +8,17 @@
 //! [the transaction handle](crate::guide::transaction). No `SELECT` decides
 //! ownership: the unique index does.
 
-// The driver's part only: every statement, row decoding and decision is the
-// protocol's (`crate::protocol`). Here, one concern per file: the claim's
-// flow on a pooled connection (`claim.rs`), the end of the owner's
-// transaction (`end.rs`) and the one-commit mode's (`commit.rs`); how a
-// statement is sent, cached or unnamed (`prepared.rs`), and the
-// protocol's `Transport` and `Link` on this driver (`transport.rs`); the
-// connection guard and the application's connection (`conn.rs`); the pool
-// (`pool.rs`), its connection string (`conninfo.rs`) and TLS (`tls.rs`);
-// error mapping (`error.rs`); the handler's transaction (`tx/`); the
-// operator API (`admin.rs`); migrations (`migrations.rs`); user-defined
-// types behind a pooler (`types.rs`); and `Session` (`session.rs`), the one
-// way the rest of the crate (the outbox relay, retention) runs statements
-// on the pool.
+// The driver's part only: every statement, row decoding and decision, and
+// the owner's transaction itself, are the protocol's (`crate::protocol`).
+// Here, one concern per file: the seam (`driver.rs`: what this driver
+// sends, pipelined, for the protocol); how a statement is sent, cached or
+// unnamed (`prepared.rs`); the connection guard and the application's
+// connection (`conn.rs`); the pool (`pool.rs`), its connection string
+// (`conninfo.rs`) and TLS (`tls.rs`); error mapping (`error.rs`); the
+// handler's transaction (`tx/`); the long-running owner's lease (`lease/`);
+// the operator API (`admin.rs`); user-defined types behind a pooler
+// (`types.rs`); and `Session` (`session.rs`), the one way the rest of the
+// crate (the outbox relay, retention) runs statements on the pool.
 
 use std::{fmt, str::FromStr};
 
@@ -75,7 +73,7 @@ pub struct PgStore {
     /// Whether the database is a Citus coordinator: unknown (0) until the
     /// first claim asks (or `migrate` finds out), then no (1) or yes (2).
     /// On Citus the claim is sent as separate router statements (see
-    /// `postgres/claim.rs`). Shared by every clone.
+    /// `protocol::owner`). Shared by every clone.
     citus: std::sync::Arc<std::sync::atomic::AtomicU8>,
     /// What the store's sessions hold between transactions.
     session: conn::SessionDefaults,

@@ -1,10 +1,12 @@
 //! The PostgreSQL protocol both drivers speak: the schema and its
 //! migrations, every statement both send, the reading of the columns they
-//! return, the SQL guard a handler's statements pass, the identity of a
-//! key's owner that both drivers' handles hold, and how long the protocol
-//! waits. `postgres/`
-//! (tokio-postgres and deadpool) and `sqlx/` each use this module and never
-//! each other; nothing here depends on a driver.
+//! return, what the server's errors mean, the SQL guard a handler's
+//! statements pass, the identity of a key's owner that both drivers'
+//! handles hold, how long the protocol waits, and the owner's transaction
+//! itself (`owner`), written once over the seam a driver implements
+//! (`driver`). `postgres/` (tokio-postgres and deadpool) and `sqlx/` each
+//! implement the seam in one file and never use each other; nothing here
+//! names a driver or its feature (`tests/layering.rs`).
 
 pub(crate) mod admin;
 pub(crate) mod at_commit;

@@ -86,7 +86,8 @@
 //!
 //! `PgStore` pipelines the claim behind `BEGIN`, and the `COMMIT` and the
 //! session reset behind the response (two round trips per created
-//! resource, where this store takes six). Both guard the handler's
+//! resource, where this store takes five: `BEGIN` with its waits,
+//! the claim, the completion, the `COMMIT` and the reset). Both guard the handler's
 //! connection alike: statements that would end the transaction or change
 //! the pooled session are refused ([`GuardedConnection`]), and the session
 //! is reset before the connection serves anyone else. Both cancel a statement the handler left running when the layer rolls
