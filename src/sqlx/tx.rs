@@ -93,7 +93,7 @@ impl fmt::Debug for SqlxConn<'_> {
 impl SqlxTx {
     /// The transaction's connection, for the handler's statements.
     ///
-    /// [`StoreErrorKind::TransactionAborted`] once the layer completed or
+    /// [`StoreErrorKind::TransactionAborted`](crate::store::StoreErrorKind::TransactionAborted) once the layer completed or
     /// aborted the transaction (e.g. a task spawned by the handler writes
     /// after the handler returned).
     pub async fn conn(&self) -> Result<SqlxConn<'_>, StoreError> {
