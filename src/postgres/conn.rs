@@ -285,18 +285,29 @@ impl Conn {
 }
 
 /// Runs `statement` on `conn`, pipelined behind `begin` when there is one:
-/// one round trip for both. `biased`: the `BEGIN` is polled, and so sent,
-/// first; both are sent by the time the first poll returns, and a failed
-/// `BEGIN` fails the statement's answer too.
-pub(super) async fn behind<T>(
-    conn: &Conn,
+/// one round trip for both. The `BEGIN` is polled, and so sent, first;
+/// both are sent by the time the first poll returns, and a failed `BEGIN`
+/// fails the statement's answer too.
+///
+/// A combinator rather than an `async fn`, which would keep `statement`
+/// twice in its state (the argument and the join awaiting it).
+pub(super) fn behind<'c, T, F>(
+    conn: &'c Conn,
     begin: Option<String>,
-    statement: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
-) -> Result<T, tokio_postgres::Error> {
+    statement: F,
+) -> impl std::future::Future<Output = Result<T, tokio_postgres::Error>> + 'c
+where
+    F: std::future::Future<Output = Result<T, tokio_postgres::Error>> + 'c,
+{
+    use futures_util::{future::Either, TryFutureExt as _};
     match begin {
-        None => statement.await,
+        None => Either::Left(statement),
         Some(begin) => {
-            tokio::try_join!(biased; conn.batch_pipelined(&begin), statement).map(|((), done)| done)
+            let begin = async move { conn.batch_pipelined(&begin).await };
+            // `try_join` polls its first future first, every time.
+            Either::Right(
+                futures_util::future::try_join(begin, statement).map_ok(|((), done)| done),
+            )
         }
     }
 }

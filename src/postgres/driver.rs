@@ -13,8 +13,14 @@
 //! fresh one. Every statement is prepared and cached per connection, or
 //! unnamed behind a transaction pooler (`prepared.rs`).
 
-use std::{future::Future, pin::pin, task::Poll, time::Duration};
+use std::{
+    future::Future,
+    pin::{pin, Pin},
+    task::Poll,
+    time::Duration,
+};
 
+use futures_util::FutureExt as _;
 use tokio::time::Instant;
 use tokio_postgres::Row;
 
@@ -286,8 +292,14 @@ async fn commit_behind(mut conn: Conn, deciding: Deciding<'_>) -> Result<(), Fai
     let params = dyn_params(&params);
     // A handler that sent no statement left the BEGIN to go out here.
     let begin = conn.take_begin();
-    let decided = behind(&conn, begin, conn.query_one_prepared(&statement, &params));
-    let (ended, clean) = pipelined(&conn, decided, arguments.is_some()).await;
+    let (ended, clean) = {
+        let decided = pin!(behind(
+            &conn,
+            begin,
+            conn.query_one_prepared(&statement, &params)
+        ));
+        pipelined(&conn, decided, arguments.is_some()).await
+    };
     if clean {
         conn.mark_clean();
     }
@@ -301,11 +313,14 @@ async fn commit_behind(mut conn: Conn, deciding: Deciding<'_>) -> Result<(), Fai
 /// not even be sent must not let the handler's writes commit without it.
 /// Also says whether the connection is clean (its transaction over, its
 /// session reset).
-async fn pipelined<F>(conn: &Conn, decided: F, reset_inside: bool) -> (Result<(), Failed>, bool)
+async fn pipelined<F>(
+    conn: &Conn,
+    mut decided: Pin<&mut F>,
+    reset_inside: bool,
+) -> (Result<(), Failed>, bool)
 where
     F: Future<Output = Result<Row, tokio_postgres::Error>>,
 {
-    let mut decided = pin!(decided);
     let first = std::future::poll_fn(|cx| match decided.as_mut().poll(cx) {
         Poll::Ready(done) => Poll::Ready(Some(done)),
         Poll::Pending => Poll::Ready(None),
@@ -360,13 +375,11 @@ async fn rollback(mut conn: Conn) -> Result<(), StoreError> {
 }
 
 /// `work`, answered by `deadline` whatever the database does.
-pub(super) async fn bounded<T>(
+pub(super) fn bounded<T>(
     deadline: Instant,
     work: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout_at(deadline, work)
-        .await
-        .unwrap_or_else(|_| Err(timed_out()))
+) -> impl Future<Output = Result<T, StoreError>> {
+    tokio::time::timeout_at(deadline, work).map(|done| done.unwrap_or_else(|_| Err(timed_out())))
 }
 
 /// The database did not answer in time.

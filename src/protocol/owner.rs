@@ -7,7 +7,8 @@
 //! connection plus its own query methods.
 
 use std::{
-    pin::pin,
+    future::Future,
+    pin::Pin,
     sync::{Arc, Mutex as SyncMutex, PoisonError},
 };
 
@@ -152,7 +153,7 @@ impl<C: Connection> Slot<C> {
         self.cancel_running().await;
         if let Ok(mut held) = tokio::time::timeout(CANCEL_GRACE, self.conn.lock()).await {
             if let Some(conn) = held.take() {
-                let _ = conn.end(None, End::Rollback).await;
+                let _ = Box::pin(conn.end(None, End::Rollback)).await;
             }
         }
         // Not taken within the grace: the last handle to go closes the
@@ -275,7 +276,7 @@ pub(crate) async fn claim<D: Driver, H: Handle<Conn = D::Conn>>(
                 Ok(Claim::Completed(record))
             }
             Ok(Ok(Claimed::InProgress)) => {
-                conn.end(None, End::Unused).await.map_err(|f| f.error)?;
+                unused(conn).await.map_err(|f| f.error)?;
                 Ok(Claim::InProgress)
             }
             // A lock wait past the wait (a duplicate's row, or the whole
@@ -283,7 +284,7 @@ pub(crate) async fn claim<D: Driver, H: Handle<Conn = D::Conn>>(
             // sound: it rolls back and goes back to the pool.
             Ok(Err(e)) if e.sql_state() == Some(LOCK_NOT_AVAILABLE) => {
                 // A failed rollback closes the connection.
-                let _ = conn.end(None, End::Unused).await;
+                let _ = unused(conn).await;
                 Ok(Claim::InProgress)
             }
             Ok(Err(e)) if connection_fault(&e) && !retried => {
@@ -293,7 +294,7 @@ pub(crate) async fn claim<D: Driver, H: Handle<Conn = D::Conn>>(
             Ok(Err(e)) => {
                 if !connection_fault(&e) {
                     // A failed rollback closes the connection.
-                    let _ = conn.end(None, End::Unused).await;
+                    let _ = unused(conn).await;
                 }
                 Err(e)
             }
@@ -362,9 +363,16 @@ async fn try_claim<C: Connection>(
     }
 }
 
+/// Ends a transaction that wrote nothing. Boxed: a driver's end future
+/// is sized for its commit, the largest step of a request, and off the
+/// owner's path it would only make the claim's future that much larger.
+fn unused<C: Connection>(conn: C) -> Pin<Box<impl Future<Output = Result<(), Failed>>>> {
+    Box::pin(conn.end(None, End::Unused))
+}
+
 /// Ends a transaction that wrote nothing, off the request's path.
 async fn release<C: Connection>(conn: C) {
-    if let Err(failed) = conn.end(None, End::Unused).await {
+    if let Err(failed) = unused(conn).await {
         tracing::debug!(error = %failed.error, "ending a replay's transaction failed; the connection was closed");
     }
 }
@@ -379,7 +387,9 @@ pub(crate) async fn complete<H: Handle>(
     let slot = tx.slot();
     if slot.is_fenced() {
         let rolled_back = match slot.take_to_abort().await {
-            Ok(Some(conn)) => conn.end(None, End::Rollback).await.map_err(|f| f.error),
+            Ok(Some(conn)) => Box::pin(conn.end(None, End::Rollback))
+                .await
+                .map_err(|f| f.error),
             Ok(None) => Ok(()),
             Err(e) => Err(e),
         };
@@ -442,7 +452,7 @@ pub(crate) async fn abort<H: Handle>(tx: H) -> Result<(), StoreError> {
     let Some(conn) = slot.take_to_abort().await? else {
         return Ok(());
     };
-    let mut rollback = pin!(conn.end(None, End::Rollback));
+    let mut rollback = Box::pin(conn.end(None, End::Rollback));
     let ended = match tokio::time::timeout(ROLLBACK_PATIENCE, &mut rollback).await {
         Ok(ended) => Some(ended),
         Err(_) if slot.cancel_running().await => {

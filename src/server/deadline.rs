@@ -13,6 +13,7 @@
 
 use std::{future::Future, time::Duration};
 
+use futures_util::FutureExt as _;
 use tokio::time::Instant;
 
 use crate::store::{StoreError, StoreErrorKind};
@@ -79,16 +80,18 @@ impl Deadlines {
 
 /// `call`, answered by `deadline`: past it the call is dropped (its
 /// connection closed) and `late` is the answer.
-pub(crate) async fn within<T>(
+///
+/// A combinator rather than an `async fn`: an `async fn` would keep `call`
+/// twice in its state (the argument and the timeout awaiting it), and the
+/// owner's commit is the largest future of a request.
+pub(crate) fn within<T>(
     deadline: Instant,
     call: impl Future<Output = Result<T, StoreError>>,
     late: impl FnOnce(Duration) -> StoreError,
-) -> Result<T, StoreError> {
+) -> impl Future<Output = Result<T, StoreError>> {
     let started = Instant::now();
-    match tokio::time::timeout_at(deadline, call).await {
-        Ok(answered) => answered,
-        Err(_) => Err(late(started.elapsed())),
-    }
+    tokio::time::timeout_at(deadline, call)
+        .map(move |answered| answered.unwrap_or_else(|_| Err(late(started.elapsed()))))
 }
 
 /// The claim (or opening the transaction) was not answered in time.
