@@ -18,9 +18,20 @@
 //! not HTTP (the tower service is called in process).
 //!
 //! Scenarios: bare (the order and its outbox event in a transaction), the
-//! hand-written claim at commit (the upper bound of the one-commit mode),
-//! the one-commit mode and the default mode (claim first), the last two
-//! through the layer and `PgStore` as an application runs them.
+//! hand-written claim at commit with a minimal key row and with the full
+//! record (the layer's own one-commit insert, its text and parameters: the
+//! anchor the one-commit mode is measured against), the one-commit mode and
+//! the default mode (claim first), the last two through the layer and
+//! `PgStore` as an application runs them. Every scenario is the same tower
+//! service shape, called in process (a JSON request collected and parsed,
+//! a pool of one connection, a JSON answer), and sends `outbox::enqueue`'s
+//! own statement for the event.
+//!
+//! The process's allocations per request are counted too (a counting
+//! global allocator, over the requests after the warm-up, in the run that
+//! counts PostgreSQL's side). The last line is `RATIOS
+//! pgi_onecommit_vs_experiment=… proci_onecommit_vs_experiment=…
+//! allocs_onecommit=…` and more, against the full-record experiment.
 //!
 //!     cargo bench --features test-util --bench pg_instructions
 //!
@@ -30,6 +41,8 @@
 //! an index added); `PGI_LOCALE`, a locale (`en_US.UTF-8`) to create the
 //! scenarios' database in instead of the cluster's C. Needs valgrind (`apt-get install valgrind`); takes about
 //! a minute and a half.
+
+#![allow(unsafe_code)] // the counting allocator, and nothing else
 
 use std::{
     path::{Path, PathBuf},
@@ -56,33 +69,88 @@ use create::Service;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Every scenario's service: the answer's body is dropped once answered
+/// (the layer's is buffered already; the hand-written one's is built).
+type Plain = BoxCloneSyncService<Request<Full<Bytes>>, Response<()>, BoxError>;
+
 const ORDERS: &str = "CREATE TABLE orders (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), \
      tenant_id text NOT NULL, checkout_id text NOT NULL, total bigint NOT NULL, \
      created_at timestamptz NOT NULL DEFAULT now(), UNIQUE (tenant_id, checkout_id)); \
      DROP TRIGGER outbox_events_notify_insert ON outbox_events;";
 const INSERT_ORDER: &str =
     "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3) RETURNING id::text";
-const ENQUEUE: &str = "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) \
-     VALUES ($1, $2, 'OrderCreated', $3)";
+/// `outbox::enqueue`'s own statement, for the hand-written scenarios too.
+const ENQUEUE: &str = tower_idempotency::testing::statements::ENQUEUE;
+/// The layer's one-commit insert, for the full-record experiment.
+const CLAIM_AT_COMMIT: &str = tower_idempotency::testing::statements::CLAIM_AT_COMMIT;
+/// The layer's default retention, in seconds, as the full record sends it.
+const RETENTION_SECS: f64 = 24.0 * 3600.0;
 const REMEMBER: &str = "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
      request_fingerprint, state, response_status, response_headers, response_body, completed_at, \
      expires_at) VALUES ('bench', 'at-commit', $1, $2, 'completed', 201, '', $3, now(), \
      now() + interval '1 day')";
 const WARM_UP: usize = 20;
 
+/// The header block the layer stores for the layered handler's answer
+/// (`content-type: application/json`).
+static HEADER_BLOCK: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    tower_idempotency::record::StoredResponse::new(
+        StatusCode::CREATED,
+        &headers,
+        &[http::header::CONTENT_TYPE],
+        Bytes::new(),
+    )
+    .encode_headers()
+});
+
+/// Counts allocations (it only forwards to the system allocator).
+struct Counting;
+
+static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+// SAFETY: every call forwards to `System` with the caller's arguments.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Allocations so far (a `realloc` counts as one).
+fn allocated() -> u64 {
+    ALLOCATIONS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// How one scenario sends its requests.
 #[derive(Clone, Copy, PartialEq)]
 enum Scenario {
     Bare,
     Experiment,
+    FullRecord,
     OneCommit,
     Default,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 4] = [
+    const ALL: [Scenario; 5] = [
         Scenario::Bare,
         Scenario::Experiment,
+        Scenario::FullRecord,
         Scenario::OneCommit,
         Scenario::Default,
     ];
@@ -91,6 +159,7 @@ impl Scenario {
         match self {
             Scenario::Bare => "bare (no layer)",
             Scenario::Experiment => "claim at commit, hand-written",
+            Scenario::FullRecord => "claim at commit, full record, hand-written",
             Scenario::OneCommit => "one-commit create",
             Scenario::Default => "default create (claim first)",
         }
@@ -121,7 +190,7 @@ fn main() {
             .into_iter()
             .find(|s| s.name() == name)
             .expect("a scenario's name");
-        runtime.block_on(backend(&config, scenario, requests));
+        let _ = runtime.block_on(backend(&config, scenario, requests));
         return;
     }
     // The process's side subtracts a run of a third of the requests.
@@ -136,15 +205,17 @@ fn main() {
     let server = under_callgrind(&pg, &out);
     runtime.block_on(wait_until_ready(&config));
     let mut database = Vec::new();
+    let mut allocations = Vec::new();
     for &scenario in &scenarios {
         let count = |n| {
             runtime.block_on(async {
-                let pid = backend(&config, scenario, n).await;
-                counted(&out.join(format!("cg.{pid}"))).await
+                let (pid, allocations) = backend(&config, scenario, n).await;
+                (counted(&out.join(format!("cg.{pid}"))).await, allocations)
             })
         };
-        let (base, full) = (count(0), count(requests));
+        let ((base, _), (full, allocated)) = (count(0), count(requests));
         database.push((scenario, full.saturating_sub(base) as f64 / requests as f64));
+        allocations.push((scenario, allocated as f64 / requests as f64));
     }
     drop(server);
     let mut process = Vec::new();
@@ -152,10 +223,10 @@ fn main() {
         process.push((scenario, process_side(scenario, requests, &out)));
     }
 
-    println!("Instructions per request ({requests} requests a scenario, one after another):");
+    println!("Instructions per request ({requests} requests a scenario, one after another), and the process's allocations:");
     println!();
-    println!("| scenario | PostgreSQL | over bare | over the hand-written | the process (no HTTP) | over bare | over the hand-written |");
-    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| scenario | PostgreSQL | over bare | over the full record | the process (no HTTP) | over bare | over the full record | allocations |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let of = |counts: &[(Scenario, f64)], s: Scenario| {
         counts.iter().find(|(c, _)| *c == s).map(|(_, n)| *n)
     };
@@ -170,30 +241,45 @@ fn main() {
                 "{:.0} | {} | {}",
                 n.unwrap_or(0.0),
                 ratio(n, of(counts, Scenario::Bare)),
-                ratio(n, of(counts, Scenario::Experiment))
+                ratio(n, of(counts, Scenario::FullRecord))
             )
         });
-        println!("| {} | {} | {} |", scenario.name(), cells[0], cells[1]);
+        println!(
+            "| {} | {} | {} | {:.1} |",
+            scenario.name(),
+            cells[0],
+            cells[1],
+            of(&allocations, scenario).unwrap_or(0.0)
+        );
     }
     let both = |s: Scenario| Some(of(&database, s)? + of(&process, s)?);
+    let count = |v: Option<f64>| v.map_or("n/a".to_owned(), |v| format!("{v:.1}"));
     println!();
     println!(
-        "INSTRUCTIONS pg_onecommit_vs_experiment={} pg_default_vs_bare={} pg_experiment_vs_bare={} \
-         process_onecommit_vs_experiment={} both_onecommit_vs_experiment={}",
+        "RATIOS pgi_onecommit_vs_experiment={} proci_onecommit_vs_experiment={} allocs_onecommit={} \
+         allocs_experiment={} allocs_default={} pgi_onecommit_vs_minimal_experiment={} \
+         proci_onecommit_vs_minimal_experiment={} pgi_default_vs_bare={} both_onecommit_vs_experiment={}",
+        ratio(
+            of(&database, Scenario::OneCommit),
+            of(&database, Scenario::FullRecord)
+        ),
+        ratio(
+            of(&process, Scenario::OneCommit),
+            of(&process, Scenario::FullRecord)
+        ),
+        count(of(&allocations, Scenario::OneCommit)),
+        count(of(&allocations, Scenario::FullRecord)),
+        count(of(&allocations, Scenario::Default)),
         ratio(
             of(&database, Scenario::OneCommit),
             of(&database, Scenario::Experiment)
-        ),
-        ratio(of(&database, Scenario::Default), of(&database, Scenario::Bare)),
-        ratio(
-            of(&database, Scenario::Experiment),
-            of(&database, Scenario::Bare)
         ),
         ratio(
             of(&process, Scenario::OneCommit),
             of(&process, Scenario::Experiment)
         ),
-        ratio(both(Scenario::OneCommit), both(Scenario::Experiment)),
+        ratio(of(&database, Scenario::Default), of(&database, Scenario::Bare)),
+        ratio(both(Scenario::OneCommit), both(Scenario::FullRecord)),
     );
 }
 
@@ -361,33 +447,41 @@ async fn wait_until_ready(config: &tokio_postgres::Config) {
 }
 
 /// One backend's life: it connects, warms up, sends `requests` creates of
-/// `scenario`, and exits; its process id.
-async fn backend(config: &tokio_postgres::Config, scenario: Scenario, requests: usize) -> i32 {
+/// `scenario`, and exits; its process id, and the process's allocations
+/// over the `requests` (after the warm-up).
+///
+/// Every scenario is the same tower service shape called in process: a
+/// request with a JSON body, the body collected and parsed, the writes
+/// through a deadpool-postgres pool of one connection (the layered
+/// scenarios': the store's), a JSON answer.
+async fn backend(
+    config: &tokio_postgres::Config,
+    scenario: Scenario,
+    requests: usize,
+) -> (i32, u64) {
     let run = run_tag();
-    let pid = match scenario {
-        Scenario::Bare | Scenario::Experiment => {
-            let (client, connection) = config
-                .connect(tokio_postgres::NoTls)
+    let (mut service, pid) = match scenario {
+        Scenario::Bare | Scenario::Experiment | Scenario::FullRecord => {
+            let manager = deadpool_postgres::Manager::from_config(
+                config.clone(),
+                tokio_postgres::NoTls,
+                deadpool_postgres::ManagerConfig {
+                    recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+                },
+            );
+            let pool = deadpool_postgres::Pool::builder(manager)
+                .max_size(1)
+                .build()
+                .expect("pool");
+            let pid: i32 = pool
+                .get()
                 .await
-                .expect("connect");
-            let task = tokio::spawn(connection);
-            let pid: i32 = client
+                .expect("client")
                 .query_one("SELECT pg_backend_pid()", &[])
                 .await
                 .expect("pid")
                 .get(0);
-            let statements = Statements::prepare(&client).await;
-            for i in 0..WARM_UP + requests {
-                let checkout = format!("{run}-{i}");
-                if scenario == Scenario::Bare {
-                    bare(&client, &statements, &checkout).await;
-                } else {
-                    at_commit(&client, &statements, &checkout).await;
-                }
-            }
-            drop(client);
-            let _ = task.await;
-            pid
+            (hand_written(pool, scenario), pid)
         }
         Scenario::OneCommit | Scenario::Default => {
             let store = PgStore::builder(config.clone())
@@ -402,30 +496,36 @@ async fn backend(config: &tokio_postgres::Config, scenario: Scenario, requests: 
                 .await
                 .expect("pid")
                 .get(0);
-            let mut service = layered(store, scenario == Scenario::OneCommit);
-            for i in 0..WARM_UP + requests {
-                let checkout = format!("{run}-{i}");
-                let request = Request::post("/orders")
-                    .header("idempotency-key", &checkout)
-                    .header("content-type", "application/json")
-                    .body(Full::new(Bytes::from(format!(
-                        r#"{{"checkout_id":"{checkout}","total":2400}}"#
-                    ))))
-                    .expect("request");
-                let answer = service
-                    .ready()
-                    .await
-                    .expect("ready")
-                    .call(request)
-                    .await
-                    .expect("answer");
-                assert_eq!(answer.status(), StatusCode::CREATED);
-            }
-            drop(service);
-            pid
+            let service = layered(store, scenario == Scenario::OneCommit);
+            (Plain::new(service.map_response(|r| r.map(drop))), pid)
         }
     };
-    pid
+    let mut allocations = 0;
+    for i in 0..WARM_UP + requests {
+        let checkout = format!("{run}-{i}");
+        let request = Request::post("/orders")
+            .header("idempotency-key", &checkout)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(format!(
+                r#"{{"checkout_id":"{checkout}","total":2400}}"#
+            ))))
+            .expect("request");
+        let before = allocated();
+        let answer = service
+            .ready()
+            .await
+            .expect("ready")
+            .call(request)
+            .await
+            .expect("answer");
+        assert_eq!(answer.status(), StatusCode::CREATED);
+        drop(answer);
+        if i >= WARM_UP {
+            allocations += allocated() - before;
+        }
+    }
+    drop(service);
+    (pid, allocations)
 }
 
 /// The total a backend's callgrind file holds, once it has exited.
@@ -457,71 +557,95 @@ fn run_tag() -> String {
         .to_string()
 }
 
-/// The bare scenarios' statements, prepared once per connection (as the
-/// e2e bench's pool caches them).
-struct Statements {
-    insert: tokio_postgres::Statement,
-    enqueue: tokio_postgres::Statement,
-    remember: tokio_postgres::Statement,
-}
-
-impl Statements {
-    async fn prepare(client: &tokio_postgres::Client) -> Statements {
-        Statements {
-            insert: client.prepare(INSERT_ORDER).await.expect("prepare"),
-            enqueue: client.prepare(ENQUEUE).await.expect("prepare"),
-            remember: client.prepare(REMEMBER).await.expect("prepare"),
+/// Bare and the hand-written experiments as a tower service of the same
+/// shape as the layered ones: the body collected and parsed, the order and
+/// its event (`BEGIN` pipelined with the first insert), then `COMMIT`
+/// (bare) or the key row pipelined with `COMMIT` (the experiments: the
+/// minimal row, or the layer's own one-commit insert with its parameters).
+fn hand_written(pool: deadpool_postgres::Pool, scenario: Scenario) -> Plain {
+    let handler = tower::service_fn(move |request: Request<Full<Bytes>>| {
+        let pool = pool.clone();
+        async move {
+            use sha2::Digest as _;
+            let (parts, body) = request.into_parts();
+            let key = parts
+                .headers
+                .get("idempotency-key")
+                .and_then(|k| k.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            let body = http_body_util::BodyExt::collect(body).await?.to_bytes();
+            let order: serde_json::Value = serde_json::from_slice(&body)?;
+            let checkout = order["checkout_id"].as_str().unwrap_or_default().to_owned();
+            let total = order["total"].as_i64().unwrap_or_default();
+            let client = pool.get().await?;
+            let insert = client.prepare_cached(INSERT_ORDER).await?;
+            let enqueue = client.prepare_cached(ENQUEUE).await?;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                [&"bench", &checkout, &total];
+            let (_, row) = tokio::try_join!(
+                biased;
+                client.batch_execute("BEGIN"),
+                client.query_one(&insert, &params)
+            )?;
+            let id: String = row.get(0);
+            let payload = serde_json::json!({"id": id, "total": total});
+            let _event: String = client
+                .query_one(&enqueue, &[&"bench", &id, &"OrderCreated", &payload])
+                .await?
+                .get(0);
+            let answer =
+                serde_json::json!({"id": id, "checkout_id": checkout, "total": total}).to_string();
+            match scenario {
+                Scenario::Bare => client.batch_execute("COMMIT").await?,
+                Scenario::Experiment => {
+                    let remember = client.prepare_cached(REMEMBER).await?;
+                    let fingerprint = sha2::Sha256::digest(&body).to_vec();
+                    let row: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                        [&key, &fingerprint, &answer.as_bytes()];
+                    let (remembered, committed) = tokio::join!(
+                        biased;
+                        client.execute(&remember, &row),
+                        client.batch_execute("COMMIT")
+                    );
+                    remembered?;
+                    committed?;
+                }
+                _ => {
+                    let remember = client.prepare_cached(CLAIM_AT_COMMIT).await?;
+                    let fingerprint = sha2::Sha256::digest(&body).to_vec();
+                    let resource: Option<&str> = None;
+                    let row: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
+                        &"bench",
+                        &"at-commit-full",
+                        &key,
+                        &fingerprint,
+                        &201_i16,
+                        &*HEADER_BLOCK,
+                        &answer.as_bytes(),
+                        &resource,
+                        &RETENTION_SECS,
+                    ];
+                    let (remembered, committed) = tokio::join!(
+                        biased;
+                        client.execute(&remember, &row),
+                        client.batch_execute("COMMIT")
+                    );
+                    remembered?;
+                    committed?;
+                }
+            }
+            Ok::<_, BoxError>(
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(answer)))
+                    .expect("response")
+                    .map(drop),
+            )
         }
-    }
-}
-
-/// Begins and writes the order and its event (`BEGIN` pipelined with the
-/// first insert); the order's id.
-async fn order_and_event(
-    client: &tokio_postgres::Client,
-    s: &Statements,
-    checkout: &str,
-) -> String {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&"bench", &checkout, &2400_i64];
-    let (_, row) = tokio::try_join!(
-        biased;
-        client.batch_execute("BEGIN"),
-        client.query_one(&s.insert, &params)
-    )
-    .expect("insert");
-    let id: String = row.get(0);
-    let payload = serde_json::json!({"id": id, "total": 2400});
-    client
-        .execute(&s.enqueue, &[&"bench", &id, &payload])
-        .await
-        .expect("enqueue");
-    id
-}
-
-/// The order and its event, in a transaction (as `benches/e2e`'s bare server).
-async fn bare(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
-    order_and_event(client, s, checkout).await;
-    client.batch_execute("COMMIT").await.expect("commit");
-}
-
-/// The hand-written claim at commit (as `benches/e2e/experiment.rs`): the
-/// key row last, completed, pipelined with `COMMIT`.
-async fn at_commit(client: &tokio_postgres::Client, s: &Statements, checkout: &str) {
-    use sha2::Digest as _;
-    let body = format!(r#"{{"checkout_id":"{checkout}","total":2400}}"#);
-    let fingerprint = sha2::Sha256::digest(body.as_bytes()).to_vec();
-    let id = order_and_event(client, s, checkout).await;
-    let response =
-        serde_json::to_vec(&serde_json::json!({"id": id, "checkout_id": checkout, "total": 2400}))
-            .expect("json");
-    let row: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&checkout, &fingerprint, &response];
-    let (remembered, committed) = tokio::join!(
-        biased;
-        client.execute(&s.remember, &row),
-        client.batch_execute("COMMIT")
-    );
-    remembered.expect("remember");
-    committed.expect("commit");
+    });
+    Plain::new(handler)
 }
 
 /// The layer in the one-commit or the default mode over the same writes,

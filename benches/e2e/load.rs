@@ -53,11 +53,22 @@ pub(crate) enum Body {
     Order,
     /// `{"checkout_id", "customer_id", "total"}`: the five-statement handlers.
     Full,
+    /// [`Body::Order`] with a 4 KB `note` the typed handlers ignore: what a
+    /// larger request costs (buffering, hashing, the record's fingerprint).
+    Large,
 }
+
+/// The length of [`Body::Large`]'s note.
+const NOTE: usize = 4000;
 
 /// Lists of completed (key, body) pairs, for replays and retries.
 pub(crate) const MAIN_KEYS: usize = 0;
 pub(crate) const GROWTH_KEYS: usize = 1;
+/// Keys made again just before each run of a scenario that replays from
+/// the cache (`fresh_hits`): within the cache's size and lifetime.
+pub(crate) const HIT_KEYS: usize = 2;
+/// How many keys [`HIT_KEYS`] holds.
+const HITS: usize = 256;
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Scenario {
@@ -68,6 +79,11 @@ pub(crate) struct Scenario {
     pub(crate) body: Body,
     /// Creates keep their keys in this list; replays and retries pick from it.
     pub(crate) list: Option<usize>,
+    /// A replay whose keys are made again on its own server just before
+    /// each run, so that every one is answered from the replay cache.
+    pub(crate) fresh_hits: bool,
+    /// Run with the tracing subscriber and the metrics recorder on.
+    pub(crate) observed: bool,
 }
 
 impl Scenario {
@@ -79,7 +95,19 @@ impl Scenario {
             keys: Keys::Counter,
             body: Body::Order,
             list: None,
+            fresh_hits: false,
+            observed: false,
         }
+    }
+    /// Replays of keys made on this server just before each run: cache hits.
+    pub(crate) fn fresh_hits(mut self) -> Self {
+        self.list = Some(HIT_KEYS);
+        self.fresh_hits = true;
+        self
+    }
+    pub(crate) fn observed(mut self) -> Self {
+        self.observed = true;
+        self
     }
     pub(crate) fn keys(mut self, keys: Keys) -> Self {
         self.keys = keys;
@@ -175,7 +203,7 @@ pub(crate) fn median(values: &mut [f64]) -> f64 {
 
 pub(crate) struct Load {
     http: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
-    completed: [Mutex<Vec<(String, String)>>; 2],
+    completed: [Mutex<Vec<(String, String)>>; 3],
     next: AtomicUsize,
 }
 
@@ -203,6 +231,10 @@ impl Load {
             Body::Full => format!(
                 r#"{{"checkout_id":"chk-{n}","customer_id":{},"total":2400}}"#,
                 1 + n % CUSTOMERS
+            ),
+            Body::Large => format!(
+                r#"{{"checkout_id":"chk-{n}","total":2400,"note":"{}"}}"#,
+                "n".repeat(NOTE)
             ),
         };
         let key = match keys {
@@ -283,8 +315,39 @@ impl Load {
         }
     }
 
+    /// What a run needs before its clock starts: the cache-hit keys made
+    /// again (outside the measured window), and the observers turned on
+    /// for an observed scenario (off again when the guard drops).
+    async fn prepare(self: &Arc<Self>, s: Scenario) -> Option<crate::observed::On> {
+        if s.fresh_hits {
+            self.completed[HIT_KEYS].lock().unwrap().clear();
+            let create = Scenario {
+                kind: Kind::Create,
+                fresh_hits: false,
+                ..s
+            };
+            let workers: Vec<_> = (0..CONCURRENCY)
+                .map(|w| {
+                    let load = self.clone();
+                    tokio::spawn(async move {
+                        let mut rng = 0x2545_F491_4F6C_DD1D ^ (w as u64 + 1);
+                        for _ in 0..HITS / CONCURRENCY {
+                            let (ok, _) = load.one(create, &mut rng).await;
+                            assert!(ok, "making a key to replay from the cache failed");
+                        }
+                    })
+                })
+                .collect();
+            for worker in workers {
+                worker.await.expect("worker");
+            }
+        }
+        s.observed.then(crate::observed::On::new)
+    }
+
     /// Closed loop: 32 clients sending back to back for `duration`.
     pub(crate) async fn run(self: &Arc<Self>, s: Scenario, duration: Duration) -> Run {
+        let _observing = self.prepare(s).await;
         if s.kind == Kind::HotKey {
             return self.hot_key(s, duration).await;
         }
@@ -325,6 +388,7 @@ impl Load {
         rate: f64,
         duration: Duration,
     ) -> Run {
+        let _observing = self.prepare(s).await;
         let started = tokio::time::Instant::now();
         let interval = Duration::from_secs_f64(1.0 / rate);
         let mut requests = Vec::new();

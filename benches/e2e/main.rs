@@ -33,6 +33,7 @@ mod growth;
 mod grpc;
 mod load;
 mod memory;
+mod observed;
 mod pgbench;
 mod proxy;
 mod report;
@@ -57,6 +58,7 @@ use tower_idempotency::{postgres::PgStore, testing::TempPostgres};
 use crate::{
     load::{print_open_round, print_round, Body, Kind, Load, Scenario, Stats, MAIN_KEYS},
     report::{Proxied, Report},
+    servers::echo_server,
 };
 
 /// A server in the one-commit mode on `store` (`None` would run the
@@ -182,6 +184,7 @@ async fn run(s: Settings) {
     .expect("start")
     .unwrap_or_else(|e| panic!("{e}"));
     let config = pg.config();
+    observed::install();
     let setup = PgStore::builder(config.clone()).build().expect("store");
     setup.migrate().await.expect("migrate");
     let client = setup.client().await.expect("client");
@@ -200,6 +203,13 @@ async fn run(s: Settings) {
     let typed = servers::typed_server(&config).await;
     let bare_five = servers::bare_five_server(servers::bare_pool(&config)).await;
     let layered_five = servers::layered_five_server(servers::store(&config)).await;
+    let full_record = experiment::full_record_server(servers::bare_pool(&config)).await;
+    let echo = echo_server().await;
+    let observed_one_commit = {
+        // Built observed, in case the layer takes its metric handles once.
+        let _on = observed::On::new();
+        one_commit_server(servers::store(&config)).await
+    };
 
     let bare_s = Scenario::new(report::BARE, bare, Kind::Plain);
     let create_s = Scenario::new(report::CREATE, layered, Kind::Create).list(MAIN_KEYS);
@@ -208,7 +218,7 @@ async fn run(s: Settings) {
     let mut main = vec![
         bare_s,
         create_s,
-        Scenario::new(report::REPLAY, layered, Kind::Replay).list(MAIN_KEYS),
+        Scenario::new(report::REPLAY, layered, Kind::Replay).fresh_hits(),
         Scenario::new(report::MIXED, layered, Kind::Mixed).list(MAIN_KEYS),
         Scenario::new(report::HOT, layered, Kind::HotKey),
         experiment_s,
@@ -218,7 +228,19 @@ async fn run(s: Settings) {
         Scenario::new(report::TYPED, typed, Kind::Create),
         Scenario::new(report::BARE_FIVE, bare_five, Kind::Plain).body(Body::Full),
         Scenario::new(report::LAYERED_FIVE, layered_five, Kind::Create).body(Body::Full),
+        Scenario::new(report::FULL_RECORD, full_record, Kind::Create),
+        Scenario::new(report::REPLAY_MISS, uncached, Kind::Replay).list(MAIN_KEYS),
+        Scenario::new(report::ECHO, echo, Kind::Plain),
+        Scenario::new(report::FULL_RECORD_4K, full_record, Kind::Create).body(Body::Large),
     ]);
+    main.extend(
+        one_commit
+            .map(|addr| Scenario::new(report::ONE_COMMIT_4K, addr, Kind::Create).body(Body::Large)),
+    );
+    main.extend(
+        observed_one_commit
+            .map(|addr| Scenario::new(report::OBSERVED, addr, Kind::Create).observed()),
+    );
     let mut report = Report {
         one_commit: one_commit.is_some(),
         ..Report::default()

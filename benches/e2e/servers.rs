@@ -40,7 +40,9 @@ pub(crate) struct FullOrder {
 
 const INSERT_ORDER: &str =
     "INSERT INTO orders (tenant_id, checkout_id, total) VALUES ($1, $2, $3) RETURNING id::text";
-const ENQUEUE: &str = "INSERT INTO outbox_events (tenant_id, aggregate_id, event_type, payload) VALUES ($1, $2, 'OrderCreated', $3)";
+/// The layered handlers' event, `outbox::enqueue`'s own statement: the
+/// same text, with its `RETURNING`, for every handler here.
+pub(crate) const ENQUEUE: &str = tower_idempotency::testing::statements::ENQUEUE;
 const READ_CUSTOMER: &str =
     "SELECT name, credit_limit FROM customers WHERE tenant_id = $1 AND id = $2";
 const INSERT_FULL_ORDER: &str = "INSERT INTO orders (tenant_id, checkout_id, customer_id, total) VALUES ($1, $2, $3, $4) RETURNING id::text";
@@ -127,7 +129,10 @@ async fn bare(State(pool): State<BarePool>, body: Bytes) -> Response {
             tokio::try_join!(biased; client.batch_execute("BEGIN"), client.query_one(&insert, &p))?;
         let id: String = row.get(0);
         let payload = serde_json::json!({"id": id, "total": order.total});
-        client.execute(&enqueue, &[&"bench", &id, &payload]).await?;
+        let _event: String = client
+            .query_one(&enqueue, &[&"bench", &id, &"OrderCreated", &payload])
+            .await?
+            .get(0);
         client.batch_execute("COMMIT").await?;
         Ok::<_, tokio_postgres::Error>(id)
     }
@@ -215,7 +220,10 @@ async fn bare_five(State(pool): State<BarePool>, body: Bytes) -> Response {
             client.execute(&line, &p).await?;
         }
         let payload = serde_json::json!({"id": id, "total": order.total});
-        client.execute(&enqueue, &[&"bench", &id, &payload]).await?;
+        let _event: String = client
+            .query_one(&enqueue, &[&"bench", &id, &"OrderCreated", &payload])
+            .await?
+            .get(0);
         client.batch_execute("COMMIT").await?;
         Ok::<_, tokio_postgres::Error>(id)
     }
@@ -325,4 +333,22 @@ pub(crate) async fn layered_five_server(store: PgStore) -> SocketAddr {
     )
     .tenant_resolver(SingleTenant::new("bench"));
     serve(Router::new().route("/orders", post(layered_five).layer(layer))).await
+}
+
+/// The HTTP floor a replay from the cache is measured against: the same
+/// axum stack and route, the request's body read, a static `201` with a
+/// body and headers of a replay's size, no layer and no database.
+pub(crate) async fn echo_server() -> SocketAddr {
+    async fn echo(_body: Bytes) -> Response {
+        (
+            StatusCode::CREATED,
+            [
+                ("content-type", "application/json"),
+                ("idempotent-replayed", "true"),
+            ],
+            r#"{"id":"6f1c0f5e-5b7e-4c41-9d0a-2f4f7f0e9a11","checkout_id":"chk-0","total":2400}"#,
+        )
+            .into_response()
+    }
+    serve(Router::new().route("/orders", post(echo))).await
 }

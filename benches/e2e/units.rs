@@ -116,6 +116,7 @@ pub(crate) const BARE: &str = "bare (no layer)";
 pub(crate) const DEFAULT: &str = "default create (claim first)";
 pub(crate) const ONE_COMMIT: &str = "one-commit create";
 pub(crate) const EXPERIMENT: &str = "claim at commit, hand-written";
+pub(crate) const FULL_RECORD: &str = "claim at commit, full record, hand-written";
 pub(crate) const REPLAY: &str = "replay from the table (no cache)";
 pub(crate) const BARE_FIVE: &str = "bare, five statements";
 pub(crate) const LAYERED_FIVE: &str = "layered, five statements";
@@ -142,6 +143,7 @@ pub(crate) async fn run(
     let layered = servers::layered_server(servers::store(&via)).await;
     let one_commit = one_commit_server(servers::store(&via)).await;
     let at_commit = experiment::at_commit_server(servers::bare_pool(&via)).await;
+    let full_record = experiment::full_record_server(servers::bare_pool(&via)).await;
     let uncached = servers::uncached_server(servers::store(&via)).await;
     let bare_five = servers::bare_five_server(servers::bare_pool(&via)).await;
     let layered_five = servers::layered_five_server(servers::store(&via)).await;
@@ -152,6 +154,7 @@ pub(crate) async fn run(
     scenarios.extend(one_commit.map(|addr| Scenario::new(ONE_COMMIT, addr, Kind::Create)));
     scenarios.extend([
         Scenario::new(EXPERIMENT, at_commit, Kind::Create),
+        Scenario::new(FULL_RECORD, full_record, Kind::Create),
         Scenario::new(REPLAY, uncached, Kind::Replay).list(MAIN_KEYS),
         Scenario::new(BARE_FIVE, bare_five, Kind::Plain).body(Body::Full),
         Scenario::new(LAYERED_FIVE, layered_five, Kind::Create).body(Body::Full),
@@ -174,8 +177,27 @@ pub(crate) async fn run(
     let ticks = clock_ticks();
     let postmaster = postmaster_pid(data_dir);
     let mut rounds: Vec<Vec<Cost>> = vec![Vec::new(); scenarios.len()];
+    // No autovacuum inside a window: it is off while the part runs, and a
+    // VACUUM between rounds does its work where no scenario is counted.
+    admin(
+        &wal_reader,
+        &[
+            "ALTER SYSTEM SET autovacuum = off",
+            "SELECT pg_reload_conf()",
+        ],
+    )
+    .await;
     for round in 1..=s.rounds {
-        for (i, scenario) in scenarios.iter().enumerate() {
+        admin(&wal_reader, &["VACUUM"]).await;
+        // ABBA: every other round runs the scenarios in reverse, so that
+        // none is always the one after the same neighbour.
+        let order: Vec<usize> = if round % 2 == 1 {
+            (0..scenarios.len()).collect()
+        } else {
+            (0..scenarios.len()).rev().collect()
+        };
+        for i in order {
+            let scenario = &scenarios[i];
             let before = Snapshot::take(&counters, &wal_reader, postmaster, ticks).await;
             let run = load.fixed_rate(*scenario, rate, s.duration).await;
             let after = Snapshot::take(&counters, &wal_reader, postmaster, ticks).await;
@@ -194,9 +216,26 @@ pub(crate) async fn run(
             rounds[i].push(cost);
         }
     }
+    admin(
+        &wal_reader,
+        &["ALTER SYSTEM RESET autovacuum", "SELECT pg_reload_conf()"],
+    )
+    .await;
     Costs {
         rate,
         scenarios: scenarios.iter().map(|s| s.name).zip(rounds).collect(),
+    }
+}
+
+/// Runs each statement on its own (`ALTER SYSTEM` and `VACUUM` refuse a
+/// transaction block, even a multi-statement query's).
+async fn admin(store: &PgStore, statements: &[&str]) {
+    let client = store.client().await.expect("client");
+    for statement in statements {
+        client
+            .batch_execute(statement)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
     }
 }
 

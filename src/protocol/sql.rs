@@ -85,7 +85,7 @@ impl<'a> Sql<'a> {
         Sql { text, types, count }
     }
 
-    pub(crate) fn text(&self) -> &'a str {
+    pub(crate) const fn text(&self) -> &'a str {
         self.text
     }
 
