@@ -177,7 +177,7 @@ async fn run(s: Settings) {
     let pg = tokio::task::spawn_blocking(|| {
         TempPostgres::builder()
             .durable(true)
-            .setting("max_connections", "250")
+            .setting("max_connections", "400")
             .start()
     })
     .await
