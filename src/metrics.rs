@@ -317,7 +317,7 @@ pub(crate) fn client_replayed(client: &str) {
 }
 
 /// Defines [`Outcome`] with its label values and the list of all of them,
-/// so that a new outcome cannot be left out of [`register_endpoint`].
+/// so that a new outcome cannot be left out of [`EndpointMetrics`].
 macro_rules! outcomes {
     ($($(#[$doc:meta])* $variant:ident => $label:literal,)*) => {
         /// How an idempotent request ended, as the `outcome` label says it.
@@ -380,11 +380,6 @@ pub(crate) fn request(endpoint: &str, outcome: Outcome, tenant: Option<&str>) {
         )
         .increment(1),
     }
-}
-
-pub(crate) fn claim_duration(endpoint: &str, outcome: Outcome, seconds: f64) {
-    metrics::histogram!(CLAIM_DURATION_SECONDS, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
-        .record(seconds);
 }
 
 pub(crate) fn key_held(endpoint: &str, seconds: f64) {
@@ -548,18 +543,92 @@ pub(crate) fn register_long_running(endpoint: &str) {
     metrics::counter!(OPERATIONS_FAILED_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
 }
 
-pub(crate) fn duplicate_wait(endpoint: &str, seconds: f64) {
-    metrics::histogram!(DUPLICATE_WAIT_SECONDS, "endpoint" => endpoint.to_owned()).record(seconds);
+/// One endpoint's per-request series, registered once, when its layer is
+/// built: a request then records through a handle, without building a key
+/// with owned labels and looking it up in the recorder. (So the recorder
+/// must be installed before the layer is built, as
+/// [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) says.) The
+/// opt-in `tenant` label is the exception: its series are looked up per
+/// request, since tenants are not known in advance.
+pub(crate) struct EndpointMetrics {
+    /// `idempotency_requests_total` by outcome, in [`Outcome::ALL`]'s order.
+    requests: Vec<metrics::Counter>,
+    /// `idempotency_claim_duration_seconds` by outcome.
+    claim: Vec<metrics::Histogram>,
+    key_held: metrics::Histogram,
+    duplicate_wait: metrics::Histogram,
 }
 
-/// Creates every outcome's series at zero, so dashboards and alerts see the
-/// metric before the first request of each kind.
-pub(crate) fn register_endpoint(endpoint: &str) {
-    for outcome in Outcome::ALL {
-        metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_owned(), "outcome" => outcome.as_str())
-            .increment(0);
+impl EndpointMetrics {
+    /// Registers `endpoint`'s series, and creates every outcome's request
+    /// series at zero, so dashboards and alerts see the metric before the
+    /// first request of each kind.
+    pub(crate) fn register(endpoint: &str) -> Self {
+        let by_outcome = |name: &'static str| {
+            Outcome::ALL
+                .iter()
+                .map(|outcome| {
+                    metrics::Key::from_parts(
+                        name,
+                        vec![
+                            metrics::Label::new("endpoint", endpoint.to_owned()),
+                            metrics::Label::new("outcome", outcome.as_str()),
+                        ],
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let requests: Vec<_> = by_outcome(REQUESTS_TOTAL)
+            .iter()
+            .map(|key| metrics::with_recorder(|r| r.register_counter(key, &METADATA)))
+            .collect();
+        for counter in &requests {
+            counter.increment(0);
+        }
+        let claim = by_outcome(CLAIM_DURATION_SECONDS)
+            .iter()
+            .map(|key| metrics::with_recorder(|r| r.register_histogram(key, &METADATA)))
+            .collect();
+        EndpointMetrics {
+            requests,
+            claim,
+            key_held: metrics::histogram!(KEY_HELD_SECONDS, "endpoint" => endpoint.to_owned()),
+            duplicate_wait: metrics::histogram!(DUPLICATE_WAIT_SECONDS, "endpoint" => endpoint.to_owned()),
+        }
+    }
+
+    /// Counts a request that ended with `outcome` (`tenant` only when the
+    /// tenant label was opted in to).
+    pub(crate) fn request(&self, endpoint: &str, outcome: Outcome, tenant: Option<&str>) {
+        match tenant {
+            None => self.requests[outcome as usize].increment(1),
+            Some(_) => request(endpoint, outcome, tenant),
+        }
+    }
+
+    pub(crate) fn claim_duration(&self, outcome: Outcome, seconds: f64) {
+        self.claim[outcome as usize].record(seconds);
+    }
+
+    pub(crate) fn key_held(&self, seconds: f64) {
+        self.key_held.record(seconds);
+    }
+
+    pub(crate) fn duplicate_wait(&self, seconds: f64) {
+        self.duplicate_wait.record(seconds);
     }
 }
+
+impl std::fmt::Debug for EndpointMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndpointMetrics").finish_non_exhaustive()
+    }
+}
+
+/// The metadata the `counter!`/`histogram!` macros give a series of this
+/// module.
+static METADATA: metrics::Metadata<'static> =
+    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
 #[cfg(test)]
 mod tests {

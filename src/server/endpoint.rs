@@ -37,6 +37,8 @@ impl KeyReuseStatus {
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) endpoint: Arc<str>,
+    /// The endpoint's per-request series, registered with the layer.
+    pub(crate) metrics: Arc<crate::metrics::EndpointMetrics>,
     pub(crate) header: HeaderName,
     pub(crate) key_required: bool,
     pub(crate) max_key_len: usize,
@@ -72,6 +74,7 @@ impl std::fmt::Debug for KeyFromBodyFn {
 impl Config {
     pub(crate) fn new(endpoint: Arc<str>) -> Self {
         Config {
+            metrics: Arc::new(crate::metrics::EndpointMetrics::register(&endpoint)),
             endpoint,
             header: HeaderName::from_static("idempotency-key"),
             key_required: true,

@@ -92,7 +92,6 @@ where
     pub fn new(store: St, endpoint: impl Into<Arc<str>>, fingerprinter: F) -> Self {
         let endpoint = endpoint.into();
         crate::metrics::describe();
-        crate::metrics::register_endpoint(&endpoint);
         IdempotencyLayer {
             setup: Setup {
                 store,

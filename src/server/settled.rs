@@ -283,19 +283,20 @@ impl<B, E> Settled<B, E> {
                 tracing::warn!(error = %e, "the replay could not be rebuilt")
             }
         }
-        metrics::request(endpoint, outcome, tenant);
+        let series = &config.metrics;
+        series.request(endpoint, outcome, tenant);
         if let Some(claimed) = timings.claimed {
-            metrics::claim_duration(endpoint, self.claim_outcome(), claimed.as_secs_f64());
+            series.claim_duration(self.claim_outcome(), claimed.as_secs_f64());
         }
         if let Some(waited) = timings.waited {
             tracing::info!(
                 waited_ms = waited.as_millis() as u64,
                 "waited for a concurrent duplicate"
             );
-            metrics::duplicate_wait(endpoint, waited.as_secs_f64());
+            series.duplicate_wait(waited.as_secs_f64());
         }
         if let Some(held) = timings.held {
-            metrics::key_held(endpoint, held.as_secs_f64());
+            series.key_held(held.as_secs_f64());
         }
     }
 
