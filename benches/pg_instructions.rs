@@ -56,7 +56,7 @@ use http_body_util::Full;
 use tower::{util::BoxCloneSyncService, Service as _, ServiceExt as _};
 use tower_idempotency::{
     outbox,
-    postgres::{PgStore, PgTx},
+    postgres::{PgStore, PgTx, SessionReset},
     testing::{Shutdown, TempPostgres},
     RequestBody,
 };
@@ -143,15 +143,17 @@ enum Scenario {
     Experiment,
     FullRecord,
     OneCommit,
+    Trusted,
     Default,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 5] = [
+    const ALL: [Scenario; 6] = [
         Scenario::Bare,
         Scenario::Experiment,
         Scenario::FullRecord,
         Scenario::OneCommit,
+        Scenario::Trusted,
         Scenario::Default,
     ];
 
@@ -161,6 +163,7 @@ impl Scenario {
             Scenario::Experiment => "claim at commit, hand-written",
             Scenario::FullRecord => "claim at commit, full record, hand-written",
             Scenario::OneCommit => "one-commit create",
+            Scenario::Trusted => "one-commit create, trusted handlers",
             Scenario::Default => "default create (claim first)",
         }
     }
@@ -257,6 +260,7 @@ fn main() {
     println!();
     println!(
         "RATIOS pgi_onecommit_vs_experiment={} proci_onecommit_vs_experiment={} allocs_onecommit={} \
+         pgi_onecommit_trusted_vs_experiment={} proci_onecommit_trusted_vs_experiment={} \
          allocs_experiment={} allocs_default={} pgi_onecommit_vs_minimal_experiment={} \
          proci_onecommit_vs_minimal_experiment={} pgi_default_vs_bare={} both_onecommit_vs_experiment={}",
         ratio(
@@ -268,6 +272,14 @@ fn main() {
             of(&process, Scenario::FullRecord)
         ),
         count(of(&allocations, Scenario::OneCommit)),
+        ratio(
+            of(&database, Scenario::Trusted),
+            of(&database, Scenario::FullRecord)
+        ),
+        ratio(
+            of(&process, Scenario::Trusted),
+            of(&process, Scenario::FullRecord)
+        ),
         count(of(&allocations, Scenario::FullRecord)),
         count(of(&allocations, Scenario::Default)),
         ratio(
@@ -483,9 +495,15 @@ async fn backend(
                 .get(0);
             (hand_written(pool, scenario), pid)
         }
-        Scenario::OneCommit | Scenario::Default => {
+        Scenario::OneCommit | Scenario::Trusted | Scenario::Default => {
+            let reset = if scenario == Scenario::Trusted {
+                SessionReset::TrustedHandlers
+            } else {
+                SessionReset::Always
+            };
             let store = PgStore::builder(config.clone())
                 .max_connections(1)
+                .session_reset(reset)
                 .build()
                 .expect("store");
             let pid: i32 = store
@@ -496,7 +514,7 @@ async fn backend(
                 .await
                 .expect("pid")
                 .get(0);
-            let service = layered(store, scenario == Scenario::OneCommit);
+            let service = layered(store, scenario != Scenario::Default);
             (Plain::new(service.map_response(|r| r.map(drop))), pid)
         }
     };

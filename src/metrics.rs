@@ -3,6 +3,8 @@
 //!
 //! Labels carry the endpoint and the outcome, never the key or the tenant.
 
+use std::sync::{Arc, OnceLock};
+
 /// Counter: idempotent requests by `endpoint` and `outcome` (see [`Outcome`]),
 /// and by `tenant` only if the layer opted in
 /// ([`IdempotencyLayer::metrics_tenant_label`](crate::IdempotencyLayer::metrics_tenant_label)).
@@ -543,79 +545,78 @@ pub(crate) fn register_long_running(endpoint: &str) {
     metrics::counter!(OPERATIONS_FAILED_TOTAL, "endpoint" => endpoint.to_owned()).increment(0);
 }
 
-/// One endpoint's per-request series, registered once, when its layer is
-/// built: a request then records through a handle, without building a key
-/// with owned labels and looking it up in the recorder. (So the recorder
-/// must be installed before the layer is built, as
-/// [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) says.) The
-/// opt-in `tenant` label is the exception: its series are looked up per
-/// request, since tenants are not known in advance.
+/// One endpoint's per-request series, each registered once, at the first
+/// request that records it: a request then records through a handle,
+/// without building a key with owned labels and looking it up in the
+/// recorder. The recorder is the one installed by then (install it before
+/// serving). The opt-in `tenant` label is the exception: its series are
+/// looked up per request, since tenants are not known in advance.
 pub(crate) struct EndpointMetrics {
+    endpoint: Arc<str>,
     /// `idempotency_requests_total` by outcome, in [`Outcome::ALL`]'s order.
-    requests: Vec<metrics::Counter>,
+    requests: [OnceLock<metrics::Counter>; OUTCOMES],
     /// `idempotency_claim_duration_seconds` by outcome.
-    claim: Vec<metrics::Histogram>,
-    key_held: metrics::Histogram,
-    duplicate_wait: metrics::Histogram,
+    claim: [OnceLock<metrics::Histogram>; OUTCOMES],
+    key_held: OnceLock<metrics::Histogram>,
+    duplicate_wait: OnceLock<metrics::Histogram>,
 }
 
+/// How many outcomes there are.
+const OUTCOMES: usize = Outcome::ALL.len();
+
 impl EndpointMetrics {
-    /// Registers `endpoint`'s series, and creates every outcome's request
-    /// series at zero, so dashboards and alerts see the metric before the
-    /// first request of each kind.
-    pub(crate) fn register(endpoint: &str) -> Self {
-        let by_outcome = |name: &'static str| {
-            Outcome::ALL
-                .iter()
-                .map(|outcome| {
-                    metrics::Key::from_parts(
-                        name,
-                        vec![
-                            metrics::Label::new("endpoint", endpoint.to_owned()),
-                            metrics::Label::new("outcome", outcome.as_str()),
-                        ],
-                    )
-                })
-                .collect::<Vec<_>>()
-        };
-        let requests: Vec<_> = by_outcome(REQUESTS_TOTAL)
-            .iter()
-            .map(|key| metrics::with_recorder(|r| r.register_counter(key, &METADATA)))
-            .collect();
-        for counter in &requests {
-            counter.increment(0);
+    /// `endpoint`'s series, none registered yet; every outcome's request
+    /// series is created at zero now, so that dashboards and alerts see the
+    /// metric before the first request of each kind.
+    pub(crate) fn new(endpoint: Arc<str>) -> Self {
+        for outcome in Outcome::ALL {
+            metrics::counter!(REQUESTS_TOTAL, "endpoint" => endpoint.to_string(), "outcome" => outcome.as_str())
+                .increment(0);
         }
-        let claim = by_outcome(CLAIM_DURATION_SECONDS)
-            .iter()
-            .map(|key| metrics::with_recorder(|r| r.register_histogram(key, &METADATA)))
-            .collect();
         EndpointMetrics {
-            requests,
-            claim,
-            key_held: metrics::histogram!(KEY_HELD_SECONDS, "endpoint" => endpoint.to_owned()),
-            duplicate_wait: metrics::histogram!(DUPLICATE_WAIT_SECONDS, "endpoint" => endpoint.to_owned()),
+            endpoint,
+            requests: [const { OnceLock::new() }; OUTCOMES],
+            claim: [const { OnceLock::new() }; OUTCOMES],
+            key_held: OnceLock::new(),
+            duplicate_wait: OnceLock::new(),
         }
     }
 
     /// Counts a request that ended with `outcome` (`tenant` only when the
     /// tenant label was opted in to).
-    pub(crate) fn request(&self, endpoint: &str, outcome: Outcome, tenant: Option<&str>) {
+    pub(crate) fn request(&self, outcome: Outcome, tenant: Option<&str>) {
         match tenant {
-            None => self.requests[outcome as usize].increment(1),
-            Some(_) => request(endpoint, outcome, tenant),
+            None => self.requests[outcome as usize]
+                .get_or_init(|| {
+                    metrics::counter!(REQUESTS_TOTAL, "endpoint" => self.endpoint.to_string(), "outcome" => outcome.as_str())
+                })
+                .increment(1),
+            Some(_) => request(&self.endpoint, outcome, tenant),
         }
     }
 
     pub(crate) fn claim_duration(&self, outcome: Outcome, seconds: f64) {
-        self.claim[outcome as usize].record(seconds);
+        self.claim[outcome as usize]
+            .get_or_init(|| {
+                metrics::histogram!(CLAIM_DURATION_SECONDS, "endpoint" => self.endpoint.to_string(), "outcome" => outcome.as_str())
+            })
+            .record(seconds);
     }
 
     pub(crate) fn key_held(&self, seconds: f64) {
-        self.key_held.record(seconds);
+        self.key_held
+            .get_or_init(
+                || metrics::histogram!(KEY_HELD_SECONDS, "endpoint" => self.endpoint.to_string()),
+            )
+            .record(seconds);
     }
 
     pub(crate) fn duplicate_wait(&self, seconds: f64) {
-        self.duplicate_wait.record(seconds);
+        self.duplicate_wait
+            .get_or_init(|| {
+                metrics::histogram!(DUPLICATE_WAIT_SECONDS, "endpoint" => self.endpoint.to_string())
+            })
+            .record(seconds);
     }
 }
 
@@ -624,11 +625,6 @@ impl std::fmt::Debug for EndpointMetrics {
         f.debug_struct("EndpointMetrics").finish_non_exhaustive()
     }
 }
-
-/// The metadata the `counter!`/`histogram!` macros give a series of this
-/// module.
-static METADATA: metrics::Metadata<'static> =
-    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
 #[cfg(test)]
 mod tests {

@@ -205,6 +205,14 @@ async fn run(s: Settings) {
     let layered_five = servers::layered_five_server(servers::store(&config)).await;
     let full_record = experiment::full_record_server(servers::bare_pool(&config)).await;
     let echo = echo_server().await;
+    let trusted_one_commit = one_commit_server(
+        PgStore::builder(config.clone())
+            .max_connections(servers::POOL)
+            .session_reset(tower_idempotency::postgres::SessionReset::TrustedHandlers)
+            .build()
+            .expect("store"),
+    )
+    .await;
     let observed_one_commit = {
         // Built observed, in case the layer takes its metric handles once.
         let _on = observed::On::new();
@@ -237,6 +245,7 @@ async fn run(s: Settings) {
         one_commit
             .map(|addr| Scenario::new(report::ONE_COMMIT_4K, addr, Kind::Create).body(Body::Large)),
     );
+    main.extend(trusted_one_commit.map(|addr| Scenario::new(report::TRUSTED, addr, Kind::Create)));
     main.extend(
         observed_one_commit
             .map(|addr| Scenario::new(report::OBSERVED, addr, Kind::Create).observed()),

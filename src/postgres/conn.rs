@@ -66,6 +66,9 @@ pub(super) struct SessionDefaults {
     /// statement: the hold limit as the setting takes it, and the role the
     /// store logs in as.
     reset_arguments: ResetArguments,
+    /// No reset after an owner's transaction that committed
+    /// ([`SessionReset::TrustedHandlers`](super::SessionReset::TrustedHandlers)).
+    trusted_handlers: bool,
 }
 
 /// The session reset function's arguments, for a statement that carries
@@ -95,7 +98,11 @@ impl ResetArguments {
 impl SessionDefaults {
     /// The sessions' `hold_limit`, if they carry one, and the role the
     /// store logs in as, if the configuration names it.
-    pub(super) fn new(hold_limit: Option<Duration>, login: Option<&str>) -> Self {
+    pub(super) fn new(
+        hold_limit: Option<Duration>,
+        login: Option<&str>,
+        reset: super::SessionReset,
+    ) -> Self {
         SessionDefaults {
             hold_limit,
             reset: session_reset_keeping(hold_limit, login).into(),
@@ -103,6 +110,7 @@ impl SessionDefaults {
                 hold_limit: hold_limit.map(|limit| format!("{}ms", millis(limit)).into()),
                 login: login.map(Into::into),
             },
+            trusted_handlers: reset == super::SessionReset::TrustedHandlers,
         }
     }
 }
@@ -231,6 +239,12 @@ impl Conn {
     /// The database is (or is not) a Citus coordinator, as the store found.
     pub(super) fn on_citus(&mut self, citus: bool) {
         self.reset_in_statement = !self.unnamed && !citus;
+    }
+
+    /// Whether an owner's transaction that committed skips the session
+    /// reset ([`SessionReset::TrustedHandlers`](super::SessionReset::TrustedHandlers)).
+    pub(super) fn trusts_handlers(&self) -> bool {
+        self.session.trusted_handlers
     }
 
     /// The statement that decides the commit: `resetting` (`plain` with

@@ -276,7 +276,12 @@ async fn end_alone(mut conn: Conn, end: &'static str, reset: bool) -> Result<(),
 /// the pipeline would let the `COMMIT` overtake its Bind); should it not
 /// even prepare, the transaction rolls back.
 async fn commit_behind(mut conn: Conn, deciding: Deciding<'_>) -> Result<(), Failed> {
+    // Trusted handlers: no reset once the transaction committed, and one
+    // of its own after a rollback (what `pipelined` does for a statement
+    // that carries the reset and failed).
+    let trusted = conn.trusts_handlers();
     let (sql, arguments) = match deciding.resetting {
+        Some(_) if trusted => (deciding.sql, None),
         Some(resetting) => conn.deciding(deciding.sql, resetting),
         None => (deciding.sql, None),
     };
@@ -298,7 +303,7 @@ async fn commit_behind(mut conn: Conn, deciding: Deciding<'_>) -> Result<(), Fai
             begin,
             conn.query_one_prepared(&statement, &params)
         ));
-        pipelined(&conn, decided, arguments.is_some()).await
+        pipelined(&conn, decided, arguments.is_some() || trusted).await
     };
     if clean {
         conn.mark_clean();
@@ -307,8 +312,8 @@ async fn commit_behind(mut conn: Conn, deciding: Deciding<'_>) -> Result<(), Fai
 }
 
 /// Sends `decided`, the `COMMIT` behind it without waiting, and the session
-/// reset behind that (unless the statement carries it, `reset_inside`;
-/// then only if the transaction did not commit). The `COMMIT` goes out only
+/// reset behind that (unless the statement carries it or the handlers are
+/// trusted, `reset_inside`; then only if the transaction did not commit). The `COMMIT` goes out only
 /// once the statement was sent (its first poll pending): one that could
 /// not even be sent must not let the handler's writes commit without it.
 /// Also says whether the connection is clean (its transaction over, its

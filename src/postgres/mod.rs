@@ -44,7 +44,7 @@ pub use conn::PooledClient;
 #[doc(no_inline)]
 pub use crate::store::{KeyRecord, KeyState};
 pub use lease::{FencedTx, PgLease};
-pub use pool::PgStoreBuilder;
+pub use pool::{PgStoreBuilder, SessionReset};
 pub use tx::{PgTx, TxError, TxErrorKind};
 pub use types::load_types;
 

@@ -36,6 +36,41 @@ pub struct PgStoreBuilder {
     keepalive_idle: Duration,
     transaction_pooling: bool,
     hold_limit: Duration,
+    session_reset: SessionReset,
+}
+
+/// When the store resets a session it gives back to its pool
+/// ([`PgStoreBuilder::session_reset`]).
+///
+/// The reset undoes what a request may have left on its connection's
+/// session that would outlive it: settings a function changed with
+/// `set_config(…, false)` (the hold limit among them), a role set with
+/// `SET ROLE` or `SET SESSION AUTHORIZATION` inside a function, holdable
+/// cursors, `LISTEN` registrations, session advisory locks and temporary
+/// tables. [`PgTx`](super::PgTx) refuses the plain statements that change
+/// the session (`SET`, `LISTEN`, `DECLARE … WITH HOLD`, …); only a
+/// function the handler calls can do it behind the guard's back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SessionReset {
+    /// After every owner's transaction, committed or rolled back (the
+    /// default).
+    #[default]
+    Always,
+    /// Not after an owner's transaction that committed; still after a
+    /// rollback, a failed statement or a failed commit. An assertion that
+    /// the handlers' statements, and the functions they call, change no
+    /// session state. If it is false, the next request on that connection
+    /// inherits what was left: a changed setting (a `search_path` that
+    /// makes its statements read other tables; a zero or larger
+    /// `idle_in_transaction_session_timeout`, so that an owner whose
+    /// process freezes holds its key past the hold limit), another role's
+    /// privileges, a session advisory lock still held (the next request
+    /// that takes it waits), a `LISTEN` (notifications queue on the
+    /// session), a holdable cursor or a temporary table. Saves the reset's
+    /// work on every committed request: about 40,000 of PostgreSQL's
+    /// instructions a create (`benches/pg_instructions.rs`).
+    TrustedHandlers,
 }
 
 impl PgStoreBuilder {
@@ -61,7 +96,20 @@ impl PgStoreBuilder {
             keepalive_idle: Duration::from_secs(15),
             transaction_pooling: false,
             hold_limit: crate::store::limits::DEFAULT_HOLD_LIMIT,
+            session_reset: SessionReset::Always,
         }
+    }
+
+    /// When the session of a connection that served an owner's
+    /// transaction is reset: after every one ([`SessionReset::Always`], the
+    /// default), or only after those that did not commit
+    /// ([`SessionReset::TrustedHandlers`], which says exactly what may leak
+    /// when its assertion is false). Behind a transaction pooler
+    /// ([`transaction_pooling`](Self::transaction_pooling)) the store sends
+    /// no reset either way: the session is the pooler's.
+    pub fn session_reset(mut self, reset: SessionReset) -> Self {
+        self.session_reset = reset;
+        self
     }
 
     /// A builder for a connection string, a `postgres://` URL or libpq's
@@ -339,7 +387,7 @@ impl PgStoreBuilder {
                     })?
             }
         };
-        let session = SessionDefaults::new(hold_limit, config.get_user());
+        let session = SessionDefaults::new(hold_limit, config.get_user(), self.session_reset);
         Ok(PgStore {
             pool,
             config,

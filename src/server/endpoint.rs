@@ -74,7 +74,7 @@ impl std::fmt::Debug for KeyFromBodyFn {
 impl Config {
     pub(crate) fn new(endpoint: Arc<str>) -> Self {
         Config {
-            metrics: Arc::new(crate::metrics::EndpointMetrics::register(&endpoint)),
+            metrics: Arc::new(crate::metrics::EndpointMetrics::new(endpoint.clone())),
             endpoint,
             header: HeaderName::from_static("idempotency-key"),
             key_required: true,

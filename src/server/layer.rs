@@ -88,7 +88,9 @@ where
     /// Creates the endpoint's `idempotency_requests_total` series at zero in
     /// the installed metrics recorder, and describes every metric of
     /// [`metrics`](crate::metrics) to it ([`describe`](crate::metrics::describe)),
-    /// so install the recorder first.
+    /// so install the recorder first. (Each per-request series is
+    /// registered once, at the first request that records it, and then
+    /// recorded through its handle.)
     pub fn new(store: St, endpoint: impl Into<Arc<str>>, fingerprinter: F) -> Self {
         let endpoint = endpoint.into();
         crate::metrics::describe();

@@ -284,7 +284,7 @@ impl<B, E> Settled<B, E> {
             }
         }
         let series = &config.metrics;
-        series.request(endpoint, outcome, tenant);
+        series.request(outcome, tenant);
         if let Some(claimed) = timings.claimed {
             series.claim_duration(self.claim_outcome(), claimed.as_secs_f64());
         }

@@ -12,7 +12,7 @@ use http::StatusCode;
 use tokio::sync::oneshot;
 use tower::Layer;
 use tower_idempotency::{
-    postgres::{PgStore, PgTx, TxErrorKind},
+    postgres::{PgStore, PgTx, SessionReset, TxErrorKind},
     record::StoredResponse,
     sqlx::SqlxTx,
     store::{Claim, Store, StoreErrorKind},
@@ -256,6 +256,94 @@ async fn session_changes_hidden_in_functions_do_not_outlive_the_request() {
     let third = send(orders_service(pg.store.clone()), tenant_a_post("k2")).await;
     assert_eq!(third.status, StatusCode::CREATED, "{:?}", third.body);
     assert_eq!(pg.orders().await.len(), 3);
+}
+
+/// A handler that writes one order, leaves `x.mark = mark` on its session
+/// through a function (where the guard cannot see it), and answers
+/// `status`: a 201 commits, a 500 rolls back.
+fn marks_then_answers(mark: &'static str, status: StatusCode) -> Handler {
+    handler(move |tx: PgTx| async move {
+        insert_order(&tx).await?;
+        tx.query_one("SELECT mark($1)", &[&mark]).await?;
+        Ok(response(status, "{}"))
+    })
+}
+
+/// `SessionReset::TrustedHandlers` skips the reset after an owner's
+/// transaction that committed, and only then: what a function left on the
+/// session stays for the next request on the connection (the documented
+/// cost of a false assertion), while after a rollback the reset still
+/// runs. The default resets after both. In both modes, on a pool of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trusted_handlers_skip_the_reset_after_a_commit_and_only_then() {
+    const MARK: &str = "SELECT pg_backend_pid(), coalesce(current_setting('x.mark', true), '')";
+    for (reset, kept) in [
+        (SessionReset::Always, false),
+        (SessionReset::TrustedHandlers, true),
+    ] {
+        let pg = Postgres::with_store(|b| b.max_connections(1).session_reset(reset)).await;
+        pg.exec(
+            "CREATE FUNCTION mark(v text) RETURNS text LANGUAGE sql AS \
+                 $$ SELECT set_config('x.mark', v, false) $$",
+        )
+        .await;
+        let (pid, _) = on_a_borrowed_connection(&pg.store, MARK).await;
+        for one_commit in [false, true] {
+            let send_with = |handler: Handler, key: &str| {
+                let layer = layer(pg.store.clone());
+                let request = tenant_a_post(key);
+                async move {
+                    if one_commit {
+                        send(layer.claim_at_commit().layer(handler), request).await
+                    } else {
+                        send(layer.layer(handler), request).await
+                    }
+                }
+            };
+            let committed_key = format!("committed-{one_commit}");
+            let answer = send_with(
+                marks_then_answers("committed", StatusCode::CREATED),
+                &committed_key,
+            )
+            .await;
+            assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+            let (seen_pid, mark) = on_a_borrowed_connection(&pg.store, MARK).await;
+            assert_eq!(seen_pid, pid, "the pool's one connection");
+            assert_eq!(
+                mark == "committed",
+                kept,
+                "{reset:?}, one-commit {one_commit}: after a commit the mark is {mark:?}"
+            );
+            // The borrowed connection went back reset: the mark is gone
+            // before the rollback's request runs.
+            let rolled_back_key = format!("rolled-back-{one_commit}");
+            let answer = send_with(
+                marks_then_answers("rolled back", StatusCode::INTERNAL_SERVER_ERROR),
+                &rolled_back_key,
+            )
+            .await;
+            assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+            assert_eq!(
+                on_a_borrowed_connection(&pg.store, MARK).await,
+                (pid, String::new()),
+                "{reset:?}, one-commit {one_commit}: a rollback is always followed by the reset"
+            );
+        }
+        // What committed is all there is: two completed keys, two orders.
+        assert_eq!(pg.orders().await.len(), 2, "{reset:?}");
+        let records = pg.records().await;
+        assert_eq!(
+            records
+                .iter()
+                .map(|(_, key, state, status)| (key.as_str(), state.as_str(), *status))
+                .collect::<Vec<_>>(),
+            [
+                ("committed-false", "completed", Some(201)),
+                ("committed-true", "completed", Some(201)),
+            ],
+            "{reset:?}"
+        );
+    }
 }
 
 /// What `sql` (one row of the backend's process id and one text) reads on
