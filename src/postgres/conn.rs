@@ -6,15 +6,24 @@
 //! application, rolled back and reset before anyone else gets it.
 //! [`Conn::reset_session`] undoes a request's session changes.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use deadpool_postgres::Object;
 
 use crate::protocol::{
+    claim::begin_then_waits,
+    driver::Waits,
     errors::in_failed_transaction,
     session_reset::{session_reset_keeping, OUTSIDE_A_TRANSACTION},
     sql::{Param, Sql},
-    transaction::ROLLBACK,
+    transaction::{BEGIN, BEGIN_DEFAULT, ROLLBACK},
     waits::millis,
 };
 use crate::store::{StoreError, StoreErrorKind};
@@ -69,6 +78,11 @@ pub(super) struct SessionDefaults {
     /// No reset after an owner's transaction that committed
     /// ([`SessionReset::TrustedHandlers`](super::SessionReset::TrustedHandlers)).
     trusted_handlers: bool,
+    /// Whether every connection the store opened so far starts its
+    /// sessions at READ COMMITTED (checked as each opens, before its first
+    /// use): transactions then begin with a plain `BEGIN`. False for a pool
+    /// the store does not open itself, or behind a transaction pooler.
+    read_committed: Arc<AtomicBool>,
 }
 
 /// The session reset function's arguments, for a statement that carries
@@ -102,6 +116,7 @@ impl SessionDefaults {
         hold_limit: Option<Duration>,
         login: Option<&str>,
         reset: super::SessionReset,
+        read_committed: Arc<AtomicBool>,
     ) -> Self {
         SessionDefaults {
             hold_limit,
@@ -111,6 +126,7 @@ impl SessionDefaults {
                 login: login.map(Into::into),
             },
             trusted_handlers: reset == super::SessionReset::TrustedHandlers,
+            read_committed,
         }
     }
 }
@@ -261,6 +277,19 @@ impl Conn {
         } else {
             (plain, None)
         }
+    }
+
+    /// How an owner's transaction begins: `BEGIN` (plain where the
+    /// session's default level was checked to be READ COMMITTED), its lock
+    /// wait and the hold limit the session does not already carry, one
+    /// utility statement each.
+    pub(super) fn begin_text(&self, waits: Waits) -> String {
+        let begin = if !self.unnamed && self.session.read_committed.load(Ordering::Relaxed) {
+            BEGIN_DEFAULT
+        } else {
+            BEGIN
+        };
+        begin_then_waits(begin, waits.lock, self.hold_limit_to_set(waits.idle))
     }
 
     /// The hold limit an owner's transaction must set for itself: `limit`,

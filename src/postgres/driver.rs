@@ -153,7 +153,7 @@ impl Connection for Conn {
         waits: Waits,
         first: &[Statement<'_>],
     ) -> Result<Vec<Vec<Row>>, StoreError> {
-        let begin = begin_with_waits(waits.lock, self.hold_limit_to_set(waits.idle));
+        let begin = self.begin_text(waits);
         self.mark_dirty();
         let params: Vec<_> = first.iter().map(|s| dyn_params(s.params)).collect();
         let conn = &*self;
@@ -171,7 +171,7 @@ impl Connection for Conn {
     }
 
     async fn begin_later(&mut self, waits: Waits) -> Result<(), StoreError> {
-        let begin = begin_with_waits(waits.lock, self.hold_limit_to_set(waits.idle));
+        let begin = self.begin_text(waits);
         // Until the handler's first statement is answered, a lost
         // connection costs nothing: the transaction starts over on another.
         self.restartable(begin.clone());

@@ -2,14 +2,18 @@
 //! keepalives and TLS), building the deadpool pool, and taking a [`Conn`]
 //! from it.
 
-use std::{str::FromStr, time::Duration};
+use std::{
+    str::FromStr,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use deadpool_postgres::{
     Hook, HookError, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
 };
 use tokio_postgres::{
     tls::{MakeTlsConnect, TlsConnect},
-    Socket,
+    SimpleQueryMessage, Socket,
 };
 
 use super::{
@@ -19,7 +23,10 @@ use super::{
     PgStore,
 };
 use crate::{
-    protocol::session_reset::set_hold_limit,
+    protocol::{
+        session_reset::set_hold_limit,
+        transaction::{DEFAULT_ISOLATION, READ_COMMITTED},
+    },
     store::{StoreError, StoreErrorKind},
 };
 
@@ -67,7 +74,10 @@ pub enum SessionReset {
     /// process freezes holds its key past the hold limit), another role's
     /// privileges, a session advisory lock still held (the next request
     /// that takes it waits), a `LISTEN` (notifications queue on the
-    /// session), a holdable cursor or a temporary table. Saves the reset's
+    /// session), a holdable cursor or a temporary table; a changed
+    /// `default_transaction_isolation` even changes the level of the next
+    /// owner's transaction, which begins with a plain `BEGIN` where the
+    /// store checked its sessions' default. Saves the reset's
     /// work on every committed request: about 40,000 of PostgreSQL's
     /// instructions a create (`benches/pg_instructions.rs`).
     TrustedHandlers,
@@ -343,6 +353,11 @@ impl PgStoreBuilder {
         };
         self.config.ssl_mode(wire);
         let config = std::sync::Arc::new(self.config.clone());
+        // Checked on every connection the store opens (below); a pool of the
+        // application's, or a pooler's server connections, are not.
+        let read_committed = std::sync::Arc::new(AtomicBool::new(
+            self.pool.is_none() && !self.transaction_pooling,
+        ));
         // The sessions carry the hold limit only where the store opens them
         // itself and owns them (not behind a transaction pooler).
         let hold_limit =
@@ -367,11 +382,28 @@ impl PgStoreBuilder {
                     }));
                 }
                 if let Some(limit) = hold_limit {
-                    let set: std::sync::Arc<str> = set_hold_limit(limit).into();
+                    // The hold limit, and a look at the session's default
+                    // level, in one round trip as the connection opens.
+                    let set: std::sync::Arc<str> =
+                        format!("{}; {DEFAULT_ISOLATION}", set_hold_limit(limit)).into();
+                    let read_committed = read_committed.clone();
                     pool = pool.post_create(Hook::async_fn(move |client, _| {
                         let set = set.clone();
+                        let read_committed = read_committed.clone();
                         Box::pin(async move {
-                            client.batch_execute(&set).await.map_err(HookError::Backend)
+                            let messages = client
+                                .simple_query(&set)
+                                .await
+                                .map_err(HookError::Backend)?;
+                            let level = messages.iter().find_map(|m| match m {
+                                SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                                _ => None,
+                            });
+                            if level.as_deref() != Some(READ_COMMITTED) {
+                                // From now on every transaction names its level.
+                                read_committed.store(false, Ordering::Relaxed);
+                            }
+                            Ok(())
                         })
                     }));
                 }
@@ -387,7 +419,12 @@ impl PgStoreBuilder {
                     })?
             }
         };
-        let session = SessionDefaults::new(hold_limit, config.get_user(), self.session_reset);
+        let session = SessionDefaults::new(
+            hold_limit,
+            config.get_user(),
+            self.session_reset,
+            read_committed,
+        );
         Ok(PgStore {
             pool,
             config,

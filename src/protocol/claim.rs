@@ -186,7 +186,19 @@ fn set_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
 /// statements only, nothing to plan, for a driver that sends them
 /// pipelined, one message each, ahead of the claim.
 pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
-    format!("{BEGIN}{}", set_waits(lock_wait, idle))
+    begin_then_waits(BEGIN, lock_wait, idle)
+}
+
+/// `begin` ([`BEGIN`], or [`BEGIN_DEFAULT`] on a session whose default
+/// level was checked), then [`set_waits`].
+///
+/// [`BEGIN_DEFAULT`]: super::transaction::BEGIN_DEFAULT
+pub(crate) fn begin_then_waits(
+    begin: &str,
+    lock_wait: Option<Duration>,
+    idle: Option<Duration>,
+) -> String {
+    format!("{begin}{}", set_waits(lock_wait, idle))
 }
 
 /// [`begin_with_waits`], then the session's process id, which a cancel

@@ -346,6 +346,100 @@ async fn trusted_handlers_skip_the_reset_after_a_commit_and_only_then() {
     }
 }
 
+/// A handler that writes one order and reports its backend's process id
+/// and its transaction's isolation level.
+fn reports_isolation() -> Handler {
+    handler(|tx: PgTx| async move {
+        let row = tx
+            .query_one(
+                "SELECT pg_backend_pid(), current_setting('transaction_isolation')",
+                &[],
+            )
+            .await?;
+        let (pid, level): (i32, String) = (row.get(0), row.get(1));
+        insert_order(&tx).await?;
+        Ok(created(
+            serde_json::json!({ "pid": pid, "level": level }).to_string(),
+        ))
+    })
+}
+
+/// Owners' transactions begin with a plain `BEGIN` only while every
+/// connection the store opened starts at READ COMMITTED: once the database
+/// default changes, the next connection the store opens sees it, and every
+/// transaction names its level again. Each owner runs at READ COMMITTED
+/// throughout, on the old connection and the new one, in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owners_run_at_read_committed_when_the_database_default_changes() {
+    let pg = Postgres::with_pool(2).await;
+    let mut keys = 0;
+    let mut pids = std::collections::BTreeSet::new();
+    let mut run = |one_commit: bool| {
+        keys += 1;
+        let key = format!("k{keys}");
+        let layer = layer(pg.store.clone());
+        async move {
+            let answer = if one_commit {
+                send(
+                    layer.claim_at_commit().layer(reports_isolation()),
+                    tenant_a_post(&key),
+                )
+                .await
+            } else {
+                send(layer.layer(reports_isolation()), tenant_a_post(&key)).await
+            };
+            assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+            let seen = answer.json();
+            assert_eq!(seen["level"], "read committed", "one-commit {one_commit}");
+            seen["pid"].as_i64().unwrap()
+        }
+    };
+    pids.insert(run(false).await);
+    pids.insert(run(true).await);
+    set_database_default(
+        &pg.client,
+        &pg.db,
+        "default_transaction_isolation",
+        "serializable",
+    )
+    .await;
+    {
+        // The connection the store has is busy: the next owner gets a new
+        // one, which starts at the new default.
+        let held = pg.store.client().await.unwrap();
+        let held_pid: i32 = held
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let new_pid = run(false).await;
+        assert_ne!(i64::from(held_pid), new_pid, "a second connection");
+        let new_default: String = held
+            .query_one(
+                "SELECT current_setting('default_transaction_isolation')",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            new_default, "read committed",
+            "the old session keeps its default"
+        );
+        pids.insert(new_pid);
+    }
+    for one_commit in [false, true, false, true] {
+        pids.insert(run(one_commit).await);
+    }
+    assert_eq!(pids.len(), 2, "both connections served owners");
+    assert_eq!(pg.orders().await.len(), keys);
+    assert_eq!(
+        pg.count("SELECT count(*) FROM idempotency_requests WHERE state = 'completed'")
+            .await,
+        keys as i64
+    );
+}
+
 /// What `sql` (one row of the backend's process id and one text) reads on
 /// a connection the application borrows from `store`.
 async fn on_a_borrowed_connection(store: &PgStore, sql: &str) -> (i32, String) {
