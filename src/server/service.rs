@@ -9,6 +9,7 @@
 
 use std::{
     fmt,
+    sync::Arc,
     task::{Context, Poll},
 };
 
@@ -19,8 +20,9 @@ use tower_service::Service;
 use tracing::{field, Instrument};
 
 use super::{
-    admit::{admit, Admission},
+    admit::{admit, Admission, Admitted},
     body::{BoxError, RequestBody, ResponseBody},
+    coalesce::Coalesced,
     endpoint::{Config, Setup},
     flow::Mode,
     future::ResponseFuture,
@@ -32,7 +34,7 @@ use super::{
 };
 use crate::{
     fingerprint::Fingerprinter,
-    record::{StoredResponse, IDEMPOTENT_REPLAYED},
+    record::{Record, StoredResponse, IDEMPOTENT_REPLAYED},
     scope::{ResolveTenant, TenantFromExtension, TenantId},
     store::Store,
 };
@@ -154,34 +156,48 @@ where
         .rebuild
         .is_some()
         .then(|| admitted.claim.scope.tenant().clone());
-    // From the claim on, a connection may be inside a transaction: run to the
-    // end on a task of our own, whether or not the client is still waiting.
-    // The task also counts how the request settled, so that a request whose
-    // client went away is counted too; a replay to rebuild is counted once
-    // rebuilt, for the client that waits for it.
-    let running = setup.shared.drain.start();
-    // Boxed where it is made: the work is a large future (about 9 KB with a
-    // small handler), and moved by value into the task it would be copied
-    // whole at every step on the way (the span's wrapper, the task's
-    // closure, the spawn, the task's cell).
-    let work = Box::pin(M::run(setup, inner, admitted)).instrument(span.clone());
-    let counted = (config.clone(), span.clone(), tenant.clone());
-    let rebuilds = rebuild_for.is_some();
-    let (settled, timings, observed) = match tokio::spawn(async move {
-        let _running = running;
-        let (settled, timings) = work.await;
-        let observed = !(rebuilds && matches!(settled, Settled::Replayed(_)));
-        if observed {
-            let (config, span, tenant) = counted;
-            settled.observe(&config, &span, &timings, tenant.as_deref());
+    let (settled, timings, observed) = match cached(&setup, &admitted) {
+        // A retry of a record this process committed, answered from memory
+        // on the caller's task: a hit owns nothing (no key, no connection),
+        // so nothing has to outlive the client, and nothing is spawned.
+        Some(record) => {
+            let mut timings = Timings::start();
+            timings.claimed = Some(timings.since_arrival());
+            let settled = Coalesced::answer(&record, &admitted.claim.fingerprint);
+            (settled, timings, false)
         }
-        (settled, timings, observed)
-    })
-    .await
-    {
-        Ok(ended) => ended,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => (Settled::Cancelled, Timings::start(), false),
+        None => {
+            // From the claim on, a connection may be inside a transaction:
+            // run to the end on a task of our own, whether or not the client
+            // is still waiting. The task also counts how the request settled,
+            // so that a request whose client went away is counted too; a
+            // replay to rebuild is counted once rebuilt, for the client that
+            // waits for it.
+            let running = setup.shared.drain.start();
+            // Boxed where it is made: the work is a large future, and moved
+            // by value into the task it would be copied whole at every step
+            // on the way (the span's wrapper, the task's closure, the spawn,
+            // the task's cell).
+            let work = Box::pin(M::run(setup, inner, admitted)).instrument(span.clone());
+            let counted = (config.clone(), span.clone(), tenant.clone());
+            let rebuilds = rebuild_for.is_some();
+            match tokio::spawn(async move {
+                let _running = running;
+                let (settled, timings) = work.await;
+                let observed = !(rebuilds && matches!(settled, Settled::Replayed(_)));
+                if observed {
+                    let (config, span, tenant) = counted;
+                    settled.observe(&config, &span, &timings, tenant.as_deref());
+                }
+                (settled, timings, observed)
+            })
+            .await
+            {
+                Ok(ended) => ended,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => (Settled::Cancelled, Timings::start(), false),
+            }
+        }
     };
     let settled = match (settled, &config.rebuild, rebuild_for) {
         (Settled::Replayed(stored), Some(rebuilder), Some(tenant)) => {
@@ -195,6 +211,23 @@ where
         settled.observe(&config, &span, &timings, tenant.as_deref());
     }
     settled.answer(&config, grpc)
+}
+
+/// The record the replay cache holds for the admitted request's key, if
+/// the layer has a cache and it does. (Not for a request that carries an
+/// injected fault, feature `failpoints`: its fault points come first.)
+fn cached<St, F, R, M>(setup: &Setup<St, F, R, M>, admitted: &Admitted) -> Option<Arc<Record>> {
+    #[cfg(feature = "failpoints")]
+    if admitted
+        .parts
+        .extensions
+        .get::<super::failpoints::InjectFault>()
+        .is_some()
+    {
+        return None;
+    }
+    let claim = &admitted.claim;
+    setup.shared.cache.as_ref()?.get(&claim.scope, &claim.key)
 }
 
 /// A gRPC request (`application/grpc`, `application/grpc+proto`, …): the
