@@ -18,7 +18,7 @@ use std::{
 use deadpool_postgres::Object;
 
 use crate::protocol::{
-    claim::begin_then_waits,
+    claim::{begin_then_waits, BeginText},
     driver::Waits,
     errors::in_failed_transaction,
     session_reset::{session_reset_keeping, OUTSIDE_A_TRANSACTION},
@@ -44,14 +44,14 @@ pub(crate) struct Conn {
     unnamed: bool,
     /// A `BEGIN` not sent yet: it goes out with the next statement, in the
     /// same round trip (the one-commit mode's transaction).
-    deferred_begin: Option<String>,
+    deferred_begin: Option<BeginText>,
     /// The store's TLS, for cancel requests.
     connector: super::tls::Connector,
     /// The pool it came from, for a replacement ([`Conn::replace`]).
     pool: deadpool_postgres::Pool,
     /// The one-commit mode's `BEGIN` while nothing but it has been sent:
     /// the transaction may still start over on another connection.
-    restartable: Option<String>,
+    restartable: Option<BeginText>,
     /// Closed instead of pooled again, however it ends (see [`Conn::poison`]).
     poisoned: bool,
     /// What its session holds between transactions.
@@ -165,12 +165,12 @@ impl Conn {
     /// Marks the transaction begun with `begin` as one that may start over
     /// on another connection until its first statement is answered
     /// ([`Conn::replace`]): nothing of it can have committed before.
-    pub(super) fn restartable(&mut self, begin: String) {
+    pub(super) fn restartable(&mut self, begin: BeginText) {
         self.restartable = Some(begin);
     }
 
     /// The `BEGIN` to start over with, while the transaction may still.
-    pub(super) fn restart(&self) -> Option<String> {
+    pub(super) fn restart(&self) -> Option<BeginText> {
         self.restartable.clone()
     }
 
@@ -185,7 +185,7 @@ impl Conn {
     /// `begin` deferred again (behind a transaction pooler, sent again at
     /// once). The lost one is closed, never pooled; whatever was sent on it
     /// died with its session, uncommitted.
-    pub(super) async fn replace(&mut self, begin: String) -> Result<(), StoreError> {
+    pub(super) async fn replace(&mut self, begin: BeginText) -> Result<(), StoreError> {
         let fresh = self.pool.get().await.map_err(|e| {
             StoreError::new(
                 StoreErrorKind::Unavailable,
@@ -217,14 +217,14 @@ impl Conn {
     /// fail) to the next statement, which it is pipelined with: the
     /// transaction costs no round trip of its own. Until then the connection
     /// is outside any transaction.
-    pub(super) fn defer_begin(&mut self, begin: String) {
+    pub(super) fn defer_begin(&mut self, begin: BeginText) {
         self.deferred_begin = Some(begin);
     }
 
     /// The deferred `BEGIN`, taken to be sent now, before the statement
     /// about to go out: from here on the connection is inside a transaction.
     /// Take it only where it is sent in the same poll (see [`behind`]).
-    pub(super) fn take_begin(&mut self) -> Option<String> {
+    pub(super) fn take_begin(&mut self) -> Option<BeginText> {
         let begin = self.deferred_begin.take();
         if begin.is_some() {
             self.clean = false;
@@ -283,7 +283,7 @@ impl Conn {
     /// session's default level was checked to be READ COMMITTED), its lock
     /// wait and the hold limit the session does not already carry, one
     /// utility statement each.
-    pub(super) fn begin_text(&self, waits: Waits) -> String {
+    pub(super) fn begin_text(&self, waits: Waits) -> BeginText {
         let begin = if !self.unnamed && self.session.read_committed.load(Ordering::Relaxed) {
             BEGIN_DEFAULT
         } else {
@@ -336,7 +336,7 @@ impl Conn {
 /// twice in its state (the argument and the join awaiting it).
 pub(super) fn behind<'c, T, F>(
     conn: &'c Conn,
-    begin: Option<String>,
+    begin: Option<BeginText>,
     statement: F,
 ) -> impl std::future::Future<Output = Result<T, tokio_postgres::Error>> + 'c
 where

@@ -185,20 +185,28 @@ fn set_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
 /// `BEGIN ISOLATION LEVEL READ COMMITTED`, then [`set_waits`]: utility
 /// statements only, nothing to plan, for a driver that sends them
 /// pipelined, one message each, ahead of the claim.
-pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> String {
+pub(crate) fn begin_with_waits(lock_wait: Option<Duration>, idle: Option<Duration>) -> BeginText {
     begin_then_waits(BEGIN, lock_wait, idle)
 }
+
+/// The text that begins a transaction: static where no `SET LOCAL` follows
+/// the `BEGIN` (nothing to allocate, nothing to copy when kept for a
+/// restart).
+pub(crate) type BeginText = std::borrow::Cow<'static, str>;
 
 /// `begin` ([`BEGIN`], or [`BEGIN_DEFAULT`] on a session whose default
 /// level was checked), then [`set_waits`].
 ///
 /// [`BEGIN_DEFAULT`]: super::transaction::BEGIN_DEFAULT
 pub(crate) fn begin_then_waits(
-    begin: &str,
+    begin: &'static str,
     lock_wait: Option<Duration>,
     idle: Option<Duration>,
-) -> String {
-    format!("{begin}{}", set_waits(lock_wait, idle))
+) -> BeginText {
+    if lock_wait.is_none() && idle.is_none() {
+        return BeginText::Borrowed(begin);
+    }
+    BeginText::Owned(format!("{begin}{}", set_waits(lock_wait, idle)))
 }
 
 /// [`begin_with_waits`], then the session's process id, which a cancel

@@ -289,7 +289,7 @@ impl PgTx {
     async fn replace_connection(
         &self,
         conn: &mut Conn,
-        begin: String,
+        begin: crate::protocol::claim::BeginText,
         lost: TxError,
     ) -> Result<(), TxError> {
         tracing::debug!(error = %lost, "the transaction's connection was lost before its first statement; on a fresh one");
