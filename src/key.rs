@@ -16,6 +16,8 @@ pub const MAX_KEY_LEN: usize = 255;
 ///
 /// `Debug` and `Display` never print the raw key: keys are client secrets in
 /// the same sense as request bodies, so logs only see [`IdempotencyKey::short_hash`].
+/// Cloning one shares the text (single-flight, the transaction handle and the
+/// replay cache each hold a clone).
 ///
 /// ```
 /// use tower_idempotency::key::IdempotencyKey;
@@ -26,7 +28,7 @@ pub const MAX_KEY_LEN: usize = 255;
 /// assert!(IdempotencyKey::parse(b"").is_err());
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(Box<str>);
+pub struct IdempotencyKey(std::sync::Arc<str>);
 
 /// Why a key was refused; answered as `400 idempotency_key_invalid`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,8 +70,8 @@ impl IdempotencyKey {
     /// else is taken as it is, so a bare key may itself contain `"`.
     pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
         match quoted(raw) {
-            Some(contents) => Self::from_bytes(contents),
-            None => Self::from_bytes(raw.to_vec()),
+            Some(contents) => Self::from_bytes(&contents),
+            None => Self::from_bytes(raw),
         }
     }
 
@@ -77,7 +79,7 @@ impl IdempotencyKey {
     /// a store keeps): nothing is unquoted.
     #[cfg(any(feature = "postgres", feature = "sqlx", test))]
     pub(crate) fn from_text(text: &str) -> Result<Self, KeyError> {
-        Self::from_bytes(text.as_bytes().to_vec())
+        Self::from_bytes(text.as_bytes())
     }
 
     /// The header value that [`parse`](Self::parse) reads as this key: the
@@ -103,7 +105,7 @@ impl IdempotencyKey {
         }
     }
 
-    fn from_bytes(key: Vec<u8>) -> Result<Self, KeyError> {
+    fn from_bytes(key: &[u8]) -> Result<Self, KeyError> {
         if key.is_empty() {
             return Err(KeyError::Empty);
         }
@@ -114,8 +116,8 @@ impl IdempotencyKey {
             return Err(KeyError::InvalidCharacter);
         }
         // Visible ASCII is valid UTF-8.
-        String::from_utf8(key)
-            .map(|s| IdempotencyKey(s.into_boxed_str()))
+        std::str::from_utf8(key)
+            .map(|s| IdempotencyKey(s.into()))
             .map_err(|_| KeyError::InvalidCharacter)
     }
 
@@ -124,7 +126,7 @@ impl IdempotencyKey {
     #[cfg(feature = "client")]
     pub(crate) fn new_v4() -> Self {
         // Hex digits and dashes: visible ASCII, 36 characters.
-        IdempotencyKey(uuid::Uuid::new_v4().to_string().into_boxed_str())
+        IdempotencyKey(uuid::Uuid::new_v4().to_string().into())
     }
 
     /// The key as the client sent it (unquoted).
