@@ -216,7 +216,11 @@ impl StoredResponse {
 
 /// Headers as an HTTP/1-style block (`name: value\r\n`).
 pub(crate) fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> Vec<u8> {
-    let mut out = Vec::new();
+    let size = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    let mut out = Vec::with_capacity(size);
     for (name, value) in headers {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");

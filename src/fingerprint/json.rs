@@ -139,7 +139,7 @@ impl Fingerprinter for JsonFingerprinter {
         for path in self.ignored.iter() {
             remove_path(&mut value, path);
         }
-        Ok(Fingerprint::digest(&self.version, &canonical_json(&value)))
+        Ok(canonical_digest(&self.version, &value))
     }
 }
 
@@ -151,39 +151,76 @@ pub(crate) fn canonical_json(value: &Value) -> Vec<u8> {
     out
 }
 
-fn encode(value: &Value, out: &mut Vec<u8>) {
+/// The fingerprint of `value` under `version`: [`Fingerprint::digest`] of
+/// its [`canonical_json`], with the encoding fed to the hash as it is made
+/// instead of gathered in a buffer first (the same bytes, so the same
+/// digest).
+pub(crate) fn canonical_digest(version: &str, value: &Value) -> Fingerprint {
+    let mut hasher = Fingerprint::hasher(version);
+    encode(value, &mut hasher);
+    Fingerprint::finish(hasher)
+}
+
+/// Where the canonical encoding goes: a buffer, or a hash.
+pub(crate) trait Out {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl Out for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+impl Out for sha2::Sha256 {
+    fn put(&mut self, bytes: &[u8]) {
+        sha2::Digest::update(self, bytes);
+    }
+}
+
+fn encode(value: &Value, out: &mut impl Out) {
     match value {
-        Value::Null => out.push(b'n'),
-        Value::Bool(true) => out.push(b't'),
-        Value::Bool(false) => out.push(b'f'),
+        Value::Null => out.put(b"n"),
+        Value::Bool(true) => out.put(b"t"),
+        Value::Bool(false) => out.put(b"f"),
         Value::Number(n) => {
-            out.push(b'#');
-            out.extend_from_slice(canonical_number(n).as_bytes());
-            out.push(b';');
+            out.put(b"#");
+            out.put(canonical_number(n).as_bytes());
+            out.put(b";");
         }
         Value::String(s) => encode_str(s, out),
         Value::Array(items) => {
-            out.push(b'[');
+            out.put(b"[");
             items.iter().for_each(|item| encode(item, out));
-            out.push(b']');
+            out.put(b"]");
         }
         Value::Object(map) => {
-            let mut entries: Vec<_> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            out.push(b'{');
-            for (key, item) in entries {
-                encode_str(key, out);
-                encode(item, out);
+            out.put(b"{");
+            // serde_json keeps members sorted by name, unless a crate in the
+            // build turned on its `preserve_order` (then in the body's order):
+            // sorted already, encoded as they are; else sorted here.
+            if map.keys().is_sorted() {
+                for (key, item) in map {
+                    encode_str(key, out);
+                    encode(item, out);
+                }
+            } else {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                for (key, item) in entries {
+                    encode_str(key, out);
+                    encode(item, out);
+                }
             }
-            out.push(b'}');
+            out.put(b"}");
         }
     }
 }
 
-fn encode_str(s: &str, out: &mut Vec<u8>) {
-    out.push(b's');
-    out.extend_from_slice(&(s.len() as u64).to_be_bytes());
-    out.extend_from_slice(s.as_bytes());
+fn encode_str(s: &str, out: &mut impl Out) {
+    out.put(b"s");
+    out.put(&(s.len() as u64).to_be_bytes());
+    out.put(s.as_bytes());
 }
 
 #[cfg(test)]
@@ -193,6 +230,40 @@ mod tests {
     use crate::problem::codes;
     use http::StatusCode;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The digest fed as the encoding is made is the digest of the
+        /// encoding gathered first: the same bytes, whatever the value.
+        #[test]
+        fn the_streamed_digest_is_the_digest_of_the_canonical_bytes(value in arb_json(), version in "[a-z0-9.]{0,12}") {
+            prop_assert_eq!(
+                canonical_digest(&version, &value),
+                Fingerprint::digest(&version, &canonical_json(&value))
+            );
+        }
+    }
+
+    /// Today's bytes, pinned: a change of the encoding would change every
+    /// stored fingerprint, and a retry across an upgrade would be refused.
+    #[test]
+    fn the_canonical_bytes_are_pinned() {
+        let value: Value =
+            serde_json::from_str(r#"{"b":[1,2.5,null,true],"a":{"z":"x","y":false}}"#).unwrap();
+        let mut expected = Vec::new();
+        expected.extend_from_slice(b"{");
+        expected.extend_from_slice(b"s");
+        expected.extend_from_slice(&1u64.to_be_bytes());
+        expected.extend_from_slice(b"a{s");
+        expected.extend_from_slice(&1u64.to_be_bytes());
+        expected.extend_from_slice(b"yfs");
+        expected.extend_from_slice(&1u64.to_be_bytes());
+        expected.extend_from_slice(b"zs");
+        expected.extend_from_slice(&1u64.to_be_bytes());
+        expected.extend_from_slice(b"x}s");
+        expected.extend_from_slice(&1u64.to_be_bytes());
+        expected.extend_from_slice(b"b[#1;#2.5e0;nt]}");
+        assert_eq!(canonical_json(&value), expected);
+    }
 
     fn fp(json: &JsonFingerprinter, body: &str) -> Result<Fingerprint, Problem> {
         let (mut parts, _) = http::Request::new(()).into_parts();

@@ -73,8 +73,8 @@ mod typed;
 #[cfg(test)]
 mod hostile_tests;
 
-pub(crate) use json::canonical_json;
 pub use json::JsonFingerprinter;
+pub(crate) use json::{canonical_digest, canonical_json};
 pub(crate) use typed::validation_problem;
 pub use typed::{FieldError, TypedFingerprinter, Validated};
 
@@ -96,11 +96,23 @@ impl Fingerprint {
     /// Hashes `canonical` bytes under an endpoint `version`, so that changing
     /// what a version means never makes old and new requests collide.
     pub fn digest(version: &str, canonical: &[u8]) -> Self {
+        let mut hasher = Self::hasher(version);
+        hasher.update(canonical);
+        Self::finish(hasher)
+    }
+
+    /// The hash [`digest`](Self::digest) feeds `canonical` to, fed what
+    /// comes before it.
+    pub(crate) fn hasher(version: &str) -> Sha256 {
         let mut hasher = Sha256::new();
         hasher.update(b"tower-idempotency/fingerprint/1\0");
         hasher.update((version.len() as u64).to_be_bytes());
         hasher.update(version.as_bytes());
-        hasher.update(canonical);
+        hasher
+    }
+
+    /// The fingerprint `hasher` has been fed.
+    pub(crate) fn finish(hasher: Sha256) -> Self {
         Fingerprint(hasher.finalize().into())
     }
 

@@ -9,7 +9,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use serde_json::Value;
 
 use super::{
-    canonical_json,
+    canonical_digest,
     strict::{arbitrary_precision, refuse_duplicate_members},
     Fingerprint, Fingerprinter,
 };
@@ -217,7 +217,7 @@ where
         {
             return Err(wide(field, &"number out of range"));
         }
-        let fingerprint = Fingerprint::digest(&self.version, &canonical_json(&canonical));
+        let fingerprint = canonical_digest(&self.version, &canonical);
         parts.extensions.insert(Validated::new(dto));
         Ok(fingerprint)
     }

@@ -100,7 +100,8 @@ impl ResetArguments {
         arguments: &'a Option<ResetArguments>,
         params: &[Param<'a>],
     ) -> Vec<Param<'a>> {
-        let mut all = params.to_vec();
+        let mut all = Vec::with_capacity(params.len() + 2);
+        all.extend_from_slice(params);
         if let Some(arguments) = arguments {
             all.push(Param::OptText(arguments.hold_limit.as_deref()));
             all.push(Param::OptText(arguments.login.as_deref()));
