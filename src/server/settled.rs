@@ -207,7 +207,10 @@ impl<B, E> Settled<B, E> {
                     "request refused before claiming a key"
                 );
             }
-            Settled::Replayed(_) => tracing::info!("replaying the completed response"),
+            // A request that went as it should is counted by the metrics;
+            // its event is for debugging (a subscriber at `INFO` formats
+            // nothing per successful request).
+            Settled::Replayed(_) => tracing::debug!("replaying the completed response"),
             Settled::KeyReused => tracing::info!("key reused with a different request; refused"),
             Settled::InProgress { .. } => tracing::info!("key still in progress after the wait"),
             Settled::ClaimFailed(e) => tracing::error!(error = %e, "claim failed"),
@@ -218,7 +221,7 @@ impl<B, E> Settled<B, E> {
                     "the database stopped answering the owner's transaction; its connection was closed, nothing was committed"
                 )
             }
-            Settled::Committed(parts, _) => tracing::info!(
+            Settled::Committed(parts, _) => tracing::debug!(
                 status = parts.status.as_u16(),
                 "committed the response to remember with the handler's writes"
             ),
@@ -289,7 +292,7 @@ impl<B, E> Settled<B, E> {
             series.claim_duration(self.claim_outcome(), claimed.as_secs_f64());
         }
         if let Some(waited) = timings.waited {
-            tracing::info!(
+            tracing::debug!(
                 waited_ms = waited.as_millis() as u64,
                 "waited for a concurrent duplicate"
             );
