@@ -618,25 +618,19 @@ fn hand_written(pool: deadpool_postgres::Pool, scenario: Scenario) -> Plain {
                 .get(0);
             let answer =
                 serde_json::json!({"id": id, "checkout_id": checkout, "total": total}).to_string();
+            // Bare stores no key row, and hashes nothing.
+            let fingerprint = || sha2::Sha256::digest(&body).to_vec();
+            let resource: Option<&str> = None;
             match scenario {
                 Scenario::Bare => client.batch_execute("COMMIT").await?,
                 Scenario::Experiment => {
-                    let remember = client.prepare_cached(REMEMBER).await?;
-                    let fingerprint = sha2::Sha256::digest(&body).to_vec();
+                    let fingerprint = fingerprint();
                     let row: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
                         [&key, &fingerprint, &answer.as_bytes()];
-                    let (remembered, committed) = tokio::join!(
-                        biased;
-                        client.execute(&remember, &row),
-                        client.batch_execute("COMMIT")
-                    );
-                    remembered?;
-                    committed?;
+                    remember_with_commit(&client, REMEMBER, &row).await?;
                 }
                 _ => {
-                    let remember = client.prepare_cached(CLAIM_AT_COMMIT).await?;
-                    let fingerprint = sha2::Sha256::digest(&body).to_vec();
-                    let resource: Option<&str> = None;
+                    let fingerprint = fingerprint();
                     let row: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
                         &"bench",
                         &"at-commit-full",
@@ -648,13 +642,7 @@ fn hand_written(pool: deadpool_postgres::Pool, scenario: Scenario) -> Plain {
                         &resource,
                         &RETENTION_SECS,
                     ];
-                    let (remembered, committed) = tokio::join!(
-                        biased;
-                        client.execute(&remember, &row),
-                        client.batch_execute("COMMIT")
-                    );
-                    remembered?;
-                    committed?;
+                    remember_with_commit(&client, CLAIM_AT_COMMIT, &row).await?;
                 }
             }
             Ok::<_, BoxError>(
@@ -668,6 +656,24 @@ fn hand_written(pool: deadpool_postgres::Pool, scenario: Scenario) -> Plain {
         }
     });
     Plain::new(handler)
+}
+
+/// The key row `sql` (prepared and cached) with `row`, and `COMMIT`
+/// pipelined behind it without waiting.
+async fn remember_with_commit(
+    client: &deadpool_postgres::Client,
+    sql: &str,
+    row: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<(), BoxError> {
+    let remember = client.prepare_cached(sql).await?;
+    let (remembered, committed) = tokio::join!(
+        biased;
+        client.execute(&remember, row),
+        client.batch_execute("COMMIT")
+    );
+    remembered?;
+    committed?;
+    Ok(())
 }
 
 /// The layer in the one-commit or the default mode over the same writes,
