@@ -20,3 +20,28 @@ pub const ENQUEUE: &str = crate::protocol::outbox::ENQUEUE.text();
 /// unique violation (`23505`). The layer sends it without the session
 /// reset when its store's reset is not folded in.
 pub const CLAIM_AT_COMMIT: &str = crate::protocol::at_commit::CLAIM_AT_COMMIT.text();
+
+/// [`CLAIM_AT_COMMIT`] with the session reset in the same statement, as
+/// the layer sends it on a connection reached directly: `$10` the hold
+/// limit the session keeps, `$11` the role the store logs in as (each may
+/// be null).
+pub const CLAIM_AT_COMMIT_AND_RESET: &str =
+    crate::protocol::at_commit::CLAIM_AT_COMMIT_AND_RESET.text();
+
+/// The claim-first mode's claim: `$1` tenant, `$2` endpoint, `$3` key, `$4`
+/// fingerprint, `$5` retention in seconds. One row: whether the key was
+/// claimed, the attempt token and the transaction id (as text) when it
+/// was, else the key's record.
+pub const CLAIM: &str = crate::protocol::claim::CLAIM.text();
+
+/// The claim-first mode's completion with the session reset in the same
+/// statement: `$1`–`$3` the key, `$4` the attempt token, `$5` status, `$6`
+/// header block, `$7` body, `$8` retention, `$9` the claim's transaction
+/// id (text), `$10` resource id, `$11` the hold limit, `$12` the login. It
+/// fails (division by zero) unless it completes the claim's row, so that
+/// the `COMMIT` behind it rolls back.
+pub const COMPLETE_AND_RESET: &str = crate::protocol::complete::COMPLETE_AND_RESET.text();
+
+/// A key's record, read with a fresh snapshot: `$1` tenant, `$2` endpoint,
+/// `$3` key.
+pub const LOOKUP: &str = crate::protocol::claim::LOOKUP.text();
