@@ -176,21 +176,18 @@ async fn at_commit(
 
 /// A server whose `POST /orders` is the minimal experiment.
 pub(crate) async fn at_commit_server(pool: BarePool) -> SocketAddr {
-    let handler = |State(pool): State<BarePool>, headers: HeaderMap, body: Bytes| async move {
-        at_commit(Record::Minimal, &pool, &headers, &body).await
-    };
-    serve(
-        Router::new()
-            .route("/orders", post(handler))
-            .with_state(pool),
-    )
-    .await
+    server(Record::Minimal, pool).await
 }
 
 /// A server whose `POST /orders` is the full-record experiment.
 pub(crate) async fn full_record_server(pool: BarePool) -> SocketAddr {
-    let handler = |State(pool): State<BarePool>, headers: HeaderMap, body: Bytes| async move {
-        at_commit(Record::Full, &pool, &headers, &body).await
+    server(Record::Full, pool).await
+}
+
+/// A server whose `POST /orders` is the experiment writing `record`.
+async fn server(record: Record, pool: BarePool) -> SocketAddr {
+    let handler = move |State(pool): State<BarePool>, headers: HeaderMap, body: Bytes| async move {
+        at_commit(record, &pool, &headers, &body).await
     };
     serve(
         Router::new()

@@ -165,12 +165,9 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     let faults: Faults = ();
     fault_point!(faults, BeforeClaim);
 
-    // A retry of a record this process committed: answered from memory.
+    // A retry of a record this process committed was answered from memory
+    // before this flow was spawned (`service::cached`).
     let cache = setup.shared.cache.as_ref();
-    if let Some(record) = cache.and_then(|c| c.get(&claim.scope, &claim.key)) {
-        timings.claimed = Some(timings.since_arrival());
-        return (Coalesced::answer(&record, &claim.fingerprint), timings);
-    }
 
     // 2. Coalesce.
     let in_process = coalesce(&setup.shared.in_flight, &claim, deadline).await;

@@ -214,18 +214,10 @@ where
 }
 
 /// The record the replay cache holds for the admitted request's key, if
-/// the layer has a cache and it does. (Not for a request that carries an
-/// injected fault, feature `failpoints`: its fault points come first.)
+/// the layer has a cache and it does: looked up here, before anything is
+/// spawned, and only here (a hit asks the store nothing, so no fault point
+/// of the store's flow is passed).
 fn cached<St, F, R, M>(setup: &Setup<St, F, R, M>, admitted: &Admitted) -> Option<Arc<Record>> {
-    #[cfg(feature = "failpoints")]
-    if admitted
-        .parts
-        .extensions
-        .get::<super::failpoints::InjectFault>()
-        .is_some()
-    {
-        return None;
-    }
     let claim = &admitted.claim;
     setup.shared.cache.as_ref()?.get(&claim.scope, &claim.key)
 }
