@@ -8,6 +8,30 @@ use crate::fingerprint::Fingerprint;
 /// The header added to every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// The request header that says which attempt of a call this is: `1` for
+/// the first, `2` for the first retry, and so on.
+///
+/// [`IdempotentClient`](crate::client::IdempotentClient) sends it on every
+/// retry. In the claim-first and one-commit modes, a request whose value is
+/// above 1 and that the replay cache does not answer is answered from one read of the key's record
+/// ([`Store::lookup`](crate::store::Store::lookup)) when the key has one:
+/// one round trip and nothing written, where a claim that finds the row
+/// taken costs a transaction. Without a record, the claim arbitrates as
+/// for any request. The header is a hint and changes no answer: a first
+/// attempt that claims to be a retry costs one extra read; a retry that
+/// does not say so is claimed and replayed as before. A value that is not
+/// a decimal number is ignored.
+pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
+
+/// Whether a request's [`IDEMPOTENCY_ATTEMPT`] says it is a retry.
+pub(crate) fn says_retry(headers: &HeaderMap) -> bool {
+    headers
+        .get(IDEMPOTENCY_ATTEMPT)
+        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .is_some_and(|n| n > 1)
+}
+
 /// Marks a non-2xx response as a final answer to remember and replay.
 ///
 /// Put it in the response extensions for deterministic business rejections

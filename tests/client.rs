@@ -208,6 +208,17 @@ async fn sets_one_random_key_and_sends_it_on_every_retry() {
         "one key per call: {keys:?}"
     );
     assert_eq!(report.key().as_str(), keys[0]);
+    // Each retry says which attempt it is; the first says nothing.
+    let attempts: Vec<_> = script
+        .seen()
+        .iter()
+        .map(|s| {
+            s.headers
+                .get("idempotency-attempt")
+                .map(|v| v.to_str().unwrap().to_owned())
+        })
+        .collect();
+    assert_eq!(attempts, [None, Some("2".into()), Some("3".into())]);
     let uuid = uuid::Uuid::parse_str(&keys[0]).expect("a UUID");
     assert_eq!(uuid.get_version_num(), 4);
 

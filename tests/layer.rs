@@ -27,3 +27,5 @@ mod hot_completion;
 mod http_examples;
 #[path = "layer/resource_replay.rs"]
 mod resource_replay;
+#[path = "layer/retry_hint.rs"]
+mod retry_hint;

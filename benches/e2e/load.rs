@@ -84,6 +84,9 @@ pub(crate) struct Scenario {
     pub(crate) fresh_hits: bool,
     /// Run with the tracing subscriber and the metrics recorder on.
     pub(crate) observed: bool,
+    /// Replays say they are retries (`Idempotency-Attempt: 2`), as the
+    /// crate's client says on its retries.
+    pub(crate) hinted: bool,
 }
 
 impl Scenario {
@@ -97,7 +100,13 @@ impl Scenario {
             list: None,
             fresh_hits: false,
             observed: false,
+            hinted: false,
         }
+    }
+    /// Replays that say they are retries.
+    pub(crate) fn hinted(mut self) -> Self {
+        self.hinted = true;
+        self
     }
     /// Replays of keys made on this server just before each run: cache hits.
     pub(crate) fn fresh_hits(mut self) -> Self {
@@ -253,10 +262,24 @@ impl Load {
     }
 
     async fn post(&self, addr: SocketAddr, key: Option<&str>, body: String) -> Answer {
+        self.post_as(addr, key, body, false).await
+    }
+
+    /// [`post`](Self::post), saying it is a retry when `retry` is set.
+    async fn post_as(
+        &self,
+        addr: SocketAddr,
+        key: Option<&str>,
+        body: String,
+        retry: bool,
+    ) -> Answer {
         let mut request = Request::post(format!("http://{addr}/orders"))
             .header("content-type", "application/json");
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
+        }
+        if retry {
+            request = request.header("idempotency-attempt", "2");
         }
         let request = request.body(Full::new(Bytes::from(body))).expect("request");
         let started = Instant::now();
@@ -288,7 +311,7 @@ impl Load {
                 (a.status == StatusCode::CREATED, a.micros)
             }
             Kind::Replay => match self.pick(s.list, rng) {
-                Some((key, body)) => replay(self.post(s.addr, Some(&key), body).await),
+                Some((key, body)) => replay(self.post_as(s.addr, Some(&key), body, s.hinted).await),
                 None => (false, 0),
             },
             Kind::Mixed if roll == 0 => match self.pick(s.list, rng) {

@@ -118,6 +118,7 @@ pub(crate) const ONE_COMMIT: &str = "one-commit create";
 pub(crate) const EXPERIMENT: &str = "claim at commit, hand-written";
 pub(crate) const FULL_RECORD: &str = "claim at commit, full record, hand-written";
 pub(crate) const REPLAY: &str = "replay from the table (no cache)";
+pub(crate) const REPLAY_HINTED: &str = "replay from the table, retry said (no cache)";
 pub(crate) const BARE_FIVE: &str = "bare, five statements";
 pub(crate) const LAYERED_FIVE: &str = "layered, five statements";
 
@@ -156,6 +157,9 @@ pub(crate) async fn run(
         Scenario::new(EXPERIMENT, at_commit, Kind::Create),
         Scenario::new(FULL_RECORD, full_record, Kind::Create),
         Scenario::new(REPLAY, uncached, Kind::Replay).list(MAIN_KEYS),
+        Scenario::new(REPLAY_HINTED, uncached, Kind::Replay)
+            .list(MAIN_KEYS)
+            .hinted(),
         Scenario::new(BARE_FIVE, bare_five, Kind::Plain).body(Body::Full),
         Scenario::new(LAYERED_FIVE, layered_five, Kind::Create).body(Body::Full),
     ]);

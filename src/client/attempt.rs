@@ -10,7 +10,7 @@ use std::{
 };
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use tower_service::Service;
 
@@ -21,6 +21,7 @@ use super::{
     in_progress::ConflictProblem,
     layer::Config,
 };
+use crate::record::IDEMPOTENCY_ATTEMPT;
 
 /// The largest `409` body read for its problem fields; the contract's problems are
 /// far smaller. A larger one is passed on as it is.
@@ -74,8 +75,15 @@ where
             .map_err(|e| AttemptError::NotReady(e.into()))
     }
 
-    fn call(&mut self, request: Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let attempt = self.shared.attempt_started();
+        // A retry says so: the server may answer it from one read of the
+        // key's record.
+        if attempt > 1 {
+            request
+                .headers_mut()
+                .insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(attempt));
+        }
         crate::metrics::client_attempt(&self.config.name);
         tracing::debug!(attempt, method = %request.method(), "sending attempt");
         let future = self.inner.call(request);

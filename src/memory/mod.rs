@@ -353,4 +353,15 @@ impl Store for MemoryStore {
         }
         Ok(())
     }
+
+    async fn lookup(&self, request: &ClaimRequest) -> Result<Option<Record>, StoreError> {
+        let entry_key = (request.scope.clone(), request.key.clone());
+        let state = lock(&self.state);
+        Ok(match state.entries.get(&entry_key) {
+            Some(Entry::Completed {
+                record, expires_at, ..
+            }) if *expires_at > Instant::now() => Some(record.clone()),
+            _ => None,
+        })
+    }
 }

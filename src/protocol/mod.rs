@@ -63,6 +63,13 @@ macro_rules! forward_store {
             async fn abort(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
                 crate::protocol::owner::abort(tx).await
             }
+
+            async fn lookup(
+                &self,
+                request: &crate::store::ClaimRequest,
+            ) -> Result<Option<crate::record::Record>, crate::store::StoreError> {
+                crate::protocol::owner::lookup(self, request).await
+            }
         }
 
         impl crate::store::CommitStore for $store {

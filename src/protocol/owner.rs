@@ -39,7 +39,7 @@ use super::{
 };
 use crate::{
     metrics::FencedAt,
-    record::StoredResponse,
+    record::{Record, StoredResponse},
     store::{Claim, ClaimRequest, Committed, StoreError, StoreErrorKind},
 };
 
@@ -574,6 +574,28 @@ pub(crate) async fn commit_at_commit<D: Driver, H: Handle<Conn = D::Conn>>(
         }
         Err(failed) => Err(commit_failed(failed)),
     }
+}
+
+/// [`Store::lookup`](crate::store::Store::lookup): the key's completed,
+/// unexpired record ([`LOOKUP`](super::claim::LOOKUP)), read alone with a
+/// fresh snapshot: one round trip, no transaction of the store's, nothing
+/// written.
+pub(crate) async fn lookup<D: Driver>(
+    driver: &D,
+    request: &ClaimRequest,
+) -> Result<Option<Record>, StoreError> {
+    let rows = driver
+        .read(
+            super::claim::LOOKUP,
+            &key_params(request),
+            Instant::now() + ROW_WAIT + GRACE,
+        )
+        .await?;
+    Ok(rows
+        .first()
+        .map(|row| record_at(row, 0))
+        .transpose()?
+        .flatten())
 }
 
 /// What a commit of the one-commit mode that lost lost to, read with a

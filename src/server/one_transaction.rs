@@ -21,7 +21,7 @@ use super::{
     settled::{Rollback, Settled, Timings},
 };
 use crate::{
-    record::{Record, StoredResponse},
+    record::{says_retry, Record, StoredResponse},
     store::{
         limits::HOLD_MARGIN, Claim, ClaimRequest, CommitStore, Committed, Store, StoreError,
         StoreErrorKind,
@@ -182,6 +182,28 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
             lead.answered(record);
         }
     };
+
+    // A retry that says so, which the replay cache did not answer: the
+    // key's record read first (one round trip, nothing written), instead of
+    // a claim that would find the row taken. What the read finds is what
+    // the claim would answer; when it finds nothing, the claim arbitrates.
+    if says_retry(&parts.headers) {
+        let looked = deadline::within(
+            deadlines.claim(),
+            setup.store.lookup(&claim),
+            deadline::claim_unanswered,
+        );
+        match looked.await {
+            Ok(Some(record)) => {
+                timings.claimed = Some(timings.since_arrival());
+                let record = Arc::new(record);
+                answered(record.clone());
+                return (Coalesced::answer(&record, &claim.fingerprint), timings);
+            }
+            Ok(None) => {}
+            Err(e) => return (Settled::ClaimFailed(e), timings),
+        }
+    }
 
     // A second run's request, in a mode whose commit may free the key
     // first (`Committed::Freed`: the key's record had expired): the parts

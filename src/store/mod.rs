@@ -290,6 +290,35 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// not be sent; the key must still end up free (a connection that could
     /// not roll back is closed, and the server rolls back).
     fn abort(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The key's completed, unexpired record, read without claiming
+    /// anything; `None` when there is none, or when the store does not
+    /// read ahead of a claim (the default).
+    ///
+    /// The layer calls it before [`claim`](Self::claim) for a request that
+    /// says it is a retry ([`IDEMPOTENCY_ATTEMPT`] above 1) and that the
+    /// replay cache did not answer: one read, nothing written, instead of a
+    /// transaction that inserts and finds the row taken. The answer is only
+    /// a shortcut: when it is `None` the claim still arbitrates the key, so
+    /// a store that reads nothing here (the default) loses no guarantee.
+    ///
+    /// **What it may return.** Exactly what [`claim`](Self::claim) would
+    /// answer [`Claim::Completed`] with at this moment, or `None`: never an
+    /// expired record (retention over: a new operation), never a row in
+    /// progress. For a SQL store, one statement in autocommit (a fresh
+    /// snapshot), which waits for no lock.
+    ///
+    /// **Errors.** As for [`claim`](Self::claim); the layer answers them as
+    /// it answers a failed claim.
+    ///
+    /// [`IDEMPOTENCY_ATTEMPT`]: crate::record::IDEMPOTENCY_ATTEMPT
+    fn lookup(
+        &self,
+        request: &ClaimRequest,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
+        let _ = request;
+        std::future::ready(Ok(None))
+    }
 }
 
 /// The stable category of a [`StoreError`].

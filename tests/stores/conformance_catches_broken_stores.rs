@@ -43,6 +43,9 @@ enum Flaw {
     KeyIgnoresTenant,
     /// A completed record is replayed forever, its retention ignored.
     ExpiredNeverTakenOver,
+    /// `lookup` finds a completed record whose retention ended (its claim
+    /// is right).
+    LookupIgnoresRetention,
     /// `abort` panics.
     PanicsOnAbort,
 }
@@ -271,6 +274,18 @@ impl Store for Toy {
         }
         Ok(())
     }
+
+    async fn lookup(&self, request: &ClaimRequest) -> Result<Option<Record>, StoreError> {
+        let state = lock(&self.state);
+        Ok(match state.entries.get(&self.key(request)) {
+            Some(Entry::Completed { record, expires_at })
+                if *expires_at > Instant::now() || self.flaw == Flaw::LookupIgnoresRetention =>
+            {
+                Some(record.clone())
+            }
+            _ => None,
+        })
+    }
 }
 
 impl Writes<ToyTx> for Toy {
@@ -454,6 +469,23 @@ async fn an_expired_record_never_taken_over_is_caught() {
         message(&report, "expired_record_is_a_new_operation").starts_with(
             "a claim after the record's retention ended: expected to own the key, got Completed"
         ),
+        "{report}"
+    );
+}
+
+#[tokio::test]
+async fn a_lookup_that_finds_an_expired_record_is_caught() {
+    let report = report(Flaw::LookupIgnoresRetention).await;
+    assert_eq!(
+        failed(&report),
+        [(
+            "expired_record_is_a_new_operation",
+            Guarantee::ExpiryTakeover
+        )],
+        "{report}"
+    );
+    assert!(
+        message(&report, "expired_record_is_a_new_operation").ends_with(", whose retention ended"),
         "{report}"
     );
 }

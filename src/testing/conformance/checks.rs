@@ -5,10 +5,10 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::{
-    claim_bounded, describe, join_all, must_be_aborted, must_be_free, must_carry_fingerprint,
-    must_have_body, must_own, must_replay, must_replay_body, new_request, request, response,
-    response_with, scope, start_together, under_one_key, unique_key, CheckFailure, Guarantee, DAY,
-    DROP_WAIT, FREE_WAIT, WAIT,
+    claim_bounded, describe, join_all, lookup_bounded, must_be_aborted, must_be_free,
+    must_carry_fingerprint, must_have_body, must_own, must_replay, must_replay_body, new_request,
+    request, response, response_with, scope, start_together, under_one_key, unique_key,
+    CheckFailure, Guarantee, DAY, DROP_WAIT, FREE_WAIT, WAIT,
 };
 use crate::{
     scope::{Scope, TenantId},
@@ -21,13 +21,27 @@ use super::report::{ensure, fail, OrFail};
 const RACERS: usize = 8;
 
 /// **Replay**: a completed record comes back with the same status, headers
-/// (repeated ones kept in order) and body bytes.
+/// (repeated ones kept in order) and body bytes; [`Store::lookup`] finds
+/// nothing before the claim and while the key is in progress, and the same
+/// record (or nothing) once it completed.
 pub async fn completed_record_replays_byte_for_byte<St: Store>(
     store: &St,
 ) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::Replay;
     let req = new_request(WAIT);
+    let found = lookup_bounded(store, &req, G, "a key never claimed").await?;
+    ensure!(
+        found.is_none(),
+        G,
+        "lookup found {found:?} for a key never claimed"
+    );
     let tx = must_own(store, &req, G, "first claim").await?;
+    let found = lookup_bounded(store, &req, G, "a key in progress").await?;
+    ensure!(
+        found.is_none(),
+        G,
+        "lookup found {found:?} for a key still in progress"
+    );
     let stored = response(b"\x00{\"id\":1}\xff");
     store.complete(tx, &stored).await.or_fail(G, "complete")?;
     let record = must_replay(store, &req, G, "second claim").await?;
@@ -38,6 +52,18 @@ pub async fn completed_record_replays_byte_for_byte<St: Store>(
         record.response,
         stored
     );
+    // A store that reads ahead of a claim finds the same record (one that
+    // does not finds nothing, and the claim answers).
+    if let Some(found) = lookup_bounded(store, &req, G, "a completed key").await? {
+        ensure!(
+            found.response == stored,
+            G,
+            "lookup found {:?} instead of the response completed, {:?}",
+            found.response,
+            stored
+        );
+        must_carry_fingerprint(&found, 1, G, "the record lookup found")?;
+    }
     Ok(())
 }
 
@@ -287,7 +313,8 @@ pub async fn scopes_are_isolated<St: Store>(store: &St) -> Result<(), CheckFailu
 }
 
 /// **Expiry takeover**: a record past its retention is taken over by the
-/// next claim as a new operation, whose record then replaces it.
+/// next claim as a new operation, whose record then replaces it;
+/// [`Store::lookup`] does not find it once its retention ended.
 pub async fn expired_record_is_a_new_operation<St: Store>(store: &St) -> Result<(), CheckFailure> {
     const G: Guarantee = Guarantee::ExpiryTakeover;
     let key = unique_key();
@@ -297,6 +324,12 @@ pub async fn expired_record_is_a_new_operation<St: Store>(store: &St) -> Result<
         .complete(tx, &response(b"first"))
         .await
         .or_fail(G, "complete")?;
+    let found = lookup_bounded(store, &req, G, "a record whose retention ended").await?;
+    ensure!(
+        found.is_none(),
+        G,
+        "lookup found {found:?}, whose retention ended"
+    );
     let tx = must_own(
         store,
         &request(scope("t1"), &key, 2, DAY, FREE_WAIT),

@@ -205,6 +205,24 @@ pub(super) async fn claim_bounded<St: Store>(
     }
 }
 
+/// [`Store::lookup`] of `request`, which waits for nothing: answered
+/// within [`WAIT_SLACK`], else the check fails with `guarantee`.
+pub(super) async fn lookup_bounded<St: Store>(
+    store: &St,
+    request: &ClaimRequest,
+    guarantee: Guarantee,
+    what: &str,
+) -> Result<Option<Record>, CheckFailure> {
+    match tokio::time::timeout(WAIT_SLACK, store.lookup(request)).await {
+        Ok(result) => result.or_fail(guarantee, &format!("{what}: lookup failed")),
+        Err(_) => fail!(
+            guarantee,
+            "{what}: a lookup had not answered after {} ms",
+            WAIT_SLACK.as_millis()
+        ),
+    }
+}
+
 /// Claims `request` (see [`claim_bounded`]); anything but `Completed` fails
 /// the check with `guarantee`, naming `what`.
 pub(super) async fn must_replay<St: Store>(

@@ -26,7 +26,7 @@
 //!
 //! | check | guarantee | the store must |
 //! | --- | --- | --- |
-//! | [`completed_record_replays_byte_for_byte`] | replay | answer a completed key with its status, headers (repeated ones in order) and body bytes |
+//! | [`completed_record_replays_byte_for_byte`] | replay | answer a completed key with its status, headers (repeated ones in order) and body bytes; `lookup` nothing before and during the claim, then that record or nothing |
 //! | [`fingerprint_is_returned_for_comparison`] | replay | return the first request's fingerprint with the record |
 //! | [`concurrent_claims_have_one_owner`] | one owner | let exactly one of 8 concurrent claims own a new key; the others get its record |
 //! | [`stale_handle_cannot_complete`] | one owner | refuse `complete` through a handle whose transaction ended, after another claim owns the key |
@@ -34,7 +34,7 @@
 //! | [`dropped_handle_frees_the_key`] | drop frees the key | let the next claim own a key whose owner dropped every clone of its handle |
 //! | [`wait_is_bounded`] | bounded wait | answer `InProgress` after the claim's wait while another request owns the key |
 //! | [`scopes_are_isolated`] | tenant isolation | keep the same raw key of two tenants apart: neither replays the other's record |
-//! | [`expired_record_is_a_new_operation`] | expiry takeover | let a claim own a completed key whose retention ended |
+//! | [`expired_record_is_a_new_operation`] | expiry takeover | let a claim own a completed key whose retention ended; `lookup` not find it |
 //!
 //! What the handler writes through the transaction handle is
 //! store-specific. Give the suite a way to write and to look ([`Writes`])
