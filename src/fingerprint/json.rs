@@ -141,6 +141,11 @@ impl Fingerprinter for JsonFingerprinter {
         }
         Ok(canonical_digest(&self.version, &value))
     }
+
+    /// The canonical form of the body, and nothing else.
+    fn depends_on_body_only(&self) -> bool {
+        true
+    }
 }
 
 /// A deterministic, unambiguous byte encoding of a JSON value: objects by

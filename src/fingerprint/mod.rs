@@ -169,6 +169,22 @@ pub trait Fingerprinter: Send + Sync + 'static {
     /// Validates the request and returns its fingerprint, or the problem to
     /// answer with.
     fn fingerprint(&self, parts: &mut Parts, body: &Bytes) -> Result<Fingerprint, Problem>;
+
+    /// Whether [`fingerprint`](Self::fingerprint) answers the same for the
+    /// same body bytes, whatever else: it reads neither the request's parts
+    /// nor anything that changes (a clock, a setting, a database). Default
+    /// `false`.
+    ///
+    /// When `true`, a retry that repeats a request the replay cache holds,
+    /// byte for byte (the same method, target and body), is answered
+    /// without being fingerprinted again: the same bytes would give the
+    /// same fingerprint. A retry whose bytes differ (its members in another
+    /// order) is fingerprinted and compared as usual.
+    /// [`JsonFingerprinter`] says `true`, and so does a
+    /// [`TypedFingerprinter`] without a validator.
+    fn depends_on_body_only(&self) -> bool {
+        false
+    }
 }
 
 impl<F> Fingerprinter for F

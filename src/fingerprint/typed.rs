@@ -171,6 +171,12 @@ impl<T> Fingerprinter for TypedFingerprinter<T>
 where
     T: DeserializeOwned + Serialize + Send + Sync + 'static,
 {
+    /// The body decoded as `T` and encoded again: nothing else, unless a
+    /// validator (which may read anything) is set.
+    fn depends_on_body_only(&self) -> bool {
+        self.validator.is_none()
+    }
+
     fn fingerprint(&self, parts: &mut Parts, body: &Bytes) -> Result<Fingerprint, Problem> {
         let mut de = serde_json::Deserializer::from_slice(body);
         let dto: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {

@@ -2,16 +2,19 @@
 //! first (key, tenant), then the body is buffered under its limit and
 //! fingerprinted. Nothing here is remembered.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::{header, request::Parts, Request, StatusCode};
 use http_body::Body;
 use http_body_util::BodyExt;
 
 use crate::{
-    fingerprint::Fingerprinter,
+    fingerprint::{Fingerprint, Fingerprinter},
     key::{decode_grpc_message, GrpcMessageError, IdempotencyKey, KeyError},
     problem::{codes, Problem},
-    scope::{ResolveTenant, Scope},
+    record::Record,
+    scope::{ResolveTenant, Scope, TenantId},
     server::body::BoxError,
     server::endpoint::{Config, Setup},
     store::ClaimRequest,
@@ -25,6 +28,10 @@ pub(crate) enum Admission<B> {
     Refused(Problem),
     /// Ready to claim its key.
     Admitted(Admitted),
+    /// Answered by the replay cache: the record this process committed
+    /// for the key, the request's fingerprint to compare with it, and the
+    /// request's tenant.
+    Cached(Arc<Record>, Fingerprint, TenantId),
 }
 
 /// A request ready to claim its key: its parts, its buffered body and what
@@ -34,6 +41,11 @@ pub struct Admitted {
     pub(crate) parts: Parts,
     pub(crate) body: Bytes,
     pub(crate) claim: ClaimRequest,
+    /// Whether a retry repeating this request byte for byte has its
+    /// fingerprint (the fingerprinter reads the body alone, and the body is
+    /// the message it read): the replay cache may then keep the request
+    /// ([`Repeat`](super::cache::Repeat)).
+    pub(crate) repeatable: bool,
 }
 
 pub(crate) async fn admit<St, F, R, M, B>(
@@ -88,6 +100,25 @@ where
             Err(problem) => return Admission::Refused(problem),
         },
     };
+    let scope = Scope::new(tenant, config.endpoint.clone());
+    // A retry of a record this process committed is answered from memory;
+    // one that repeats the first request byte for byte, without being
+    // fingerprinted again.
+    let repeatable = setup.fingerprinter.depends_on_body_only()
+        && message.as_ptr() == body.as_ptr()
+        && message.len() == body.len();
+    let hit = setup
+        .shared
+        .cache
+        .as_ref()
+        .and_then(|c| c.hit(&scope, &key));
+    let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
+    if let Some(hit) = &hit {
+        if repeatable && hit.repeats(&parts.method, target, &message) {
+            let fingerprint = hit.record.fingerprint;
+            return Admission::Cached(hit.record.clone(), fingerprint, scope.tenant().clone());
+        }
+    }
     let fingerprint = match setup.fingerprinter.fingerprint(&mut parts, &message) {
         // The same body sent to another path or query is another request.
         Ok(fingerprint) => {
@@ -96,14 +127,18 @@ where
         }
         Err(problem) => return Admission::Refused(problem),
     };
-    let claim = ClaimRequest::new(
-        Scope::new(tenant, config.endpoint.clone()),
-        key,
-        fingerprint,
-    )
-    .with_retention(setup.retention())
-    .with_wait(config.wait);
-    Admission::Admitted(Admitted { parts, body, claim })
+    if let Some(hit) = hit {
+        return Admission::Cached(hit.record, fingerprint, scope.tenant().clone());
+    }
+    let claim = ClaimRequest::new(scope, key, fingerprint)
+        .with_retention(setup.retention())
+        .with_wait(config.wait);
+    Admission::Admitted(Admitted {
+        parts,
+        body,
+        claim,
+        repeatable,
+    })
 }
 
 /// The body the fingerprinter and the key extractor read. For a gRPC

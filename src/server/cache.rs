@@ -138,6 +138,9 @@ pub(crate) struct RecordCache {
 #[derive(Clone)]
 struct Entry {
     record: Arc<Record>,
+    /// The first request as [`Repeat`] keeps it, when its fingerprint
+    /// depends on nothing else.
+    first: Option<Bytes>,
     /// When the entry stops answering: its record's retention end (by this
     /// process's clock: the instant taken before its commit, so never later
     /// than the database's), or the TTL after it was cached, the sooner.
@@ -176,6 +179,58 @@ fn weigh(scope: &Scope, key: &IdempotencyKey, record: &Record) -> u64 {
         + response.body.len() as u64
         + pairs(&response.headers)
         + pairs(&response.trailers)
+}
+
+/// A request as it must be repeated, byte for byte, to be answered from
+/// the cache without being fingerprinted again: its method, its target
+/// (path and query) and its message, in one buffer. Made only for a
+/// fingerprinter whose fingerprint depends on nothing else
+/// ([`Fingerprinter::depends_on_body_only`](crate::fingerprint::Fingerprinter::depends_on_body_only)):
+/// the same bytes then have the same fingerprint, so they are the same
+/// request. Bytes that differ (a retry with its members in another order)
+/// are fingerprinted and compared as usual.
+pub(crate) struct Repeat(Bytes);
+
+impl Repeat {
+    /// `method`, `target` and `message` in a buffer of their own.
+    pub(crate) fn new(method: &http::Method, target: &str, message: &[u8]) -> Self {
+        let method = method.as_str().as_bytes();
+        let mut buffer = Vec::with_capacity(method.len() + target.len() + message.len() + 2);
+        for part in [method, b" ", target.as_bytes(), b"\n", message] {
+            buffer.extend_from_slice(part);
+        }
+        Repeat(buffer.into())
+    }
+
+    /// Whether `method`, `target` and `message` are these, byte for byte.
+    /// (A target holds no line break, so the split is unambiguous.)
+    fn is(first: &[u8], method: &http::Method, target: &str, message: &[u8]) -> bool {
+        let method = method.as_str().as_bytes();
+        let len = method.len() + target.len() + message.len() + 2;
+        first.len() == len
+            && first[..method.len()] == *method
+            && first[method.len()] == b' '
+            && first[method.len() + 1..][..target.len()] == *target.as_bytes()
+            && first[method.len() + 1 + target.len()] == b'\n'
+            && first[len - message.len()..] == *message
+    }
+}
+
+/// A record the cache answers with, and the first request's bytes when
+/// they were kept ([`Repeat`]).
+pub(crate) struct Hit {
+    pub(crate) record: Arc<Record>,
+    first: Option<Bytes>,
+}
+
+impl Hit {
+    /// Whether the request is the first one again, byte for byte (and so
+    /// has its fingerprint).
+    pub(crate) fn repeats(&self, method: &http::Method, target: &str, message: &[u8]) -> bool {
+        self.first
+            .as_deref()
+            .is_some_and(|first| Repeat::is(first, method, target, message))
+    }
 }
 
 /// `pairs` in buffers of their own. A header value may be a view into a
@@ -246,11 +301,21 @@ impl RecordCache {
     }
 
     /// The cached record of `key`, if any and still answering.
+    #[cfg(test)]
     pub(crate) fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Option<Arc<Record>> {
+        self.hit(scope, key).map(|hit| hit.record)
+    }
+
+    /// The cached record of `key` and the request that made it, if any and
+    /// still answering.
+    pub(crate) fn hit(&self, scope: &Scope, key: &IdempotencyKey) -> Option<Hit> {
         let lookup = Lookup(scope, key);
         let entry = self.entries.get(&lookup)?;
         if entry.until > Instant::now() {
-            return Some(entry.record);
+            return Some(Hit {
+                record: entry.record,
+                first: entry.first,
+            });
         }
         self.entries.remove(&lookup);
         None
@@ -258,6 +323,7 @@ impl RecordCache {
 
     /// Keeps a copy of `record` until `expires` (or the TTL, or until
     /// evicted), unless it weighs more than an entry may.
+    #[cfg(test)]
     pub(crate) fn insert(
         &self,
         scope: &Scope,
@@ -265,7 +331,21 @@ impl RecordCache {
         record: &Record,
         expires: Instant,
     ) {
-        let weight = weigh(scope, key, record);
+        self.insert_with(scope, key, record, None, expires);
+    }
+
+    /// [`insert`](Self::insert), with the request that made the record if
+    /// kept ([`Repeat`]).
+    pub(crate) fn insert_with(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        record: &Record,
+        first: Option<Repeat>,
+        expires: Instant,
+    ) {
+        let first = first.map(|Repeat(bytes)| bytes);
+        let weight = weigh(scope, key, record) + first.as_ref().map_or(0, |b| b.len() as u64);
         if weight > self.max_entry {
             // Its retries read the store. An entry left under the key is
             // an expired record's (or it would have answered): gone too.
@@ -291,6 +371,7 @@ impl RecordCache {
         };
         let entry = Entry {
             record: Arc::new(copy),
+            first,
             until,
             weight,
         };
@@ -354,6 +435,34 @@ mod tests {
 
     fn cache(max_bytes: u64, ttl: Duration) -> RecordCache {
         RecordCache::new(ReplayCache::new(max_bytes).ttl(ttl)).expect("on")
+    }
+
+    /// A request kept to be repeated matches only itself: every part
+    /// counts, and moving bytes between the target and the message does
+    /// not make another request look the same.
+    #[test]
+    fn a_repeat_matches_only_the_same_request() {
+        use http::Method;
+        let first = Repeat::new(&Method::POST, "/orders?a=1", b"{\"a\":1}");
+        let is = |method: &Method, target: &str, message: &[u8]| {
+            Repeat::is(&first.0, method, target, message)
+        };
+        assert!(is(&Method::POST, "/orders?a=1", b"{\"a\":1}"));
+        assert!(!is(&Method::PUT, "/orders?a=1", b"{\"a\":1}"));
+        assert!(!is(&Method::POST, "/orders?a=2", b"{\"a\":1}"));
+        assert!(!is(&Method::POST, "/orders?a=1", b"{\"a\":2}"));
+        assert!(!is(&Method::POST, "/orders?a=1{", b"\"a\":1}"));
+        assert!(!is(&Method::POST, "/orders?a=1", b"{\"a\":1} "));
+        assert!(!is(&Method::POST, "/orders?a=1", b""));
+        let weighed = cache(MIB, Duration::from_secs(60));
+        let s = scope("a");
+        let hour = Instant::now() + Duration::from_secs(3600);
+        weighed.insert_with(&s, &key("kept"), &record("x"), Some(first), hour);
+        weighed.insert(&s, &key("plain"), &record("x"), hour);
+        let kept = weighed.hit(&s, &key("kept")).expect("cached");
+        assert!(kept.repeats(&Method::POST, "/orders?a=1", b"{\"a\":1}"));
+        let plain = weighed.hit(&s, &key("plain")).expect("cached");
+        assert!(!plain.repeats(&Method::POST, "/orders?a=1", b"{\"a\":1}"));
     }
 
     fn scope(tenant: &str) -> Scope {

@@ -12,6 +12,7 @@ use http::Request;
 use super::{
     admit::Admitted,
     body::RequestBody,
+    cache::Repeat,
     coalesce::{coalesce, Coalesced, Proceed},
     deadline::{self, Deadlines},
     endpoint::Setup,
@@ -151,6 +152,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
         parts,
         body,
         mut claim,
+        repeatable,
     } = admitted;
     let config = &setup.config;
     let mut timings = Timings::start();
@@ -166,8 +168,15 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     fault_point!(faults, BeforeClaim);
 
     // A retry of a record this process committed was answered from memory
-    // before this flow was spawned (`service::cached`).
+    // before this flow was spawned (in admission). The record this request
+    // commits goes in, with the request's method and target when a retry
+    // that repeats it byte for byte may be answered without a fingerprint
+    // (taken now: the owner consumes the request's parts).
     let cache = setup.shared.cache.as_ref();
+    let first = cache.filter(|_| repeatable).map(|_| {
+        let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
+        (parts.method.clone(), Box::<str>::from(target))
+    });
 
     // 2. Coalesce.
     let in_process = coalesce(&setup.shared.in_flight, &claim, deadline).await;
@@ -270,16 +279,20 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
                 fault_point!(faults, AfterCommit);
                 // The response as committed is the record this process now
                 // answers retries with.
-                let body = stored.body.clone();
+                let answer = stored.body.clone();
                 let record = Arc::new(Record {
                     fingerprint: claim.fingerprint,
                     response: stored,
                 });
                 if let Some(cache) = cache {
-                    cache.insert(&claim.scope, &claim.key, &record, expires);
+                    // The request as it came (`body`), not the answer.
+                    let first = first
+                        .as_ref()
+                        .map(|(method, target)| Repeat::new(method, target, &body));
+                    cache.insert_with(&claim.scope, &claim.key, &record, first, expires);
                 }
                 answered(record);
-                Settled::Committed(parts, body)
+                Settled::Committed(parts, answer)
             }
             Remembered::Settled(ended) => ended,
             // One-commit mode: another commit had the key; answer its record.

@@ -33,7 +33,7 @@ use super::{
     settled::{MiddlewareResult, Settled, Timings},
 };
 use crate::{
-    fingerprint::Fingerprinter,
+    fingerprint::{Fingerprint, Fingerprinter},
     record::{Record, StoredResponse, IDEMPOTENT_REPLAYED},
     scope::{ResolveTenant, TenantFromExtension, TenantId},
     store::Store,
@@ -149,24 +149,28 @@ where
             refused.observe(&config, &span, &Timings::start(), None);
             return refused.answer(&config, grpc);
         }
-        Admission::Admitted(admitted) => admitted,
-    };
-    let tenant = (config.tenant_label).then(|| admitted.claim.scope.tenant().as_str().to_owned());
-    let rebuild_for = config
-        .rebuild
-        .is_some()
-        .then(|| admitted.claim.scope.tenant().clone());
-    let (settled, timings, observed) = match cached(&setup, &admitted) {
         // A retry of a record this process committed, answered from memory
         // on the caller's task: a hit owns nothing (no key, no connection),
         // so nothing has to outlive the client, and nothing is spawned.
-        Some(record) => {
+        Admission::Cached(record, fingerprint, tenant) => {
+            Route::FromCache(record, fingerprint, tenant)
+        }
+        Admission::Admitted(admitted) => Route::Flow(admitted),
+    };
+    let tenant_id = match &admitted {
+        Route::Flow(admitted) => admitted.claim.scope.tenant(),
+        Route::FromCache(_, _, tenant) => tenant,
+    };
+    let tenant = (config.tenant_label).then(|| tenant_id.as_str().to_owned());
+    let rebuild_for = config.rebuild.is_some().then(|| tenant_id.clone());
+    let (settled, timings, observed) = match admitted {
+        Route::FromCache(record, fingerprint, _) => {
             let mut timings = Timings::start();
             timings.claimed = Some(timings.since_arrival());
-            let settled = Coalesced::answer(&record, &admitted.claim.fingerprint);
+            let settled = Coalesced::answer(&record, &fingerprint);
             (settled, timings, false)
         }
-        None => {
+        Route::Flow(admitted) => {
             // From the claim on, a connection may be inside a transaction:
             // run to the end on a task of our own, whether or not the client
             // is still waiting. The task also counts how the request settled,
@@ -213,13 +217,13 @@ where
     settled.answer(&config, grpc)
 }
 
-/// The record the replay cache holds for the admitted request's key, if
-/// the layer has a cache and it does: looked up here, before anything is
-/// spawned, and only here (a hit asks the store nothing, so no fault point
-/// of the store's flow is passed).
-fn cached<St, F, R, M>(setup: &Setup<St, F, R, M>, admitted: &Admitted) -> Option<Arc<Record>> {
-    let claim = &admitted.claim;
-    setup.shared.cache.as_ref()?.get(&claim.scope, &claim.key)
+/// Where an admitted request goes: answered from the replay cache, or
+/// through the mode's flow. Held for one `match` on the way: boxing the
+/// larger variant would cost an allocation a request.
+#[allow(clippy::large_enum_variant)]
+enum Route {
+    FromCache(Arc<Record>, Fingerprint, TenantId),
+    Flow(Admitted),
 }
 
 /// A gRPC request (`application/grpc`, `application/grpc+proto`, …): the

@@ -175,6 +175,91 @@ async fn replay_cache_with_the_longest_ttl_serves_replays() {
     assert_eq!(store.inner.rows("orders").len(), 1);
 }
 
+/// A fingerprinter that counts its calls and says whether it reads the
+/// body alone.
+#[derive(Clone)]
+struct CountingFingerprints {
+    inner: JsonFingerprinter,
+    calls: Arc<AtomicUsize>,
+    body_only: bool,
+}
+
+impl crate::fingerprint::Fingerprinter for CountingFingerprints {
+    fn fingerprint(
+        &self,
+        parts: &mut http::request::Parts,
+        body: &Bytes,
+    ) -> Result<crate::fingerprint::Fingerprint, crate::problem::Problem> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.fingerprint(parts, body)
+    }
+    fn depends_on_body_only(&self) -> bool {
+        self.body_only
+    }
+}
+
+/// With a fingerprinter that reads the body alone, a retry repeating the
+/// first request byte for byte is answered from the cache without being
+/// fingerprinted; a retry with the members in another order is
+/// fingerprinted and replayed; another body, or the same body to another
+/// target, is fingerprinted and refused. A fingerprinter that does not say
+/// so is asked every time.
+#[tokio::test]
+async fn a_byte_identical_retry_is_answered_from_the_cache_without_a_fingerprint() {
+    for body_only in [true, false] {
+        let store = Counting::default();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let fingerprints = CountingFingerprints {
+            inner: JsonFingerprinter::new("v1"),
+            calls: calls.clone(),
+            body_only,
+        };
+        let layer = IdempotencyLayer::new(store.clone(), "POST /orders v1", fingerprints);
+        let mut service = layer.layer(tower::service_fn(
+            |request: Request<RequestBody>| async move {
+                let tx = request.extensions().get::<MemoryTx>().cloned().unwrap();
+                tx.insert("orders", serde_json::json!({"id": 1})).unwrap();
+                let mut response =
+                    Response::new(http_body_util::Full::new(Bytes::from_static(b"{\"id\":1}")));
+                *response.status_mut() = StatusCode::CREATED;
+                Ok::<_, std::convert::Infallible>(response)
+            },
+        ));
+        let first = answer(service.call(post(r#"{"a":1,"b":2}"#)).await.unwrap()).await;
+        assert_eq!((first.0, first.1), (StatusCode::CREATED, false));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        let repeated = answer(service.call(post(r#"{"a":1,"b":2}"#)).await.unwrap()).await;
+        assert_eq!((repeated.0, repeated.1), (StatusCode::CREATED, true));
+        assert_eq!(repeated.2, first.2, "the first answer's bytes");
+        let expected = if body_only { 1 } else { 2 };
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            expected,
+            "body only: {body_only}"
+        );
+
+        let reordered = answer(service.call(post(r#"{"b":2, "a":1}"#)).await.unwrap()).await;
+        assert_eq!((reordered.0, reordered.1), (StatusCode::CREATED, true));
+        assert_eq!(calls.load(Ordering::SeqCst), expected + 1, "fingerprinted");
+
+        let other = answer(service.call(post(r#"{"a":1,"b":3}"#)).await.unwrap()).await;
+        assert_eq!(other.0, StatusCode::CONFLICT);
+        let mut elsewhere = post(r#"{"a":1,"b":2}"#);
+        *elsewhere.uri_mut() = "/orders?copy=1".parse().unwrap();
+        let elsewhere = answer(service.call(elsewhere).await.unwrap()).await;
+        assert_eq!(elsewhere.0, StatusCode::CONFLICT, "another target");
+        assert_eq!(calls.load(Ordering::SeqCst), expected + 3);
+
+        assert_eq!(
+            store.claims.load(Ordering::SeqCst),
+            1,
+            "one claim: the rest from the cache"
+        );
+        assert_eq!(store.inner.rows("orders").len(), 1);
+    }
+}
+
 /// With a problem type base, the layer's own error answers name their
 /// `type` under it and link it (`rel="describedby"`); a key reused with
 /// another body, a missing key and a fingerprinter's refusal alike. No
