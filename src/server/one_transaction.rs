@@ -169,13 +169,14 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
 
     // A retry of a record this process committed was answered from memory
     // before this flow was spawned (in admission). The record this request
-    // commits goes in, with the request's method and target when a retry
-    // that repeats it byte for byte may be answered without a fingerprint
-    // (taken now: the owner consumes the request's parts).
+    // commits goes in, with the request's method, target and body when a
+    // retry that repeats them byte for byte may be answered without a
+    // fingerprint (copied now, in one buffer: the owner consumes the
+    // request's parts).
     let cache = setup.shared.cache.as_ref();
-    let first = cache.filter(|_| repeatable).map(|_| {
+    let mut first = cache.filter(|_| repeatable).map(|_| {
         let target = parts.uri.path_and_query().map_or("/", |t| t.as_str());
-        (parts.method.clone(), Box::<str>::from(target))
+        Repeat::new(&parts.method, target, &body)
     });
 
     // 2. Coalesce.
@@ -279,20 +280,16 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
                 fault_point!(faults, AfterCommit);
                 // The response as committed is the record this process now
                 // answers retries with.
-                let answer = stored.body.clone();
+                let body = stored.body.clone();
                 let record = Arc::new(Record {
                     fingerprint: claim.fingerprint,
                     response: stored,
                 });
                 if let Some(cache) = cache {
-                    // The request as it came (`body`), not the answer.
-                    let first = first
-                        .as_ref()
-                        .map(|(method, target)| Repeat::new(method, target, &body));
-                    cache.insert_with(&claim.scope, &claim.key, &record, first, expires);
+                    cache.insert_with(&claim.scope, &claim.key, &record, first.take(), expires);
                 }
                 answered(record);
-                Settled::Committed(parts, answer)
+                Settled::Committed(parts, body)
             }
             Remembered::Settled(ended) => ended,
             // One-commit mode: another commit had the key; answer its record.
