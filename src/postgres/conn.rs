@@ -69,8 +69,15 @@ pub(crate) struct Conn {
 #[derive(Debug, Clone)]
 pub(super) struct SessionDefaults {
     hold_limit: Option<Duration>,
-    /// The reset as a message of its own.
+    /// The reset as a message of its own, and as one for sessions that
+    /// have the hold limit from their start (nothing to set again).
     reset: Arc<str>,
+    reset_at_startup: Arc<str>,
+    /// Whether every connection the store opened so far has the hold limit
+    /// from its start (asked for in the startup packet, and checked as it
+    /// opened): the reset then leaves the setting to `RESET ALL`, which
+    /// goes back to the session's start. False once one did not.
+    hold_limit_at_startup: Arc<AtomicBool>,
     /// The reset function's arguments where the reset rides in the commit's
     /// statement: the hold limit as the setting takes it, and the role the
     /// store logs in as.
@@ -111,6 +118,11 @@ impl ResetArguments {
 }
 
 impl SessionDefaults {
+    /// Whether the sessions have the hold limit from their start.
+    fn hold_limit_at_startup(&self) -> bool {
+        self.hold_limit_at_startup.load(Ordering::Relaxed)
+    }
+
     /// The sessions' `hold_limit`, if they carry one, and the role the
     /// store logs in as, if the configuration names it.
     pub(super) fn new(
@@ -118,10 +130,13 @@ impl SessionDefaults {
         login: Option<&str>,
         reset: super::SessionReset,
         read_committed: Arc<AtomicBool>,
+        hold_limit_at_startup: Arc<AtomicBool>,
     ) -> Self {
         SessionDefaults {
             hold_limit,
             reset: session_reset_keeping(hold_limit, login).into(),
+            reset_at_startup: session_reset_keeping(None, login).into(),
+            hold_limit_at_startup,
             reset_arguments: ResetArguments {
                 hold_limit: hold_limit.map(|limit| format!("{}ms", millis(limit)).into()),
                 login: login.map(Into::into),
@@ -250,7 +265,12 @@ impl Conn {
         if self.unnamed {
             return Ok(());
         }
-        self.batch_execute(&self.session.reset).await
+        let reset = if self.session.hold_limit_at_startup() {
+            &self.session.reset_at_startup
+        } else {
+            &self.session.reset
+        };
+        self.batch_execute(reset).await
     }
 
     /// The database is (or is not) a Citus coordinator, as the store found.
@@ -274,7 +294,11 @@ impl Conn {
         resetting: Sql<'static>,
     ) -> (Sql<'static>, Option<ResetArguments>) {
         if self.reset_in_statement {
-            (resetting, Some(self.session.reset_arguments.clone()))
+            let mut arguments = self.session.reset_arguments.clone();
+            if self.session.hold_limit_at_startup() {
+                arguments.hold_limit = None;
+            }
+            (resetting, Some(arguments))
         } else {
             (plain, None)
         }

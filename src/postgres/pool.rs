@@ -19,13 +19,13 @@ use tokio_postgres::{
 use super::{
     conn::{Conn, SessionDefaults},
     conninfo::{self, SslMode, TlsParams},
-    tls::{config_error, Connector},
+    tls::{config_error, Connector, StartupSetting},
     PgStore,
 };
 use crate::{
     protocol::{
-        session_reset::set_hold_limit,
-        transaction::{DEFAULT_ISOLATION, READ_COMMITTED},
+        session_reset::{check_hold_limit, hold_limit_value, set_hold_limit, HOLD_LIMIT_SETTING},
+        transaction::READ_COMMITTED,
     },
     store::{StoreError, StoreErrorKind},
 };
@@ -362,6 +362,19 @@ impl PgStoreBuilder {
         // itself and owns them (not behind a transaction pooler).
         let hold_limit =
             (self.pool.is_none() && !self.transaction_pooling).then_some(self.hold_limit);
+        // Each connection asks for the hold limit as it starts, so that it
+        // is the session's own default and the session reset has no
+        // setting to restore (a pooler that refuses startup options gets
+        // today's SET instead, and so do the connections after it).
+        // Whether every connection so far has it from its start: checked as
+        // each opens.
+        let startup = hold_limit.map(|limit| {
+            std::sync::Arc::new(StartupSetting::new(
+                HOLD_LIMIT_SETTING,
+                &hold_limit_value(limit),
+            ))
+        });
+        let at_startup = std::sync::Arc::new(AtomicBool::new(hold_limit.is_some()));
         let pool = match self.pool {
             Some(pool) => pool,
             None => {
@@ -370,6 +383,7 @@ impl PgStoreBuilder {
                     ManagerConfig {
                         recycling_method: RecyclingMethod::Fast,
                     },
+                    startup,
                 );
                 let mut pool = Pool::builder(manager);
                 if self.transaction_pooling {
@@ -382,23 +396,38 @@ impl PgStoreBuilder {
                     }));
                 }
                 if let Some(limit) = hold_limit {
-                    // The hold limit, and a look at the session's default
-                    // level, in one round trip as the connection opens.
-                    let set: std::sync::Arc<str> =
-                        format!("{}; {DEFAULT_ISOLATION}", set_hold_limit(limit)).into();
+                    // Whether the session has the hold limit from its start,
+                    // and its default level, in one round trip as the
+                    // connection opens; the limit set where it was not
+                    // taken at startup (a second round trip, then only).
+                    let check: std::sync::Arc<str> = check_hold_limit(limit).into();
+                    let set: std::sync::Arc<str> = set_hold_limit(limit).into();
                     let read_committed = read_committed.clone();
+                    let at_startup = at_startup.clone();
                     pool = pool.post_create(Hook::async_fn(move |client, _| {
-                        let set = set.clone();
+                        let (check, set) = (check.clone(), set.clone());
                         let read_committed = read_committed.clone();
+                        let at_startup = at_startup.clone();
                         Box::pin(async move {
                             let messages = client
-                                .simple_query(&set)
+                                .simple_query(&check)
                                 .await
                                 .map_err(HookError::Backend)?;
-                            let level = messages.iter().find_map(|m| match m {
-                                SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                            let row = messages.iter().find_map(|m| match m {
+                                SimpleQueryMessage::Row(row) => {
+                                    Some((row.get(0) == Some("t"), row.get(1).map(str::to_owned)))
+                                }
                                 _ => None,
                             });
+                            let (has_limit, level) = row.unwrap_or((false, None));
+                            if !has_limit {
+                                // From now on every session reset sets it.
+                                at_startup.store(false, Ordering::Relaxed);
+                                client
+                                    .simple_query(&set)
+                                    .await
+                                    .map_err(HookError::Backend)?;
+                            }
                             if level.as_deref() != Some(READ_COMMITTED) {
                                 // From now on every transaction names its level.
                                 read_committed.store(false, Ordering::Relaxed);
@@ -424,6 +453,7 @@ impl PgStoreBuilder {
             config.get_user(),
             self.session_reset,
             read_committed,
+            at_startup,
         );
         Ok(PgStore {
             pool,

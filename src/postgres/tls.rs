@@ -4,7 +4,15 @@
 //! libpq's parameters ([`Connector::from_params`]), a caller's own
 //! ([`PgStoreBuilder::tls`](super::PgStoreBuilder::tls)), or none.
 
-use std::{fmt, future::Future, pin::Pin, sync::Arc};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
 
 use deadpool_postgres::{Manager, ManagerConfig};
 use futures_util::stream::{BoxStream, StreamExt};
@@ -127,8 +135,13 @@ impl Connector {
 
     /// A pool manager whose connections this connector opens, as
     /// [`connect`](Self::connect) does.
-    pub(crate) fn manager(&self, config: Config, manager: ManagerConfig) -> Manager {
-        Manager::from_connect(config, PoolConnect(self.clone()), manager)
+    pub(crate) fn manager(
+        &self,
+        config: Config,
+        manager: ManagerConfig,
+        startup: Option<Arc<StartupSetting>>,
+    ) -> Manager {
+        Manager::from_connect(config, PoolConnect(self.clone(), startup), manager)
     }
 
     /// A connection, and its messages. With `sslmode=prefer`, a TLS
@@ -164,7 +177,54 @@ fn handshake_failed(e: &Error) -> bool {
 
 /// Opens the pool's connections through a [`Connector`], each driven by a
 /// task of its own until its client goes.
-struct PoolConnect(Connector);
+struct PoolConnect(Connector, Option<Arc<StartupSetting>>);
+
+/// A setting each pooled connection asks the server for as it starts
+/// (`options=-c name=value`), so that it is the session's own default: a
+/// `RESET ALL` keeps it, and nothing has to set it again. Left out from
+/// the first server that refuses it on (a pooler that does not pass
+/// `options` through, as PgBouncer without `options` in its
+/// `ignore_startup_parameters`): the connection is opened again without it,
+/// and so is every later one.
+#[derive(Debug)]
+pub(crate) struct StartupSetting {
+    option: String,
+    refused: AtomicBool,
+}
+
+impl StartupSetting {
+    /// `name` at `value` from the start of every session.
+    pub(crate) fn new(name: &str, value: &str) -> Self {
+        StartupSetting {
+            option: format!("-c {name}={value}"),
+            refused: AtomicBool::new(false),
+        }
+    }
+
+    /// `config` asking for the setting too, unless a server refused it.
+    fn apply(&self, config: &Config) -> Option<Config> {
+        if self.refused.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut with = config.clone();
+        match config.get_options() {
+            Some(options) if !options.is_empty() => {
+                with.options(format!("{options} {}", self.option))
+            }
+            _ => with.options(self.option.as_str()),
+        };
+        Some(with)
+    }
+}
+
+/// Whether connecting failed because the server (a pooler) does not take
+/// the `options` startup parameter.
+fn refuses_options(e: &Error) -> bool {
+    e.as_db_error().is_some_and(|db| {
+        let message = db.message().to_ascii_lowercase();
+        message.contains("startup parameter") && message.contains("options")
+    })
+}
 
 impl deadpool_postgres::Connect for PoolConnect {
     fn connect(
@@ -173,7 +233,22 @@ impl deadpool_postgres::Connect for PoolConnect {
     ) -> BoxFuture<'_, Result<(Client, tokio::task::JoinHandle<()>), Error>> {
         let config = config.clone();
         Box::pin(async move {
-            let (client, mut messages) = self.0.connect(&config).await?;
+            let asked = self.1.as_deref().and_then(|s| Some((s, s.apply(&config)?)));
+            let connected = match asked {
+                Some((setting, with)) => match self.0.connect(&with).await {
+                    Err(e) if refuses_options(&e) => {
+                        setting.refused.store(true, Ordering::Relaxed);
+                        tracing::info!(
+                            error = %e,
+                            "the server does not take startup options; connections set the hold limit with SET instead"
+                        );
+                        self.0.connect(&config).await
+                    }
+                    other => other,
+                },
+                None => self.0.connect(&config).await,
+            };
+            let (client, mut messages) = connected?;
             let driver = tokio::spawn(async move {
                 // Notices are not the pool's business; an error ends the
                 // connection, which its client reports on its next use.

@@ -74,6 +74,29 @@ pub(crate) fn set_hold_limit(hold_limit: Duration) -> String {
     )
 }
 
+/// The setting a hold limit is: asked for as each connection starts
+/// (where the server takes startup options), else set by [`set_hold_limit`].
+pub(crate) const HOLD_LIMIT_SETTING: &str = "idle_in_transaction_session_timeout";
+
+/// A hold limit as the setting takes it.
+pub(crate) fn hold_limit_value(hold_limit: Duration) -> String {
+    format!("{}ms", millis(hold_limit))
+}
+
+/// Whether a new connection's session already has the idle limit
+/// `hold_limit` (`t` or `f`: it asked for it as it started, and the server
+/// took it), and its default isolation level: one statement, as each
+/// connection opens.
+pub(crate) fn check_hold_limit(hold_limit: Duration) -> String {
+    use super::transaction::DEFAULT_ISOLATION;
+    format!(
+        "SELECT pg_catalog.current_setting('{HOLD_LIMIT_SETTING}')::interval \
+             = interval '{} milliseconds', \
+         pg_catalog.current_setting('{DEFAULT_ISOLATION}')",
+        millis(hold_limit)
+    )
+}
+
 /// Whether the session is inside a transaction block: outside one a
 /// statement is its own transaction, so `now()` and
 /// `statement_timestamp()` are one instant (`t`); inside one the

@@ -47,12 +47,20 @@ impl PgBouncer {
     /// When `pgbouncer` is not installed (the message says what to install)
     /// or does not start; never skips.
     pub(crate) fn start(backend: &tokio_postgres::Config) -> PgBouncer {
+        Self::start_with(backend, Pooling::Transaction)
+    }
+
+    /// [`start`](Self::start) in session pooling mode (a server connection
+    /// belongs to one client for as long as it is connected), refusing the
+    /// `options` startup parameter (`Pooling::SessionRefusingOptions`) or
+    /// dropping it unread (`Pooling::SessionIgnoringOptions`).
+    pub(crate) fn start_with(backend: &tokio_postgres::Config, pooling: Pooling) -> PgBouncer {
         let binary = find_binary().unwrap_or_else(|| panic!("{INSTALL}"));
         // A port race with another process is possible between this probe
         // and PgBouncer's bind: retry on another port.
         let mut last_error = String::new();
         for _ in 0..5 {
-            match Self::try_start(&binary, backend) {
+            match Self::try_start(&binary, backend, pooling) {
                 Ok(bouncer) => return bouncer,
                 Err(e) => last_error = e,
             }
@@ -60,7 +68,11 @@ impl PgBouncer {
         panic!("PgBouncer did not start: {last_error}");
     }
 
-    fn try_start(binary: &Path, backend: &tokio_postgres::Config) -> Result<PgBouncer, String> {
+    fn try_start(
+        binary: &Path,
+        backend: &tokio_postgres::Config,
+        pooling: Pooling,
+    ) -> Result<PgBouncer, String> {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!(
             "tower-idempotency-pgbouncer-{}-{n}",
@@ -80,7 +92,7 @@ impl PgBouncer {
         };
         let port = free_port()?;
         let ini = dir.join("pgbouncer.ini");
-        fs::write(&ini, ini_text(backend, &dir, port)?)
+        fs::write(&ini, ini_text(backend, &dir, port, pooling)?)
             .map_err(|e| format!("writing {}: {e}", ini.display()))?;
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -176,9 +188,34 @@ impl Drop for PgBouncer {
     }
 }
 
-/// The configuration: transaction pooling, a server pool smaller than the
-/// application's, every database forwarded to `backend`.
-fn ini_text(backend: &tokio_postgres::Config, dir: &Path, port: u16) -> Result<String, String> {
+/// How a [`PgBouncer`] pools, and what it does with `options`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(dead_code)] // each test binary uses some
+pub(crate) enum Pooling {
+    /// Transaction pooling; `options` dropped unread.
+    Transaction,
+    /// Session pooling; a client that sends `options` is refused.
+    SessionRefusingOptions,
+    /// Session pooling; `options` dropped unread.
+    SessionIgnoringOptions,
+}
+
+/// The configuration: transaction pooling (or as `pooling` says), a server
+/// pool smaller than the application's, every database forwarded to
+/// `backend`.
+fn ini_text(
+    backend: &tokio_postgres::Config,
+    dir: &Path,
+    port: u16,
+    pooling: Pooling,
+) -> Result<String, String> {
+    let (mode, ignored) = match pooling {
+        Pooling::Transaction => ("transaction", "extra_float_digits,options,application_name"),
+        Pooling::SessionRefusingOptions => ("session", "extra_float_digits,application_name"),
+        Pooling::SessionIgnoringOptions => {
+            ("session", "extra_float_digits,options,application_name")
+        }
+    };
     let host = match backend.get_hosts().first() {
         Some(Host::Tcp(name)) => name.clone(),
         Some(Host::Unix(path)) => path.display().to_string(),
@@ -203,13 +240,13 @@ fn ini_text(backend: &tokio_postgres::Config, dir: &Path, port: u16) -> Result<S
          pidfile = {dir}/pgbouncer.pid\n\
          ; every client logs in as the user of the [databases] line\n\
          auth_type = any\n\
-         pool_mode = transaction\n\
+         pool_mode = {mode}\n\
          default_pool_size = {SERVER_POOL}\n\
          min_pool_size = 0\n\
          reserve_pool_size = 0\n\
          max_client_conn = 2000\n\
          ; what drivers send at startup that PgBouncer would otherwise refuse\n\
-         ignore_startup_parameters = extra_float_digits,options,application_name\n\
+         ignore_startup_parameters = {ignored}\n\
          server_reset_query =\n\
          ; a client waits for a server connection at most this long\n\
          query_wait_timeout = 30\n\

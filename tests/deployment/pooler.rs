@@ -116,6 +116,95 @@ fn pooled_store(
     .expect("store builds")
 }
 
+/// A store that opens its own connections through a PgBouncer in session
+/// pooling mode, which refuses the `options` startup parameter or drops it
+/// unread: the first connection is opened again without it (or starts
+/// without the limit), the hold limit is set with `SET` on every
+/// connection instead, and the reset after each owner sets it again. Both
+/// modes work, with the limit in place after a function took it away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_pooler_that_does_not_pass_options_gets_the_hold_limit_set() {
+    use common::pgbouncer::Pooling;
+    const LIMIT: &str = "SELECT pg_backend_pid(), setting || ' ' || source \
+         FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'";
+    for pooling in [
+        Pooling::SessionRefusingOptions,
+        Pooling::SessionIgnoringOptions,
+    ] {
+        let db = TestDatabase::create().await;
+        let bouncer = PgBouncer::start_with(&db.config(), pooling);
+        let store = PgStore::builder(bouncer.config(db.name()))
+            .max_connections(1)
+            .build()
+            .expect("store builds");
+        store.migrate().await.expect("migrations apply");
+        let client = db.client().await;
+        client
+            .batch_execute(
+                "CREATE TABLE orders (id text PRIMARY KEY, tenant_id text NOT NULL); \
+                 CREATE FUNCTION unlimit() RETURNS text LANGUAGE sql AS \
+                 $$ SELECT set_config('idle_in_transaction_session_timeout', '0', false) $$",
+            )
+            .await
+            .expect("tables");
+        let borrowed = || async {
+            let conn = store.client().await.expect("a connection");
+            let row = conn.query_one(LIMIT, &[]).await.expect("the limit");
+            (row.get::<_, i32>(0), row.get::<_, String>(1))
+        };
+        let (pid, seen) = borrowed().await;
+        assert_eq!(
+            seen, "35000 session",
+            "{pooling:?}: set, not from the start"
+        );
+        for (i, one_commit) in [false, true].into_iter().enumerate() {
+            let handler = handler(|tx: PgTx| async move {
+                tx.execute(
+                    "INSERT INTO orders (id, tenant_id) VALUES ($1, $2)",
+                    &[&new_order_id(), &tx.tenant()],
+                )
+                .await?;
+                tx.query_one("SELECT unlimit()", &[]).await?;
+                Ok(created("{}"))
+            });
+            let layer = layer(store.clone());
+            let key = format!("k{i}");
+            let answer = if one_commit {
+                send(layer.claim_at_commit().layer(handler), tenant_a_post(&key)).await
+            } else {
+                send(layer.layer(handler), tenant_a_post(&key)).await
+            };
+            assert_eq!(
+                answer.status,
+                StatusCode::CREATED,
+                "{:?}: {:?}",
+                pooling,
+                answer.body
+            );
+            assert_eq!(
+                borrowed().await,
+                (pid, "35000 session".to_owned()),
+                "{pooling:?}, one-commit {one_commit}: the reset set it again"
+            );
+        }
+        let orders: i64 = client
+            .query_one("SELECT count(*) FROM orders", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let completed: i64 = client
+            .query_one(
+                "SELECT count(*) FROM idempotency_requests WHERE state = 'completed'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!((orders, completed), (2, 2), "{pooling:?}");
+        drop(bouncer);
+    }
+}
+
 /// The order handler: an order row and its outbox event, through the layer's
 /// transaction.
 fn ordering(calls: Arc<AtomicU64>) -> Handler {

@@ -528,6 +528,52 @@ async fn the_hold_limit_is_the_sessions_whatever_a_function_did_to_it() {
     );
 }
 
+/// The session's idle limit and where it came from (`client`: asked for
+/// in the startup packet; `session`: a `SET`), with its process id.
+const IDLE_LIMIT_SOURCE: &str = "SELECT pg_backend_pid(), setting || ' ' || source \
+     FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'";
+
+/// A connection the store opens asks for the hold limit as it starts, so
+/// the limit is the session's own default: what a function did to it is
+/// undone by the reset's `RESET ALL`, with no setting sent again, and the
+/// session still has it from its start afterwards. In both modes, on a
+/// pool of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hold_limit_comes_with_the_connection() {
+    let pg = Postgres::with_pool(1).await;
+    pg.exec(
+        "CREATE FUNCTION unlimit() RETURNS text LANGUAGE sql AS \
+             $$ SELECT set_config('idle_in_transaction_session_timeout', '0', false) $$",
+    )
+    .await;
+    let (pid, seen) = on_a_borrowed_connection(&pg.store, IDLE_LIMIT_SOURCE).await;
+    assert_eq!(seen, "35000 client", "asked for as the connection started");
+    for (i, one_commit) in [false, true].into_iter().enumerate() {
+        let layer = layer(pg.store.clone());
+        let key = format!("k{i}");
+        let answer = if one_commit {
+            let service = layer
+                .claim_at_commit()
+                .layer(reports_hold_limit_then_unlimits());
+            send(service, tenant_a_post(&key)).await
+        } else {
+            send(
+                layer.layer(reports_hold_limit_then_unlimits()),
+                tenant_a_post(&key),
+            )
+            .await
+        };
+        assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+        assert_eq!(answer.json()["limit"], "35s", "one-commit {one_commit}");
+        assert_eq!(
+            on_a_borrowed_connection(&pg.store, IDLE_LIMIT_SOURCE).await,
+            (pid, "35000 client".to_owned()),
+            "one-commit {one_commit}: back to the session's start"
+        );
+    }
+    assert_eq!(pg.orders().await.len(), 2);
+}
+
 /// A store on a pool of its own leaves the sessions as they are: every
 /// owner sets its hold limit for its own transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
