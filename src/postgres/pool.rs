@@ -299,10 +299,18 @@ impl PgStoreBuilder {
     /// request. Set this to `handler_timeout + 5 s` of your busiest
     /// endpoint when you change its handler timeout.
     ///
-    /// The store sets it on every connection it opens and its session
-    /// reset (behind every owner's `COMMIT` or `ROLLBACK`, and on every
-    /// [`PooledClient`](super::PooledClient) given back) sets it again,
-    /// whatever a handler's function did to it. It applies to the
+    /// Every connection the store opens asks for it as it starts (the
+    /// `options` startup parameter), so that it is the session's own
+    /// default: the session reset (behind every owner's `COMMIT` or
+    /// `ROLLBACK`, and on every [`PooledClient`](super::PooledClient) given
+    /// back) puts it back with `RESET ALL`, whatever a handler's function
+    /// did to it, without setting it again. The store checks, as each
+    /// connection opens, that the session has it; where the server refuses
+    /// startup options or drops them (a session-mode PgBouncer without
+    /// `options` in `ignore_startup_parameters`), the connection is opened
+    /// again without them and the limit is set with `SET`, on that
+    /// connection and every later one, and the session reset sets it again
+    /// each time. It applies to the
     /// application's transactions on [`PgStore::client`] too. Not with a pool
     /// of your own ([`pool`](Self::pool)) nor with
     /// [`transaction_pooling`](Self::transaction_pooling) (the session is the
