@@ -145,16 +145,18 @@ enum Scenario {
     OneCommit,
     Trusted,
     Default,
+    Observed,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 6] = [
+    const ALL: [Scenario; 7] = [
         Scenario::Bare,
         Scenario::Experiment,
         Scenario::FullRecord,
         Scenario::OneCommit,
         Scenario::Trusted,
         Scenario::Default,
+        Scenario::Observed,
     ];
 
     fn name(self) -> &'static str {
@@ -165,6 +167,7 @@ impl Scenario {
             Scenario::OneCommit => "one-commit create",
             Scenario::Trusted => "one-commit create, trusted handlers",
             Scenario::Default => "default create (claim first)",
+            Scenario::Observed => "one-commit create, observed",
         }
     }
 }
@@ -262,7 +265,8 @@ fn main() {
         "RATIOS pgi_onecommit_vs_experiment={} proci_onecommit_vs_experiment={} allocs_onecommit={} \
          pgi_onecommit_trusted_vs_experiment={} proci_onecommit_trusted_vs_experiment={} \
          allocs_experiment={} allocs_default={} pgi_onecommit_vs_minimal_experiment={} \
-         proci_onecommit_vs_minimal_experiment={} pgi_default_vs_bare={} both_onecommit_vs_experiment={}",
+         proci_onecommit_vs_minimal_experiment={} pgi_default_vs_bare={} both_onecommit_vs_experiment={} \
+         proci_observed_vs_onecommit={}",
         ratio(
             of(&database, Scenario::OneCommit),
             of(&database, Scenario::FullRecord)
@@ -292,6 +296,10 @@ fn main() {
         ),
         ratio(of(&database, Scenario::Default), of(&database, Scenario::Bare)),
         ratio(both(Scenario::OneCommit), both(Scenario::FullRecord)),
+        ratio(
+            of(&process, Scenario::Observed),
+            of(&process, Scenario::OneCommit)
+        ),
     );
 }
 
@@ -476,6 +484,26 @@ async fn backend(
     requests: usize,
 ) -> (i32, u64) {
     let run = run_tag();
+    // Observed as production runs: a subscriber at INFO formatting to a
+    // sink, and the Prometheus recorder, for this scenario alone (this
+    // thread's defaults: the runtime is current-thread).
+    let _observed = (scenario == Scenario::Observed).then(|| {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_subscriber::filter::LevelFilter::INFO)
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::sink)
+                    .with_ansi(false),
+            );
+        let recorder = Box::leak(Box::new(
+            metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+        ));
+        (
+            tracing::subscriber::set_default(subscriber),
+            metrics::set_default_local_recorder(&*recorder),
+        )
+    });
     let (mut service, pid) = match scenario {
         Scenario::Bare | Scenario::Experiment | Scenario::FullRecord => {
             let manager = deadpool_postgres::Manager::from_config(
@@ -499,7 +527,7 @@ async fn backend(
                 .get(0);
             (hand_written(pool, scenario), pid)
         }
-        Scenario::OneCommit | Scenario::Trusted | Scenario::Default => {
+        Scenario::OneCommit | Scenario::Trusted | Scenario::Default | Scenario::Observed => {
             let reset = if scenario == Scenario::Trusted {
                 SessionReset::TrustedHandlers
             } else {

@@ -137,14 +137,32 @@ impl IdempotencyKey {
     /// The first 12 hex digits of the key's SHA-256: safe to log, enough to
     /// correlate log lines of one operation.
     pub fn short_hash(&self) -> String {
+        self.short_hash_digits().as_str().to_owned()
+    }
+
+    /// [`short_hash`](Self::short_hash) on the stack: what a span records
+    /// on every request, with no allocation and no formatting machinery.
+    pub(crate) fn short_hash_digits(&self) -> ShortHash {
         use sha2::{Digest, Sha256};
-        use std::fmt::Write as _;
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let digest = Sha256::digest(self.0.as_bytes());
-        let mut hex = String::with_capacity(12);
-        for b in &digest[..6] {
-            let _ = write!(hex, "{b:02x}");
+        let mut digits = [0; 12];
+        for (pair, b) in digits.chunks_exact_mut(2).zip(&digest[..6]) {
+            pair[0] = HEX[usize::from(b >> 4)];
+            pair[1] = HEX[usize::from(b & 0xf)];
         }
-        hex
+        ShortHash(digits)
+    }
+}
+
+/// The 12 hex digits of [`IdempotencyKey::short_hash`], held inline.
+#[derive(Clone, Copy)]
+pub(crate) struct ShortHash([u8; 12]);
+
+impl ShortHash {
+    pub(crate) fn as_str(&self) -> &str {
+        // Hex digits only: ASCII.
+        std::str::from_utf8(&self.0).unwrap_or_default()
     }
 }
 
@@ -251,6 +269,11 @@ mod tests {
         assert!(!format!("{key:?}").contains("secret"));
         assert!(!key.to_string().contains("secret"));
         assert_eq!(key.short_hash().len(), 12);
+        // The digits are the digest's first six bytes, in lower-case hex.
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(key.as_str().as_bytes());
+        let expected: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(key.short_hash(), expected);
     }
 
     /// `key` in the RFC 8941 quoted form.
