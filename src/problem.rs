@@ -248,7 +248,11 @@ impl Problem {
     /// (the title, then the detail, percent-encoded as gRPC requires), and
     /// where HTTP says `Retry-After`, `grpc-retry-pushback-ms` (the delay
     /// gRPC's retry policy honours) and `retry-after` too; for a refused
-    /// message encoding, `grpc-accept-encoding` with those that are read.
+    /// message encoding, `grpc-accept-encoding` with those that are read;
+    /// and `grpc-status-details-bin`, the same status as a
+    /// `google.rpc.Status` with an `ErrorInfo` (AIP-193: `reason` the
+    /// stable code in capitals, `domain` [`GRPC_ERROR_DOMAIN`], the code as
+    /// it is in `metadata["code"]`) and, with `Retry-After`, a `RetryInfo`.
     pub fn to_grpc_response(&self) -> Response<Bytes> {
         let mut response = Response::new(Bytes::new());
         let headers = response.headers_mut();
@@ -279,7 +283,94 @@ impl Problem {
                 HeaderValue::from_static(crate::key::GRPC_ACCEPT_ENCODING),
             );
         }
+        use base64::Engine as _;
+        let details = base64::engine::general_purpose::STANDARD_NO_PAD
+            .encode(self.grpc_status_details(&message));
+        if let Ok(details) = HeaderValue::from_str(&details) {
+            headers.insert("grpc-status-details-bin", details);
+        }
         response
+    }
+
+    /// The `google.rpc.Status` of this problem, encoded as protobuf, as
+    /// `grpc-status-details-bin` carries it (AIP-193): the status code, the
+    /// message, a `google.rpc.ErrorInfo` whose `reason` is the stable code
+    /// in capitals (`IDEMPOTENCY_KEY_REUSED`), whose `domain` is
+    /// `tower-idempotency` and whose `metadata` holds the code as it is
+    /// (`code`), and where the problem says when to retry, a
+    /// `google.rpc.RetryInfo` with that delay. A client branches on the
+    /// reason (tonic: `tonic_types::StatusExt::get_details_error_info`)
+    /// without parsing `grpc-message`.
+    fn grpc_status_details(&self, message: &str) -> Vec<u8> {
+        let mut error_info = Vec::new();
+        proto::bytes_field(
+            &mut error_info,
+            1,
+            self.code.to_ascii_uppercase().as_bytes(),
+        );
+        proto::bytes_field(&mut error_info, 2, GRPC_ERROR_DOMAIN.as_bytes());
+        let mut entry = Vec::new();
+        proto::bytes_field(&mut entry, 1, b"code");
+        proto::bytes_field(&mut entry, 2, self.code.as_bytes());
+        proto::bytes_field(&mut error_info, 3, &entry);
+        let mut status = Vec::new();
+        proto::varint_field(&mut status, 1, u64::from(self.grpc_status()));
+        proto::bytes_field(&mut status, 2, message.as_bytes());
+        proto::bytes_field(
+            &mut status,
+            3,
+            &proto::any("type.googleapis.com/google.rpc.ErrorInfo", &error_info),
+        );
+        if let Some(seconds) = self.retry_after {
+            // RetryInfo { retry_delay: Duration { seconds } }
+            let mut delay = Vec::new();
+            proto::varint_field(&mut delay, 1, seconds);
+            let mut retry_info = Vec::new();
+            proto::bytes_field(&mut retry_info, 1, &delay);
+            proto::bytes_field(
+                &mut status,
+                3,
+                &proto::any("type.googleapis.com/google.rpc.RetryInfo", &retry_info),
+            );
+        }
+        status
+    }
+}
+
+/// The `domain` of the `google.rpc.ErrorInfo` the layer's own gRPC answers
+/// carry.
+pub const GRPC_ERROR_DOMAIN: &str = "tower-idempotency";
+
+/// The few protobuf encodings `google.rpc.Status` needs: varints and
+/// length-delimited fields (strings, bytes, messages).
+mod proto {
+    fn varint(out: &mut Vec<u8>, mut value: u64) {
+        while value >= 0x80 {
+            out.push((value as u8 & 0x7f) | 0x80);
+            value >>= 7;
+        }
+        out.push(value as u8);
+    }
+
+    /// Field `field` as a varint (wire type 0).
+    pub(super) fn varint_field(out: &mut Vec<u8>, field: u64, value: u64) {
+        varint(out, field << 3);
+        varint(out, value);
+    }
+
+    /// Field `field` as length-delimited bytes (wire type 2).
+    pub(super) fn bytes_field(out: &mut Vec<u8>, field: u64, bytes: &[u8]) {
+        varint(out, (field << 3) | 2);
+        varint(out, bytes.len() as u64);
+        out.extend_from_slice(bytes);
+    }
+
+    /// A `google.protobuf.Any` of the message `value` of type `type_url`.
+    pub(super) fn any(type_url: &str, value: &[u8]) -> Vec<u8> {
+        let mut any = Vec::new();
+        bytes_field(&mut any, 1, type_url.as_bytes());
+        bytes_field(&mut any, 2, value);
+        any
     }
 }
 
@@ -475,5 +566,94 @@ mod tests {
         assert!(response.body().is_empty());
         let other = Problem::new(StatusCode::BAD_GATEWAY, "upstream_down", "x");
         assert_eq!(other.grpc_status(), 14, "UNAVAILABLE, by the HTTP status");
+    }
+
+    /// `google.rpc.Status` and the two details, as protobuf declares them.
+    mod rpc {
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub(super) struct Status {
+            #[prost(int32, tag = "1")]
+            pub(super) code: i32,
+            #[prost(string, tag = "2")]
+            pub(super) message: String,
+            #[prost(message, repeated, tag = "3")]
+            pub(super) details: Vec<Any>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub(super) struct Any {
+            #[prost(string, tag = "1")]
+            pub(super) type_url: String,
+            #[prost(bytes = "vec", tag = "2")]
+            pub(super) value: Vec<u8>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub(super) struct ErrorInfo {
+            #[prost(string, tag = "1")]
+            pub(super) reason: String,
+            #[prost(string, tag = "2")]
+            pub(super) domain: String,
+            #[prost(map = "string, string", tag = "3")]
+            pub(super) metadata: std::collections::HashMap<String, String>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub(super) struct RetryInfo {
+            #[prost(message, optional, tag = "1")]
+            pub(super) retry_delay: Option<Duration>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub(super) struct Duration {
+            #[prost(int64, tag = "1")]
+            pub(super) seconds: i64,
+            #[prost(int32, tag = "2")]
+            pub(super) nanos: i32,
+        }
+    }
+
+    /// `grpc-status-details-bin` decodes, with prost, into the status the
+    /// other headers say, an `ErrorInfo` naming the stable code and, with a
+    /// retry delay, a `RetryInfo` holding it.
+    #[test]
+    fn a_grpc_answer_carries_its_status_as_aip_193_details() {
+        use base64::Engine as _;
+        use prost::Message as _;
+        let decode = |response: &Response<Bytes>| {
+            let header = response.headers()["grpc-status-details-bin"].as_bytes();
+            let bytes = base64::engine::general_purpose::STANDARD_NO_PAD
+                .decode(header)
+                .expect("base64");
+            rpc::Status::decode(bytes.as_slice()).expect("a google.rpc.Status")
+        };
+        let busy = Problem::new(StatusCode::CONFLICT, codes::IN_PROGRESS, "Busy")
+            .with_detail("wait")
+            .with_retry_after(3)
+            .to_grpc_response();
+        let status = decode(&busy);
+        assert_eq!((status.code, status.message.as_str()), (10, "Busy: wait"));
+        assert_eq!(status.details.len(), 2, "{status:?}");
+        assert_eq!(
+            status.details[0].type_url,
+            "type.googleapis.com/google.rpc.ErrorInfo"
+        );
+        let info = rpc::ErrorInfo::decode(status.details[0].value.as_slice()).unwrap();
+        assert_eq!(info.reason, "IDEMPOTENCY_IN_PROGRESS");
+        assert_eq!(info.domain, "tower-idempotency");
+        assert_eq!(info.metadata["code"], codes::IN_PROGRESS);
+        assert_eq!(
+            status.details[1].type_url,
+            "type.googleapis.com/google.rpc.RetryInfo"
+        );
+        let retry = rpc::RetryInfo::decode(status.details[1].value.as_slice()).unwrap();
+        assert_eq!(
+            retry.retry_delay.map(|d| (d.seconds, d.nanos)),
+            Some((3, 0))
+        );
+
+        let reused =
+            Problem::new(StatusCode::CONFLICT, codes::KEY_REUSED, "Reused").to_grpc_response();
+        let status = decode(&reused);
+        assert_eq!(status.code, 9, "FAILED_PRECONDITION");
+        assert_eq!(status.details.len(), 1, "no retry delay, no RetryInfo");
+        let info = rpc::ErrorInfo::decode(status.details[0].value.as_slice()).unwrap();
+        assert_eq!(info.reason, "IDEMPOTENCY_KEY_REUSED");
     }
 }

@@ -440,8 +440,53 @@ async fn a_reused_request_id_is_refused_with_failed_precondition() {
         .await
         .expect_err("another order under the same request_id");
     assert_eq!(other.code(), Code::FailedPrecondition, "{other:?}");
+    // The stable code, for a client that branches on it: an ErrorInfo in
+    // the status details (AIP-193), as tonic hands them over.
+    let status = rpc::Status::decode(other.details()).expect("a google.rpc.Status");
+    assert_eq!(status.code, Code::FailedPrecondition as i32);
+    assert_eq!(status.message, other.message());
+    let info = status
+        .details
+        .iter()
+        .find(|any| any.type_url == "type.googleapis.com/google.rpc.ErrorInfo")
+        .map(|any| rpc::ErrorInfo::decode(any.value.as_slice()).expect("an ErrorInfo"))
+        .expect("an ErrorInfo among the details");
+    assert_eq!(
+        (info.reason.as_str(), info.domain.as_str()),
+        ("IDEMPOTENCY_KEY_REUSED", "tower-idempotency")
+    );
+    assert_eq!(info.metadata["code"], "idempotency_key_reused");
     assert_eq!(server.count("SELECT count(*) FROM grpc_orders").await, 1);
     assert_eq!(server.stock("tea").await, 999);
+}
+
+/// `google.rpc.Status` and `ErrorInfo` as protobuf declares them.
+mod rpc {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct Status {
+        #[prost(int32, tag = "1")]
+        pub(super) code: i32,
+        #[prost(string, tag = "2")]
+        pub(super) message: String,
+        #[prost(message, repeated, tag = "3")]
+        pub(super) details: Vec<Any>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct Any {
+        #[prost(string, tag = "1")]
+        pub(super) type_url: String,
+        #[prost(bytes = "vec", tag = "2")]
+        pub(super) value: Vec<u8>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct ErrorInfo {
+        #[prost(string, tag = "1")]
+        pub(super) reason: String,
+        #[prost(string, tag = "2")]
+        pub(super) domain: String,
+        #[prost(map = "string, string", tag = "3")]
+        pub(super) metadata: std::collections::HashMap<String, String>,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
