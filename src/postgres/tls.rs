@@ -342,7 +342,13 @@ mod rustls_config {
     use super::super::conninfo::{RootCert, SslMode, TlsParams};
 
     pub(super) fn client_config(mode: SslMode, params: &TlsParams) -> Result<ClientConfig, String> {
-        let provider = Arc::new(ring::default_provider());
+        // The process's default provider where the application installed
+        // one (rustls's aws-lc-rs default, a FIPS build's), so that the
+        // store's TLS is the application's; else ring, which this feature
+        // builds in.
+        let provider = CryptoProvider::get_default()
+            .cloned()
+            .unwrap_or_else(|| Arc::new(ring::default_provider()));
         let verifier: Arc<dyn ServerCertVerifier> = match (&params.root, mode) {
             (Some(root), _) => {
                 let roots = Arc::new(root_store(root)?);

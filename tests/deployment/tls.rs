@@ -103,6 +103,63 @@ async fn pg_store_with_require_creates_and_replays_encrypted() {
     create_and_replay(store).await;
 }
 
+/// The store's TLS takes rustls's process-default crypto provider where
+/// the application installed one: here ring restricted to
+/// ChaCha20-Poly1305, which the server then reports as the session's
+/// cipher (it picks AES-GCM otherwise). Run in a process of its own (this
+/// test binary again, on the test below alone), so that no other test's
+/// TLS has installed a default before it.
+#[test]
+fn pg_store_takes_the_process_default_crypto_provider() {
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "tls::with_a_chacha_only_default_provider",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(PROVIDER_CHILD, "1")
+        .output()
+        .expect("the test binary runs");
+    let out = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && out.contains("1 passed"),
+        "{out}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+const PROVIDER_CHILD: &str = "TOWER_IDEMPOTENCY_PROVIDER_CHILD";
+
+#[tokio::test]
+#[ignore = "run by pg_store_takes_the_process_default_crypto_provider in a process of its own"]
+async fn with_a_chacha_only_default_provider() {
+    assert!(
+        std::env::var_os(PROVIDER_CHILD).is_some(),
+        "run through pg_store_takes_the_process_default_crypto_provider"
+    );
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider
+        .cipher_suites
+        .retain(|s| s.suite() == rustls::CipherSuite::TLS13_CHACHA20_POLY1305_SHA256);
+    provider
+        .install_default()
+        .expect("nothing installed a default before this test");
+    let server = server();
+    let db = server.database().await;
+    let store = PgStore::connect(&server.url("127.0.0.1", &db, "sslmode=require")).unwrap();
+    let client = store.client().await.unwrap();
+    let cipher: String = client
+        .query_one(
+            "SELECT cipher FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(cipher, "TLS_CHACHA20_POLY1305_SHA256");
+}
+
 #[tokio::test]
 async fn pg_store_with_verify_full_and_the_ca_works_for_each_name_in_the_certificate() {
     let server = server();
