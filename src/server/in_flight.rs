@@ -29,15 +29,28 @@ enum LeadState {
     Answer(Arc<Record>),
 }
 
-/// A key's leader as its followers find it: what it made known, and the
-/// token each follower holds a clone of.
-type Leader = (watch::Receiver<LeadState>, Arc<()>);
+/// A key's leader as its followers find it: what it made known, and, once
+/// a follower came, the channel it is told through (made only then: most
+/// keys are never followed, and a channel is an allocation a request). The
+/// entry keeps one receiver, never read, that each follower clones: a clone
+/// sees at once whatever the leader made known before it came.
+struct Leader {
+    state: LeadState,
+    channel: Option<(watch::Sender<LeadState>, watch::Receiver<LeadState>)>,
+}
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct InFlight {
-    /// Per key: what its leader made known, and a token each follower
-    /// holds a clone of (so that tests can see who waits).
     leaders: Mutex<HashMap<Key, Leader>>,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
+        f.debug_struct("InFlight")
+            .field("keys", &leaders.len())
+            .finish()
+    }
 }
 
 pub(crate) enum Turn {
@@ -47,19 +60,17 @@ pub(crate) enum Turn {
     Follow(Follower),
 }
 
+/// Leads a key until dropped; dropping it (the key's entry, its channel's
+/// sender with it) wakes every follower, and what the leader made known
+/// says what the key now has.
 pub(crate) struct LeadGuard {
     in_flight: Arc<InFlight>,
     key: Key,
-    // Dropping the sender wakes every follower; the value says what the
-    // key now has.
-    done: watch::Sender<LeadState>,
 }
 
 /// Waits for a leader.
 pub(crate) struct Follower {
     done: watch::Receiver<LeadState>,
-    /// Counts this follower while it waits.
-    _waiting: Arc<()>,
 }
 
 /// How a wait for the leader ended.
@@ -91,13 +102,31 @@ impl Follower {
 }
 
 impl LeadGuard {
+    /// What the leader makes known: `update` the key's state, and tell the
+    /// followers if there are any and it changed.
+    fn tell(&self, update: impl FnOnce(&mut LeadState) -> bool) {
+        let mut leaders = self
+            .in_flight
+            .leaders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let Some(leader) = leaders.get_mut(&self.key) else {
+            return;
+        };
+        if update(&mut leader.state) {
+            if let Some((sender, _)) = &leader.channel {
+                sender.send_replace(leader.state.clone());
+            }
+        }
+    }
+
     /// The key has a record (this leader committed, or found one): followers
     /// go straight to it.
     pub(crate) fn settled(&self) {
-        self.done.send_if_modified(|s| {
-            let pending = matches!(s, LeadState::Pending);
+        self.tell(|state| {
+            let pending = matches!(state, LeadState::Pending);
             if pending {
-                *s = LeadState::Recorded;
+                *state = LeadState::Recorded;
             }
             pending
         });
@@ -106,7 +135,10 @@ impl LeadGuard {
     /// The key's completed record: followers answer from it, without the
     /// store.
     pub(crate) fn answered(&self, record: Arc<Record>) {
-        self.done.send_replace(LeadState::Answer(record));
+        self.tell(|state| {
+            *state = LeadState::Answer(record);
+            true
+        });
     }
 }
 
@@ -114,18 +146,30 @@ impl InFlight {
     pub(crate) fn enter(self: &Arc<Self>, scope: &Scope, key: &IdempotencyKey) -> Turn {
         let key = (scope.clone(), key.clone());
         let mut leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((done, followers)) = leaders.get(&key) {
+        if let Some(leader) = leaders.get_mut(&key) {
+            let (_, receiver) = leader.channel.get_or_insert_with(|| {
+                // Made before the state is told, so that it counts as a
+                // change for the receiver the followers clone.
+                let (sender, receiver) = watch::channel(LeadState::Pending);
+                if !matches!(leader.state, LeadState::Pending) {
+                    sender.send_replace(leader.state.clone());
+                }
+                (sender, receiver)
+            });
             return Turn::Follow(Follower {
-                done: done.clone(),
-                _waiting: followers.clone(),
+                done: receiver.clone(),
             });
         }
-        let (done, done_rx) = watch::channel(LeadState::Pending);
-        leaders.insert(key.clone(), (done_rx, Arc::new(())));
+        leaders.insert(
+            key.clone(),
+            Leader {
+                state: LeadState::Pending,
+                channel: None,
+            },
+        );
         Turn::Lead(LeadGuard {
             in_flight: self.clone(),
             key,
-            done,
         })
     }
 }
@@ -136,10 +180,11 @@ impl InFlight {
     pub(crate) fn waiting(&self, scope: &Scope, key: &IdempotencyKey) -> usize {
         let leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
         let key = (scope.clone(), key.clone());
-        // The map holds one receiver itself; the leader holds the sender.
+        // The entry holds one receiver itself.
         leaders
             .get(&key)
-            .map_or(0, |(_, followers)| Arc::strong_count(followers) - 1)
+            .and_then(|leader| leader.channel.as_ref())
+            .map_or(0, |(sender, _)| sender.receiver_count() - 1)
     }
 }
 
