@@ -332,6 +332,80 @@ async fn logs_carry_no_body_and_no_raw_key() {
     );
 }
 
+/// A server error marks the request's span as OpenTelemetry reads one:
+/// `otel.status_code = "ERROR"` and `error.type` (the answer's status for
+/// a handler's 5xx, the layer's stable code for its own failures); a
+/// success and a refusal of the request (a 4xx) carry neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_marks_the_span_as_opentelemetry_reads_it() {
+    let installed = installed();
+    const ENDPOINT: &str = "POST /otel-test v1";
+    let layer = v1_layer(MemoryStore::new(), ENDPOINT);
+    let ok = layer.clone().layer(status_handler(StatusCode::CREATED));
+    assert_eq!(
+        send(ok.clone(), post(Some("t"), Some("otel-ok"), BODY))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    let reused = send(ok, post(Some("t"), Some("otel-ok"), r#"{"other":1}"#)).await;
+    assert_eq!(reused.status, StatusCode::CONFLICT);
+    let failed = send(
+        layer.clone().layer(status_handler(StatusCode::BAD_GATEWAY)),
+        post(Some("t"), Some("otel-502"), BODY),
+    )
+    .await;
+    assert_eq!(failed.status, StatusCode::BAD_GATEWAY);
+    let timed_out = send(
+        layer
+            .handler_timeout(Duration::from_millis(50))
+            .layer(held(Arc::new(Notify::new()), Arc::new(Notify::new()))),
+        post(Some("t"), Some("otel-slow"), BODY),
+    )
+    .await;
+    assert_eq!(timed_out.status, StatusCode::SERVICE_UNAVAILABLE);
+    let logs = String::from_utf8(installed.logs.0.lock().unwrap().clone()).unwrap();
+    let ours: Vec<&str> = logs.lines().filter(|l| l.contains(ENDPOINT)).collect();
+    let line = |event: &str, outcome: &str| {
+        ours.iter()
+            .find(|l| l.contains(event) && l.contains(&format!("outcome=\"{outcome}\"")))
+            .copied()
+            .unwrap_or_else(|| {
+                panic!(
+                    "no '{event}' line with outcome {outcome}:\n{}",
+                    ours.join("\n")
+                )
+            })
+    };
+    let committed = line("committed the response", "new");
+    let refused = line("key reused", "key_reused");
+    for quiet in [committed, refused] {
+        assert!(
+            !quiet.contains("otel.status_code") && !quiet.contains("error.type"),
+            "{quiet}"
+        );
+    }
+    let hash_502 = IdempotencyKey::parse(b"otel-502").unwrap().short_hash();
+    let rolled_back = ours
+        .iter()
+        .find(|l| l.contains("rolled back") && l.contains(&hash_502))
+        .unwrap_or_else(|| panic!("no rolled back line for the 502:\n{}", ours.join("\n")));
+    assert!(
+        rolled_back.contains(r#"otel.status_code="ERROR""#)
+            && rolled_back.contains(r#"error.type="502""#),
+        "{rolled_back}"
+    );
+    let timeout = ours
+        .iter()
+        .find(|l| l.contains("did not finish within its deadline"))
+        .unwrap_or_else(|| panic!("no handler timeout line:\n{}", ours.join("\n")));
+    assert!(
+        timeout.contains(r#"otel.status_code="ERROR""#)
+            && timeout.contains(r#"error.type="handler_timeout""#),
+        "{timeout}"
+    );
+}
+
 /// A request that waits behind a duplicate in this process, and then again
 /// in the store, records one wait and one outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

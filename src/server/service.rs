@@ -141,6 +141,8 @@ where
         endpoint = &*config.endpoint,
         key_hash = field::Empty,
         outcome = field::Empty,
+        otel.status_code = field::Empty,
+        error.type = field::Empty,
     );
     let admitted = match admit(&setup, request).instrument(span.clone()).await {
         Admission::PassThrough(request) => return pass_through(inner, request).await,

@@ -170,6 +170,40 @@ impl<B, E> Settled<B, E> {
         }
     }
 
+    /// The request's error, as OpenTelemetry's `error.type` names it, for
+    /// an answer that is the server's failure (a 5xx, the store's or the
+    /// handler's failure); `None` for a success and for a refusal of the
+    /// request (a 4xx: the client's to fix). A stable code of the layer's
+    /// where it has one, else the answer's HTTP status, as the convention
+    /// names an HTTP server's errors.
+    fn error_type(&self) -> Option<std::borrow::Cow<'static, str>> {
+        let status = |status: StatusCode| {
+            status
+                .is_server_error()
+                .then(|| std::borrow::Cow::Owned(status.as_str().to_owned()))
+        };
+        let code = |code: &'static str| Some(std::borrow::Cow::Borrowed(code));
+        let rollback = |rollback: &Rollback<B, E>| match rollback {
+            Rollback::NotRemembered(response) => status(response.status()),
+            Rollback::NotRememberedBuffered(parts, _) => status(parts.status),
+            Rollback::ServiceFailed(_) => code("service_failed"),
+            Rollback::Unstorable(_) => code(codes::RESPONSE_NOT_STORABLE),
+            Rollback::TimedOut => code(codes::HANDLER_TIMEOUT),
+        };
+        match self {
+            Settled::ClaimFailed(e) | Settled::StoreLost(e) | Settled::CompletionFailed(e) => {
+                code(e.kind().code())
+            }
+            Settled::Cancelled => code("cancelled"),
+            Settled::RebuildFailed(_) => code(codes::REPLAY_UNAVAILABLE),
+            Settled::RolledBack(r) | Settled::AttemptFailed(_, r) => rollback(r),
+            Settled::Rejected(problem) if problem.status().is_server_error() => {
+                code(problem.code())
+            }
+            _ => None,
+        }
+    }
+
     /// What the claim itself answered, for the claim-duration histogram.
     fn claim_outcome(&self) -> Outcome {
         match self {
@@ -200,6 +234,11 @@ impl<B, E> Settled<B, E> {
         let endpoint = &*config.endpoint;
         let outcome = self.outcome();
         span.record("outcome", outcome.as_str());
+        // OpenTelemetry's span status and error class, for a server error.
+        if let Some(error) = self.error_type() {
+            span.record("otel.status_code", "ERROR");
+            span.record("error.type", &*error);
+        }
         match self {
             Settled::Rejected(problem) => {
                 tracing::debug!(
