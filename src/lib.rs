@@ -84,7 +84,7 @@ pub mod testing;
 pub use server::MissingFromLayer;
 pub use server::{
     replay, ClaimAtCommit, ClaimFirst, Idempotency, IdempotencyLayer, KeyReuseStatus, Mode,
-    ReplayCache, RequestBody, ResponseBody, ResponseFuture,
+    OnPaths, ReplayCache, RequestBody, ResponseBody, ResponseFuture,
 };
 // Test-only fault points: behind a feature, and out of the documented API.
 #[cfg(feature = "failpoints")]

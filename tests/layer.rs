@@ -15,6 +15,8 @@ mod common;
 mod fuzz_checks;
 #[path = "layer/grpc.rs"]
 mod grpc;
+#[path = "layer/grpc_codegen.rs"]
+mod grpc_codegen;
 #[path = "layer/grpc_orders.rs"]
 mod grpc_orders;
 #[path = "layer/hardening.rs"]
@@ -25,6 +27,8 @@ mod hostile_input;
 mod hot_completion;
 #[path = "layer/http_examples.rs"]
 mod http_examples;
+#[path = "layer/on_paths.rs"]
+mod on_paths;
 #[path = "layer/resource_replay.rs"]
 mod resource_replay;
 #[path = "layer/retry_hint.rs"]

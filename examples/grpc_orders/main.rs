@@ -1,6 +1,8 @@
 //! A tonic gRPC service whose `CreateOrder` is idempotent: `orders.v1.Orders`
-//! (`orders.proto` beside this file) on tonic's HTTP/2 server, the
-//! idempotency layer in front of `CreateOrder`.
+//! (`orders.proto` beside this file), the server tonic-prost-build generates
+//! from it on tonic's HTTP/2 server, and the idempotency layer in front of
+//! it guarding `CreateOrder` by its path (`IdempotencyLayer::on_paths`):
+//! no router of our own.
 //!
 //!     cargo run --example grpc_orders
 //!
@@ -39,7 +41,10 @@ mod service;
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use tokio::net::TcpListener;
-use tonic::transport::{server::TcpIncoming, Server};
+use tonic::{
+    service::InterceptorLayer,
+    transport::{server::TcpIncoming, Server},
+};
 use tower_idempotency::{postgres::PgStore, scope::TenantId, testing::TempPostgres};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -102,10 +107,15 @@ async fn run() -> Result<(), Error> {
         .await
         .map_err(|e| format!("cannot listen on GRPC_ORDERS_ADDR={addr}: {e}"))?;
     let local = listener.local_addr()?;
-    let orders = service::OrdersServer::new(store, Arc::new(tokens), Duration::from_secs(10));
     println!("listening on {local}");
+    // Outermost first: the tenant from the bearer token, then the
+    // idempotency of CreateOrder, then the server tonic generated.
     Server::builder()
-        .add_service(orders)
+        .layer(InterceptorLayer::new(service::authenticate(Arc::new(
+            tokens,
+        ))))
+        .layer(service::idempotency(store.clone(), Duration::from_secs(10)))
+        .add_service(service::server(store))
         .serve_with_incoming_shutdown(TcpIncoming::from(listener), stopped())
         .await?;
     Ok(())

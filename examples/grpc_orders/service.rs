@@ -1,41 +1,29 @@
-//! `orders.v1.Orders` as one tower service, as tonic's generated servers
-//! are: `CreateOrder` behind the idempotency layer, `GetOrder` (a read)
-//! without it. The layer is per method, because the key is scoped by the
-//! method it guards and a read has none.
+//! `orders.v1.Orders`: the `Orders` trait tonic generated, implemented on
+//! PostgreSQL, and the two layers that go in front of the generated
+//! server. Authentication (a tonic interceptor) puts the caller's tenant in
+//! the request's extensions; the idempotency layer guards `CreateOrder`
+//! alone, chosen by its path, and passes `GetOrder` (a read) through
+//! untouched.
 
-use std::{
-    collections::HashMap,
-    convert::Infallible,
-    future::Future,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll},
-    time::Duration,
-};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use bytes::Bytes;
+use http::{request, response, HeaderMap};
 use prost::Message;
-use tonic::{
-    body::Body,
-    codec::CompressionEncoding,
-    server::{Grpc, NamedService},
-    Code, Status,
-};
-use tonic_prost::ProstCodec;
-use tower::{util::BoxCloneSyncService, Layer, Service, ServiceExt};
+use tonic::{codec::CompressionEncoding, Code, Status};
 use tower_idempotency::{
-    classify::GrpcErrorsAsFailures,
+    classify::{Classifier, GrpcErrorsAsFailures, Verdict},
     fingerprint::Fingerprint,
     key::grpc_message,
     outbox,
     postgres::{PgStore, PgTx, TxError},
     problem::{codes, Problem},
-    record::{FinalResponse, ResourceId},
+    record::ResourceId,
     scope::TenantId,
-    IdempotencyLayer, RequestBody,
+    IdempotencyLayer, OnPaths,
 };
 
-use crate::proto::{self, CreateOrderRequest, GetOrderRequest, Order};
+use crate::proto::{orders_server, CreateOrderRequest, GetOrderRequest, Order, CREATE_ORDER};
 
 /// The example's tables: the stock each tenant sells, and its orders.
 pub(crate) const SCHEMA: &str = "
@@ -73,88 +61,111 @@ pub(crate) const TAKE_STOCK: &str = "UPDATE grpc_stock SET available = available
 /// Bearer tokens and the tenants they stand for.
 pub(crate) type Tokens = Arc<HashMap<String, TenantId>>;
 
-type Method = BoxCloneSyncService<http::Request<Body>, http::Response<Body>, Infallible>;
-
-/// The server of `orders.v1.Orders`; give it to `tonic::transport::Server`.
-#[derive(Clone)]
-pub(crate) struct OrdersServer {
-    tokens: Tokens,
-    create_order: Method,
-    store: PgStore,
+/// The generated server, gzip on both ways: messages compressed or not are
+/// read, and an answer is compressed when the client accepts gzip.
+pub(crate) fn server(store: PgStore) -> orders_server::OrdersServer<Orders> {
+    orders_server::OrdersServer::new(Orders { store })
+        .accept_compressed(CompressionEncoding::Gzip)
+        .send_compressed(CompressionEncoding::Gzip)
 }
 
-impl OrdersServer {
-    pub(crate) fn new(store: PgStore, tokens: Tokens, wait: Duration) -> Self {
-        let idempotency =
-            IdempotencyLayer::new(store.clone(), "orders.v1.Orders/CreateOrder", fingerprint)
-                // gRPC's rule: grpc-status decides what is remembered.
-                .classify(GrpcErrorsAsFailures)
-                // AIP-155: the key is the message's request_id, unless the
-                // call carries an idempotency-key metadata entry.
-                .key_from_body(request_id)
-                .wait(wait);
-        let create_order = idempotency.layer(tower::service_fn(create_order_call));
-        OrdersServer {
-            tokens,
-            create_order: BoxCloneSyncService::new(
-                ServiceExt::<http::Request<Body>>::map_response(create_order, |response| {
-                    response.map(Body::new)
-                }),
-            ),
-            store,
-        }
-    }
+/// How `CreateOrder` calls are fingerprinted: a plain function.
+type FingerprintFn = fn(&mut request::Parts, &Bytes) -> Result<Fingerprint, Problem>;
 
-    /// The caller's tenant, from its bearer token; nothing else a client
-    /// sends can choose it.
-    fn authenticate<B>(&self, request: &mut http::Request<B>) -> Result<(), Status> {
-        request.extensions_mut().remove::<TenantId>();
+/// The idempotency layer for the server's `CreateOrder`, by its path: keys,
+/// metrics and spans under the endpoint `orders.v1.Orders/CreateOrder`
+/// (the method's full name). Every other method passes through.
+pub(crate) fn idempotency(store: PgStore, wait: Duration) -> OnPaths<PgStore, FingerprintFn> {
+    IdempotencyLayer::new(store, "orders.v1.Orders", fingerprint as FingerprintFn)
+        // gRPC's rule, with INVALID_ARGUMENT remembered: see `Remembered`.
+        .classify(Remembered)
+        // AIP-155: the key is the message's request_id, unless the call
+        // carries an idempotency-key metadata entry.
+        .key_from_body(request_id)
+        .wait(wait)
+        .on_paths([CREATE_ORDER])
+}
+
+/// The caller's tenant, from its bearer token, put in the request's
+/// extensions for the layer and the handlers: nothing else a client sends
+/// can choose it. A tonic interceptor: `UNAUTHENTICATED` without a valid
+/// token.
+pub(crate) fn authenticate(
+    tokens: Tokens,
+) -> impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone {
+    move |mut request| {
         let tenant = request
-            .headers()
-            .get(http::header::AUTHORIZATION)
+            .metadata()
+            .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.split_once(' '))
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .and_then(|(_, token)| self.tokens.get(token.trim()))
+            .and_then(|(_, token)| tokens.get(token.trim()))
             .cloned()
             .ok_or_else(|| Status::unauthenticated("a valid bearer token is required"))?;
         request.extensions_mut().insert(tenant);
-        Ok(())
+        Ok(request)
     }
 }
 
-impl std::fmt::Debug for OrdersServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OrdersServer").finish_non_exhaustive()
+/// gRPC's rule (`grpc-status` decides: `OK` is remembered, an error rolls
+/// back and frees the key), except `INVALID_ARGUMENT` (an unknown SKU):
+/// it says the request itself is wrong, the same on every retry, so it is
+/// the operation's answer, remembered and replayed.
+#[derive(Debug, Clone, Copy)]
+struct Remembered;
+
+impl Remembered {
+    fn invalid_argument(headers: &HeaderMap) -> bool {
+        let code = (Code::InvalidArgument as i32).to_string();
+        headers
+            .get("grpc-status")
+            .is_some_and(|status| status.as_bytes() == code.as_bytes())
     }
 }
 
-impl NamedService for OrdersServer {
-    const NAME: &'static str = proto::SERVICE;
-}
-
-impl Service<http::Request<Body>> for OrdersServer {
-    type Response = http::Response<Body>;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
-        if let Err(status) = self.authenticate(&mut request) {
-            return Box::pin(async move { Ok(status.into_http()) });
+impl Classifier for Remembered {
+    fn classify_head(&self, head: &response::Parts) -> Verdict {
+        // tonic answers an `Err(Status)` trailers-only: its status is in
+        // the head.
+        if head.status == http::StatusCode::OK && Self::invalid_argument(&head.headers) {
+            return Verdict::Remember;
         }
-        match request.uri().path() {
-            proto::CREATE_ORDER => Box::pin(self.create_order.clone().oneshot(request)),
-            proto::GET_ORDER => {
-                let store = self.store.clone();
-                let get = tower::service_fn(move |request| get_order(store.clone(), request));
-                Box::pin(async move { Ok(grpc().unary(get, request).await) })
-            }
-            _ => Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) }),
-        }
+        GrpcErrorsAsFailures.classify_head(head)
+    }
+
+    fn classify_end(&self, head: &response::Parts, trailers: Option<&HeaderMap>) -> bool {
+        trailers.is_some_and(Self::invalid_argument)
+            || GrpcErrorsAsFailures.classify_end(head, trailers)
+    }
+}
+
+/// `orders.v1.Orders` on PostgreSQL. tonic decodes each message
+/// (decompressing it: the layer hands the body on as the client sent it),
+/// calls these and encodes the answer.
+pub(crate) struct Orders {
+    store: PgStore,
+}
+
+#[tonic::async_trait]
+impl orders_server::Orders for Orders {
+    async fn create_order(
+        &self,
+        request: tonic::Request<CreateOrderRequest>,
+    ) -> Result<tonic::Response<Order>, Status> {
+        let tx = request
+            .extensions()
+            .get::<PgTx>()
+            .cloned()
+            .ok_or_else(|| Status::internal("CreateOrder runs behind the idempotency layer"))?;
+        create_order(tx, request.into_inner()).await
+    }
+
+    async fn get_order(
+        &self,
+        request: tonic::Request<GetOrderRequest>,
+    ) -> Result<tonic::Response<Order>, Status> {
+        get_order(&self.store, request).await
     }
 }
 
@@ -200,48 +211,13 @@ fn decode(body: &Bytes) -> Result<CreateOrderRequest, String> {
     CreateOrderRequest::decode(message).map_err(|e| format!("not a CreateOrderRequest: {e}"))
 }
 
-/// tonic's unary server for one method: messages gzip-compressed or not
-/// are read, and an answer is compressed when the client accepts gzip.
-fn grpc<M: Message + Default + 'static>() -> Grpc<ProstCodec<Order, M>> {
-    Grpc::new(ProstCodec::default())
-        .accept_compressed(CompressionEncoding::Gzip)
-        .send_compressed(CompressionEncoding::Gzip)
-}
-
-/// `CreateOrder` under the layer: tonic decodes the message (decompressing
-/// it: the layer hands on the body as the client sent it), runs the handler
-/// and encodes its answer; the deterministic rejection is marked to be
-/// remembered.
-async fn create_order_call(
-    request: http::Request<RequestBody>,
-) -> Result<http::Response<Body>, Infallible> {
-    let mut response = grpc().unary(tower::service_fn(create_order), request).await;
-    // tonic answers an `Err(Status)` with the status in the response's
-    // extensions. INVALID_ARGUMENT says the request itself is wrong: the
-    // same on every retry, so it is the operation's answer, remembered and
-    // replayed. Any other error rolls back and frees the key.
-    if response
-        .extensions()
-        .get::<Status>()
-        .is_some_and(|status| status.code() == Code::InvalidArgument)
-    {
-        response.extensions_mut().insert(FinalResponse);
-    }
-    Ok(response)
-}
-
 /// Writes only through the layer's transaction: the order, its outbox
 /// event and the stock it takes commit together with the remembered
 /// answer, or not at all.
 async fn create_order(
-    request: tonic::Request<CreateOrderRequest>,
+    tx: PgTx,
+    order: CreateOrderRequest,
 ) -> Result<tonic::Response<Order>, Status> {
-    let tx = request
-        .extensions()
-        .get::<PgTx>()
-        .cloned()
-        .ok_or_else(|| Status::internal("CreateOrder runs behind the idempotency layer"))?;
-    let order = request.into_inner();
     let quantity =
         i32::try_from(order.quantity).map_err(|_| Status::invalid_argument("quantity"))?;
     // The order at the SKU's price; no row: the tenant sells no such SKU.
@@ -306,7 +282,7 @@ fn database(e: TxError) -> Status {
 
 /// `GetOrder`: one of the caller's orders, outside any idempotency.
 async fn get_order(
-    store: PgStore,
+    store: &PgStore,
     request: tonic::Request<GetOrderRequest>,
 ) -> Result<tonic::Response<Order>, Status> {
     let tenant = request

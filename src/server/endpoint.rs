@@ -115,6 +115,18 @@ impl Config {
     }
 }
 
+impl Config {
+    /// The same settings for another endpoint, with that endpoint's own
+    /// series.
+    pub(crate) fn for_endpoint(&self, endpoint: Arc<str>) -> Self {
+        Config {
+            metrics: Arc::new(crate::metrics::EndpointMetrics::new(endpoint.clone())),
+            endpoint,
+            ..self.clone()
+        }
+    }
+}
+
 /// What requests of one layer share while they run: who leads each key in
 /// this process, which operations still own a key, and the replay cache.
 #[derive(Debug, Clone)]
@@ -216,5 +228,39 @@ impl<St, F, R, M: Covers> Setup<St, F, R, M> {
                  keys are remembered for the effective retention instead"
             );
         }
+    }
+}
+
+/// The setups of an [`OnPaths`](crate::OnPaths) layer, one a guarded path,
+/// each under the endpoint named by its path without the leading `/`.
+pub(crate) struct Paths<St, F, R, M>(Arc<[Setup<St, F, R, M>]>);
+
+impl<St, F, R, M> Paths<St, F, R, M> {
+    pub(crate) fn new(setups: Vec<Setup<St, F, R, M>>) -> Self {
+        Paths(setups.into())
+    }
+
+    /// The setup of the endpoint `path` names, if it is guarded.
+    pub(crate) fn find(&self, path: &str) -> Option<&Setup<St, F, R, M>> {
+        let endpoint = path.strip_prefix('/')?;
+        self.0
+            .iter()
+            .find(|setup| &*setup.config.endpoint == endpoint)
+    }
+
+    pub(crate) fn endpoints(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|setup| &*setup.config.endpoint)
+    }
+}
+
+impl<St, F, R, M> Clone for Paths<St, F, R, M> {
+    fn clone(&self) -> Self {
+        Paths(self.0.clone())
+    }
+}
+
+impl<St, F, R, M> std::fmt::Debug for Paths<St, F, R, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.endpoints()).finish()
     }
 }

@@ -10,7 +10,8 @@ use super::{
     cache::{RecordCache, ReplayCache},
     endpoint::{Config, KeyReuseStatus, Setup, Shared},
     lease_config::LeaseConfig,
-    mode::{ClaimAtCommit, ClaimFirst, LongRunning},
+    mode::{ClaimAtCommit, ClaimFirst, Covers, LongRunning},
+    on_paths::OnPaths,
     recovery::Recovery,
     service::Idempotency,
     status::StatusService,
@@ -443,8 +444,9 @@ where
     /// transaction. [`handler_timeout`](Self::handler_timeout) bounds the
     /// whole work; raise it for work that takes longer than 30 s.
     pub fn long_running(self, config: LeaseConfig) -> IdempotencyLayer<St, F, R, LongRunning> {
-        crate::metrics::register_long_running(&self.setup.config.endpoint);
-        self.with_mode(LongRunning::new(config))
+        let mode = LongRunning::new(config);
+        mode.register(&self.setup.config.endpoint);
+        self.with_mode(mode)
     }
 }
 
@@ -477,7 +479,7 @@ where
     /// # let _ = layer;
     /// ```
     pub fn claim_at_commit(self) -> IdempotencyLayer<St, F, R, ClaimAtCommit> {
-        crate::metrics::register_at_commit(&self.setup.config.endpoint);
+        ClaimAtCommit.register(&self.setup.config.endpoint);
         self.with_mode(ClaimAtCommit)
     }
 }
@@ -535,6 +537,55 @@ impl<St, F, R, M: super::flow::Mode<St>> IdempotencyLayer<St, F, R, M> {
     /// ```
     pub fn effective_retention(&self) -> Duration {
         self.setup.retention()
+    }
+}
+
+impl<St: Clone, F, R, M: Covers + Clone> IdempotencyLayer<St, F, R, M> {
+    /// Guards only the requests whose path is one of `paths`, each as an
+    /// endpoint of its own, and passes every other request through
+    /// untouched (its body unread, nothing claimed, no span, no metric).
+    /// Call it last: the [`OnPaths`] it returns takes no further setting.
+    ///
+    /// A path's endpoint is the path without its leading `/`, which the
+    /// endpoint given to [`new`](IdempotencyLayer::new) gives way to. For a
+    /// gRPC method that is its full name (`orders.v1.Orders/CreateOrder`),
+    /// so the layer goes on a tonic server in front of the services tonic
+    /// generated, with no router of one's own, and keys, metrics and spans
+    /// are per method. Every guarded path shares the layer's settings, its
+    /// fingerprinter and its key extractor; both are handed each request's
+    /// parts, so one of them tells the methods apart by `parts.uri.path()`.
+    /// A path is matched exactly; empty and repeated paths are dropped.
+    ///
+    /// ```
+    /// use tower_idempotency::{fingerprint::JsonFingerprinter, memory::MemoryStore, IdempotencyLayer};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), "orders", JsonFingerprinter::new("orders.v1"))
+    ///     .on_paths(["/orders.v1.Orders/CreateOrder", "/orders.v1.Orders/CancelOrder"]);
+    /// assert_eq!(
+    ///     layer.endpoints().collect::<Vec<_>>(),
+    ///     ["orders.v1.Orders/CreateOrder", "orders.v1.Orders/CancelOrder"],
+    /// );
+    /// ```
+    ///
+    /// With tonic (the [gRPC guide](crate::guide::grpc) has it whole):
+    ///
+    /// ```ignore
+    /// Server::builder()
+    ///     .layer(authentication)  // puts the caller's TenantId in the extensions
+    ///     .layer(idempotency.on_paths(["/orders.v1.Orders/CreateOrder"]))
+    ///     .add_service(OrdersServer::new(orders))
+    ///     .serve(addr)
+    ///     .await?;
+    /// ```
+    ///
+    /// The long-running mode's [`status_service`](IdempotencyLayer::status_service)
+    /// and [`recovery`](IdempotencyLayer::recovery) serve one endpoint:
+    /// where those are needed, build a layer for each path instead.
+    pub fn on_paths<P: AsRef<str>>(
+        self,
+        paths: impl IntoIterator<Item = P>,
+    ) -> OnPaths<St, F, R, M> {
+        OnPaths::new(self.setup, paths)
     }
 }
 

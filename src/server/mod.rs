@@ -21,7 +21,8 @@
 //!    `recovery` and `status`, the long-running mode's two services;
 //!    `extract`, the axum extractors, and `respond`, the axum answers
 //!    (problems and a handler's statement errors as `IntoResponse`).
-//! 6. **The builder.** `layer`.
+//! 6. **The builders.** `layer`, and `on_paths` (a layer for a set of
+//!    paths, each its own endpoint).
 
 mod admit;
 mod body;
@@ -42,6 +43,7 @@ mod layer;
 mod lease_config;
 mod long_running;
 mod mode;
+mod on_paths;
 mod one_transaction;
 mod owner;
 mod recovery;
@@ -62,6 +64,7 @@ pub use future::ResponseFuture;
 pub use layer::IdempotencyLayer;
 pub use lease_config::LeaseConfig;
 pub use mode::{ClaimAtCommit, ClaimFirst, LongRunning};
+pub use on_paths::OnPaths;
 pub use recovery::Recovery;
 pub use service::Idempotency;
 pub use status::{StatusFuture, StatusService};

@@ -56,6 +56,11 @@ mod covers {
     /// module: a bound of the sealed `Mode`, named by no one outside.)
     pub trait Covers {
         fn covers(&self, handler_timeout: Duration) -> Duration;
+
+        /// Creates the mode's own per-endpoint series at zero.
+        fn register(&self, endpoint: &str) {
+            let _ = endpoint;
+        }
     }
 }
 
@@ -74,6 +79,10 @@ impl Covers for ClaimAtCommit {
     fn covers(&self, _: Duration) -> Duration {
         Duration::ZERO
     }
+
+    fn register(&self, endpoint: &str) {
+        crate::metrics::register_at_commit(endpoint);
+    }
 }
 
 impl Covers for LongRunning {
@@ -82,5 +91,9 @@ impl Covers for LongRunning {
             .lease
             .saturating_add(self.config.backoff.max)
             .saturating_add(HOLD_MARGIN)
+    }
+
+    fn register(&self, endpoint: &str) {
+        crate::metrics::register_long_running(endpoint);
     }
 }

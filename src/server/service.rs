@@ -23,7 +23,7 @@ use super::{
     admit::{admit, Admission, Admitted},
     body::{BoxError, RequestBody, ResponseBody},
     coalesce::Coalesced,
-    endpoint::{Config, Setup},
+    endpoint::{Config, Paths, Setup},
     flow::Mode,
     future::ResponseFuture,
     inner::{Inner, InnerBody},
@@ -50,11 +50,27 @@ use crate::{
 pub struct Idempotency<S, St, F, R = TenantFromExtension, M = ClaimFirst> {
     inner: S,
     setup: Setup<St, F, R, M>,
+    /// Made by [`OnPaths`](crate::OnPaths): the setup of each guarded path,
+    /// whose endpoint is the path without its `/`; any other path passes
+    /// through. `None`: every request is `setup`'s endpoint.
+    paths: Option<Paths<St, F, R, M>>,
 }
 
 impl<S, St, F, R, M> Idempotency<S, St, F, R, M> {
     pub(crate) fn new(inner: S, setup: Setup<St, F, R, M>) -> Self {
-        Idempotency { inner, setup }
+        Idempotency {
+            inner,
+            setup,
+            paths: None,
+        }
+    }
+
+    pub(crate) fn on_paths(inner: S, setup: Setup<St, F, R, M>, paths: Paths<St, F, R, M>) -> Self {
+        Idempotency {
+            inner,
+            setup,
+            paths: Some(paths),
+        }
     }
 
     crate::macros::define_inner_service_accessors!();
@@ -62,7 +78,11 @@ impl<S, St, F, R, M> Idempotency<S, St, F, R, M> {
 
 impl<S: Clone, St: Clone, F, R, M: Clone> Clone for Idempotency<S, St, F, R, M> {
     fn clone(&self) -> Self {
-        Idempotency::new(self.inner.clone(), self.setup.clone())
+        Idempotency {
+            inner: self.inner.clone(),
+            setup: self.setup.clone(),
+            paths: self.paths.clone(),
+        }
     }
 }
 
@@ -73,6 +93,7 @@ impl<S: fmt::Debug, St: fmt::Debug, F: fmt::Debug, R: fmt::Debug, M: fmt::Debug>
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
             .field("setup", &self.setup)
+            .field("paths", &self.paths)
             .finish()
     }
 }
@@ -100,18 +121,18 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        let (setup, inner) = self.take_ready();
-        ResponseFuture::new(Box::pin(handle(setup, inner, request)))
-    }
-}
-
-impl<S: Clone, St: Clone, F, R, M: Clone> Idempotency<S, St, F, R, M> {
-    /// The service that was driven to readiness, with a fresh clone left
-    /// behind, and the setup.
-    fn take_ready(&mut self) -> (Setup<St, F, R, M>, S) {
+        // The service that was driven to readiness, with a fresh clone left
+        // behind.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        (self.setup.clone(), inner)
+        let setup = match &self.paths {
+            None => self.setup.clone(),
+            Some(paths) => match paths.find(request.uri().path()) {
+                Some(setup) => setup.clone(),
+                None => return ResponseFuture::new(Box::pin(pass_through(inner, request))),
+            },
+        };
+        ResponseFuture::new(Box::pin(handle(setup, inner, request)))
     }
 }
 

@@ -34,7 +34,7 @@ use tower_idempotency::testing::TestDatabase;
 #[path = "../../examples/grpc_orders/proto.rs"]
 mod proto;
 
-use proto::{CreateOrderRequest, GetOrderRequest, Order};
+use proto::{orders_client::OrdersClient, CreateOrderRequest, GetOrderRequest, Order};
 
 const TOKEN_A: &str = "demo-token-a";
 
@@ -154,38 +154,28 @@ fn create_request(
     request
 }
 
-/// `CreateOrder` as tonic's generated client calls it.
+/// `CreateOrder` through the client tonic generated from the proto.
 async fn create(
     channel: &Channel,
     request: tonic::Request<CreateOrderRequest>,
 ) -> Result<tonic::Response<Order>, Status> {
-    let mut grpc = Grpc::new(channel.clone());
-    grpc.ready().await.expect("the channel is ready");
-    grpc.unary(
-        request,
-        PathAndQuery::from_static(proto::CREATE_ORDER),
-        ProstCodec::default(),
-    )
-    .await
+    OrdersClient::new(channel.clone())
+        .create_order(request)
+        .await
 }
 
-/// `CreateOrder` with gzip on, as a tonic client configured with
-/// `send_compressed(Gzip)` and `accept_compressed(Gzip)` calls it: the
-/// message goes compressed, and the answer may come back compressed.
+/// `CreateOrder` with gzip on, through the generated client configured
+/// with `send_compressed(Gzip)` and `accept_compressed(Gzip)`: the message
+/// goes compressed, and the answer may come back compressed.
 async fn create_gzip(
     channel: &Channel,
     request: tonic::Request<CreateOrderRequest>,
 ) -> Result<tonic::Response<Order>, Status> {
-    let mut grpc = Grpc::new(channel.clone())
+    OrdersClient::new(channel.clone())
         .send_compressed(CompressionEncoding::Gzip)
-        .accept_compressed(CompressionEncoding::Gzip);
-    grpc.ready().await.expect("the channel is ready");
-    grpc.unary(
-        request,
-        PathAndQuery::from_static(proto::CREATE_ORDER),
-        ProstCodec::default(),
-    )
-    .await
+        .accept_compressed(CompressionEncoding::Gzip)
+        .create_order(request)
+        .await
 }
 
 async fn get(channel: &Channel, id: &str) -> Result<Order, Status> {
@@ -194,15 +184,10 @@ async fn get(channel: &Channel, id: &str) -> Result<Order, Status> {
         "authorization",
         MetadataValue::try_from(format!("Bearer {TOKEN_A}")).unwrap(),
     );
-    let mut grpc = Grpc::new(channel.clone());
-    grpc.ready().await.expect("the channel is ready");
-    grpc.unary(
-        request,
-        PathAndQuery::from_static(proto::GET_ORDER),
-        ProstCodec::default(),
-    )
-    .await
-    .map(tonic::Response::into_inner)
+    OrdersClient::new(channel.clone())
+        .get_order(request)
+        .await
+        .map(tonic::Response::into_inner)
 }
 
 fn replayed(metadata: &tonic::metadata::MetadataMap) -> bool {
@@ -315,11 +300,27 @@ async fn create_commits_order_event_stock_and_answer_and_a_retry_replays_them() 
         Some(("completed".into(), Some(by_metadata.get_ref().id.clone())))
     );
 
-    // GetOrder is outside the layer and reads the order.
+    // GetOrder passes the layer untouched and reads the order; the keys
+    // are CreateOrder's alone, under the method's full name.
     assert_eq!(get(&channel, &order.id).await.expect("found"), order);
     assert_eq!(
         get(&channel, "no-such-order").await.unwrap_err().code(),
         Code::NotFound
+    );
+    assert_eq!(
+        server
+            .count(
+                "SELECT count(*) FROM idempotency_requests \
+                 WHERE endpoint = 'orders.v1.Orders/CreateOrder'"
+            )
+            .await,
+        2
+    );
+    assert_eq!(
+        server
+            .count("SELECT count(*) FROM idempotency_requests")
+            .await,
+        2
     );
 }
 
