@@ -102,6 +102,7 @@ fn replay(c: &mut Criterion) {
         body: order_body(1024),
         resource_id: None,
         trailers: Vec::new(),
+        trace_id: None,
     };
     let block = stored.encode_headers();
     let mut group = c.benchmark_group("replay");
@@ -115,6 +116,7 @@ fn replay(c: &mut Criterion) {
                 body: stored.body.clone(),
                 resource_id: None,
                 trailers: Vec::new(),
+                trace_id: None,
             }
             .to_replay()
         })

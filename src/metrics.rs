@@ -67,19 +67,19 @@ pub const OLDEST_LEASE_SECONDS: &str = "idempotency_oldest_lease_seconds";
 pub const EXPIRED_LEASES: &str = "idempotency_expired_leases";
 
 /// Gauge: undelivered, unparked outbox events (refreshed by the relay).
-pub const OUTBOX_BACKLOG: &str = "outbox_backlog_events";
+pub const OUTBOX_BACKLOG: &str = "idempotency_outbox_backlog_events";
 /// Gauge (seconds): age of the oldest undelivered outbox event; 0 when none.
-pub const OUTBOX_LAG_SECONDS: &str = "outbox_lag_seconds";
+pub const OUTBOX_LAG_SECONDS: &str = "idempotency_outbox_lag_seconds";
 /// Counter: outbox deliveries that succeeded, by `event_type`.
-pub const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
+pub const OUTBOX_DELIVERED_TOTAL: &str = "idempotency_outbox_delivered_total";
 /// Counter: outbox deliveries that failed (retried or parked), by `event_type`.
-pub const OUTBOX_FAILED_TOTAL: &str = "outbox_failed_total";
+pub const OUTBOX_FAILED_TOTAL: &str = "idempotency_outbox_failed_total";
 /// Counter: outbox events parked after their last allowed attempt, by `event_type`.
-pub const OUTBOX_PARKED_TOTAL: &str = "outbox_parked_total";
+pub const OUTBOX_PARKED_TOTAL: &str = "idempotency_outbox_parked_total";
 /// Counter: restarts of a relay task that ended before shutdown (an error or
 /// a panic). The crate never restarts a relay itself: the application's
 /// supervisor increments it, as the example order server does.
-pub const OUTBOX_RELAY_RESTARTS_TOTAL: &str = "outbox_relay_restarts_total";
+pub const OUTBOX_RELAY_RESTARTS_TOTAL: &str = "idempotency_outbox_relay_restarts_total";
 
 /// Counter: attempts sent by the client layer (feature `client`), by
 /// `client` (the layer's name).

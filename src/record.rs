@@ -122,6 +122,113 @@ pub struct StoredResponse {
     /// The first response's trailers (HTTP/2 and gRPC: `grpc-status`,
     /// `grpc-message`), in order; empty for a response without any.
     pub trailers: Vec<(HeaderName, HeaderValue)>,
+    /// The trace of the request that did the work, from its W3C
+    /// `traceparent` header: a replay's span names it
+    /// (`idempotency.original_trace_id`), so that an operator following a
+    /// retry finds the run that produced its answer. `None` when that
+    /// request carried no trace, or for a store that does not keep it.
+    pub trace_id: Option<TraceId>,
+}
+
+/// A W3C Trace Context trace id: the 16 bytes that name one distributed
+/// trace, written as 32 lowercase hex digits.
+///
+/// ```
+/// use tower_idempotency::record::TraceId;
+///
+/// let header = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+/// let id = TraceId::from_traceparent(header.as_bytes()).unwrap();
+/// assert_eq!(id.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+/// assert_eq!(TraceId::parse(&id.to_string()), Some(id));
+/// // All zeros is not a trace, nor is anything but 32 hex digits.
+/// assert_eq!(TraceId::parse("00000000000000000000000000000000"), None);
+/// assert_eq!(TraceId::from_traceparent(b"00-4bf92f35-00f067aa0ba902b7-01"), None);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TraceId([u8; 16]);
+
+/// The request header of W3C Trace Context that carries the trace id.
+pub(crate) const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+impl TraceId {
+    /// The trace id of 16 bytes; `None` for all zeros (no trace).
+    pub fn from_bytes(bytes: [u8; 16]) -> Option<Self> {
+        (bytes != [0; 16]).then_some(TraceId(bytes))
+    }
+
+    /// Its 16 bytes.
+    pub fn to_bytes(self) -> [u8; 16] {
+        self.0
+    }
+
+    /// 32 hex digits (lowercase, as W3C Trace Context writes them; upper
+    /// case is read too); `None` for anything else, or all zeros.
+    pub fn parse(hex: &str) -> Option<Self> {
+        let hex = hex.as_bytes();
+        if hex.len() != 32 {
+            return None;
+        }
+        let mut bytes = [0; 16];
+        for (byte, pair) in bytes.iter_mut().zip(hex.chunks_exact(2)) {
+            let digit = |d: u8| (d as char).to_digit(16);
+            *byte = (digit(pair[0])? * 16 + digit(pair[1])?) as u8;
+        }
+        Self::from_bytes(bytes)
+    }
+
+    /// The trace id of a `traceparent` header's value
+    /// (`version-traceid-parentid-flags`); `None` when it is not one.
+    pub fn from_traceparent(value: &[u8]) -> Option<Self> {
+        let value = std::str::from_utf8(value).ok()?.trim();
+        let mut fields = value.split('-');
+        let version = fields.next()?;
+        let trace = fields.next()?;
+        let parent = fields.next()?;
+        let flags = fields.next()?;
+        let hex = |f: &str, len| f.len() == len && f.bytes().all(|b| b.is_ascii_hexdigit());
+        // Version ff is invalid; a later version may add fields after these.
+        if !hex(version, 2) || version == "ff" || !hex(parent, 16) || !hex(flags, 2) {
+            return None;
+        }
+        if version == "00" && fields.next().is_some() {
+            return None;
+        }
+        Self::parse(trace)
+    }
+
+    /// The trace id of a request's `traceparent` header, if it has one.
+    pub(crate) fn of_request(headers: &HeaderMap) -> Option<Self> {
+        Self::from_traceparent(headers.get(TRACEPARENT)?.as_bytes())
+    }
+}
+
+impl TraceId {
+    /// Its 32 lowercase hex digits, on the stack.
+    pub(crate) fn hex(self) -> TraceHex {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut hex = [0; 32];
+        for (pair, byte) in hex.chunks_exact_mut(2).zip(self.0) {
+            pair[0] = DIGITS[usize::from(byte >> 4)];
+            pair[1] = DIGITS[usize::from(byte & 0xf)];
+        }
+        TraceHex(hex)
+    }
+}
+
+/// A [`TraceId`] written out (see [`TraceId::hex`]).
+pub(crate) struct TraceHex([u8; 32]);
+
+impl TraceHex {
+    pub(crate) fn as_str(&self) -> &str {
+        // Hex digits only: always ASCII.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Display for TraceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.hex().as_str())
+    }
 }
 
 /// A response's trailers, carried in its extensions between the layer's
@@ -157,6 +264,7 @@ impl StoredResponse {
             body,
             resource_id: None,
             trailers: Vec::new(),
+            trace_id: None,
         }
     }
 
@@ -182,6 +290,11 @@ impl StoredResponse {
             .map(|(name, value)| (name.clone(), value.clone()))
             .collect();
         crate::setter::with(self, |s| s.trailers = trailers)
+    }
+
+    /// The same response, naming the trace of the request that did the work.
+    pub fn with_trace_id(self, trace_id: Option<TraceId>) -> Self {
+        crate::setter::with(self, |s| s.trace_id = trace_id)
     }
 
     /// The same response, naming the resource its operation created or changed.
@@ -322,6 +435,7 @@ mod tests {
             body: Bytes::new(),
             resource_id: None,
             trailers: Vec::new(),
+            trace_id: None,
         };
         let decoded = StoredResponse::decode_headers(&stored.encode_headers()).unwrap();
         assert_eq!(decoded, stored.headers);

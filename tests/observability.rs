@@ -43,11 +43,15 @@ impl Write for Captured {
 struct Installed {
     snapshotter: Snapshotter,
     logs: Captured,
+    spans: Spans,
 }
 
 fn installed() -> &'static Installed {
     static INSTALLED: OnceLock<Installed> = OnceLock::new();
     INSTALLED.get_or_init(|| {
+        use tracing_subscriber::{
+            filter::LevelFilter, layer::SubscriberExt, util::SubscriberInitExt,
+        };
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         recorder
@@ -55,13 +59,107 @@ fn installed() -> &'static Installed {
             .expect("the only recorder of this binary");
         let logs = Captured::default();
         let writer = logs.clone();
-        tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
+        let spans = Spans::default();
+        tracing_subscriber::registry()
+            .with(LevelFilter::TRACE)
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(false)
+                    .with_writer(move || writer.clone()),
+            )
+            .with(spans.clone())
             .init();
-        Installed { snapshotter, logs }
+        Installed {
+            snapshotter,
+            logs,
+            spans,
+        }
     })
+}
+
+/// A span as a subscriber saw it: its name, every field recorded on it
+/// (at creation or later), and its parent's fields.
+#[derive(Clone, Debug, Default)]
+struct SpanSeen {
+    name: &'static str,
+    fields: HashMap<String, String>,
+    parent: Option<HashMap<String, String>>,
+}
+
+/// A layer of the subscriber that keeps every closed span, as an
+/// OpenTelemetry exporter receives them.
+#[derive(Clone, Default)]
+struct Spans(Arc<Mutex<Vec<SpanSeen>>>);
+
+struct FieldsOf<'a>(&'a mut HashMap<String, String>);
+
+impl tracing::field::Visit for FieldsOf<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+}
+
+impl<S> tracing_subscriber::Layer<S> for Spans
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let span = ctx.span(id).expect("a new span");
+        let mut seen = SpanSeen {
+            name: attrs.metadata().name(),
+            ..SpanSeen::default()
+        };
+        attrs.record(&mut FieldsOf(&mut seen.fields));
+        seen.parent = span.parent().and_then(|parent| {
+            parent
+                .extensions()
+                .get::<SpanSeen>()
+                .map(|p| p.fields.clone())
+        });
+        span.extensions_mut().insert(seen);
+    }
+
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let span = ctx.span(id).expect("a recorded span");
+        let mut extensions = span.extensions_mut();
+        if let Some(seen) = extensions.get_mut::<SpanSeen>() {
+            values.record(&mut FieldsOf(&mut seen.fields));
+        }
+    }
+
+    fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let span = ctx.span(&id).expect("a closed span");
+        let seen = span.extensions_mut().remove::<SpanSeen>();
+        if let Some(seen) = seen {
+            self.0.lock().unwrap().push(seen);
+        }
+    }
+}
+
+impl Spans {
+    /// The closed spans named `name` whose field `field` is `value`.
+    fn named(&self, name: &str, field: &str, value: &str) -> Vec<SpanSeen> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.name == name && s.fields.get(field).map(String::as_str) == Some(value))
+            .cloned()
+            .collect()
+    }
 }
 
 type Values = HashMap<(String, Vec<(String, String)>), DebugValue>;
@@ -266,7 +364,10 @@ async fn metrics_count_every_outcome() {
         "the backlog gauge as refreshed before the cleanup"
     );
     assert_eq!(
-        counter("outbox_delivered_total", &[("event_type", "MetricsTest")]),
+        counter(
+            "idempotency_outbox_delivered_total",
+            &[("event_type", "MetricsTest")]
+        ),
         1
     );
     assert!(
@@ -982,4 +1083,179 @@ async fn a_request_whose_client_went_away_is_counted() {
         outcome(&values, ENDPOINT, "replayed"),
         Some(&DebugValue::Counter(1))
     );
+}
+
+/// What a request's spans say, as a real subscriber records them: the
+/// request's `idempotency` span with its namespaced fields, a span for
+/// each store step on its path with OpenTelemetry's database attributes,
+/// and on a replay the trace of the run that produced the answer, kept in
+/// the key's record (from the cache and from the database alike), in both
+/// modes of a short transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_name_the_request_its_store_steps_and_the_trace_a_replay_answers_from() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let installed = installed();
+    let pg = Postgres::new().await;
+    let database: String = pg
+        .client
+        .query_one("SELECT current_database()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    const ENDPOINT: &str = "POST /trace-test v1";
+    const FIRST: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const RETRY: &str = "0af7651916cd43dd8448eb211c80319c";
+    let traced = |key: &str, trace: Option<&str>| {
+        let mut request = post(Some("t"), Some(key), BODY);
+        if let Some(trace) = trace {
+            request.headers_mut().insert(
+                "traceparent",
+                format!("00-{trace}-00f067aa0ba902b7-01").parse().unwrap(),
+            );
+        }
+        request
+    };
+    let calls = Arc::new(AtomicU64::new(0));
+    let claim_first = v1_layer(pg.store.clone(), ENDPOINT);
+    let one_commit = v1_layer(pg.store.clone(), ENDPOINT).claim_at_commit();
+    // Another process: no replay cache, the record read from the database.
+    let other = v1_layer(pg.store.clone(), ENDPOINT)
+        .without_replay_cache()
+        .layer(order_handler::<Postgres>(calls.clone()));
+    let services = [
+        (
+            "trace-claim-first",
+            tower::util::BoxCloneService::new(
+                claim_first.layer(order_handler::<Postgres>(calls.clone())),
+            ),
+        ),
+        (
+            "trace-one-commit",
+            tower::util::BoxCloneService::new(
+                one_commit.layer(order_handler::<Postgres>(calls.clone())),
+            ),
+        ),
+    ];
+    for (key, service) in services {
+        let first = send(service.clone(), traced(key, Some(FIRST))).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{key}");
+        let kept: Option<String> = pg
+            .client
+            .query_one(
+                "SELECT trace_id FROM idempotency_requests WHERE idempotency_key = $1",
+                &[&key],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            kept.as_deref(),
+            Some(FIRST),
+            "{key}: the record keeps the trace"
+        );
+        let cached = send(service.clone(), traced(key, Some(RETRY))).await;
+        let stored = send(other.clone(), traced(key, Some(RETRY))).await;
+        for replay in [&cached, &stored] {
+            assert_eq!(replay.headers["idempotent-replayed"], "true", "{key}");
+            assert_eq!(replay.body, first.body, "{key}");
+        }
+
+        let hash = IdempotencyKey::parse(key.as_bytes()).unwrap().short_hash();
+        let requests = installed
+            .spans
+            .named("idempotency", "idempotency.key_hash", &hash);
+        assert_eq!(requests.len(), 3, "{key}: {requests:#?}");
+        let new: Vec<_> = requests
+            .iter()
+            .filter(|s| s.fields["idempotency.outcome"] == "new")
+            .collect();
+        assert_eq!(new.len(), 1, "{key}: {requests:#?}");
+        assert_eq!(new[0].fields["idempotency.endpoint"], ENDPOINT);
+        assert!(!new[0].fields.contains_key("idempotency.original_trace_id"));
+        let replays: Vec<_> = requests
+            .iter()
+            .filter(|s| s.fields["idempotency.outcome"] == "replayed")
+            .collect();
+        assert_eq!(replays.len(), 2, "{key}: {requests:#?}");
+        for replay in replays {
+            assert_eq!(
+                replay
+                    .fields
+                    .get("idempotency.original_trace_id")
+                    .map(String::as_str),
+                Some(FIRST),
+                "{key}: {replay:#?}"
+            );
+        }
+
+        // The store's steps, children of the request's span.
+        let steps: Vec<SpanSeen> = installed
+            .spans
+            .named("idempotency_store", "db.system.name", "postgresql")
+            .into_iter()
+            .filter(|s| {
+                s.parent
+                    .as_ref()
+                    .and_then(|p| p.get("idempotency.key_hash"))
+                    .is_some_and(|h| *h == hash)
+            })
+            .collect();
+        let summaries: Vec<&str> = steps
+            .iter()
+            .map(|s| s.fields["db.query.summary"].as_str())
+            .collect();
+        let expected: &[&str] = if key == "trace-claim-first" {
+            // The first request's claim and completion, the other
+            // process's claim that finds the record.
+            &[
+                "INSERT idempotency_requests",
+                "UPDATE idempotency_requests",
+                "INSERT idempotency_requests",
+            ]
+        } else {
+            // The first request's commit, the other process's claim.
+            &["INSERT idempotency_requests", "INSERT idempotency_requests"]
+        };
+        assert_eq!(summaries, expected, "{key}: {steps:#?}");
+        for step in &steps {
+            for (field, value) in [
+                ("db.collection.name", "idempotency_requests"),
+                ("db.namespace", database.as_str()),
+                ("otel.kind", "client"),
+            ] {
+                assert_eq!(
+                    step.fields.get(field).map(String::as_str),
+                    Some(value),
+                    "{step:#?}"
+                );
+            }
+            assert_eq!(step.fields["otel.name"], step.fields["db.query.summary"]);
+            assert!(!step.fields.contains_key("error.type"), "{step:#?}");
+        }
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "one run a key");
+
+    // A request that carries no trace: none kept, none named on its replay.
+    let untraced =
+        v1_layer(pg.store.clone(), ENDPOINT).layer(order_handler::<Postgres>(calls.clone()));
+    send(untraced.clone(), traced("trace-none", None)).await;
+    send(untraced, traced("trace-none", Some(RETRY))).await;
+    let kept: Option<String> = pg
+        .client
+        .query_one(
+            "SELECT trace_id FROM idempotency_requests WHERE idempotency_key = 'trace-none'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, None);
+    let hash = IdempotencyKey::parse(b"trace-none").unwrap().short_hash();
+    let replays = installed
+        .spans
+        .named("idempotency", "idempotency.key_hash", &hash);
+    assert_eq!(replays.len(), 2);
+    assert!(replays
+        .iter()
+        .all(|s| !s.fields.contains_key("idempotency.original_trace_id")));
 }

@@ -154,9 +154,9 @@ where
         }
         let span = tracing::info_span!(
             "idempotent_client",
-            client = %config.name,
-            method = %request.method(),
-            key_hash = %key.short_hash(),
+            idempotency.client = %config.name,
+            http.request.method = %request.method(),
+            idempotency.key_hash = %key.short_hash(),
         );
         let shared = Shared::default();
         let deadline = Instant::now() + config.total_timeout;

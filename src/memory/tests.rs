@@ -31,6 +31,7 @@ fn response(body: &'static str) -> StoredResponse {
         body: Bytes::from_static(body.as_bytes()),
         resource_id: None,
         trailers: Vec::new(),
+        trace_id: None,
     }
 }
 

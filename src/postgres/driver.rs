@@ -92,6 +92,24 @@ impl Driver for PgStore {
 
     /// `BEGIN` with the lock wait, the statement and `COMMIT`, pipelined:
     /// one round trip.
+    fn target(&self) -> crate::protocol::telemetry::Target {
+        let config = &self.config;
+        let one_host = match config.get_hosts() {
+            [tokio_postgres::config::Host::Tcp(host)] => Some(host.clone()),
+            _ => None,
+        };
+        let port = match (config.get_ports(), &one_host) {
+            ([], Some(_)) => Some(5432),
+            ([port], Some(_)) => Some(*port),
+            _ => None,
+        };
+        crate::protocol::telemetry::Target {
+            database: config.get_dbname().map(str::to_owned),
+            host: one_host,
+            port,
+        }
+    }
+
     async fn transaction(
         &self,
         sql: Sql<'static>,

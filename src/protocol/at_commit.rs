@@ -8,7 +8,10 @@ use super::{
     record::key_params,
     sql::{Param, Sql},
 };
-use crate::{record::StoredResponse, store::ClaimRequest};
+use crate::{
+    record::{StoredResponse, TraceHex},
+    store::ClaimRequest,
+};
 
 /// The one-commit mode's `INSERT`, returning `$returning`.
 macro_rules! claim_at_commit {
@@ -16,9 +19,10 @@ macro_rules! claim_at_commit {
         concat!(
             "INSERT INTO idempotency_requests \
                  (tenant_id, endpoint, idempotency_key, request_fingerprint, state, response_status, \
-                  response_headers, response_body, resource_id, created_at, completed_at, expires_at) \
+                  response_headers, response_body, resource_id, trace_id, created_at, completed_at, \
+                  expires_at) \
              VALUES ($1::text, $2::text, $3::text, $4::bytea, 'completed', $5::int2, $6::bytea, \
-                 $7::bytea, $8::text, statement_timestamp(), statement_timestamp(), \
+                 $7::bytea, $8::text, $10::text, statement_timestamp(), statement_timestamp(), \
                  statement_timestamp() + make_interval(secs => $9::float8)) \
              RETURNING ",
             $returning
@@ -58,10 +62,10 @@ pub(crate) const CLAIM_AT_COMMIT: Sql<'static> = Sql::new(claim_at_commit!("1"))
 
 /// [`CLAIM_AT_COMMIT`] with the session reset in the same statement, run
 /// only once the key is won (`RETURNING` runs for the row written, and a
-/// lost statement has failed before it); `$10` and `$11` are the hold limit
-/// and the login, as `COMPLETE_AND_RESET`'s `$11` and `$12`.
+/// lost statement has failed before it); `$11` and `$12` are the hold limit
+/// and the login, as `COMPLETE_AND_RESET`'s `$12` and `$13`.
 pub(crate) const CLAIM_AT_COMMIT_AND_RESET: Sql<'static> = Sql::new(claim_at_commit!(
-    "tower_idempotency_session_reset($10::text, $11::text)"
+    "tower_idempotency_session_reset($11::text, $12::text)"
 ));
 
 /// The SQLSTATE of a lost [`CLAIM_AT_COMMIT`]: a unique violation (the
@@ -74,7 +78,8 @@ pub(crate) fn at_commit_params<'a>(
     request: &'a ClaimRequest,
     response: &'a StoredResponse,
     headers: &'a [u8],
-) -> [Param<'a>; 9] {
+    trace: Option<&'a TraceHex>,
+) -> [Param<'a>; 10] {
     let [tenant, endpoint, key] = key_params(request);
     [
         tenant,
@@ -86,5 +91,6 @@ pub(crate) fn at_commit_params<'a>(
         Param::Bytea(&response.body),
         Param::OptText(response.resource_id.as_ref().map(|id| id.as_str())),
         Param::from(request.retention),
+        Param::OptText(trace.map(TraceHex::as_str)),
     ]
 }

@@ -23,7 +23,8 @@ use crate::{
 /// [`record_at`] reads them.
 macro_rules! record_columns {
     () => {
-        "request_fingerprint, state, response_status, response_headers, response_body, resource_id"
+        "request_fingerprint, state, response_status, response_headers, response_body, resource_id, \
+         trace_id"
     };
 }
 
@@ -45,7 +46,7 @@ pub(crate) const LOOKUP: Sql<'static> = Sql::new(concat!(
 // CONFLICT DO NOTHING waits for a transaction that holds the key's row,
 // within lock_timeout; a record committed during that wait is not in the
 // snapshot: no row comes back, and the caller reads it with a fresh one.
-// Columns: owned, token, xid, then the record as LOOKUP reads it (from 3),
+// Columns: owned, token, xid, then the record as LOOKUP reads it (3 to 9),
 // then "may take over", then the reset setting (unread). The transaction id
 // and the reset are in the outer SELECT, not in RETURNING: Citus evaluates
 // them on the coordinator, where the transaction is, and refuses anything
@@ -60,7 +61,7 @@ pub(crate) const CLAIM: Sql<'static> = Sql::new(concat!(
              ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING \
              RETURNING attempt_token) \
          SELECT true, attempt_token, pg_current_xact_id()::text, NULL::bytea, NULL::text, \
-             NULL::int2, NULL::bytea, NULL::bytea, NULL::text, false, \
+             NULL::int2, NULL::bytea, NULL::bytea, NULL::text, NULL::text, false, \
              set_config('lock_timeout', NULL, true) \
          FROM claimed \
          UNION ALL \
@@ -153,7 +154,7 @@ pub(crate) const TAKE_OVER: Sql<'static> = Sql::new(concat!(
          ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO UPDATE SET \
              request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
              attempt_token = EXCLUDED.attempt_token, response_status = NULL, \
-             response_headers = NULL, response_body = NULL, resource_id = NULL, \
+             response_headers = NULL, response_body = NULL, resource_id = NULL, trace_id = NULL, \
              created_at = EXCLUDED.created_at, completed_at = NULL, \
              expires_at = EXCLUDED.expires_at, lease_expires_at = NULL \
          WHERE ",
@@ -259,7 +260,7 @@ pub(crate) async fn settle<C: Connection>(
     if row.bool(0)? {
         return Ok(Claimed::Owned(row.int8(1)?, row.text(2)?.to_owned()));
     }
-    if !row.bool(9)? {
+    if !row.bool(10)? {
         return Ok(found(record_at(row, 3)?));
     }
     // Expired, or an orphan: take it over, as a second step of the same

@@ -9,7 +9,7 @@ use super::{
     identity::TxIdentity,
     sql::{Param, Sql},
 };
-use crate::record::StoredResponse;
+use crate::record::{StoredResponse, TraceHex};
 
 /// The completion's `UPDATE`, as a `WITH` named `done`, then `$tail`.
 macro_rules! completion {
@@ -18,7 +18,7 @@ macro_rules! completion {
             "WITH done AS ( \
                  UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
                      response_headers = $6::bytea, response_body = $7::bytea, resource_id = $10::text, \
-                     completed_at = statement_timestamp() \
+                     trace_id = $11::text, completed_at = statement_timestamp() \
                  WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
                      AND attempt_token = $4::int8 AND state = 'in_progress' \
                      AND pg_current_xact_id() = $9::text::xid8 AND $8::float8 IS NOT NULL \
@@ -46,8 +46,8 @@ pub(crate) const COMPLETE: Sql<'static> =
     Sql::new(completion!("SELECT 1 / (SELECT count(*)::int FROM done)"));
 
 /// [`COMPLETE`] with the session reset in the same statement, for a
-/// connection reached directly: `$11` is the hold limit the session keeps
-/// and `$12` the role the store logs in as (as in
+/// connection reached directly: `$12` is the hold limit the session keeps
+/// and `$13` the role the store logs in as (as in
 /// [`session_reset_keeping`](super::session_reset::session_reset_keeping)),
 /// each or both `NULL`.
 ///
@@ -68,7 +68,7 @@ pub(crate) const COMPLETE: Sql<'static> =
 /// pooler's).
 pub(crate) const COMPLETE_AND_RESET: Sql<'static> = Sql::new(completion!(concat!(
     "SELECT tower_idempotency_session_reset(CASE WHEN ",
-    "1 / (SELECT count(*)::int FROM done) = 1 THEN $11::text END, $12::text)"
+    "1 / (SELECT count(*)::int FROM done) = 1 THEN $12::text END, $13::text)"
 )));
 
 // A fenced transaction's commit, guarded like the completion: the check
@@ -89,7 +89,8 @@ pub(crate) fn complete_params<'a>(
     id: &'a TxIdentity,
     response: &'a StoredResponse,
     headers: &'a [u8],
-) -> [Param<'a>; 10] {
+    trace: Option<&'a TraceHex>,
+) -> [Param<'a>; 11] {
     let (tenant, endpoint, key, token) = id.columns();
     [
         Param::Text(tenant),
@@ -102,6 +103,7 @@ pub(crate) fn complete_params<'a>(
         Param::from(id.retention()),
         Param::Text(id.xid()),
         Param::OptText(response.resource_id.as_ref().map(|id| id.as_str())),
+        Param::OptText(trace.map(TraceHex::as_str)),
     ]
 }
 

@@ -67,6 +67,10 @@ pub(crate) trait Driver: Clone + Send + Sync + 'static {
         params: &[Param<'_>],
         wait: Duration,
     ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
+
+    /// Where the connections go, as the store's spans name it (asked only
+    /// when a span is recorded).
+    fn target(&self) -> super::telemetry::Target;
 }
 
 /// The limits a transaction sets for itself (`SET LOCAL`).

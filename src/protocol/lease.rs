@@ -18,7 +18,7 @@ use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     protocol::identity::{Identity, Lease, LeaseIdentity},
-    record::StoredResponse,
+    record::{StoredResponse, TraceHex, TraceId},
     scope::{Scope, TenantId},
     store::{
         Acquired, ClaimRequest, LeaseRequest, OperationId, OperationState, Owned, Recovered,
@@ -41,7 +41,7 @@ pub(crate) fn operation_state(
 
 /// Where a key stands, without a lock or a write.
 pub(crate) const LOOKUP: Sql<'static> = Sql::new("SELECT request_fingerprint, state, response_status, response_headers, response_body, \
-         resource_id, operation_id::text, lease_expires_at > now() \
+         resource_id, trace_id, operation_id::text, lease_expires_at > now() \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text AND expires_at > now()");
 
@@ -75,7 +75,7 @@ pub(crate) const ACQUIRE: Sql<'static> = Sql::new("INSERT INTO idempotency_reque
              THEN r.created_at ELSE EXCLUDED.created_at END, \
          request_fingerprint = EXCLUDED.request_fingerprint, state = 'in_progress', \
          response_status = NULL, response_headers = NULL, response_body = NULL, resource_id = NULL, \
-         completed_at = NULL, expires_at = GREATEST(r.expires_at, EXCLUDED.expires_at), \
+         trace_id = NULL, completed_at = NULL, expires_at = GREATEST(r.expires_at, EXCLUDED.expires_at), \
          request_method = EXCLUDED.request_method, request_target = EXCLUDED.request_target, \
          request_headers = EXCLUDED.request_headers, request_body = EXCLUDED.request_body \
      WHERE r.expires_at <= EXCLUDED.created_at \
@@ -113,7 +113,7 @@ pub(crate) const HOLD: Sql<'static> = Sql::new(
 pub(crate) const FINISH: Sql<'static> = Sql::new(
     "UPDATE idempotency_requests SET state = 'completed', response_status = $5::int2, \
          response_headers = $6::bytea, response_body = $7::bytea, resource_id = $9::text, \
-         completed_at = statement_timestamp(), \
+         trace_id = $10::text, completed_at = statement_timestamp(), \
          expires_at = statement_timestamp() + make_interval(secs => $8::float8), \
          lease_expires_at = NULL, request_headers = NULL, request_body = NULL \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text \
@@ -407,8 +407,8 @@ async fn lookup<T: Driver, L>(
     running(
         claim,
         fingerprint(row.bytea(0)?)?,
-        row.opt_text(6)?,
-        row.opt_bool(7)?,
+        row.opt_text(7)?,
+        row.opt_bool(8)?,
     )
 }
 
@@ -437,7 +437,16 @@ pub(crate) async fn finish<T: Driver>(
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
     let resource = response.resource_id.as_ref().map(|id| id.as_str());
-    end_with(transport, lease, FINISH, response, Param::OptText(resource)).await
+    let trace = response.trace_id.map(TraceId::hex);
+    let trace = Param::OptText(trace.as_ref().map(TraceHex::as_str));
+    end_with(
+        transport,
+        lease,
+        FINISH,
+        response,
+        &[Param::OptText(resource), trace],
+    )
+    .await
 }
 
 /// [`LeaseStore::fail`](crate::store::LeaseStore::fail).
@@ -448,7 +457,7 @@ pub(crate) async fn fail<T: Driver>(
     attempts: u32,
 ) -> Result<(), StoreError> {
     let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
-    end_with(transport, lease, FAIL, response, Param::Int4(attempts)).await
+    end_with(transport, lease, FAIL, response, &[Param::Int4(attempts)]).await
 }
 
 /// [`LeaseStore::release`](crate::store::LeaseStore::release).
@@ -472,17 +481,17 @@ pub(crate) fn token_params(lease: &LeaseIdentity) -> [Param<'_>; 4] {
 }
 
 /// Finish or fail: the record ends with `response` (and `last`, the
-/// statement's own parameter), if the token is still the record's.
+/// statement's own parameters), if the token is still the record's.
 async fn end_with<T: Driver>(
     transport: &T,
     lease: &LeaseIdentity,
     sql: Sql<'static>,
     response: &StoredResponse,
-    last: Param<'_>,
+    last: &[Param<'_>],
 ) -> Result<(), StoreError> {
     let [tenant, endpoint, key, token] = token_params(lease);
     let headers = response.encode_headers();
-    let params = [
+    let mut params = vec![
         tenant,
         endpoint,
         key,
@@ -491,8 +500,8 @@ async fn end_with<T: Driver>(
         Param::Bytea(&headers),
         Param::Bytea(&response.body),
         Param::from(lease.retention()),
-        last,
     ];
+    params.extend_from_slice(last);
     guarded(transport, lease, sql, &params).await
 }
 

@@ -246,6 +246,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             ),
         ],
     },
+    Migration {
+        version: 10,
+        name: "request_trace_ids",
+        steps: &[Step::Transactional(include_str!(
+            "schema/0010_request_trace_ids.sql"
+        ))],
+    },
 ];
 
 /// The newest schema version this build knows (the runner reads it off the

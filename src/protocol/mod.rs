@@ -29,6 +29,7 @@ pub(crate) mod record;
 pub(crate) mod retention;
 pub(crate) mod session_reset;
 pub(crate) mod sql;
+pub(crate) mod telemetry;
 #[cfg(test)]
 mod tests;
 pub(crate) mod transaction;
@@ -49,7 +50,12 @@ macro_rules! forward_store {
                 &self,
                 request: &crate::store::ClaimRequest,
             ) -> Result<crate::store::Claim<$tx>, crate::store::StoreError> {
-                crate::protocol::owner::claim(self, request).await
+                crate::protocol::telemetry::step(
+                    self,
+                    crate::protocol::telemetry::CLAIM,
+                    crate::protocol::owner::claim(self, request),
+                )
+                .await
             }
 
             async fn complete(
@@ -57,7 +63,12 @@ macro_rules! forward_store {
                 tx: $tx,
                 response: &crate::record::StoredResponse,
             ) -> Result<(), crate::store::StoreError> {
-                crate::protocol::owner::complete(tx, response).await
+                crate::protocol::telemetry::step(
+                    self,
+                    crate::protocol::telemetry::COMPLETE,
+                    crate::protocol::owner::complete(tx, response),
+                )
+                .await
             }
 
             async fn abort(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
@@ -68,7 +79,12 @@ macro_rules! forward_store {
                 &self,
                 request: &crate::store::ClaimRequest,
             ) -> Result<Option<crate::record::Record>, crate::store::StoreError> {
-                crate::protocol::owner::lookup(self, request).await
+                crate::protocol::telemetry::step(
+                    self,
+                    crate::protocol::telemetry::LOOKUP,
+                    crate::protocol::owner::lookup(self, request),
+                )
+                .await
             }
         }
 
@@ -86,7 +102,12 @@ macro_rules! forward_store {
                 request: &crate::store::ClaimRequest,
                 response: &crate::record::StoredResponse,
             ) -> Result<crate::store::Committed, crate::store::StoreError> {
-                crate::protocol::owner::commit_at_commit(self, tx, request, response).await
+                crate::protocol::telemetry::step(
+                    self,
+                    crate::protocol::telemetry::COMMIT,
+                    crate::protocol::owner::commit_at_commit(self, tx, request, response),
+                )
+                .await
             }
         }
     };
@@ -109,9 +130,13 @@ macro_rules! forward_lease_store {
                 claim: &crate::store::ClaimRequest,
                 request: &crate::store::LeaseRequest,
             ) -> Result<crate::store::Acquired<$lease>, crate::store::StoreError> {
-                crate::protocol::lease::acquire(self, claim, request, |id| {
-                    $lease::new(self.clone(), id)
-                })
+                crate::protocol::telemetry::step(
+                    self,
+                    crate::protocol::telemetry::CLAIM,
+                    crate::protocol::lease::acquire(self, claim, request, |id| {
+                        $lease::new(self.clone(), id)
+                    }),
+                )
                 .await
             }
 
@@ -136,7 +161,12 @@ macro_rules! forward_lease_store {
                 lease: &$lease,
                 response: &crate::record::StoredResponse,
             ) -> Result<(), crate::store::StoreError> {
-                crate::protocol::lease::finish(self, lease.identity(), response).await
+                crate::protocol::telemetry::step(
+                    self,
+                    crate::protocol::telemetry::COMPLETE,
+                    crate::protocol::lease::finish(self, lease.identity(), response),
+                )
+                .await
             }
 
             async fn release(&self, lease: &$lease) -> Result<(), crate::store::StoreError> {

@@ -39,7 +39,7 @@ use super::{
 };
 use crate::{
     metrics::FencedAt,
-    record::{Record, StoredResponse},
+    record::{Record, StoredResponse, TraceId},
     store::{Claim, ClaimRequest, Committed, StoreError, StoreErrorKind},
 };
 
@@ -396,7 +396,8 @@ pub(crate) async fn complete<H: Handle>(
         return Err(fenced_given_to_complete(rolled_back));
     }
     let headers = response.encode_headers();
-    let params = complete_params(slot.identity(), response, &headers);
+    let trace = response.trace_id.map(TraceId::hex);
+    let params = complete_params(slot.identity(), response, &headers, trace.as_ref());
     commit_behind(
         slot,
         Deciding {
@@ -557,7 +558,8 @@ pub(crate) async fn commit_at_commit<D: Driver, H: Handle<Conn = D::Conn>>(
     // commit queues behind it, as in the claim-first mode, for a while.
     let conn = tx.slot().take_to_commit().await?.ok_or_else(finished)?;
     let headers = response.encode_headers();
-    let params = at_commit_params(request, response, &headers);
+    let trace = response.trace_id.map(TraceId::hex);
+    let params = at_commit_params(request, response, &headers, trace.as_ref());
     let deciding = Deciding {
         sql: CLAIM_AT_COMMIT,
         resetting: Some(CLAIM_AT_COMMIT_AND_RESET),

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use super::sql::{corrupt, Columns, Param};
 use crate::{
     fingerprint::Fingerprint,
-    record::{Record, ResourceId, StoredResponse},
+    record::{Record, ResourceId, StoredResponse, TraceId},
     store::{ClaimRequest, StoreError},
 };
 
@@ -49,7 +49,7 @@ pub(crate) fn key_params(request: &ClaimRequest) -> [Param<'_>; 3] {
     ]
 }
 
-/// The record in the six columns from `at` (see [`LOOKUP`]); `None` for a
+/// The record in the seven columns from `at` (see [`LOOKUP`]); `None` for a
 /// row without an answer to replay (in progress). A long-running
 /// operation's remembered failure replays as a completion does.
 pub(crate) fn record_at<R: Columns + ?Sized>(
@@ -59,9 +59,11 @@ pub(crate) fn record_at<R: Columns + ?Sized>(
     if !answered(row.text(at + 1)?) {
         return Ok(None);
     }
+    // The trace is for operators: one that does not read is left out.
+    let trace_id = row.opt_text(at + 6)?.and_then(TraceId::parse);
     Ok(Some(Record {
         fingerprint: fingerprint(row.bytea(at)?)?,
-        response: response_at(row, at + 2)?,
+        response: response_at(row, at + 2)?.with_trace_id(trace_id),
     }))
 }
 
@@ -80,6 +82,7 @@ pub(crate) fn response_at<R: Columns + ?Sized>(
             .opt_text(at + 3)?
             .map(|id| ResourceId::new(id.to_owned())),
         trailers: StoredResponse::decode_trailers(block).ok_or_else(|| corrupt("trailer block"))?,
+        trace_id: None,
     })
 }
 

@@ -314,7 +314,7 @@ const DRAIN_LIMIT: usize = 1024 * 1024;
 fn record_key_hash(key: &IdempotencyKey) {
     let span = tracing::Span::current();
     if !span.is_disabled() {
-        span.record("key_hash", key.short_hash_digits().as_str());
+        span.record("idempotency.key_hash", key.short_hash_digits().as_str());
     }
 }
 

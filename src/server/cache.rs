@@ -367,6 +367,7 @@ impl RecordCache {
                 body: Bytes::copy_from_slice(&response.body),
                 resource_id: response.resource_id.clone(),
                 trailers: own_pairs(&response.trailers),
+                trace_id: response.trace_id,
             },
         };
         let entry = Entry {

@@ -26,7 +26,7 @@ use super::{
 use crate::{
     metrics::{self, TakeoverBy},
     problem::{codes, Problem},
-    record::StoredResponse,
+    record::{StoredResponse, TraceId},
     store::{Acquired, LeaseRequest, LeaseStore, OperationId, StoreErrorKind, StoredRequest},
 };
 
@@ -225,6 +225,7 @@ where
     metrics::operation_attempt(endpoint, by);
     let _running = metrics::OperationRunning::start(endpoint);
     let started = Instant::now();
+    let trace_id = TraceId::of_request(request.headers());
     let work = AssertUnwindSafe(tokio::time::timeout(
         config.handler_timeout,
         run_owner(
@@ -248,7 +249,8 @@ where
         |rollback| attempt_failed(&store, &lease, &config, &lease_config, attempt, rollback);
     let driven = match ran {
         Ok(Ok(Ok((parts, body)))) => {
-            let stored = StoredResponse::remember(&parts, &config.replay_headers, body);
+            let stored = StoredResponse::remember(&parts, &config.replay_headers, body)
+                .with_trace_id(trace_id);
             match store.finish(&lease, &stored).await {
                 Ok(()) => {
                     tracing::info!(

@@ -154,10 +154,10 @@ where
         let store = self.setup.store.clone();
         let span = tracing::info_span!(
             "idempotency_recovery",
-            endpoint = &*config.endpoint,
-            operation_id = %owned.operation_id,
-            token = owned.token,
-            attempt = owned.attempt,
+            idempotency.endpoint = &*config.endpoint,
+            idempotency.operation_id = %owned.operation_id,
+            idempotency.fencing_token = owned.token,
+            idempotency.attempt = owned.attempt,
         );
         let _entered = span.enter();
         metrics::lease_takeover(&config.endpoint, metrics::TakeoverBy::Recovery);

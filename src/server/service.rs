@@ -159,9 +159,10 @@ where
     let grpc = is_grpc(request.headers());
     let span = tracing::info_span!(
         "idempotency",
-        endpoint = &*config.endpoint,
-        key_hash = field::Empty,
-        outcome = field::Empty,
+        idempotency.endpoint = &*config.endpoint,
+        idempotency.key_hash = field::Empty,
+        idempotency.outcome = field::Empty,
+        idempotency.original_trace_id = field::Empty,
         otel.status_code = field::Empty,
         error.type = field::Empty,
     );

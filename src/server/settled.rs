@@ -233,11 +233,22 @@ impl<B, E> Settled<B, E> {
         let _entered = span.enter();
         let endpoint = &*config.endpoint;
         let outcome = self.outcome();
-        span.record("outcome", outcome.as_str());
+        span.record("idempotency.outcome", outcome.as_str());
         // OpenTelemetry's span status and error class, for a server error.
         if let Some(error) = self.error_type() {
             span.record("otel.status_code", "ERROR");
             span.record("error.type", &*error);
+        }
+        // A replay names the trace of the run that produced its answer.
+        if let Settled::Replayed(StoredResponse {
+            trace_id: Some(original),
+            ..
+        }) = self
+        {
+            span.record(
+                "idempotency.original_trace_id",
+                tracing::field::display(original),
+            );
         }
         match self {
             Settled::Rejected(problem) => {

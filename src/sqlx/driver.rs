@@ -96,6 +96,17 @@ impl Driver for SqlxStore {
             .unwrap_or_else(|_| Err(timed_out()))
     }
 
+    fn target(&self) -> crate::protocol::telemetry::Target {
+        let options = self.pool.connect_options();
+        // Over a Unix socket, no server address.
+        let tcp = options.get_socket().is_none();
+        crate::protocol::telemetry::Target {
+            database: options.get_database().map(str::to_owned),
+            host: tcp.then(|| options.get_host().to_owned()),
+            port: tcp.then(|| options.get_port()),
+        }
+    }
+
     async fn transaction(
         &self,
         sql: Sql<'static>,

@@ -600,6 +600,7 @@ pub(crate) fn stored(body: &'static [u8]) -> StoredResponse {
         body: Bytes::from_static(body),
         resource_id: None,
         trailers: Vec::new(),
+        trace_id: None,
     }
 }
 

@@ -260,7 +260,7 @@ fn the_extractor_catches_a_misspelled_metric() {
     let good = (
         "good".to_owned(),
         r#"sum by (endpoint) (rate(idempotency_requests_total{outcome="key_reused", endpoint=~"$endpoint"}[5m]))
-           / on (endpoint) group_left sum(idempotency_claim_duration_seconds_bucket) > outbox_lag_seconds"#
+           / on (endpoint) group_left sum(idempotency_claim_duration_seconds_bucket) > idempotency_outbox_lag_seconds"#
             .to_owned(),
     );
     assert_eq!(unknown_metrics([&good], &exported), Vec::<String>::new());
@@ -269,7 +269,7 @@ fn the_extractor_catches_a_misspelled_metric() {
         [
             "idempotency_requests_total",
             "idempotency_claim_duration_seconds_bucket",
-            "outbox_lag_seconds"
+            "idempotency_outbox_lag_seconds"
         ]
     );
 

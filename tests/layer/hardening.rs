@@ -169,6 +169,7 @@ async fn completion_that_cannot_be_encoded_commits_nothing() {
         body: Bytes::from(vec![0u8; i32::MAX as usize + 1]),
         resource_id: None,
         trailers: Vec::new(),
+        trace_id: None,
     };
     let error = pg.store.complete(tx, &huge).await.unwrap_err();
     assert_ne!(error.kind(), StoreErrorKind::Unavailable, "{error}");

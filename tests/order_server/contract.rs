@@ -351,7 +351,7 @@ async fn serves_the_contract_table(mode: Mode) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let metrics = loop {
         let metrics = server.metrics().await;
-        if metrics.contains("outbox_delivered_total") {
+        if metrics.contains("idempotency_outbox_delivered_total") {
             break metrics;
         }
         assert!(
@@ -365,10 +365,10 @@ async fn serves_the_contract_table(mode: Mode) {
         "idempotency_key_held_seconds",
         "idempotency_cleanup_backlog",
         "idempotency_oldest_in_progress_seconds",
-        "outbox_backlog_events",
-        "outbox_lag_seconds",
-        "outbox_delivered_total",
-        "outbox_relay_restarts_total",
+        "idempotency_outbox_backlog_events",
+        "idempotency_outbox_lag_seconds",
+        "idempotency_outbox_delivered_total",
+        "idempotency_outbox_relay_restarts_total",
     ] {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
@@ -388,8 +388,8 @@ async fn serves_the_contract_table(mode: Mode) {
     for help in [
         "# HELP idempotency_requests_total Idempotent requests by endpoint and outcome.",
         "# HELP idempotency_claim_duration_seconds ",
-        "# HELP outbox_delivered_total ",
-        "# HELP outbox_relay_restarts_total ",
+        "# HELP idempotency_outbox_delivered_total ",
+        "# HELP idempotency_outbox_relay_restarts_total ",
     ] {
         assert!(
             metrics.lines().any(|line| line.starts_with(help)),

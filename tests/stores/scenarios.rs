@@ -484,7 +484,7 @@ mod pg_store {
         let versions = migration_versions(&client).await;
         assert_eq!(
             versions,
-            [1, 2, 3, 4, 5, 6, 7, 8, 9],
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
             "every migration of the crate, once"
         );
         // A migrator that waited for another's lock reads what it committed,
@@ -506,7 +506,7 @@ mod pg_store {
         let versions = migration_versions(&later.client().await).await;
         assert_eq!(
             versions,
-            [1, 2, 3, 4, 5, 6, 7, 8, 9],
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
             "every migration of the crate, once"
         );
         let fillfactor: String = client
@@ -619,7 +619,7 @@ mod sqlx_store {
         let versions = migration_versions(&later.client().await).await;
         assert_eq!(
             versions,
-            [1, 2, 3, 4, 5, 6, 7, 8, 9],
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
             "every migration of the crate, once"
         );
     }

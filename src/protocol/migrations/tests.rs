@@ -185,6 +185,7 @@ async fn claim_and_complete(store: &PgStore, key: &str) -> Result<Duration, Stor
         body: Bytes::from_static(b"done"),
         resource_id: None,
         trailers: Vec::new(),
+        trace_id: None,
     };
     store.complete(tx, &response).await?;
     Ok(started.elapsed())
@@ -249,7 +250,7 @@ async fn versions_7_to_9_under_load_hold_claims_up_at_most_their_lock_timeout() 
     run_on(&store, &MIGRATIONS[..6], &SETTINGS).await.unwrap();
     let summary = under_load(&db, &store, MIGRATIONS, "DROP CONSTRAINT").await;
     let client = db.client().await;
-    assert_eq!(summary.applied, [7, 8, 9]);
+    assert_eq!(summary.applied, [7, 8, 9, 10]);
     assert_eq!(key_collations(&client).await, bytewise_collations());
     assert_eq!(recorded(&client).await, released());
 }
@@ -809,7 +810,7 @@ async fn the_key_columns_become_bytewise_under_claims_without_a_rebuild() {
     for worker in workers {
         claims.extend(worker.await.unwrap());
     }
-    assert_eq!(summary.applied, [7, 8, 9]);
+    assert_eq!(summary.applied, [7, 8, 9, 10]);
     assert!(
         claims.iter().any(|(end, _)| *end <= started_at)
             && claims.iter().any(|(end, _)| *end > migrated_at),
@@ -1059,7 +1060,7 @@ async fn the_key_columns_become_bytewise_on_citus_distributed_tables() {
     claim_and_complete(&store, "before").await.unwrap();
 
     let summary = run_on(&store, MIGRATIONS, &SETTINGS).await.unwrap();
-    assert_eq!(summary.applied, [6, 7, 8, 9]);
+    assert_eq!(summary.applied, [6, 7, 8, 9, 10]);
     assert_eq!(key_collations(&client).await, bytewise_collations());
     // Every shard of each table: its key columns "C", in its primary key
     // (or the aggregate index) too.

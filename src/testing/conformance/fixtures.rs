@@ -150,6 +150,8 @@ pub(super) fn response_with(body: Bytes) -> StoredResponse {
                 HeaderValue::from_static("created"),
             ),
         ],
+        // What a store may keep, or not (the replay then names no trace).
+        trace_id: None,
     }
 }
 
