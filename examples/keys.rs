@@ -222,7 +222,8 @@ fn shown(record: &KeyRecord) -> String {
     let or_none = |value: Option<String>| value.unwrap_or_else(|| "-".to_owned());
     format!(
         "tenant: {}\nendpoint: {}\nstate: {state}\nresponse_status: {}\nresource_id: {}\n\
-         attempt_token: {}\nfingerprint: {}\ncreated_at: {}\ncompleted_at: {}\nexpires_at: {}\n",
+         attempt_token: {}\nfingerprint: {}\ncreated_at: {}\ncompleted_at: {}\nexpires_at: {}\n\
+         trace_id: {}\n",
         record.tenant_id,
         record.endpoint,
         or_none(record.response_status.map(|s| s.as_u16().to_string())),
@@ -232,6 +233,7 @@ fn shown(record: &KeyRecord) -> String {
         time(record.created_at),
         or_none(record.completed_at.map(time)),
         time(record.expires_at),
+        or_none(record.trace_id.map(|t| t.to_string())),
     )
 }
 

@@ -18,7 +18,7 @@ pub(crate) const INSPECT_KEY: Sql<'static> = Sql::new(
     "SELECT tenant_id, endpoint, state, request_fingerprint, response_status, attempt_token, \
          (EXTRACT(EPOCH FROM created_at) * 1000000)::int8, \
          (EXTRACT(EPOCH FROM completed_at) * 1000000)::int8, \
-         (EXTRACT(EPOCH FROM expires_at) * 1000000)::int8, resource_id \
+         (EXTRACT(EPOCH FROM expires_at) * 1000000)::int8, resource_id, trace_id \
      FROM idempotency_requests \
      WHERE tenant_id = $1::text AND endpoint = $2::text AND idempotency_key = $3::text",
 );
@@ -55,5 +55,6 @@ pub(crate) fn key_record<R: Columns>(row: &R) -> Result<KeyRecord, StoreError> {
         completed_at: row.opt_micros(7)?,
         expires_at: row.micros(8)?,
         resource_id: row.opt_text(9)?.map(|id| ResourceId::new(id.to_owned())),
+        trace_id: row.opt_text(10)?.and_then(crate::record::TraceId::parse),
     })
 }

@@ -46,4 +46,7 @@ pub struct KeyRecord {
     pub completed_at: Option<SystemTime>,
     /// When the key stops replaying and becomes a new operation.
     pub expires_at: SystemTime,
+    /// The trace of the request that did the work, if it carried one
+    /// (see [`StoredResponse::trace_id`](crate::record::StoredResponse::trace_id)).
+    pub trace_id: Option<crate::record::TraceId>,
 }

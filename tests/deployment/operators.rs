@@ -311,6 +311,25 @@ async fn the_keys_tool_inspects_removes_counts_and_cleans_up() {
     ] {
         assert!(shown.lines().any(|l| l == line), "{line:?} in:\n{shown}");
     }
+    // The trace of the request that did the work, when it carried one.
+    assert!(shown.lines().any(|l| l == "trace_id: -"), "{shown}");
+    client
+        .batch_execute(
+            "UPDATE idempotency_requests SET trace_id = '4bf92f3577b34da6a3ce929d0e0e4736' \
+             WHERE idempotency_key = 'k-live'",
+        )
+        .await
+        .unwrap();
+    let traced = stdout(&keys(
+        Some(&db),
+        &["inspect", "tenant-a", "POST /orders v1", "k-live"],
+    ));
+    assert!(
+        traced
+            .lines()
+            .any(|l| l == "trace_id: 4bf92f3577b34da6a3ce929d0e0e4736"),
+        "{traced}"
+    );
 
     let missing = keys(
         Some(&db),

@@ -10,15 +10,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
-use http::StatusCode;
-
 use super::{run_on, Migration, Settings, Step, Summary, MIGRATIONS};
 use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     postgres::PgStore,
-    record::StoredResponse,
     scope::{Scope, TenantId},
     store::{Claim, ClaimRequest, Store, StoreError, StoreErrorKind},
     testing::TestDatabase,
@@ -44,6 +40,7 @@ const BYTEWISE_INDEXES: Migration = MIGRATIONS[5];
 const BYTEWISE_REQUESTS: Migration = MIGRATIONS[6];
 const BYTEWISE_OUTBOX: Migration = MIGRATIONS[7];
 const BYTEWISE_INBOX: Migration = MIGRATIONS[8];
+const TRACE_IDS: Migration = MIGRATIONS[9];
 
 /// What the crate's migrations record.
 fn released() -> Vec<(i32, String)> {
@@ -67,15 +64,16 @@ const UNDER_LOAD: &[Migration] = &[
     BYTEWISE_REQUESTS,
     BYTEWISE_OUTBOX,
     BYTEWISE_INBOX,
+    TRACE_IDS,
     Migration {
-        version: 10,
+        version: 11,
         name: "load_note",
         steps: &[Step::Transactional(
             "ALTER TABLE idempotency_requests ADD COLUMN load_note text",
         )],
     },
     Migration {
-        version: 11,
+        version: 12,
         name: "load_note_index",
         steps: &[Step::ConcurrentIndex {
             name: NOTE_INDEX,
@@ -108,8 +106,9 @@ const UNIQUE_TARGET: &[Migration] = &[
     BYTEWISE_REQUESTS,
     BYTEWISE_OUTBOX,
     BYTEWISE_INBOX,
+    TRACE_IDS,
     Migration {
-        version: 10,
+        version: 11,
         name: "unique_target",
         steps: &[Step::ConcurrentIndex {
             name: TARGET_INDEX,
@@ -173,21 +172,41 @@ fn claim_request(key: &str) -> ClaimRequest {
     .with_wait(Duration::from_secs(5))
 }
 
-/// One claim and its completion; how long both took.
+/// One claim and its completion; how long both took. Sent as the stores
+/// of a release before version 10 send them (that release's instances
+/// serve while a new one migrates; this build's statements need version
+/// 10's column): the key's row inserted `ON CONFLICT DO NOTHING` and
+/// completed in one transaction, whose locks on the table are the claim's.
 async fn claim_and_complete(store: &PgStore, key: &str) -> Result<Duration, StoreError> {
     let started = Instant::now();
-    let Claim::Owned(tx) = store.claim(&claim_request(key)).await? else {
-        panic!("a new key {key} is owned")
-    };
-    let response = StoredResponse {
-        status: StatusCode::OK,
-        headers: vec![],
-        body: Bytes::from_static(b"done"),
-        resource_id: None,
-        trailers: Vec::new(),
-        trace_id: None,
-    };
-    store.complete(tx, &response).await?;
+    let client = store.client().await?;
+    let failed =
+        |e: tokio_postgres::Error| StoreError::new(StoreErrorKind::Unavailable, e.to_string());
+    client.batch_execute("BEGIN").await.map_err(failed)?;
+    let claimed = client
+        .query_opt(
+            "INSERT INTO idempotency_requests \
+                 (tenant_id, endpoint, idempotency_key, request_fingerprint, state, expires_at) \
+             VALUES ('t', 'POST /x', $1::text, decode(repeat('01', 32), 'hex'), \
+                 'in_progress', now() + interval '60 seconds') \
+             ON CONFLICT ON CONSTRAINT idempotency_requests_pkey DO NOTHING \
+             RETURNING attempt_token",
+            &[&key],
+        )
+        .await
+        .map_err(failed)?;
+    assert!(claimed.is_some(), "a new key {key} is owned");
+    client
+        .execute(
+            "UPDATE idempotency_requests SET state = 'completed', response_status = 200, \
+                 response_headers = ''::bytea, response_body = 'done'::bytea, \
+                 completed_at = statement_timestamp() \
+             WHERE tenant_id = 't' AND endpoint = 'POST /x' AND idempotency_key = $1::text",
+            &[&key],
+        )
+        .await
+        .map_err(failed)?;
+    client.batch_execute("COMMIT").await.map_err(failed)?;
     Ok(started.elapsed())
 }
 
@@ -227,7 +246,7 @@ async fn a_migration_under_load_holds_claims_up_at_most_its_lock_timeout() {
     store.migrate().await.unwrap();
     let summary = under_load(&db, &store, UNDER_LOAD, "ADD COLUMN").await;
     let client = db.client().await;
-    assert_eq!(summary.applied, [10, 11]);
+    assert_eq!(summary.applied, [11, 12]);
     assert_eq!(summary.rebuilds, 0);
     let column: i64 = value(
         &client,
@@ -420,7 +439,7 @@ async fn a_migration_that_never_gets_its_lock_gives_up_unavailable() {
     assert_eq!(e.sql_state(), Some("55P03"));
     let message = e.to_string();
     assert!(
-        message.contains("migration 10 (load_note)") && message.contains("3 attempts"),
+        message.contains("migration 11 (load_note)") && message.contains("3 attempts"),
         "{message}"
     );
     blocker.batch_execute("COMMIT").await.unwrap();
@@ -474,7 +493,7 @@ where
         .await
         .unwrap();
     let summary = run().await.unwrap();
-    assert_eq!(summary.applied, [10]);
+    assert_eq!(summary.applied, [11]);
     assert_eq!(summary.rebuilds, 1, "{summary:?}");
     assert_eq!(index_valid(&client, TARGET_INDEX).await, Some(true));
     assert_eq!(
@@ -489,7 +508,8 @@ where
             (7, "bytewise_request_keys".to_owned()),
             (8, "bytewise_outbox_aggregate".to_owned()),
             (9, "bytewise_inbox_keys".to_owned()),
-            (10, "unique_target".to_owned())
+            (10, "request_trace_ids".to_owned()),
+            (11, "unique_target".to_owned())
         ]
     );
     assert_eq!(
@@ -558,7 +578,7 @@ async fn migrators_racing_over_an_index_build_record_each_version_once() {
     applied.sort_unstable();
     assert_eq!(
         applied,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
         "each version applied by one migrator"
     );
     let client = db.client().await;
