@@ -659,7 +659,9 @@ fn hand_written(pool: deadpool_postgres::Pool, scenario: Scenario) -> Plain {
                 }
                 _ => {
                     let fingerprint = fingerprint();
-                    let row: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
+                    // No trace: the request carries none.
+                    let trace: Option<&str> = None;
+                    let row: [&(dyn tokio_postgres::types::ToSql + Sync); 10] = [
                         &"bench",
                         &"at-commit-full",
                         &key,
@@ -669,6 +671,7 @@ fn hand_written(pool: deadpool_postgres::Pool, scenario: Scenario) -> Plain {
                         &answer.as_bytes(),
                         &resource,
                         &RETENTION_SECS,
+                        &trace,
                     ];
                     remember_with_commit(&client, CLAIM_AT_COMMIT, &row).await?;
                 }

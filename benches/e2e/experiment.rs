@@ -112,6 +112,8 @@ async fn at_commit(
                 }
                 Record::Full => {
                     let resource: Option<&str> = None;
+                    // No trace: the bench's requests carry none.
+                    let trace: Option<&str> = None;
                     client
                         .execute(
                             &remember,
@@ -125,6 +127,7 @@ async fn at_commit(
                                 &response,
                                 &resource,
                                 &RETENTION_SECS,
+                                &trace,
                             ],
                         )
                         .await

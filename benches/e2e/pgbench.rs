@@ -93,6 +93,8 @@ fn default_create_script(reset: bool) -> String {
             &body,
             RETENTION,
             "pg_current_xact_id()::text",
+            // No resource id, no trace.
+            "NULL",
             "NULL",
             hold_limit,
             "NULL",
@@ -123,7 +125,7 @@ fn default_create_script(reset: bool) -> String {
 fn one_commit_script(reset: bool) -> String {
     let (headers, body) = answer_literals();
     let mut args = vec![
-        "'pgb'", "'e'", KEY, "'\\x00'", "201", &headers, &body, "NULL", RETENTION,
+        "'pgb'", "'e'", KEY, "'\\x00'", "201", &headers, &body, "NULL", RETENTION, "NULL",
     ];
     let sql = if reset {
         args.extend([HOLD_LIMIT, "NULL"]);
