@@ -77,6 +77,14 @@ fn installed() -> &'static Installed {
     })
 }
 
+/// Held by a test while the process-wide gauges it refreshes must keep
+/// its values until it has read them: `Cleanup::refresh_gauges` of any
+/// test sets the same unlabelled gauges.
+fn gauges_lock() -> &'static tokio::sync::Mutex<()> {
+    static GAUGES: OnceLock<tokio::sync::Mutex<()>> = OnceLock::new();
+    GAUGES.get_or_init(Default::default)
+}
+
 /// A span as a subscriber saw it: its name, every field recorded on it
 /// (at creation or later), and its parent's fields.
 #[derive(Clone, Debug, Default)]
@@ -303,6 +311,8 @@ async fn metrics_count_every_outcome() {
          INSERT INTO outbox_events (tenant_id, aggregate_id, event_type) VALUES ('t', 'a1', 'MetricsTest');",
     )
     .await;
+    // The gauges keep this test's values until the snapshot below.
+    let gauges = gauges_lock().lock().await;
     let cleanup = Cleanup::new(pg.store.clone()).batch_size(3);
     assert_eq!(cleanup.refresh_gauges().await.unwrap().cleanup_backlog, 7);
     assert_eq!(cleanup.run_once().await.unwrap(), 7);
@@ -316,6 +326,7 @@ async fn metrics_count_every_outcome() {
     );
 
     let values = snapshot(&installed.snapshotter);
+    drop(gauges);
     let counter = |name: &str, pairs: &[(&str, &str)]| match metric(&values, name, pairs) {
         Some(DebugValue::Counter(n)) => *n,
         other => panic!("{name} {pairs:?}: {other:?}"),
@@ -725,10 +736,13 @@ async fn long_running_operations_are_observable() {
         ),
         Some(&DebugValue::Gauge(1.0.into()))
     );
-    let gauges = Cleanup::new(pg.store.clone())
-        .refresh_gauges()
-        .await
-        .unwrap();
+    let gauges = {
+        let _gauges = gauges_lock().lock().await;
+        Cleanup::new(pg.store.clone())
+            .refresh_gauges()
+            .await
+            .unwrap()
+    };
     // The operation is as old as its first attempt (whose panic gave the
     // lease up at once, so the retry resumed it without waiting a lease).
     assert!(
@@ -766,10 +780,13 @@ async fn long_running_operations_are_observable() {
         panic!("owned: {acquired:?}")
     };
     until_expired("k2").await;
-    let gauges = Cleanup::new(pg.store.clone())
-        .refresh_gauges()
-        .await
-        .unwrap();
+    let gauges = {
+        let _gauges = gauges_lock().lock().await;
+        Cleanup::new(pg.store.clone())
+            .refresh_gauges()
+            .await
+            .unwrap()
+    };
     assert_eq!(gauges.expired_leases, 1);
     assert_eq!(layer.recovery(handler).run_once().await.unwrap(), 1);
     // The dead owner wakes up: its write is refused.
@@ -1258,4 +1275,84 @@ async fn spans_name_the_request_its_store_steps_and_the_trace_a_replay_answers_f
     assert!(replays
         .iter()
         .all(|s| !s.fields.contains_key("idempotency.original_trace_id")));
+}
+
+/// The same through `SqlxStore`: the record keeps the trace, a replay read
+/// from the database names it, and the store's steps carry the database
+/// attributes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_store_keeps_the_trace_and_spans_its_steps() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let installed = installed();
+    let backend = Sqlx::new().await;
+    const ENDPOINT: &str = "POST /trace-test-sqlx v1";
+    const FIRST: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut first = post(Some("t"), Some("trace-sqlx"), BODY);
+    first.headers_mut().insert(
+        "traceparent",
+        format!("00-{FIRST}-00f067aa0ba902b7-01").parse().unwrap(),
+    );
+    let answer = send(
+        v1_layer(backend.store.clone(), ENDPOINT).layer(order_handler::<Sqlx>(calls.clone())),
+        first,
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    let kept: Option<String> = backend
+        .client
+        .query_one(
+            "SELECT trace_id FROM idempotency_requests WHERE idempotency_key = 'trace-sqlx'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept.as_deref(), Some(FIRST));
+    let replay = send(
+        v1_layer(backend.store.clone(), ENDPOINT)
+            .without_replay_cache()
+            .layer(order_handler::<Sqlx>(calls.clone())),
+        post(Some("t"), Some("trace-sqlx"), BODY),
+    )
+    .await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    let hash = IdempotencyKey::parse(b"trace-sqlx").unwrap().short_hash();
+    let requests = installed
+        .spans
+        .named("idempotency", "idempotency.key_hash", &hash);
+    let replayed: Vec<_> = requests
+        .iter()
+        .filter(|s| s.fields["idempotency.outcome"] == "replayed")
+        .collect();
+    assert_eq!(replayed.len(), 1, "{requests:#?}");
+    assert_eq!(
+        replayed[0]
+            .fields
+            .get("idempotency.original_trace_id")
+            .map(String::as_str),
+        Some(FIRST)
+    );
+    let steps: Vec<String> = installed
+        .spans
+        .named("idempotency_store", "db.namespace", backend.db.name())
+        .into_iter()
+        .filter(|s| {
+            s.parent
+                .as_ref()
+                .and_then(|p| p.get("idempotency.key_hash"))
+                .is_some_and(|h| *h == hash)
+        })
+        .map(|s| s.fields["db.query.summary"].clone())
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            "INSERT idempotency_requests",
+            "UPDATE idempotency_requests",
+            "INSERT idempotency_requests"
+        ]
+    );
 }
