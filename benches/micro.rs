@@ -103,6 +103,7 @@ fn replay(c: &mut Criterion) {
         resource_id: None,
         trailers: Vec::new(),
         trace_id: None,
+        span_id: None,
     };
     let block = stored.encode_headers();
     let mut group = c.benchmark_group("replay");
@@ -117,6 +118,7 @@ fn replay(c: &mut Criterion) {
                 resource_id: None,
                 trailers: Vec::new(),
                 trace_id: None,
+                span_id: None,
             }
             .to_replay()
         })

@@ -122,24 +122,30 @@ pub struct StoredResponse {
     /// The first response's trailers (HTTP/2 and gRPC: `grpc-status`,
     /// `grpc-message`), in order; empty for a response without any.
     pub trailers: Vec<(HeaderName, HeaderValue)>,
-    /// The trace of the request that did the work, from its W3C
-    /// `traceparent` header: a replay's span names it
+    /// The trace of the request that did the work (from its W3C
+    /// `traceparent` header; with the `opentelemetry` feature, from its
+    /// span's OpenTelemetry context): a replay's span names it
     /// (`idempotency.original_trace_id`), so that an operator following a
     /// retry finds the run that produced its answer. `None` when that
     /// request carried no trace, or for a store that does not keep it.
     pub trace_id: Option<TraceId>,
+    /// The span of that run in [`trace_id`](Self::trace_id)'s trace: the
+    /// caller's span its `traceparent` names, or with the `opentelemetry`
+    /// feature the request's own span, which a replay's span links to.
+    pub span_id: Option<SpanId>,
 }
 
 /// A W3C Trace Context trace id: the 16 bytes that name one distributed
 /// trace, written as 32 lowercase hex digits.
 ///
 /// ```
-/// use tower_idempotency::record::TraceId;
+/// use tower_idempotency::record::{SpanId, TraceId};
 ///
-/// let header = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-/// let id = TraceId::from_traceparent(header.as_bytes()).unwrap();
-/// assert_eq!(id.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
-/// assert_eq!(TraceId::parse(&id.to_string()), Some(id));
+/// let header = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+/// let (trace, span) = TraceId::from_traceparent(header).unwrap();
+/// assert_eq!(trace.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+/// assert_eq!(span, SpanId::parse("00f067aa0ba902b7").unwrap());
+/// assert_eq!(TraceId::parse(&trace.to_string()), Some(trace));
 /// // All zeros is not a trace, nor is anything but 32 hex digits.
 /// assert_eq!(TraceId::parse("00000000000000000000000000000000"), None);
 /// assert_eq!(TraceId::from_traceparent(b"00-4bf92f35-00f067aa0ba902b7-01"), None);
@@ -147,8 +153,37 @@ pub struct StoredResponse {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TraceId([u8; 16]);
 
+/// A W3C Trace Context span id: the 8 bytes that name one span of a
+/// trace, written as 16 lowercase hex digits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SpanId([u8; 8]);
+
 /// The request header of W3C Trace Context that carries the trace id.
 pub(crate) const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+/// `N` bytes from their `2 N` hex digits (either case); `None` for anything
+/// else, or all zeros (W3C Trace Context's "no id").
+fn from_hex<const N: usize>(hex: &str) -> Option<[u8; N]> {
+    let hex = hex.as_bytes();
+    if hex.len() != 2 * N {
+        return None;
+    }
+    let mut bytes = [0; N];
+    for (byte, pair) in bytes.iter_mut().zip(hex.chunks_exact(2)) {
+        let digit = |d: u8| (d as char).to_digit(16);
+        *byte = (digit(pair[0])? * 16 + digit(pair[1])?) as u8;
+    }
+    (bytes != [0; N]).then_some(bytes)
+}
+
+/// `bytes` as lowercase hex digits into `out`, which is twice as long.
+fn to_hex(bytes: &[u8], out: &mut [u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (pair, byte) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(byte >> 4)];
+        pair[1] = DIGITS[usize::from(byte & 0xf)];
+    }
+}
 
 impl TraceId {
     /// The trace id of 16 bytes; `None` for all zeros (no trace).
@@ -164,21 +199,12 @@ impl TraceId {
     /// 32 hex digits (lowercase, as W3C Trace Context writes them; upper
     /// case is read too); `None` for anything else, or all zeros.
     pub fn parse(hex: &str) -> Option<Self> {
-        let hex = hex.as_bytes();
-        if hex.len() != 32 {
-            return None;
-        }
-        let mut bytes = [0; 16];
-        for (byte, pair) in bytes.iter_mut().zip(hex.chunks_exact(2)) {
-            let digit = |d: u8| (d as char).to_digit(16);
-            *byte = (digit(pair[0])? * 16 + digit(pair[1])?) as u8;
-        }
-        Self::from_bytes(bytes)
+        from_hex(hex).map(TraceId)
     }
 
-    /// The trace id of a `traceparent` header's value
-    /// (`version-traceid-parentid-flags`); `None` when it is not one.
-    pub fn from_traceparent(value: &[u8]) -> Option<Self> {
+    /// The trace id and the parent's span id of a `traceparent` header's
+    /// value (`version-traceid-parentid-flags`); `None` when it is not one.
+    pub fn from_traceparent(value: &[u8]) -> Option<(Self, SpanId)> {
         let value = std::str::from_utf8(value).ok()?.trim();
         let mut fields = value.split('-');
         let version = fields.next()?;
@@ -187,47 +213,120 @@ impl TraceId {
         let flags = fields.next()?;
         let hex = |f: &str, len| f.len() == len && f.bytes().all(|b| b.is_ascii_hexdigit());
         // Version ff is invalid; a later version may add fields after these.
-        if !hex(version, 2) || version == "ff" || !hex(parent, 16) || !hex(flags, 2) {
+        if !hex(version, 2) || version == "ff" || !hex(flags, 2) {
             return None;
         }
         if version == "00" && fields.next().is_some() {
             return None;
         }
-        Self::parse(trace)
-    }
-
-    /// The trace id of a request's `traceparent` header, if it has one.
-    pub(crate) fn of_request(headers: &HeaderMap) -> Option<Self> {
-        Self::from_traceparent(headers.get(TRACEPARENT)?.as_bytes())
+        Some((Self::parse(trace)?, SpanId::parse(parent)?))
     }
 }
 
-impl TraceId {
-    /// Its 32 lowercase hex digits, on the stack.
-    pub(crate) fn hex(self) -> TraceHex {
-        const DIGITS: &[u8; 16] = b"0123456789abcdef";
-        let mut hex = [0; 32];
-        for (pair, byte) in hex.chunks_exact_mut(2).zip(self.0) {
-            pair[0] = DIGITS[usize::from(byte >> 4)];
-            pair[1] = DIGITS[usize::from(byte & 0xf)];
-        }
-        TraceHex(hex)
+impl SpanId {
+    /// The span id of 8 bytes; `None` for all zeros (no span).
+    pub fn from_bytes(bytes: [u8; 8]) -> Option<Self> {
+        (bytes != [0; 8]).then_some(SpanId(bytes))
     }
-}
 
-/// A [`TraceId`] written out (see [`TraceId::hex`]).
-pub(crate) struct TraceHex([u8; 32]);
+    /// Its 8 bytes.
+    pub fn to_bytes(self) -> [u8; 8] {
+        self.0
+    }
 
-impl TraceHex {
-    pub(crate) fn as_str(&self) -> &str {
-        // Hex digits only: always ASCII.
-        std::str::from_utf8(&self.0).unwrap_or_default()
+    /// 16 hex digits; `None` for anything else, or all zeros.
+    pub fn parse(hex: &str) -> Option<Self> {
+        from_hex(hex).map(SpanId)
     }
 }
 
 impl std::fmt::Display for TraceId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.hex().as_str())
+        let mut hex = [0; 32];
+        to_hex(&self.0, &mut hex);
+        f.write_str(std::str::from_utf8(&hex).unwrap_or_default())
+    }
+}
+
+impl std::fmt::Display for SpanId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut hex = [0; 16];
+        to_hex(&self.0, &mut hex);
+        f.write_str(std::str::from_utf8(&hex).unwrap_or_default())
+    }
+}
+
+/// A trace and a span in it, either or both unknown.
+pub(crate) type Trace = (Option<TraceId>, Option<SpanId>);
+
+/// The trace and the span of the request that does the work, remembered
+/// with its response. With the `opentelemetry` feature, the request span's
+/// own OpenTelemetry context when it has a valid one; otherwise the
+/// request's `traceparent` header (its trace, and the caller's span).
+pub(crate) fn request_trace(headers: &HeaderMap) -> Trace {
+    #[cfg(feature = "opentelemetry")]
+    {
+        use opentelemetry::trace::TraceContextExt;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let span = tracing::Span::current();
+        if !span.is_disabled() {
+            let context = span.context();
+            let own = context.span().span_context().clone();
+            if own.is_valid() {
+                return (
+                    TraceId::from_bytes(own.trace_id().to_bytes()),
+                    SpanId::from_bytes(own.span_id().to_bytes()),
+                );
+            }
+        }
+    }
+    match headers
+        .get(TRACEPARENT)
+        .and_then(|value| TraceId::from_traceparent(value.as_bytes()))
+    {
+        Some((trace, span)) => (Some(trace), Some(span)),
+        None => (None, None),
+    }
+}
+
+/// How a record keeps its trace: the trace id's 32 hex digits, then `-`
+/// and the span id's 16 when it has one. On the stack.
+#[cfg(any(feature = "postgres", feature = "sqlx"))]
+pub(crate) struct TraceText {
+    text: [u8; 49],
+    len: usize,
+}
+
+#[cfg(any(feature = "postgres", feature = "sqlx"))]
+impl TraceText {
+    /// The text of `response`'s trace, if it has one.
+    pub(crate) fn of(response: &StoredResponse) -> Option<Self> {
+        let trace = response.trace_id?;
+        let mut text = [0; 49];
+        to_hex(&trace.0, &mut text[..32]);
+        let len = match response.span_id {
+            Some(span) => {
+                text[32] = b'-';
+                to_hex(&span.0, &mut text[33..]);
+                49
+            }
+            None => 32,
+        };
+        Some(TraceText { text, len })
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        // Hex digits and a hyphen: always ASCII.
+        std::str::from_utf8(&self.text[..self.len]).unwrap_or_default()
+    }
+
+    /// A kept text as its trace and span; what does not read is left out.
+    pub(crate) fn parse(text: &str) -> Trace {
+        let (trace, span) = text.split_once('-').unwrap_or((text, ""));
+        match TraceId::parse(trace) {
+            Some(trace) => (Some(trace), SpanId::parse(span)),
+            None => (None, None),
+        }
     }
 }
 
@@ -265,6 +364,7 @@ impl StoredResponse {
             resource_id: None,
             trailers: Vec::new(),
             trace_id: None,
+            span_id: None,
         }
     }
 
@@ -292,9 +392,13 @@ impl StoredResponse {
         crate::setter::with(self, |s| s.trailers = trailers)
     }
 
-    /// The same response, naming the trace of the request that did the work.
-    pub fn with_trace_id(self, trace_id: Option<TraceId>) -> Self {
-        crate::setter::with(self, |s| s.trace_id = trace_id)
+    /// The same response, naming the trace and the span of the request
+    /// that did the work.
+    pub fn with_trace(self, trace_id: Option<TraceId>, span_id: Option<SpanId>) -> Self {
+        crate::setter::with(self, |s| {
+            s.trace_id = trace_id;
+            s.span_id = trace_id.and(span_id);
+        })
     }
 
     /// The same response, naming the resource its operation created or changed.
@@ -436,6 +540,7 @@ mod tests {
             resource_id: None,
             trailers: Vec::new(),
             trace_id: None,
+            span_id: None,
         };
         let decoded = StoredResponse::decode_headers(&stored.encode_headers()).unwrap();
         assert_eq!(decoded, stored.headers);

@@ -1166,9 +1166,9 @@ async fn spans_name_the_request_its_store_steps_and_the_trace_a_replay_answers_f
             .unwrap()
             .get(0);
         assert_eq!(
-            kept.as_deref(),
-            Some(FIRST),
-            "{key}: the record keeps the trace"
+            kept,
+            Some(format!("{FIRST}-00f067aa0ba902b7")),
+            "{key}: the record keeps the trace and the caller's span"
         );
         let cached = send(service.clone(), traced(key, Some(RETRY))).await;
         let stored = send(other.clone(), traced(key, Some(RETRY))).await;
@@ -1308,7 +1308,7 @@ async fn sqlx_store_keeps_the_trace_and_spans_its_steps() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(kept.as_deref(), Some(FIRST));
+    assert_eq!(kept, Some(format!("{FIRST}-00f067aa0ba902b7")));
     let replay = send(
         v1_layer(backend.store.clone(), ENDPOINT)
             .without_replay_cache()

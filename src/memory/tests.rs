@@ -32,6 +32,7 @@ fn response(body: &'static str) -> StoredResponse {
         resource_id: None,
         trailers: Vec::new(),
         trace_id: None,
+        span_id: None,
     }
 }
 

@@ -55,6 +55,8 @@ pub(crate) fn key_record<R: Columns>(row: &R) -> Result<KeyRecord, StoreError> {
         completed_at: row.opt_micros(7)?,
         expires_at: row.micros(8)?,
         resource_id: row.opt_text(9)?.map(|id| ResourceId::new(id.to_owned())),
-        trace_id: row.opt_text(10)?.and_then(crate::record::TraceId::parse),
+        trace_id: row
+            .opt_text(10)?
+            .and_then(|text| crate::record::TraceText::parse(text).0),
     })
 }

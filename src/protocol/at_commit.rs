@@ -9,7 +9,7 @@ use super::{
     sql::{Param, Sql},
 };
 use crate::{
-    record::{StoredResponse, TraceHex},
+    record::{StoredResponse, TraceText},
     store::ClaimRequest,
 };
 
@@ -78,7 +78,7 @@ pub(crate) fn at_commit_params<'a>(
     request: &'a ClaimRequest,
     response: &'a StoredResponse,
     headers: &'a [u8],
-    trace: Option<&'a TraceHex>,
+    trace: Option<&'a TraceText>,
 ) -> [Param<'a>; 10] {
     let [tenant, endpoint, key] = key_params(request);
     [
@@ -91,6 +91,6 @@ pub(crate) fn at_commit_params<'a>(
         Param::Bytea(&response.body),
         Param::OptText(response.resource_id.as_ref().map(|id| id.as_str())),
         Param::from(request.retention),
-        Param::OptText(trace.map(TraceHex::as_str)),
+        Param::OptText(trace.map(TraceText::as_str)),
     ]
 }

@@ -9,7 +9,7 @@ use super::{
     identity::TxIdentity,
     sql::{Param, Sql},
 };
-use crate::record::{StoredResponse, TraceHex};
+use crate::record::{StoredResponse, TraceText};
 
 /// The completion's `UPDATE`, as a `WITH` named `done`, then `$tail`.
 macro_rules! completion {
@@ -89,7 +89,7 @@ pub(crate) fn complete_params<'a>(
     id: &'a TxIdentity,
     response: &'a StoredResponse,
     headers: &'a [u8],
-    trace: Option<&'a TraceHex>,
+    trace: Option<&'a TraceText>,
 ) -> [Param<'a>; 11] {
     let (tenant, endpoint, key, token) = id.columns();
     [
@@ -103,7 +103,7 @@ pub(crate) fn complete_params<'a>(
         Param::from(id.retention()),
         Param::Text(id.xid()),
         Param::OptText(response.resource_id.as_ref().map(|id| id.as_str())),
-        Param::OptText(trace.map(TraceHex::as_str)),
+        Param::OptText(trace.map(TraceText::as_str)),
     ]
 }
 

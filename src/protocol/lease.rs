@@ -18,7 +18,7 @@ use crate::{
     fingerprint::Fingerprint,
     key::IdempotencyKey,
     protocol::identity::{Identity, Lease, LeaseIdentity},
-    record::{StoredResponse, TraceHex, TraceId},
+    record::{StoredResponse, TraceText},
     scope::{Scope, TenantId},
     store::{
         Acquired, ClaimRequest, LeaseRequest, OperationId, OperationState, Owned, Recovered,
@@ -437,8 +437,8 @@ pub(crate) async fn finish<T: Driver>(
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
     let resource = response.resource_id.as_ref().map(|id| id.as_str());
-    let trace = response.trace_id.map(TraceId::hex);
-    let trace = Param::OptText(trace.as_ref().map(TraceHex::as_str));
+    let trace = TraceText::of(response);
+    let trace = Param::OptText(trace.as_ref().map(TraceText::as_str));
     end_with(
         transport,
         lease,

@@ -39,7 +39,7 @@ use super::{
 };
 use crate::{
     metrics::FencedAt,
-    record::{Record, StoredResponse, TraceId},
+    record::{Record, StoredResponse, TraceText},
     store::{Claim, ClaimRequest, Committed, StoreError, StoreErrorKind},
 };
 
@@ -396,7 +396,7 @@ pub(crate) async fn complete<H: Handle>(
         return Err(fenced_given_to_complete(rolled_back));
     }
     let headers = response.encode_headers();
-    let trace = response.trace_id.map(TraceId::hex);
+    let trace = TraceText::of(response);
     let params = complete_params(slot.identity(), response, &headers, trace.as_ref());
     commit_behind(
         slot,
@@ -558,7 +558,7 @@ pub(crate) async fn commit_at_commit<D: Driver, H: Handle<Conn = D::Conn>>(
     // commit queues behind it, as in the claim-first mode, for a while.
     let conn = tx.slot().take_to_commit().await?.ok_or_else(finished)?;
     let headers = response.encode_headers();
-    let trace = response.trace_id.map(TraceId::hex);
+    let trace = TraceText::of(response);
     let params = at_commit_params(request, response, &headers, trace.as_ref());
     let deciding = Deciding {
         sql: CLAIM_AT_COMMIT,

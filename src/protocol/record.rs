@@ -9,7 +9,7 @@ use bytes::Bytes;
 use super::sql::{corrupt, Columns, Param};
 use crate::{
     fingerprint::Fingerprint,
-    record::{Record, ResourceId, StoredResponse, TraceId},
+    record::{Record, ResourceId, StoredResponse, TraceText},
     store::{ClaimRequest, StoreError},
 };
 
@@ -60,10 +60,10 @@ pub(crate) fn record_at<R: Columns + ?Sized>(
         return Ok(None);
     }
     // The trace is for operators: one that does not read is left out.
-    let trace_id = row.opt_text(at + 6)?.and_then(TraceId::parse);
+    let (trace_id, span_id) = row.opt_text(at + 6)?.map_or((None, None), TraceText::parse);
     Ok(Some(Record {
         fingerprint: fingerprint(row.bytea(at)?)?,
-        response: response_at(row, at + 2)?.with_trace_id(trace_id),
+        response: response_at(row, at + 2)?.with_trace(trace_id, span_id),
     }))
 }
 
@@ -83,6 +83,7 @@ pub(crate) fn response_at<R: Columns + ?Sized>(
             .map(|id| ResourceId::new(id.to_owned())),
         trailers: StoredResponse::decode_trailers(block).ok_or_else(|| corrupt("trailer block"))?,
         trace_id: None,
+        span_id: None,
     })
 }
 

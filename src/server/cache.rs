@@ -368,6 +368,7 @@ impl RecordCache {
                 resource_id: response.resource_id.clone(),
                 trailers: own_pairs(&response.trailers),
                 trace_id: response.trace_id,
+                span_id: response.span_id,
             },
         };
         let entry = Entry {

@@ -26,7 +26,7 @@ use super::{
 use crate::{
     metrics::{self, TakeoverBy},
     problem::{codes, Problem},
-    record::{StoredResponse, TraceId},
+    record::StoredResponse,
     store::{Acquired, LeaseRequest, LeaseStore, OperationId, StoreErrorKind, StoredRequest},
 };
 
@@ -225,7 +225,7 @@ where
     metrics::operation_attempt(endpoint, by);
     let _running = metrics::OperationRunning::start(endpoint);
     let started = Instant::now();
-    let trace_id = TraceId::of_request(request.headers());
+    let (trace_id, span_id) = crate::record::request_trace(request.headers());
     let work = AssertUnwindSafe(tokio::time::timeout(
         config.handler_timeout,
         run_owner(
@@ -250,7 +250,7 @@ where
     let driven = match ran {
         Ok(Ok(Ok((parts, body)))) => {
             let stored = StoredResponse::remember(&parts, &config.replay_headers, body)
-                .with_trace_id(trace_id);
+                .with_trace(trace_id, span_id);
             match store.finish(&lease, &stored).await {
                 Ok(()) => {
                     tracing::info!(

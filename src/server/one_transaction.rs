@@ -22,7 +22,7 @@ use super::{
     settled::{Rollback, Settled, Timings},
 };
 use crate::{
-    record::{says_retry, Record, StoredResponse, TraceId},
+    record::{says_retry, Record, StoredResponse, Trace},
     store::{
         limits::HOLD_MARGIN, Claim, ClaimRequest, CommitStore, Committed, Store, StoreError,
         StoreErrorKind,
@@ -157,7 +157,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
     let config = &setup.config;
     let mut timings = Timings::start();
     // Remembered with the response: a replay's span names this trace.
-    let trace_id = TraceId::of_request(&parts.headers);
+    let trace = crate::record::request_trace(&parts.headers);
     let deadline = tokio::time::Instant::now() + config.wait;
     let deadlines = Deadlines::new(deadline, config.handler_timeout);
     #[cfg(feature = "failpoints")]
@@ -276,7 +276,7 @@ pub(crate) async fn run<S: Inner<B>, St: Store, F, R, B: InnerBody, M: OneTransa
         }
 
         // 5. Remember, or roll back.
-        let ran = ran.map(|(parts, body)| (parts, body, trace_id));
+        let ran = ran.map(|(parts, body)| (parts, body, trace));
         let remembered = remember::<M, _, _, _, _, _>(&setup, tx, &claim, ran, deadlines, faults);
         let ended = match remembered.await {
             Remembered::Committed(parts, stored) => {
@@ -355,14 +355,15 @@ async fn remember<M: OneTransaction<St>, St: Store, F, R, ResB, E>(
     setup: &Setup<St, F, R, M>,
     tx: St::Tx,
     claim: &ClaimRequest,
-    ran: Result<(http::response::Parts, Bytes, Option<TraceId>), Rollback<ResB, E>>,
+    ran: Result<(http::response::Parts, Bytes, Trace), Rollback<ResB, E>>,
     deadlines: Deadlines,
     #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))] faults: Faults,
 ) -> Remembered<ResB, E> {
     let failed = match ran {
-        Ok((parts, body, trace_id)) => {
+        Ok((parts, body, (trace_id, span_id))) => {
             let replayed = &setup.config.replay_headers;
-            let stored = StoredResponse::remember(&parts, replayed, body).with_trace_id(trace_id);
+            let stored =
+                StoredResponse::remember(&parts, replayed, body).with_trace(trace_id, span_id);
             fault_point!(faults, BeforeCommit);
             let committed = deadline::within(
                 deadlines.end(),

@@ -163,6 +163,7 @@ where
         idempotency.key_hash = field::Empty,
         idempotency.outcome = field::Empty,
         idempotency.original_trace_id = field::Empty,
+        idempotency.original_span_id = field::Empty,
         otel.status_code = field::Empty,
         error.type = field::Empty,
     );

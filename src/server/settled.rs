@@ -240,15 +240,8 @@ impl<B, E> Settled<B, E> {
             span.record("error.type", &*error);
         }
         // A replay names the trace of the run that produced its answer.
-        if let Settled::Replayed(StoredResponse {
-            trace_id: Some(original),
-            ..
-        }) = self
-        {
-            span.record(
-                "idempotency.original_trace_id",
-                tracing::field::display(original),
-            );
+        if let Settled::Replayed(stored) = self {
+            link_to_original(span, stored);
         }
         match self {
             Settled::Rejected(problem) => {
@@ -522,4 +515,37 @@ fn store_unavailable(detail: &str) -> Problem {
     )
     .with_detail(detail)
     .with_retry_after(1)
+}
+
+/// Records on a replay's `span` the trace of the run that produced its
+/// answer (`idempotency.original_trace_id`, and `idempotency.original_span_id`
+/// when the record has it); with the `opentelemetry` feature, a link from
+/// the replay's span to that run's span, too.
+fn link_to_original(span: &Span, stored: &StoredResponse) {
+    let Some(trace_id) = stored.trace_id else {
+        return;
+    };
+    span.record(
+        "idempotency.original_trace_id",
+        tracing::field::display(trace_id),
+    );
+    let Some(span_id) = stored.span_id else {
+        return;
+    };
+    span.record(
+        "idempotency.original_span_id",
+        tracing::field::display(span_id),
+    );
+    #[cfg(feature = "opentelemetry")]
+    {
+        use opentelemetry::trace::{SpanContext, TraceFlags, TraceState};
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        span.add_link(SpanContext::new(
+            opentelemetry::trace::TraceId::from_bytes(trace_id.to_bytes()),
+            opentelemetry::trace::SpanId::from_bytes(span_id.to_bytes()),
+            TraceFlags::SAMPLED,
+            true,
+            TraceState::default(),
+        ));
+    }
 }

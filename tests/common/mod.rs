@@ -601,6 +601,7 @@ pub(crate) fn stored(body: &'static [u8]) -> StoredResponse {
         resource_id: None,
         trailers: Vec::new(),
         trace_id: None,
+        span_id: None,
     }
 }
 

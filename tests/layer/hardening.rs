@@ -170,6 +170,7 @@ async fn completion_that_cannot_be_encoded_commits_nothing() {
         resource_id: None,
         trailers: Vec::new(),
         trace_id: None,
+        span_id: None,
     };
     let error = pg.store.complete(tx, &huge).await.unwrap_err();
     assert_ne!(error.kind(), StoreErrorKind::Unavailable, "{error}");

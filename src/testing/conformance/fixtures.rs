@@ -152,6 +152,7 @@ pub(super) fn response_with(body: Bytes) -> StoredResponse {
         ],
         // What a store may keep, or not (the replay then names no trace).
         trace_id: None,
+        span_id: None,
     }
 }
 
