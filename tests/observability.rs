@@ -85,6 +85,15 @@ fn gauges_lock() -> &'static tokio::sync::Mutex<()> {
     GAUGES.get_or_init(Default::default)
 }
 
+/// The gauges `Cleanup` refreshes, from `store`'s database, in turn with
+/// the other tests that refresh them.
+async fn refresh_gauges(
+    store: &tower_idempotency::postgres::PgStore,
+) -> tower_idempotency::retention::RetentionStatus {
+    let _gauges = gauges_lock().lock().await;
+    Cleanup::new(store.clone()).refresh_gauges().await.unwrap()
+}
+
 /// A span as a subscriber saw it: its name, every field recorded on it
 /// (at creation or later), and its parent's fields.
 #[derive(Clone, Debug, Default)]
@@ -736,13 +745,7 @@ async fn long_running_operations_are_observable() {
         ),
         Some(&DebugValue::Gauge(1.0.into()))
     );
-    let gauges = {
-        let _gauges = gauges_lock().lock().await;
-        Cleanup::new(pg.store.clone())
-            .refresh_gauges()
-            .await
-            .unwrap()
-    };
+    let gauges = refresh_gauges(&pg.store).await;
     // The operation is as old as its first attempt (whose panic gave the
     // lease up at once, so the retry resumed it without waiting a lease).
     assert!(
@@ -780,13 +783,7 @@ async fn long_running_operations_are_observable() {
         panic!("owned: {acquired:?}")
     };
     until_expired("k2").await;
-    let gauges = {
-        let _gauges = gauges_lock().lock().await;
-        Cleanup::new(pg.store.clone())
-            .refresh_gauges()
-            .await
-            .unwrap()
-    };
+    let gauges = refresh_gauges(&pg.store).await;
     assert_eq!(gauges.expired_leases, 1);
     assert_eq!(layer.recovery(handler).run_once().await.unwrap(), 1);
     // The dead owner wakes up: its write is refused.
