@@ -224,10 +224,10 @@ async fn records_are_shared_with_pg_store() {
         backend
             .count("SELECT count(*) FROM tower_idempotency_migrations")
             .await,
-        9,
+        10,
         "the baseline, lz4_stored_bodies, session_reset_function, \
-         session_reset_keeps_hold_limit, session_reset_static and the four bytewise \
-         migrations, once each"
+         session_reset_keeps_hold_limit, session_reset_static, the four bytewise \
+         migrations and request_trace_ids, once each"
     );
     let request = claim_request("k1", Duration::from_secs(2));
     let Claim::Owned(tx) = backend.store.claim(&request).await.unwrap() else {
