@@ -50,12 +50,8 @@ macro_rules! forward_store {
                 &self,
                 request: &crate::store::ClaimRequest,
             ) -> Result<crate::store::Claim<$tx>, crate::store::StoreError> {
-                crate::protocol::telemetry::step(
-                    self,
-                    crate::protocol::telemetry::CLAIM,
-                    crate::protocol::owner::claim(self, request),
-                )
-                .await
+                crate::protocol::telemetry::start(self, crate::protocol::telemetry::CLAIM)
+                    .end(crate::protocol::owner::claim(self, request).await)
             }
 
             async fn complete(
@@ -63,12 +59,8 @@ macro_rules! forward_store {
                 tx: $tx,
                 response: &crate::record::StoredResponse,
             ) -> Result<(), crate::store::StoreError> {
-                crate::protocol::telemetry::step(
-                    self,
-                    crate::protocol::telemetry::COMPLETE,
-                    crate::protocol::owner::complete(tx, response),
-                )
-                .await
+                crate::protocol::telemetry::start(self, crate::protocol::telemetry::COMPLETE)
+                    .end(crate::protocol::owner::complete(tx, response).await)
             }
 
             async fn abort(&self, tx: $tx) -> Result<(), crate::store::StoreError> {
@@ -79,12 +71,8 @@ macro_rules! forward_store {
                 &self,
                 request: &crate::store::ClaimRequest,
             ) -> Result<Option<crate::record::Record>, crate::store::StoreError> {
-                crate::protocol::telemetry::step(
-                    self,
-                    crate::protocol::telemetry::LOOKUP,
-                    crate::protocol::owner::lookup(self, request),
-                )
-                .await
+                crate::protocol::telemetry::start(self, crate::protocol::telemetry::LOOKUP)
+                    .end(crate::protocol::owner::lookup(self, request).await)
             }
         }
 
@@ -102,12 +90,9 @@ macro_rules! forward_store {
                 request: &crate::store::ClaimRequest,
                 response: &crate::record::StoredResponse,
             ) -> Result<crate::store::Committed, crate::store::StoreError> {
-                crate::protocol::telemetry::step(
-                    self,
-                    crate::protocol::telemetry::COMMIT,
-                    crate::protocol::owner::commit_at_commit(self, tx, request, response),
+                crate::protocol::telemetry::start(self, crate::protocol::telemetry::COMMIT).end(
+                    crate::protocol::owner::commit_at_commit(self, tx, request, response).await,
                 )
-                .await
             }
         }
     };
@@ -130,14 +115,12 @@ macro_rules! forward_lease_store {
                 claim: &crate::store::ClaimRequest,
                 request: &crate::store::LeaseRequest,
             ) -> Result<crate::store::Acquired<$lease>, crate::store::StoreError> {
-                crate::protocol::telemetry::step(
-                    self,
-                    crate::protocol::telemetry::CLAIM,
+                crate::protocol::telemetry::start(self, crate::protocol::telemetry::CLAIM).end(
                     crate::protocol::lease::acquire(self, claim, request, |id| {
                         $lease::new(self.clone(), id)
-                    }),
+                    })
+                    .await,
                 )
-                .await
             }
 
             async fn heartbeat(
@@ -161,12 +144,8 @@ macro_rules! forward_lease_store {
                 lease: &$lease,
                 response: &crate::record::StoredResponse,
             ) -> Result<(), crate::store::StoreError> {
-                crate::protocol::telemetry::step(
-                    self,
-                    crate::protocol::telemetry::COMPLETE,
-                    crate::protocol::lease::finish(self, lease.identity(), response),
-                )
-                .await
+                crate::protocol::telemetry::start(self, crate::protocol::telemetry::COMPLETE)
+                    .end(crate::protocol::lease::finish(self, lease.identity(), response).await)
             }
 
             async fn release(&self, lease: &$lease) -> Result<(), crate::store::StoreError> {
