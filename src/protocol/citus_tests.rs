@@ -4,6 +4,9 @@
 //! task), so that a request's transaction stays on one worker. A new
 //! statement that would not route fails here, and so does one that Citus
 //! plans in several steps unless it is listed in [`IN_STEPS`].
+// Against PostgreSQL through `PgStore` and the throwaway cluster: with
+// `postgres` only (`test-util` alone builds the conformance suite).
+#![cfg(feature = "postgres")]
 
 use tokio_postgres::types::{ToSql, Type};
 

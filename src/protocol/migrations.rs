@@ -1162,5 +1162,5 @@ mod list_tests {
     }
 }
 
-#[cfg(all(test, feature = "test-util", feature = "postgres"))]
+#[cfg(all(test, feature = "test-util"))]
 mod tests;

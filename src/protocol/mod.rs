@@ -12,7 +12,7 @@ pub(crate) mod admin;
 pub(crate) mod at_commit;
 pub(crate) mod cancel;
 pub(crate) mod citus;
-#[cfg(all(test, feature = "test-util", feature = "postgres"))]
+#[cfg(all(test, feature = "test-util"))]
 mod citus_tests;
 pub(crate) mod claim;
 pub(crate) mod complete;

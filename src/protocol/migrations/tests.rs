@@ -1,6 +1,9 @@
 //! The runner against a real PostgreSQL, with lists of the tests' own: a
 //! migration applied while claims keep the table busy, an interrupted
 //! index build, migrators racing over an index build.
+// Against PostgreSQL through `PgStore` and the throwaway cluster: with
+// `postgres` only (`test-util` alone builds the conformance suite).
+#![cfg(feature = "postgres")]
 
 use std::{
     sync::{
