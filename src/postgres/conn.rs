@@ -101,19 +101,16 @@ pub(super) struct ResetArguments {
 }
 
 impl ResetArguments {
-    /// `params`, then the reset's arguments (if it rides in the statement):
-    /// the hold limit and the login, each `NULL` if there is none.
-    pub(super) fn after<'a>(
-        arguments: &'a Option<ResetArguments>,
-        params: &[Param<'a>],
-    ) -> Vec<Param<'a>> {
-        let mut all = Vec::with_capacity(params.len() + 2);
-        all.extend_from_slice(params);
-        if let Some(arguments) = arguments {
-            all.push(Param::OptText(arguments.hold_limit.as_deref()));
-            all.push(Param::OptText(arguments.login.as_deref()));
-        }
-        all
+    /// The reset's arguments (if it rides in the statement), to bind after
+    /// the statement's own: the hold limit and the login, each `NULL` if
+    /// there is none.
+    pub(super) fn params(arguments: &Option<ResetArguments>) -> Option<[Param<'_>; 2]> {
+        arguments.as_ref().map(|arguments| {
+            [
+                Param::OptText(arguments.hold_limit.as_deref()),
+                Param::OptText(arguments.login.as_deref()),
+            ]
+        })
     }
 }
 

@@ -311,8 +311,8 @@ async fn commit_behind(mut conn: Conn, deciding: Deciding<'_>) -> Result<(), Fai
             return Err(failed(Step::Deciding, e, false));
         }
     };
-    let params = ResetArguments::after(&arguments, deciding.params);
-    let params = dyn_params(&params);
+    let reset = ResetArguments::params(&arguments);
+    let params = dyn_params(deciding.params).and(reset.as_ref().map_or(&[], |r| &r[..]));
     // A handler that sent no statement left the BEGIN to go out here.
     let begin = conn.take_begin();
     let (ended, clean) = {

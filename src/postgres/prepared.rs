@@ -21,7 +21,7 @@ use tokio_postgres::{
 use super::conn::Conn;
 
 pub(crate) use crate::protocol::sql::Sql;
-use crate::protocol::sql::{Param, Ty};
+use crate::protocol::sql::{Param, Ty, MAX_PARAMS};
 
 /// The driver's type for a declared parameter type.
 pub(crate) fn pg_type(ty: Ty) -> Type {
@@ -67,8 +67,54 @@ impl ToSql for Param<'_> {
 }
 
 /// Protocol values as the driver's parameter list.
-pub(crate) fn dyn_params<'p>(params: &'p [Param<'_>]) -> Vec<&'p (dyn ToSql + Sync)> {
-    params.iter().map(|p| p as &(dyn ToSql + Sync)).collect()
+pub(crate) fn dyn_params<'p>(params: &'p [Param<'_>]) -> DynParams<'p> {
+    DynParams::default().and(params)
+}
+
+/// The driver's parameter list, held on the stack: a statement of the crate
+/// takes at most [`MAX_PARAMS`] parameters (its text is checked when it is
+/// built), the session reset's arguments included, so a statement binds
+/// without allocating a list of references.
+pub(crate) struct DynParams<'p> {
+    refs: [&'p (dyn ToSql + Sync); MAX_PARAMS],
+    len: usize,
+}
+
+/// What fills the unused places; never bound.
+static UNUSED: Param<'static> = Param::OptText(None);
+
+impl Default for DynParams<'_> {
+    fn default() -> Self {
+        DynParams {
+            refs: [&UNUSED; MAX_PARAMS],
+            len: 0,
+        }
+    }
+}
+
+impl<'p> DynParams<'p> {
+    /// These and `params` after them. Past [`MAX_PARAMS`] the rest is left
+    /// out, and PostgreSQL refuses the statement for its missing parameters
+    /// (no statement of the crate has that many).
+    pub(crate) fn and(mut self, params: &'p [Param<'_>]) -> Self {
+        for param in params {
+            let Some(slot) = self.refs.get_mut(self.len) else {
+                debug_assert!(false, "more than MAX_PARAMS parameters");
+                break;
+            };
+            *slot = param;
+            self.len += 1;
+        }
+        self
+    }
+}
+
+impl<'p> std::ops::Deref for DynParams<'p> {
+    type Target = [&'p (dyn ToSql + Sync)];
+
+    fn deref(&self) -> &Self::Target {
+        &self.refs[..self.len]
+    }
 }
 
 crate::protocol::sql::columns!(Row);
@@ -164,4 +210,35 @@ fn typed<'p>(
         .zip(sql.types())
         .map(|(param, ty)| (*param, pg_type(*ty)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_parameter_list_holds_a_statement_and_the_reset_in_order() {
+        let statement: Vec<Param<'_>> = (0..MAX_PARAMS as i64 - 2).map(Param::Int8).collect();
+        let reset = [Param::OptText(Some("35s")), Param::OptText(None)];
+        let params = dyn_params(&statement).and(&reset);
+        assert_eq!(params.len(), MAX_PARAMS);
+        // Each place is the value given for it, bound as the driver binds it.
+        let bound = |p: &(dyn ToSql + Sync), ty: &Type| {
+            let mut out = bytes::BytesMut::new();
+            let null = p.to_sql_checked(ty, &mut out).expect("binds");
+            (matches!(null, IsNull::Yes), out.to_vec())
+        };
+        for (i, param) in params[..MAX_PARAMS - 2].iter().enumerate() {
+            assert_eq!(
+                bound(*param, &Type::INT8),
+                (false, (i as i64).to_be_bytes().to_vec())
+            );
+        }
+        assert_eq!(
+            bound(params[MAX_PARAMS - 2], &Type::TEXT),
+            (false, b"35s".to_vec())
+        );
+        assert_eq!(bound(params[MAX_PARAMS - 1], &Type::TEXT), (true, vec![]));
+        assert!(dyn_params(&[]).is_empty());
+    }
 }

@@ -53,7 +53,7 @@ impl Ty {
 }
 
 /// The most parameters a statement of the crate takes.
-const MAX_PARAMS: usize = 13;
+pub(crate) const MAX_PARAMS: usize = 13;
 
 /// A statement of the crate: its text, and the types of its parameters,
 /// read from the text itself, where each parameter is cast where it first
