@@ -7,7 +7,7 @@ use http::request::Parts;
 use serde_json::Value;
 
 use super::{
-    number::{canonical_number, refuse_inexact_numbers},
+    number::{canonical_number, integer_digits, refuse_inexact_numbers},
     strict::parse_value,
     validation_problem, Fingerprint, Fingerprinter,
 };
@@ -190,7 +190,10 @@ fn encode(value: &Value, out: &mut impl Out) {
         Value::Bool(false) => out.put(b"f"),
         Value::Number(n) => {
             out.put(b"#");
-            out.put(canonical_number(n).as_bytes());
+            match integer_digits(n) {
+                Some(digits) => out.put(digits.as_bytes()),
+                None => out.put(canonical_number(n).as_bytes()),
+            }
             out.put(b";");
         }
         Value::String(s) => encode_str(s, out),

@@ -284,7 +284,7 @@ where
         return Err(too_large(limit));
     }
     let mut body = std::pin::pin!(body);
-    let mut buffered = bytes::BytesMut::new();
+    let mut buffered = Buffered::Empty;
     let mut seen: u64 = 0;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|_| unreadable())?;
@@ -296,13 +296,79 @@ where
             break;
         }
         if seen <= limit as u64 {
-            buffered.extend_from_slice(&data);
+            buffered.push(data);
         }
     }
     if seen > limit as u64 {
         return Err(too_large(limit));
     }
-    Ok(buffered.freeze())
+    Ok(buffered.into_bytes())
+}
+
+/// A body read so far: a body of one frame is kept as the frame's own
+/// `Bytes` (no copy, no allocation), and only a second frame gathers them
+/// in one buffer. Whatever keeps request bytes beyond the request (the
+/// replay cache's byte-for-byte repeat) copies them into a buffer of its
+/// own, so a frame that is a view into a larger read buffer is held only
+/// while the request is.
+enum Buffered {
+    Empty,
+    One(Bytes),
+    Many(bytes::BytesMut),
+}
+
+impl Buffered {
+    fn push(&mut self, data: Bytes) {
+        if data.is_empty() {
+            return;
+        }
+        *self = match std::mem::replace(self, Buffered::Empty) {
+            Buffered::Empty => Buffered::One(data),
+            Buffered::One(first) => {
+                let mut many = bytes::BytesMut::with_capacity(first.len() + data.len());
+                many.extend_from_slice(&first);
+                many.extend_from_slice(&data);
+                Buffered::Many(many)
+            }
+            Buffered::Many(mut many) => {
+                many.extend_from_slice(&data);
+                Buffered::Many(many)
+            }
+        };
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Buffered::Empty => Bytes::new(),
+            Buffered::One(data) => data,
+            Buffered::Many(many) => many.freeze(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod buffered_tests {
+    use super::*;
+
+    #[test]
+    fn one_frame_is_kept_and_more_are_gathered_in_order() {
+        let frame = Bytes::from_static(b"{\"a\":1}");
+        let mut one = Buffered::Empty;
+        one.push(Bytes::new());
+        one.push(frame.clone());
+        one.push(Bytes::new());
+        let kept = one.into_bytes();
+        assert_eq!(kept, frame);
+        // The same memory: nothing was copied.
+        assert_eq!(kept.as_ptr(), frame.as_ptr());
+
+        let mut many = Buffered::Empty;
+        for part in [&b"ab"[..], b"", b"cd", b"e"] {
+            many.push(Bytes::copy_from_slice(part));
+        }
+        assert_eq!(many.into_bytes(), Bytes::from_static(b"abcde"));
+        assert!(Buffered::Empty.into_bytes().is_empty());
+    }
 }
 
 /// How far past the request body limit an over-long body is read and discarded.

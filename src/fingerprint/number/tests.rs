@@ -19,3 +19,32 @@ fn number_tokens_skip_strings() {
     let tokens: Vec<_> = number_tokens(body).collect();
     assert_eq!(tokens, [&b"1"[..], b"-2.5e3", b"0"]);
 }
+
+proptest::proptest! {
+    /// The digits written on the stack are what the canonical encoding
+    /// printed for every integer of 64 bits.
+    #[test]
+    fn integer_digits_are_the_printed_integer(i: i64, u: u64) {
+        for n in [serde_json::Number::from(i), serde_json::Number::from(u)] {
+            let digits = integer_digits(&n).expect("an integer of 64 bits");
+            let printed = canonical_number(&n);
+            proptest::prop_assert_eq!(digits.as_bytes(), printed.as_bytes());
+        }
+    }
+}
+
+#[test]
+fn integer_digits_at_the_limits() {
+    for (n, text) in [
+        (serde_json::Number::from(0), "0"),
+        (serde_json::Number::from(-1), "-1"),
+        (serde_json::Number::from(i64::MIN), "-9223372036854775808"),
+        (serde_json::Number::from(i64::MAX), "9223372036854775807"),
+        (serde_json::Number::from(u64::MAX), "18446744073709551615"),
+    ] {
+        assert_eq!(integer_digits(&n).unwrap().as_bytes(), text.as_bytes());
+    }
+    // A double is not an integer here, even an integral one: it keeps its
+    // own printing.
+    assert!(integer_digits(&serde_json::Number::from_f64(2.0).unwrap()).is_none());
+}
