@@ -190,7 +190,7 @@ fn encode(value: &Value, out: &mut impl Out) {
         Value::Bool(false) => out.put(b"f"),
         Value::Number(n) => {
             out.put(b"#");
-            match integer_digits(n) {
+            match integer_digits(n, &mut itoa::Buffer::new()) {
                 Some(digits) => out.put(digits.as_bytes()),
                 None => out.put(canonical_number(n).as_bytes()),
             }

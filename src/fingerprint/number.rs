@@ -183,46 +183,17 @@ pub(super) fn canonical_number(n: &serde_json::Number) -> String {
     }
 }
 
-/// The digits of an integer that fits 64 bits, written on the stack: what
-/// [`canonical_number`] prints for it, without allocating. `None` for
+/// The digits of an integer that fits 64 bits, written into `buffer`:
+/// what [`canonical_number`] prints for it, without allocating. `None` for
 /// every other number.
-pub(super) fn integer_digits(n: &serde_json::Number) -> Option<Digits> {
+pub(super) fn integer_digits<'b>(
+    n: &serde_json::Number,
+    buffer: &'b mut itoa::Buffer,
+) -> Option<&'b str> {
     if let Some(i) = n.as_i64() {
-        return Some(Digits::of(i < 0, i.unsigned_abs()));
+        return Some(buffer.format(i));
     }
-    n.as_u64().map(|u| Digits::of(false, u))
-}
-
-/// An integer's decimal digits, with its sign.
-pub(super) struct Digits {
-    buf: [u8; 21],
-    start: usize,
-}
-
-impl Digits {
-    fn of(negative: bool, mut magnitude: u64) -> Self {
-        let mut digits = Digits {
-            buf: [0; 21],
-            start: 21,
-        };
-        loop {
-            digits.start -= 1;
-            digits.buf[digits.start] = b'0' + (magnitude % 10) as u8;
-            magnitude /= 10;
-            if magnitude == 0 {
-                break;
-            }
-        }
-        if negative {
-            digits.start -= 1;
-            digits.buf[digits.start] = b'-';
-        }
-        digits
-    }
-
-    pub(super) fn as_bytes(&self) -> &[u8] {
-        &self.buf[self.start..]
-    }
+    n.as_u64().map(|u| buffer.format(u))
 }
 
 /// What a number's fingerprint encodes, before it is printed.
